@@ -1,0 +1,36 @@
+# Every target creates .venv and installs the project into it when needed.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+CONFIG  ?= configs/default.yaml
+NPROC   ?= 2
+RUN_DIR ?= runs/default
+
+.PHONY: install train test lint tensorboard bench bench-strategies doctor clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job: NPROC processes on this machine (gloo on CPU, nccl on GPU, chosen automatically).
+train: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check mtl tests train.py
+
+tensorboard: $(STAMP)
+	$(BIN)/tensorboard --logdir $(RUN_DIR)/tb --host 127.0.0.1
+
+doctor: $(STAMP)
+	$(BIN)/python -m mtl.doctor --config $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf runs .pytest_cache

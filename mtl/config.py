@@ -1,0 +1,278 @@
+"""The typed config schema and its loader.
+
+A run's config is one YAML file (which may name a ``base:`` file to build on) plus ``key=value``
+overrides from the command line. Every value is checked against the dataclasses below before
+anything starts: an unknown key or a wrong type is reported with the key and where it came from,
+and *all* such errors are reported together (``ConfigError``, exit code 2).
+
+Checks that need more than the schema (known names, ranges, combinations of options) live in
+``mtl.validate`` so that this module stays free of imports from the rest of the package.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mtl.errors import ConfigError
+
+
+@dataclass
+class SyntheticConfig:
+    """The built-in data set: procedurally drawn shapes, generated from the seed (no download)."""
+
+    train_size: int = 4000
+    val_size: int = 500
+    num_classes: int = 4  # shape kinds; the classification label
+    max_count: int = 3  # 1..max_count shapes per image; the caption says how many
+    noise: float = 0.05  # std of the Gaussian pixel noise (difficulty)
+    clutter: int = 0  # number of small distractor blobs per image (difficulty)
+    train_seed_offset: int = 0  # train split is drawn from seed + this
+    val_seed_offset: int = 1_000_003  # val split is drawn from seed + this (a different stream)
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic | manifest | imagefolder
+    batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
+    eval_batch_size: int = 64
+    num_workers: int = 0
+    image_size: int = 64
+    max_caption_tokens: int = 16  # tokens after BOS, EOS included; longer captions are cut
+    on_error: str = "raise"  # raise | skip
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # user data (source: manifest | imagefolder)
+    train_path: Optional[str] = None  # manifest .jsonl, or an ImageFolder root
+    val_path: Optional[str] = None
+    image_root: Optional[str] = None  # base for relative image paths; default: the manifest's folder
+    num_classes: Optional[int] = None  # user data: number of classes (default: inferred from train labels)
+
+
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = None  # a local tokenizer directory; null: train one from the training captions
+    vocab_size: int = 512  # when training one
+
+
+@dataclass
+class BackboneConfig:
+    name: str = "resnet18"  # any torchvision classification model of a supported family
+    weights: Optional[str] = None  # null | a torchvision weights name (e.g. IMAGENET1K_V1) | a local file
+    norm: str = "batch"  # batch | group | frozen | sync  (group/frozen/sync are rank-independent)
+    stages: int = 4  # ResNet/ConvNeXt: keep this many stages (fewer: smaller, higher-resolution map)
+
+
+@dataclass
+class DecoderConfig:
+    pretrained: Optional[str] = None  # a local GPT-2 directory (config + weights); null: build from the sizes below
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 4
+    dropout: float = 0.1
+    max_positions: int = 32
+
+
+@dataclass
+class ModelConfig:
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+
+
+@dataclass
+class DDPConfig:
+    strategy: str = "feature_leaf"  # see docs/strategies.md
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    find_unused_parameters: Optional[bool] = None  # null: what the strategy needs; set it only to override
+    static_graph: bool = False
+    bucket_cap_mb: int = 25
+    timeout_s: int = 600  # collective timeout: a failed rank makes the others exit within this
+    detach_owner: str = "cls"  # detach strategy: the task whose loss trains the backbone
+
+
+@dataclass
+class WeightingConfig:
+    method: str = "equal"
+    weights: Dict[str, float] = field(default_factory=dict)  # static: task name -> weight
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd (momentum 0.9; the parity tests use it, see docs/strategies.md)
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    scheduler: str = "cosine"  # cosine | linear | constant  (all with linear warmup, from transformers)
+    warmup_steps: int = 100
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000
+    log_every: int = 10
+    eval_every: int = 250  # and always at the end
+    eval_max_batches: int = 0  # 0: the whole val split
+    num_samples: int = 4  # greedy sample captions shown at each eval
+    num_beams: int = 1  # beam width for the eval captions (1: greedy)
+    max_bad_steps: int = 5  # stop after this many consecutive non-finite steps
+    progress: bool = True  # progress bar with ETA on rank 0
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500  # and always at the end; 0: only at the end
+    keep_last: int = 0  # 0: keep all
+
+
+@dataclass
+class Config:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    device: str = "auto"  # auto | cpu | cuda
+    resume: Optional[str] = None  # null | auto | a checkpoint directory
+    tasks: List[str] = field(default_factory=lambda: ["cls", "gen"])
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    weighting: WeightingConfig = field(default_factory=WeightingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _read_yaml(path: str, seen: tuple = ()) -> list[tuple[dict, str]]:
+    """Return [(mapping, source)] for ``path`` and its ``base:`` chain, base first."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist (pass an existing file with --config)")
+    real = os.path.realpath(path)
+    if real in seen:
+        raise ConfigError(f"config file {path!r}: 'base:' files form a cycle")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of keys, not a {type(data).__name__}")
+    chain = []
+    base = data.pop("base", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: 'base' must be a file name")
+        base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+        chain += _read_yaml(base_path, seen + (real,))
+    chain.append((data, path))
+    return chain
+
+
+def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
+    """``["a.b=1", "c=[x, y]"]`` -> nested dict; values are parsed as YAML (so ``null`` is None)."""
+    out: dict = {}
+    errors = []
+    for item in overrides:
+        if "=" not in item:
+            errors.append(f"command line: {item!r} is not of the form key=value")
+            continue
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                errors.append(f"command line: {key!r} sets a key inside a value")
+                break
+        else:
+            node[parts[-1]] = value
+    return out, errors
+
+
+def _schema_node(schema_type, path: list[str]):
+    """The dataclass type at ``path`` in the schema, or None if that path is a plain value."""
+    t = schema_type
+    for p in path:
+        if not is_dataclass(t):
+            return None
+        f = {f.name: f for f in fields(t)}.get(p)
+        if f is None:
+            return None
+        t = f.type if not isinstance(f.type, str) else _resolve(t, f.name)
+    return t if is_dataclass(t) else None
+
+
+def _resolve(owner, name):
+    # dataclass field types are strings under ``from __future__ import annotations``
+    import typing
+
+    return typing.get_type_hints(owner)[name]
+
+
+def _merge_into(cfg: DictConfig, data: dict, source: str, prefix: list[str], errors: list[str]) -> None:
+    for key, value in data.items():
+        path = prefix + [str(key)]
+        dotted = ".".join(path)
+        sub = _schema_node(Config, path)
+        if sub is not None and isinstance(value, dict):
+            _merge_into(cfg, value, source, path, errors)
+            continue
+        try:
+            OmegaConf.update(cfg, dotted, value, merge=False, force_add=False)
+        except OmegaConfBaseException as e:
+            errors.append(f"{source}: {dotted}: {_explain(e, dotted, value)}")
+
+
+def _explain(e: Exception, dotted: str, value: Any) -> str:
+    msg = str(e).split("\n")[0]
+    name = type(e).__name__
+    if name in ("ConfigAttributeError", "ConfigKeyError") or "not in struct" in msg or "Key '" in msg:
+        parent, _, leaf = dotted.rpartition(".")
+        known = _known_keys(parent.split(".") if parent else [])
+        hint = f" (known keys here: {', '.join(known)})" if known else ""
+        return f"unknown key {leaf!r}{hint}"
+    return f"bad value {value!r}: {msg}"
+
+
+def _known_keys(path: list[str]) -> list[str]:
+    node = _schema_node(Config, path) if path else Config
+    return [f.name for f in fields(node)] if node is not None else []
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
+    """Load ``path`` (and its base chain) and apply ``overrides``, checking keys and types only.
+
+    Raises ConfigError listing every problem. ``mtl.validate.load_run_config`` adds the semantic checks.
+    """
+    errors: list[str] = []
+    cfg = OmegaConf.structured(Config)
+    OmegaConf.set_struct(cfg, True)
+    for data, source in _read_yaml(path):
+        _merge_into(cfg, data, source, [], errors)
+    over, over_errors = parse_overrides(list(overrides or []))
+    errors += over_errors
+    _merge_into(cfg, over, "command line", [], errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,35 @@
+"""Data: the built-in synthetic shapes, user manifests/ImageFolders, the tokenizer and the loaders.
+
+Item format (every data set): ``{"image": float (3, S, S) in [0, 1], "label": int,
+"captions": list[str] (the one to train on first), "count": int (-1 if unknown), "index": int}``.
+"""
+
+from mtl.data.loader import (
+    CaptionCollate,
+    EpochDistributedSampler,
+    all_captions,
+    build_datasets,
+    build_eval_loader,
+    build_tokenizer,
+    build_train_loader,
+    set_epoch,
+)
+from mtl.data.manifest import ImageFolderCaptions, ManifestDataset
+from mtl.data.synthetic import SyntheticShapes
+from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
+
+__all__ = [
+    "CaptionCollate",
+    "CaptionTokenizer",
+    "EpochDistributedSampler",
+    "ImageFolderCaptions",
+    "ManifestDataset",
+    "SyntheticShapes",
+    "all_captions",
+    "build_datasets",
+    "build_eval_loader",
+    "build_tokenizer",
+    "build_train_loader",
+    "set_epoch",
+    "train_tokenizer",
+]

@@ -1,0 +1,220 @@
+"""Data sets from the config, the caption collate function and the DDP-aware data loaders."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
+from mtl.data.synthetic import SyntheticShapes
+from mtl.data.tokenizer import CaptionTokenizer
+from mtl.errors import ConfigError
+
+IGNORE_INDEX = -100  # target id that cross-entropy skips (torch's default ignore_index)
+SOURCES = ("synthetic", "manifest", "imagefolder")
+
+
+def build_datasets(cfg) -> tuple[Dataset, Dataset]:
+    """(train, val) data sets from the full config (``cfg.data`` and ``cfg.seed``)."""
+    d = cfg.data
+    if d.source == "synthetic":
+        s = d.synthetic
+
+        def split(size: int, offset: int) -> SyntheticShapes:
+            return SyntheticShapes(
+                size=size,
+                image_size=d.image_size,
+                num_classes=s.num_classes,
+                max_count=s.max_count,
+                noise=s.noise,
+                clutter=s.clutter,
+                seed=cfg.seed + offset,
+            )
+
+        return split(s.train_size, s.train_seed_offset), split(s.val_size, s.val_seed_offset)
+    if d.source not in SOURCES:
+        raise ConfigError(f"data.source={d.source!r}: must be one of {', '.join(SOURCES)}")
+    for key in ("train_path", "val_path"):
+        if not getattr(d, key, None):
+            raise ConfigError(
+                f"data.{key} is required for data.source={d.source} (set it to the {key[:-5]} split's path)"
+            )
+    if d.source == "manifest":
+        train = ManifestDataset(d.train_path, d.image_root, d.image_size, d.num_classes, d.on_error)
+        # val labels are checked against the train split's classes
+        val = ManifestDataset(d.val_path, d.image_root, d.image_size, train.num_classes, d.on_error)
+        return train, val
+    train = ImageFolderCaptions(d.train_path, image_size=d.image_size, on_error=d.on_error)
+    if d.num_classes is not None and d.num_classes != train.num_classes:
+        raise ConfigError(
+            f"data.num_classes={d.num_classes} but {d.train_path!r} has {train.num_classes} class folders "
+            "— remove data.num_classes or fix the folders"
+        )
+    val = ImageFolderCaptions(
+        d.val_path, image_size=d.image_size, on_error=d.on_error, class_names=train.class_names
+    )
+    return train, val
+
+
+def all_captions(ds: Dataset) -> list[str]:
+    """Every caption of ``ds`` (for training a tokenizer), without decoding images where possible."""
+    if isinstance(ds, SyntheticShapes):
+        return [ds.caption(i) for i in range(len(ds))]
+    if isinstance(ds, CaptionedImages):
+        return ds.all_captions()
+    return [c for i in range(len(ds)) for c in ds[i]["captions"]]
+
+
+class CaptionCollate:
+    """Items -> a batch dict; the caption used for ``input_ids`` is each item's ``captions[0]``.
+
+    ``input_ids`` = [BOS] tokens [EOS], padded with ``pad_id``; at most ``max_tokens`` ids follow
+    BOS, and a cut caption keeps its EOS (so the model still learns to stop). ``target_ids[t]`` is
+    ``input_ids[t + 1]``, and IGNORE_INDEX where there is no next token (at EOS and padding): the
+    model is fed ``input_ids`` and its loss is CE(logits[:, t], target_ids[:, t]).
+    """
+
+    def __init__(self, tokenizer: CaptionTokenizer, max_tokens: int):
+        if max_tokens < 1:
+            raise ConfigError(f"data.max_caption_tokens={max_tokens}: must be at least 1 (room for EOS)")
+        self.tokenizer = tokenizer
+        self.max_tokens = int(max_tokens)
+
+    def encode(self, caption: str) -> list[int]:
+        tok = self.tokenizer
+        ids = tok.encode(caption)[: self.max_tokens - 1]
+        return [tok.bos_id] + ids + [tok.eos_id]
+
+    def __call__(self, items: list[dict]) -> dict:
+        seqs = [self.encode(it["captions"][0]) for it in items]
+        b, t = len(seqs), max(len(s) for s in seqs)
+        input_ids = torch.full((b, t), self.tokenizer.pad_id, dtype=torch.long)
+        target_ids = torch.full((b, t), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((b, t), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            row = torch.tensor(s, dtype=torch.long)
+            input_ids[i, : len(s)] = row
+            target_ids[i, : len(s) - 1] = row[1:]
+            mask[i, : len(s)] = 1
+        return {
+            "image": torch.stack([it["image"] for it in items]),
+            "label": torch.tensor([it["label"] for it in items], dtype=torch.long),
+            "count": torch.tensor([it["count"] for it in items], dtype=torch.long),
+            "index": torch.tensor([it["index"] for it in items], dtype=torch.long),
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "target_ids": target_ids,
+            "references": [list(it["captions"]) for it in items],
+        }
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way into an epoch (exact resume).
+
+    ``set_start(n)`` skips this rank's first ``n`` indices of the current epoch's order without
+    loading them; the order itself still depends on seed and epoch only.
+    """
+
+    start = 0
+
+    def set_start(self, n: int) -> None:
+        self.start = max(0, int(n))
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+
+class EpochDistributedSampler(ResumableDistributedSampler):
+    """A resumable sampler that yields ``(index, epoch)``: the data set picks the epoch's caption.
+
+    Why not just ``dataset.set_epoch``: with persistent workers each worker keeps the copy of the
+    data set it was started with, so a later ``set_epoch`` in the main process never reaches it.
+    The sampler runs in the main process, so the epoch it sends along is always the current one.
+    ``set_epoch`` on this sampler is all a training loop has to call.
+    """
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.epoch
+        return ((i, epoch) for i in super().__iter__())
+
+
+def _loader_kwargs(num_workers: int, pin_memory: bool) -> dict:
+    return {
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "persistent_workers": num_workers > 0,
+    }
+
+
+def build_train_loader(
+    ds: Dataset,
+    collate: CaptionCollate,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Shuffled, equal-size batches on every rank (``drop_last`` in the sampler and the loader).
+
+    The sampler permutes all indices with a generator seeded by ``seed + epoch`` only, and rank r
+    takes permuted positions r, r+W, r+2W, ... So with W ranks of per-process batch B, rank r's
+    k-th batch is the positions k*W*B + r + W*j (j < B) of that permutation: the W rank batches k
+    together are exactly the permuted positions [k*W*B, (k+1)*W*B), which is the k-th batch of a
+    1-process run with batch W*B. Changing the number of GPUs (at a fixed global batch) therefore
+    changes nothing about which samples are seen together, which makes runs comparable and
+    resumable across world sizes. Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
+    """
+    # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
+    cls = EpochDistributedSampler if hasattr(ds, "set_epoch") else ResumableDistributedSampler
+    sampler = cls(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return DataLoader(
+        ds,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate,
+        drop_last=True,
+        **_loader_kwargs(num_workers, pin_memory),
+    )
+
+
+def build_eval_loader(
+    ds: Dataset,
+    collate: CaptionCollate,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """Rank r evaluates indices r, r+W, ... in order, with no padding: every sample counts once.
+
+    (DistributedSampler pads with repeated samples to even out the ranks, which would count some
+    twice in the metrics.) Ranks may therefore get one batch more or less than each other, so eval
+    code must reduce sums and counts, not per-rank means, and must not run a collective per batch.
+    """
+    return DataLoader(
+        ds,
+        batch_size=batch_size,
+        sampler=list(range(rank, len(ds), world_size)),
+        shuffle=False,
+        collate_fn=collate,
+        drop_last=False,
+        **_loader_kwargs(num_workers, pin_memory),
+    )
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Set the epoch on a train loader's sampler and its data set (for direct indexing too)."""
+    sampler: DistributedSampler | None = getattr(loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler):
+        sampler.set_epoch(epoch)
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)

@@ -1,0 +1,268 @@
+"""User data: a JSONL manifest, or an ImageFolder tree with a captions file.
+
+Both formats are read by one validator (``read_caption_lines``) that checks *every* line and
+*every* image (fully decoded) before training starts: a bad file found at step 40 000 on one
+rank would kill a multi-GPU job hours in; found here it costs seconds and the message says which
+file, which line and how to fix it. With ``on_error="skip"`` bad lines are dropped and counted
+instead, so one corrupt JPEG in a scraped set does not block a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from mtl.errors import DataError
+
+ON_ERROR = ("raise", "skip")
+_PIL_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+@dataclass
+class Record:
+    """One validated line: an absolute image path, its label and its captions (never empty)."""
+
+    image: str
+    label: int
+    captions: list[str]
+    line: int
+
+
+class LineError(Exception):
+    """A problem with one line; ``read_caption_lines`` adds the file and line number."""
+
+    def __init__(self, message: str, fix: str = "fix the line"):
+        super().__init__(message)
+        self.fix = fix
+
+
+# A label function gets the parsed line and its (relative) image path and returns the label,
+# raising LineError when it cannot.
+LabelFn = Callable[[dict, str], int]
+
+
+def _captions_of(obj: dict) -> list[str]:
+    if "captions" in obj:
+        caps = obj["captions"]
+        if not isinstance(caps, list) or not caps:
+            raise LineError("'captions' must be a non-empty list of strings")
+    elif "caption" in obj:
+        caps = [obj["caption"]]
+    else:
+        raise LineError("no 'caption' (a string) or 'captions' (a list of strings)")
+    out = []
+    for c in caps:
+        if not isinstance(c, str):
+            raise LineError(f"caption {c!r} is not a string")
+        if not c.strip():
+            raise LineError("empty caption")
+        out.append(c.strip())
+    return out
+
+
+def _check_image(path: str, rel: str, root: str) -> None:
+    if not os.path.isfile(path):
+        raise LineError(f"image {rel!r} not found under {root!r}", fix="fix the path")
+    try:
+        with Image.open(path) as img:
+            img.load()  # decode every pixel: a truncated file only fails here
+    except _PIL_ERRORS as e:
+        raise LineError(f"image {rel!r} ({path}) cannot be decoded: {e}", fix="replace the file") from None
+
+
+def _parse_line(text: str, number: int, image_root: str, label_fn: LabelFn) -> Record:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LineError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise LineError(f"expected a JSON object, got {type(obj).__name__}")
+    rel = obj.get("image")
+    if not isinstance(rel, str) or not rel.strip():
+        raise LineError("no 'image' key (the image path, a string)")
+    captions = _captions_of(obj)
+    label = label_fn(obj, rel)
+    path = rel if os.path.isabs(rel) else os.path.join(image_root, rel)
+    _check_image(path, rel, image_root)
+    return Record(image=path, label=label, captions=captions, line=number)
+
+
+def read_caption_lines(
+    path: str, image_root: str, label_fn: LabelFn, on_error: str, kind: str = "manifest"
+) -> tuple[list[Record], list[str]]:
+    """Validate every line of the JSONL file ``path``; return (good records, skip reasons).
+
+    Blank lines are ignored. With ``on_error="raise"`` the first bad line raises DataError; with
+    ``"skip"`` bad lines are left out and their reasons returned. No good line at all is always an
+    error, since there would be nothing to train on.
+    """
+    if on_error not in ON_ERROR:
+        raise DataError(f"data.on_error={on_error!r}: must be one of {', '.join(ON_ERROR)}")
+    if not os.path.isfile(path):
+        raise DataError(f"{kind} {path!r} not found — set the data path to an existing .jsonl file")
+    image_root = os.path.abspath(image_root)
+    records, reasons = [], []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{kind} {path!r} cannot be read as UTF-8 text: {e}") from None
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            records.append(_parse_line(text, number, image_root, label_fn))
+        except LineError as e:
+            where = f"{kind} {path} line {number}: {e}"
+            if on_error == "raise":
+                raise DataError(f"{where} — {e.fix} or set data.on_error=skip") from None
+            reasons.append(where)
+    if not records:
+        detail = f"; first problems: {'; '.join(reasons[:3])}" if reasons else ""
+        raise DataError(f"{kind} {path!r} has no usable lines ({len(reasons)} bad){detail}")
+    return records, reasons
+
+
+def load_image(path: str, image_size: int, where: str = "") -> torch.Tensor:
+    """RGB, resized to a square (bilinear), float (3, S, S) in [0, 1]."""
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
+    except _PIL_ERRORS as e:
+        raise DataError(
+            f"image {path!r}{where} could not be read at load time ({e}); it changed after validation "
+            "— restore the file or drop its line"
+        ) from None
+    arr = np.asarray(img, dtype=np.uint8).copy()
+    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
+
+
+class CaptionedImages(Dataset):
+    """Validated records served as items; what the manifest and ImageFolder sets have in common.
+
+    Which caption comes first is ``captions[(epoch + index) % n]``: a pure function of epoch and
+    index, so a resumed run trains on exactly the captions the original run would have used.
+    """
+
+    def __init__(self, records: list[Record], reasons: list[str], image_size: int, source: str):
+        self.records = records
+        self.skipped = len(reasons)
+        self.skip_reasons = reasons
+        self.image_size = int(image_size)
+        self.source = source
+        self.epoch = 0
+        self.class_names: list[str] = []
+        self.num_classes = 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def all_captions(self) -> list[str]:
+        return [c for r in self.records for c in r.captions]
+
+    def __getitem__(self, key) -> dict:
+        # the train sampler passes (index, epoch) so the choice survives persistent workers
+        index, epoch = key if isinstance(key, tuple) else (key, self.epoch)
+        index = int(index)
+        rec = self.records[index]
+        where = f" ({self.source} line {rec.line})"
+        caps = rec.captions
+        first = (int(epoch) + index) % len(caps)
+        return {
+            "image": load_image(rec.image, self.image_size, where),
+            "label": rec.label,
+            "captions": [caps[first]] + caps[:first] + caps[first + 1 :],
+            "count": -1,
+            "index": index,
+        }
+
+
+def _int_label(obj: dict, rel: str) -> int:
+    label = obj.get("label")
+    if label is None:
+        raise LineError("no 'label' (an integer class index)")
+    if isinstance(label, bool) or not isinstance(label, int):
+        raise LineError(f"label {label!r} is not an integer")
+    if label < 0:
+        raise LineError(f"label {label} is negative")
+    return label
+
+
+class ManifestDataset(CaptionedImages):
+    """A JSONL manifest: ``{"image": "a/b.jpg", "label": 3, "caption": "..."}`` per line
+    (or ``"captions": [...]``). Relative paths resolve against ``image_root`` (default: the
+    manifest's folder). ``num_classes`` None: inferred as the largest label + 1."""
+
+    def __init__(
+        self,
+        path: str,
+        image_root: str | None = None,
+        image_size: int = 64,
+        num_classes: int | None = None,
+        on_error: str = "raise",
+    ):
+        def label_fn(obj: dict, rel: str) -> int:
+            label = _int_label(obj, rel)
+            if num_classes is not None and label >= num_classes:
+                raise LineError(f"label {label} is outside [0, {num_classes}) (num_classes={num_classes})")
+            return label
+
+        root = image_root if image_root is not None else os.path.dirname(os.path.abspath(path))
+        records, reasons = read_caption_lines(path, root, label_fn, on_error)
+        super().__init__(records, reasons, image_size, f"manifest {path}")
+        self.path = path
+        self.num_classes = num_classes if num_classes is not None else max(r.label for r in records) + 1
+        self.class_names = [str(i) for i in range(self.num_classes)]
+
+
+class ImageFolderCaptions(CaptionedImages):
+    """The torchvision ImageFolder layout ``root/<class>/<image>`` plus a captions JSONL file
+    (default ``root/captions.jsonl``) with ``{"image": "<class>/<file>", "caption": ...}`` lines.
+
+    The label is the index of the class folder among the sorted folder names (or among
+    ``class_names`` when given, so a val split uses the train split's classes). Only images listed
+    in the captions file are used: the captioning task needs a caption for every image.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        captions_file: str | None = None,
+        image_size: int = 64,
+        on_error: str = "raise",
+        class_names: list[str] | None = None,
+    ):
+        if not os.path.isdir(root):
+            raise DataError(f"image folder {root!r} not found — set the data path to an existing folder")
+        if class_names is None:
+            class_names = sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name[0] != ".")
+            if not class_names:
+                raise DataError(f"image folder {root!r} has no class folders (expected root/<class>/<image>)")
+        index = {name: i for i, name in enumerate(class_names)}
+
+        def label_fn(obj: dict, rel: str) -> int:
+            parts = rel.replace("\\", "/").split("/")
+            if len(parts) < 2 or parts[0] not in index:
+                raise LineError(
+                    f"image {rel!r} is not inside a class folder of {root!r} "
+                    f"(classes: {', '.join(class_names)})",
+                    fix="move the image into a class folder",
+                )
+            return index[parts[0]]
+
+        captions_file = captions_file or os.path.join(root, "captions.jsonl")
+        records, reasons = read_caption_lines(captions_file, root, label_fn, on_error, kind="captions file")
+        super().__init__(records, reasons, image_size, f"captions file {captions_file}")
+        self.root = root
+        self.class_names = list(class_names)
+        self.num_classes = len(class_names)

@@ -1,0 +1,145 @@
+"""The caption tokenizer: a thin wrapper over a ``tokenizers.Tokenizer``.
+
+Why a wrapper: the captioning head needs exactly four things from a tokenizer (ids for text, text
+for ids, and the pad/bos/eos ids), whether the tokenizer was trained here on the training captions
+(a small word-level vocabulary, the default) or is a local GPT-2 style directory from HuggingFace.
+Hiding the special-token naming differences here keeps the model and trainer independent of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+from mtl.errors import DataError
+
+PAD, BOS, EOS, UNK = "[PAD]", "[BOS]", "[EOS]", "[UNK]"
+SPECIALS = [PAD, BOS, EOS, UNK]  # in this order, so [PAD] is id 0
+
+# Names other tokenizers use for the same roles; the first one present wins.
+_CANDIDATES = {
+    "pad": [PAD, "<pad>", "<|pad|>", "<|padding|>"],
+    "bos": [BOS, "<s>", "<bos>", "<|startoftext|>", "<|begin_of_text|>", "[CLS]", "<|endoftext|>"],
+    "eos": [EOS, "</s>", "<eos>", "<|endoftext|>", "<|end_of_text|>", "[SEP]"],
+    "unk": [UNK, "<unk>", "<|unk|>"],
+}
+
+FILE_NAME = "tokenizer.json"
+
+
+def _configured_names(directory: str) -> dict:
+    """Special-token names from a HuggingFace ``tokenizer_config.json``, if there is one."""
+    out = {}
+    path = os.path.join(directory, "tokenizer_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            conf = json.load(f)
+    except (OSError, ValueError):
+        return out
+    for role in _CANDIDATES:
+        value = conf.get(f"{role}_token") if isinstance(conf, dict) else None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[role] = value
+    return out
+
+
+class CaptionTokenizer:
+    """Text <-> ids for captions, with the special ids the captioning head needs."""
+
+    def __init__(self, tokenizer: Tokenizer, names: dict | None = None, source: str = "<memory>"):
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        self._tok = tokenizer
+        ids = {}
+        for role, candidates in _CANDIDATES.items():
+            for name in ([names[role]] if names and role in names else []) + candidates:
+                tid = tokenizer.token_to_id(name)
+                if tid is not None:
+                    ids[role] = tid
+                    break
+        # GPT-2 style: one <|endoftext|> serves as BOS and EOS; no pad token: pad with EOS
+        ids.setdefault("bos", ids.get("eos"))
+        ids.setdefault("eos", ids.get("bos"))
+        if ids["bos"] is None:
+            raise DataError(
+                f"tokenizer {source}: no BOS or EOS token found (looked for {', '.join(_CANDIDATES['eos'])}) "
+                "— use a tokenizer with one, or set tokenizer.path=null to train one on the captions"
+            )
+        ids.setdefault("pad", ids["eos"])
+        self.pad_id: int = ids["pad"]
+        self.bos_id: int = ids["bos"]
+        self.eos_id: int = ids["eos"]
+        self.unk_id: int | None = ids.get("unk")  # byte-level BPE has none: nothing is unknown
+        self._word_level = isinstance(tokenizer.model, models.WordLevel)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without any special tokens."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special tokens are dropped and words joined by single spaces."""
+        text = self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        return " ".join(text.split())
+
+    def normalize(self, text: str) -> str:
+        """What ``decode(encode(text))`` gives when every word is known (for comparing captions)."""
+        norm = self._tok.normalizer
+        text = norm.normalize_str(text) if norm is not None else text
+        pre = self._tok.pre_tokenizer
+        if self._word_level and pre is not None:
+            return " ".join(word for word, _ in pre.pre_tokenize_str(text))
+        return " ".join(text.split())
+
+    def save(self, directory: str) -> str:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, FILE_NAME)
+        self._tok.save(path)
+        return path
+
+    @classmethod
+    def load(cls, directory: str) -> CaptionTokenizer:
+        path = os.path.join(directory, FILE_NAME)
+        if not os.path.isfile(path):
+            raise DataError(
+                f"tokenizer file {path!r} not found — point tokenizer.path at a directory holding "
+                f"{FILE_NAME}, or set tokenizer.path=null to train one on the captions"
+            )
+        try:
+            tok = Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception for bad files
+            raise DataError(f"tokenizer file {path!r} is not a valid tokenizers JSON file: {e}") from None
+        return cls(tok, _configured_names(directory), source=repr(path))
+
+
+def train_tokenizer(captions: Iterable[str], vocab_size: int) -> CaptionTokenizer:
+    """A word-level tokenizer (lower case; words and punctuation marks are tokens) on ``captions``.
+
+    Word-level, not BPE: captions use a small closed vocabulary, and whole words make the
+    generated text and its metrics easy to read. Words beyond ``vocab_size`` become [UNK].
+    """
+    if vocab_size < len(SPECIALS) + 1:
+        raise DataError(f"tokenizer.vocab_size={vocab_size}: must be at least {len(SPECIALS) + 1}")
+    tok = Tokenizer(models.WordLevel(unk_token=UNK))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIALS)
+    seen = [0]
+
+    def counted():
+        for c in captions:
+            seen[0] += 1
+            yield c
+
+    tok.train_from_iterator(counted(), trainer=trainer)
+    if seen[0] == 0:
+        raise DataError("cannot train a tokenizer: there are no training captions")
+    return CaptionTokenizer(tok)

@@ -1,0 +1,103 @@
+"""The process group, from torchrun's environment; plain ``python train.py`` runs as one process.
+
+Backend ``auto`` is nccl when the run uses CUDA and gloo on the CPU. gloo has no ReduceOp.AVG, so
+averages here are a sum and a division.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mtl.errors import ConfigError
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def pick_device(cfg_device: str, local_rank: int) -> torch.device:
+    if cfg_device == "cuda" or (cfg_device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("device: cuda was asked for but no CUDA device is visible; set device=cpu or auto")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg) -> DistInfo:
+    """Start the process group when launched by torchrun (RANK and WORLD_SIZE set)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(cfg.device, local_rank)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return DistInfo(device=device)
+    backend = cfg.ddp.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("ddp.backend: nccl needs CUDA devices; use ddp.backend=gloo (or auto) on the CPU")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
+                    device=device, backend=backend)
+
+
+def destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        return all_reduce_sum(t) / dist.get_world_size()
+    return t
+
+
+def all_gather_objects(obj) -> list:
+    if dist.is_available() and dist.is_initialized():
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def broadcast_object(obj, src: int = 0):
+    if dist.is_available() and dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+    return obj
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,79 @@
+"""Run logs, written by rank 0 only: ``metrics.jsonl``, TensorBoard under ``tb/``, and the console."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+
+class RunLogger:
+    def __init__(self, output_dir: str, enabled: bool, max_steps: int, progress: bool, start_step: int = 0):
+        self.enabled = enabled
+        self.output_dir = output_dir
+        self._tb = None
+        self._bar = None
+        self._jsonl = None
+        if not enabled:
+            return
+        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(os.path.join(output_dir, "tb"))
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr, mininterval=1.0)
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def record(self, step: int, values: dict, kind: str = "train") -> None:
+        """One line in metrics.jsonl and one scalar per numeric value in TensorBoard."""
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+        line = {"step": step, "kind": kind, "time": round(time.time(), 3), **clean}
+        self._jsonl.write(json.dumps(line) + "\n")
+        self._jsonl.flush()
+        prefix = "" if kind == "train" else f"{kind}/"
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(prefix + k, v, step)
+
+    def progress(self, step: int, postfix: dict) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=True)
+
+    def image(self, tag: str, image, step: int) -> None:
+        if self.enabled:
+            self._tb.add_image(tag, image, step)
+
+    def figure(self, tag: str, figure, step: int) -> None:
+        if self.enabled:
+            self._tb.add_figure(tag, figure, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        if self.enabled:
+            self._tb.add_text(tag, text, step)
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        if self.enabled:
+            self._tb.add_hparams(hparams, metrics, run_name=".")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

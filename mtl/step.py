@@ -1,0 +1,55 @@
+"""One optimizer step: the strategy's backward passes, then clip, step, schedule, zero.
+
+This is the function to read first. The strategy (mtl/strategies/) runs one backward pass per task
+and leaves the rank-averaged gradient of the weighted objective in ``.grad``; everything after that
+is the same for every strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from mtl.dist import all_reduce_mean, all_reduce_sum
+from mtl.strategies import StepInputs
+
+
+@dataclass
+class StepResult:
+    losses: dict  # task -> loss averaged over ranks
+    grad_norm: float  # global norm of the (unscaled, unclipped) gradient
+    stepped: bool  # False: skipped (non-finite, or an fp16 overflow)
+    nonfinite: bool  # a NaN/inf loss or gradient (not an fp16 overflow)
+    stats: dict = field(default_factory=dict)
+
+
+def train_step(run, batch: dict) -> StepResult:
+    """``run`` holds model, strategy, weighting, optimizer, scheduler, amp, tasks (see Trainer)."""
+    run.weighting.begin_step(run.step)
+    for head in run.heads.values():
+        head.prepare(batch, all_reduce_sum)  # e.g. the global caption-token count
+
+    losses, stats = run.strategy.forward_backward(StepInputs(
+        model=run.model, batch=batch, tasks=run.tasks, weigh=run.weighting.weigh, scale=run.amp.scale))
+
+    run.amp.unscale_(run.optimizer)
+    grads = [p.grad for p in run.params if p.grad is not None]
+    # DDP has already averaged the gradients, so this norm is the same on every rank: a NaN or inf
+    # anywhere (any task, any rank) makes every rank skip the step together.
+    grad_norm = torch.nn.utils.get_total_norm(grads)
+    loss_avg = all_reduce_mean(torch.stack([losses[t].float() for t in run.tasks]))
+    grad_finite, loss_finite = bool(torch.isfinite(grad_norm)), bool(torch.isfinite(loss_avg).all())
+    if grad_finite and run.cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(run.params, run.cfg.optim.grad_clip, grad_norm)
+    stepped, nonfinite = run.amp.step(run.optimizer, loss_finite, grad_finite)
+    if stepped:
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=False)  # keeps DDP's bucket views (gradient_as_bucket_view)
+    loss_values = dict(zip(run.tasks, loss_avg.tolist()))
+    if stepped:
+        run.weighting.end_step(loss_values)
+    gn = float(grad_norm)
+    return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=stepped,
+                      nonfinite=nonfinite, stats=stats)

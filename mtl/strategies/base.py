@@ -1,0 +1,91 @@
+"""What a step strategy is: how the model is wrapped in DDP and how a step's backward passes run.
+
+A strategy is one file in ``mtl/strategies/`` defining a ``Strategy`` subclass with a ``name``.
+``forward_backward`` runs the forward pass(es) and one backward pass per task (``combined`` runs
+one in all) and leaves the rank-averaged gradient of the weighted objective in ``.grad``. The
+trainer then clips, steps the optimizer and zeroes the gradients; strategies never do.
+
+The class attributes are the strategy's cost per optimizer step. ``tests/test_strategies_ddp.py``
+asserts ``allreduces`` with a counting comm hook, and ``mtl.doctor`` prints all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass
+class StepInputs:
+    model: torch.nn.Module  # DDP-wrapped when distributed, else the bare MultiTaskModel
+    batch: dict
+    tasks: list
+    weigh: Callable[[str, torch.Tensor], torch.Tensor]  # the weighting method's per-task term
+    scale: Callable[[torch.Tensor], torch.Tensor]  # AMP loss scaling (identity unless fp16)
+
+
+class Strategy:
+    name: str = ""
+    summary: str = ""
+    find_unused_parameters: bool = False  # what DDP must be built with
+    shared_forward: bool = True  # one backbone forward per step (vs one per task)
+    forwards: int = 1  # backbone forwards per step
+    backbone_backwards: int = 1
+    allreduces: int = 1  # reductions of every gradient bucket per step
+    changes_objective: bool = False
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        """Refuse DDP flags and options that are known to fail or desync with this strategy."""
+        errors = []
+        fu = cfg.ddp.find_unused_parameters
+        if fu is not None and fu != cls.find_unused_parameters and not cls.tolerates_find_unused(fu):
+            errors.append(cls.find_unused_reason(fu))
+        if cfg.ddp.static_graph and cls.name != "combined":
+            errors.append(
+                f"ddp.static_graph: true cannot be used with ddp.strategy={cls.name}: static_graph does not support "
+                "several backward passes per step (and with no_sync it has silently stopped syncing). Set "
+                "ddp.static_graph=false, or ddp.strategy=combined"
+            )
+        return errors
+
+    @classmethod
+    def tolerates_find_unused(cls, value: bool) -> bool:
+        return False
+
+    @classmethod
+    def find_unused_reason(cls, value: bool) -> str:
+        return (f"ddp.find_unused_parameters: {str(value).lower()} does not work with ddp.strategy={cls.name}, "
+                f"which needs {str(cls.find_unused_parameters).lower()}; remove the key to use the strategy's own setting")
+
+    def ddp_kwargs(self) -> dict:
+        fu = self.cfg.ddp.find_unused_parameters
+        return {
+            "find_unused_parameters": self.find_unused_parameters if fu is None else bool(fu),
+            "static_graph": bool(self.cfg.ddp.static_graph),
+            "gradient_as_bucket_view": True,
+            "bucket_cap_mb": self.cfg.ddp.bucket_cap_mb,
+        }
+
+    def forward_backward(self, step: StepInputs) -> tuple[dict, dict]:
+        """Run the step's forward and backward passes.
+
+        Returns (detached per-task losses, extra statistics to log).
+        """
+        raise NotImplementedError
+
+
+def no_sync(model: torch.nn.Module):
+    """``model.no_sync()`` under DDP; nothing in a single process."""
+    return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+
+def detached(losses: dict) -> dict:
+    return {k: v.detach() for k, v in losses.items()}

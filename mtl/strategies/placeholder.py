@@ -1,0 +1,65 @@
+"""``placeholder``: per-task forward and backward, plus a zero-valued term over the unreached parameters.
+
+The seed articles' "virtual gradient injection". Each task's forward runs only its own head; its
+loss gets ``0 * sum(p[0])`` over exactly the parameters that task's graph does not reach, so every
+parameter receives a (zero) gradient in every backward pass and DDP, built with
+find_unused_parameters=False, completes a reduction per pass. The unreached set is found once per
+task by walking the autograd graph of its first loss, not listed by hand. Cost: like
+``find_unused`` (two forwards, two backbone backwards, two all-reduces) without the per-forward
+graph walk.
+"""
+
+import torch
+
+from mtl.strategies.base import Strategy
+
+
+def reached_parameters(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors whose gradient ``loss.backward()`` would accumulate."""
+    seen, reached, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return reached
+
+
+class Placeholder(Strategy):
+    name = "placeholder"
+    summary = "per-task forward+backward, zero term over unreached params, find_unused_parameters=False"
+    shared_forward = False
+    forwards = 2
+    backbone_backwards = 2
+    allreduces = 2
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self._unreached: dict[str, list[torch.nn.Parameter]] = {}
+
+    @classmethod
+    def tolerates_find_unused(cls, value):
+        return True  # correct either way; True only adds the graph walk the placeholder makes unnecessary
+
+    def forward_backward(self, s):
+        params = [p for p in s.model.parameters() if p.requires_grad]
+        losses = {}
+        for t in s.tasks:
+            loss = s.model(s.batch, tasks=[t])["losses"][t]
+            if t not in self._unreached:
+                reached = reached_parameters(loss)
+                self._unreached[t] = [p for p in params if id(p) not in reached]
+            term = s.weigh(t, loss)
+            if self._unreached[t]:
+                term = term + 0.0 * sum(p.view(-1)[0] for p in self._unreached[t])
+            s.scale(term).backward()
+            losses[t] = loss.detach()
+        return losses, {}
+
+    def unreached_names(self, model: torch.nn.Module) -> dict[str, list[str]]:
+        names = {id(p): n for n, p in model.named_parameters()}
+        return {t: [names[id(p)] for p in ps] for t, ps in self._unreached.items()}

@@ -1,0 +1,38 @@
+"""Image classification on the pooled features: cross-entropy, top-1 accuracy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtl.tasks.base import BuildInfo, TaskHead
+
+
+class ClassificationHead(TaskHead):
+    name = "cls"
+
+    def __init__(self, info: BuildInfo):
+        super().__init__()
+        self.fc = nn.Linear(info.feature_channels, info.num_classes)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc(features.mean(dim=(2, 3)))
+
+    def forward(self, features, batch):
+        # A mean over the local batch: every rank holds the same number of samples (drop_last), so
+        # DDP's average over ranks is the mean over the global batch.
+        return F.cross_entropy(self.logits(features).float(), batch["label"])
+
+    @torch.no_grad()
+    def eval_batch(self, features, batch):
+        logits = self.logits(features).float()
+        return {
+            "correct": int((logits.argmax(-1) == batch["label"]).sum()),
+            "count": int(batch["label"].numel()),
+            "loss_sum": float(F.cross_entropy(logits, batch["label"], reduction="sum")),
+        }
+
+    def eval_reduce(self, parts):
+        n = max(1, sum(p["count"] for p in parts))
+        return {"acc": sum(p["correct"] for p in parts) / n, "loss": sum(p["loss_sum"] for p in parts) / n}

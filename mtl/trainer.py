@@ -1,0 +1,244 @@
+"""The training loop: build the run, then step, log, evaluate and checkpoint until ``max_steps``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import time
+
+import numpy as np
+import torch
+
+from mtl import checkpoint as ckpt
+from mtl.amp import Amp
+from mtl.build import (build_model, build_optimizer, build_scheduler, build_strategy, build_tokenizer,
+                       build_weighting, wrap_ddp)
+from mtl.config import to_yaml
+from mtl.data.loader import (CaptionCollate, all_captions, build_datasets, build_eval_loader,
+                             build_train_loader, set_epoch)
+from mtl.dist import DistInfo, barrier
+from mtl.errors import CheckpointError, ConfigError, TrainingError
+from mtl.evaluate import evaluate, to_device
+from mtl.logger import RunLogger
+from mtl.step import train_step
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS of this process
+
+
+class Trainer:
+    def __init__(self, cfg, dist: DistInfo):
+        self.cfg, self.dist = cfg, dist
+        self.device = dist.device
+        self.tasks = list(cfg.tasks)
+        resume_path = self._prepare_output_dir()
+        seed_everything(cfg.seed)
+
+        self.train_ds, self.val_ds = build_datasets(cfg)
+        self.tokenizer = build_tokenizer(cfg, lambda: all_captions(self.train_ds), dist)
+        self.bare = build_model(cfg, self.train_ds.num_classes, self.train_ds.class_names, self.tokenizer)
+        self.bare.to(self.device)
+        self.heads = dict(self.bare.heads.items())
+        self.strategy = build_strategy(cfg)
+        self.weighting = build_weighting(cfg).to(self.device)
+        self.amp = Amp(cfg.precision, self.device)
+        self.bare.autocast_dtype = self.amp.dtype
+        self.model = wrap_ddp(self.bare, self.strategy, dist)
+        self.params = [p for p in self.bare.parameters() if p.requires_grad] + list(self.weighting.parameters())
+        self.optimizer = build_optimizer(cfg, self.bare, self.weighting)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+
+        pin = self.device.type == "cuda"
+        collate = CaptionCollate(self.tokenizer, cfg.data.max_caption_tokens)
+        self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
+                                               dist.world_size, cfg.seed, cfg.data.num_workers, pin)
+        self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
+                                            dist.world_size, cfg.data.num_workers, pin)
+        self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
+        self.bad_steps = 0
+        self.last_eval: dict = {}
+        if resume_path:
+            self._load(resume_path)
+        self.log = RunLogger(cfg.output_dir, dist.is_main, cfg.trainer.max_steps, cfg.trainer.progress, self.step)
+        self.log.info(f"mtl: {dist.world_size} process(es) on {self.device} ({dist.backend or 'no process group'}), "
+                      f"strategy={cfg.ddp.strategy}, weighting={cfg.weighting.method}, precision={cfg.precision}, "
+                      f"global batch={cfg.data.batch_size * dist.world_size} "
+                      f"({cfg.data.batch_size} per process), {sum(p.numel() for p in self.params):,} parameters")
+
+    # ------------------------------------------------------------------ set-up
+
+    def _prepare_output_dir(self) -> str | None:
+        """Decide what to resume from, refusing to write over another run's checkpoints."""
+        cfg = self.cfg
+        existing = ckpt.latest_checkpoint(cfg.output_dir)
+        path = None
+        if cfg.resume is None and existing:
+            raise ConfigError(
+                f"output_dir: {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing)}) of another "
+                "run. Set resume=auto to continue it, or choose another output_dir")
+        if cfg.resume == "auto":
+            path = existing
+        elif cfg.resume:
+            path = cfg.resume
+        if self.dist.is_main:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            with open(os.path.join(cfg.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
+                f.write(to_yaml(cfg))
+            print(("resolved config:\n" + to_yaml(cfg)).rstrip(), flush=True)
+            if cfg.resume == "auto":
+                print(f"resume=auto: {'resuming from ' + path if path else 'no checkpoint yet, starting fresh'}",
+                      flush=True)
+        barrier()
+        return path
+
+    def _load(self, path: str) -> None:
+        state, rng = ckpt.load_checkpoint(path, self.bare, self.dist.rank)
+        saved_world = state.get("world_size")
+        if saved_world is not None and saved_world != self.dist.world_size:
+            raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} processes, this run has "
+                                  f"{self.dist.world_size}; resume with the same world size")
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.amp.load_state_dict(state["scaler"])
+            self.weighting.load_state_dict(state["weighting"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {path!r} does not fit this run's optimizer/weighting: {e}") from None
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        if rng is not None:
+            ckpt.set_rng_state(rng)
+
+    def trainer_state(self) -> dict:
+        return {
+            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "world_size": self.dist.world_size, "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.amp.state_dict(),
+            "weighting": self.weighting.state_dict(),
+        }
+
+    def save(self) -> str:
+        path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.bare, self.trainer_state(), to_yaml(self.cfg),
+                                    self.dist.rank, self.cfg.checkpoint.keep_last)
+        self.log.info(f"step {self.step}: checkpoint {path}")
+        return path
+
+    # ------------------------------------------------------------------ loop
+
+    def batches(self):
+        """(epoch, index in epoch, batch), starting where a resumed run left off."""
+        while True:
+            set_epoch(self.train_loader, self.epoch)
+            skip = self.batch_in_epoch
+            self.train_loader.sampler.set_start(skip * self.cfg.data.batch_size)
+            for i, batch in enumerate(self.train_loader, start=skip):
+                yield i, batch
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    def train(self) -> dict:
+        cfg, t = self.cfg, self.cfg.trainer
+        start = time.perf_counter()
+        self.bare.train()
+        if self.step >= t.max_steps:
+            self.log.info(f"nothing to do: step {self.step} >= trainer.max_steps {t.max_steps}")
+        batches = self.batches()
+        while self.step < t.max_steps:
+            i, batch = next(batches)
+            tic = time.perf_counter()
+            result = train_step(self, to_device(batch, self.device))
+            self.step += 1
+            self.batch_in_epoch = i + 1
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self._after_step(result, time.perf_counter() - tic)
+            if self.step % t.eval_every == 0 and self.step < t.max_steps:
+                self.run_eval()
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps:
+                self.save()
+        final = self.run_eval()
+        self.save()
+        wall = time.perf_counter() - start
+        self._finish(final, wall)
+        return final
+
+    def _after_step(self, r, seconds: float) -> None:
+        t = self.cfg.trainer
+        if r.nonfinite:
+            self.bad_steps += 1
+            bad = [k for k, v in r.losses.items() if not np.isfinite(v)] or ["gradient"]
+            self.log.record(self.step, {"bad_step": 1, "nonfinite": ",".join(bad), "consecutive": self.bad_steps},
+                            kind="bad_step")
+            self.log.info(f"step {self.step}: non-finite {', '.join(bad)}; optimizer step skipped on every rank")
+            if self.bad_steps >= t.max_bad_steps:
+                raise TrainingError(
+                    f"{self.bad_steps} consecutive non-finite steps (trainer.max_bad_steps={t.max_bad_steps}). "
+                    "Lower optim.lr, use precision=bf16/fp32, or check the data; the last good checkpoint is kept")
+        else:
+            self.bad_steps = 0
+        if self.step % t.log_every == 0 or self.step == 1:
+            scale = self.amp.scaler.get_scale() if self.amp.scaler is not None else 1.0
+            values = {f"loss_{k}": v for k, v in r.losses.items()}
+            values.update({f"weight_{k}": v for k, v in self.weighting.weights().items()})
+            values.update({k: float(v) / scale for k, v in r.stats.items()})
+            values.update({
+                "lr": self.scheduler.get_last_lr()[0], "grad_norm": r.grad_norm, "step_time_s": seconds,
+                "samples_per_s": self.cfg.data.batch_size * self.dist.world_size / max(seconds, 1e-9),
+                "peak_mem_mb": peak_memory_mb(self.device), "epoch": self.epoch, "skipped": int(not r.stepped),
+            })
+            if self.amp.scaler is not None:
+                values["loss_scale"] = scale
+            self.log.record(self.step, values)
+            self.log.progress(self.step, {f"loss_{k}": v for k, v in r.losses.items()})
+
+    def run_eval(self) -> dict:
+        metrics = evaluate(self.bare, self.val_loader, self.tasks, self.device, self.cfg.trainer.eval_max_batches)
+        flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
+        self.last_eval = flat
+        self.log.record(self.step, flat, kind="eval")
+        self.log.info(f"step {self.step} eval: " + ", ".join(f"{k}={v:.4f}" for k, v in flat.items()))
+        self._log_samples(metrics)
+        return flat
+
+    def _log_samples(self, metrics: dict) -> None:
+        n = self.cfg.trainer.num_samples
+        samples = next((m["samples"][:n] for m in metrics.values() if "samples" in m), [])
+        if not samples or not self.dist.is_main:
+            return
+        lines = [f"  [{idx}] pred: {hyp!r}  ref: {ref!r}" for idx, hyp, ref in samples]
+        self.log.info("samples:\n" + "\n".join(lines))
+        self.log.text("samples", "\n\n".join(f"**{i}** pred: `{h}` — ref: `{r}`" for i, h, r in samples), self.step)
+        from mtl.plots import sample_figure
+
+        images = [self.val_ds[idx]["image"] for idx, _, _ in samples]
+        self.log.figure("samples", sample_figure(images, samples), self.step)
+
+    def _finish(self, final: dict, wall: float) -> None:
+        summary = {"step": self.step, "wall_time_s": round(wall, 1), "world_size": self.dist.world_size, **final}
+        if self.dist.is_main:
+            with open(os.path.join(self.cfg.output_dir, "final_metrics.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
+            from mtl.plots import plot_curves
+
+            plot_curves(os.path.join(self.cfg.output_dir, "metrics.jsonl"),
+                        os.path.join(self.cfg.output_dir, "curves.png"))
+            hp = {"strategy": self.cfg.ddp.strategy, "weighting": self.cfg.weighting.method,
+                  "precision": self.cfg.precision, "lr": self.cfg.optim.lr,
+                  "global_batch": self.cfg.data.batch_size * self.dist.world_size}
+            self.log.hparams(hp, {f"hparam/{k}": v for k, v in final.items()})
+        self.log.info(f"done: {self.step} steps in {wall:.0f} s; " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
+
+    def close(self) -> None:
+        if hasattr(self, "log"):
+            self.log.close()
+

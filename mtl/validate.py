@@ -1,0 +1,109 @@
+"""Checks of a loaded config that need more than the schema: names, ranges and combinations.
+
+Every check appends one message naming the key and the fix; ``load_run_config`` raises them all
+together as one ConfigError (exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+
+from mtl.config import load_config
+from mtl.errors import ConfigError
+from mtl.models.backbone import NORMS, SUPPORTED
+from mtl.strategies import strategy_types
+from mtl.tasks import task_types
+from mtl.weighting import weighting_types
+
+
+def _choice(errors, key, value, allowed):
+    if value not in allowed:
+        errors.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def _positive(errors, cfg, *keys, allow_zero=False):
+    for key in keys:
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        if value < 0 or (value == 0 and not allow_zero):
+            errors.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'} (got {value})")
+
+
+def validate(cfg) -> list[str]:
+    errors: list[str] = []
+    _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
+    _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
+    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder"))
+    _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
+    _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
+    _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
+    _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant"))
+    _choice(errors, "model.backbone.norm", cfg.model.backbone.norm, NORMS)
+    if cfg.model.backbone.name not in SUPPORTED:
+        errors.append(f"model.backbone.name: unknown backbone {cfg.model.backbone.name!r} "
+                      f"(supported: {', '.join(SUPPORTED)})")
+    if cfg.resume is not None and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
+        errors.append(f"resume: {cfg.resume!r} is neither null, 'auto' nor an existing checkpoint directory")
+    _positive(errors, cfg, "trainer.max_steps", "data.batch_size", "data.eval_batch_size", "data.image_size",
+              "data.max_caption_tokens", "trainer.log_every", "trainer.eval_every", "trainer.num_beams",
+              "optim.lr", "ddp.bucket_cap_mb", "ddp.timeout_s", "tokenizer.vocab_size", "trainer.max_bad_steps")
+    _positive(errors, cfg, "data.num_workers", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay",
+              "checkpoint.every_steps", "checkpoint.keep_last", "trainer.eval_max_batches", "trainer.num_samples",
+              "data.synthetic.noise", "data.synthetic.clutter", allow_zero=True)
+    syn = cfg.data.synthetic
+    if cfg.data.source == "synthetic":
+        _positive(errors, cfg, "data.synthetic.train_size", "data.synthetic.val_size", "data.synthetic.max_count")
+        if not 2 <= syn.num_classes <= 8:
+            errors.append(f"data.synthetic.num_classes: must be 2..8 shape kinds (got {syn.num_classes})")
+        if syn.train_size < cfg.data.batch_size:
+            errors.append(f"data.synthetic.train_size: {syn.train_size} is smaller than one batch "
+                          f"(data.batch_size={cfg.data.batch_size})")
+    elif cfg.data.train_path is None or cfg.data.val_path is None:
+        errors.append(f"data.train_path / data.val_path: data.source={cfg.data.source} needs both paths")
+    if not 0.0 <= cfg.model.decoder.dropout < 1.0:
+        errors.append(f"model.decoder.dropout: must be in [0, 1) (got {cfg.model.decoder.dropout})")
+    if cfg.model.decoder.n_embd % max(1, cfg.model.decoder.n_head):
+        errors.append(f"model.decoder.n_embd: {cfg.model.decoder.n_embd} must be divisible by model.decoder.n_head "
+                      f"({cfg.model.decoder.n_head})")
+    if cfg.data.max_caption_tokens + 1 > cfg.model.decoder.max_positions:
+        errors.append(f"data.max_caption_tokens: {cfg.data.max_caption_tokens} + 1 (BOS) exceeds "
+                      f"model.decoder.max_positions ({cfg.model.decoder.max_positions}); raise max_positions")
+    if cfg.model.decoder.pretrained and not cfg.tokenizer.path:
+        errors.append("tokenizer.path: a pretrained decoder (model.decoder.pretrained) needs its own tokenizer; "
+                      "set tokenizer.path to its directory")
+    if len(cfg.optim.betas) != 2:
+        errors.append(f"optim.betas: needs two values (got {list(cfg.optim.betas)})")
+
+    tasks = task_types()
+    unknown = [t for t in cfg.tasks if t not in tasks]
+    if unknown:
+        errors.append(f"tasks: unknown task {', '.join(map(repr, unknown))} (known: {', '.join(tasks)})")
+    if len(set(cfg.tasks)) != len(cfg.tasks) or not cfg.tasks:
+        errors.append(f"tasks: needs at least one task and no repeats (got {list(cfg.tasks)})")
+
+    strategies = strategy_types()
+    strategy = strategies.get(cfg.ddp.strategy)
+    if strategy is None:
+        errors.append(f"ddp.strategy: unknown strategy {cfg.ddp.strategy!r} (known: {', '.join(strategies)})")
+    else:
+        errors += strategy.check(cfg)
+
+    methods = weighting_types()
+    method = methods.get(cfg.weighting.method)
+    if method is None:
+        errors.append(f"weighting.method: unknown method {cfg.weighting.method!r} (known: {', '.join(methods)})")
+    else:
+        errors += method.check(cfg)
+        if method.level == "grad" and strategy is not None and not getattr(strategy, "task_gradients", False):
+            errors.append(f"weighting.method={cfg.weighting.method} needs each task's gradient, which "
+                          f"ddp.strategy={cfg.ddp.strategy} does not give; use ddp.strategy=task_grads")
+    return errors
+
+
+def load_run_config(path: str, overrides: list[str] | None = None):
+    cfg = load_config(path, overrides)
+    errors = validate(cfg)
+    if errors:
+        raise ConfigError(errors)
+    return cfg

@@ -1,0 +1,101 @@
+"""Aligned-MTL (Senushkin et al. 2023, "Independent Component Alignment for Multi-Task Learning").
+
+The task gradients (rows of G, K x P) are replaced by an orthogonal set of equal norms: with the
+eigendecomposition of the K x K Gram matrix ``G G^T = V diag(lambda) V^T`` (the SVD G = V S W^T,
+lambda = S^2), keeping the R = rank eigenpairs::
+
+    B     = sqrt(lambda_min) V diag(1/sqrt(lambda)) V^T        (lambda_min: the smallest kept eigenvalue)
+    G_hat = B G = sigma_min V W^T                               (aligned gradients)
+    d     = G_hat^T w = (B w) @ G,      w = 1 (equal task weights, as in the paper and LibMTL: a SUM)
+
+so the aligned gradients satisfy the Gram condition ``G_hat G_hat^T = lambda_min I`` (on the span of
+the gradients; with full rank exactly lambda_min I): they are orthogonal, all of norm sigma_min, the
+smallest singular value of G (the "balance" of the paper). Equivalently ``G d = sqrt(lambda_min)
+(GG^T)^{1/2} w``. The eigendecomposition is of the tiny K x K matrix, in float64 on the CPU.
+
+Rank: eigenvalues at most ``rtol * lambda_max`` count as zero (rtol = K * machine epsilon of the
+gradients' dtype, float32 for anything that is not float64, as in LibMTL); B is built from the kept
+eigenpairs only. Consequences for degenerate input: identical gradients (rank 1) give d = K g (the sum),
+exactly opposed gradients give d = 0, a zero row is ignored (d = the other rows aligned), all-zero input
+gives d = 0. Non-finite input gives w (a non-finite update: the trainer skips the step). This is the
+encoder-gradient variant (not Aligned-MTL-UB, which aligns representation gradients).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mtl.weighting.base import Weighting
+
+
+def _gram(grads: Tensor) -> Tensor:
+    g = grads.detach()
+    g = g if g.dtype == torch.float64 else g.float()
+    return (g @ g.T).double()
+
+
+def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
+    if grads.dtype in (torch.float32, torch.float64):
+        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
+    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+
+
+def default_rtol(k: int, dtype: torch.dtype) -> float:
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    return k * eps
+
+
+@torch.no_grad()
+def alignedmtl_balance(gram: Tensor, rtol: float | None = None) -> Tensor:
+    """(K, K) B with aligned gradients ``B @ grads``, for the Gram matrix ``grads @ grads.T``."""
+    k = gram.shape[0]
+    m = gram.detach().cpu().double().numpy()
+    if not np.isfinite(m).all():
+        return torch.eye(k, dtype=gram.dtype, device=gram.device)
+    rtol = default_rtol(k, torch.float64) if rtol is None else rtol
+    lam, vec = np.linalg.eigh((m + m.T) / 2)
+    keep = lam > rtol * max(float(lam.max()), 0.0)
+    if not keep.any() or lam.max() <= 0:
+        return torch.zeros(k, k, dtype=gram.dtype, device=gram.device)
+    lam, vec = lam[keep], vec[:, keep]
+    b = np.sqrt(lam.min()) * (vec / np.sqrt(lam)[None, :]) @ vec.T
+    return torch.as_tensor(b, dtype=gram.dtype, device=gram.device)
+
+
+def alignedmtl_weights(gram: Tensor, task_weights: Tensor | None = None, rtol: float | None = None) -> Tensor:
+    """(K,) alpha = B w with ``alignedmtl(grads) == alpha @ grads``; w defaults to ones."""
+    b = alignedmtl_balance(gram, rtol)
+    w = torch.ones(gram.shape[0], dtype=b.dtype, device=b.device) if task_weights is None else task_weights
+    return b @ w.to(b)
+
+
+@torch.no_grad()
+def alignedmtl(grads: Tensor, losses: Tensor | None = None, *, task_weights: Tensor | None = None,
+               rtol: float | None = None) -> Tensor:
+    """(K, P) task gradients -> (P,) sum of the aligned (orthogonal, equal-norm) gradients."""
+    rtol = default_rtol(grads.shape[0], grads.dtype) if rtol is None else rtol
+    return _apply(alignedmtl_weights(_gram(grads), task_weights, rtol), grads)
+
+
+class AlignedMTL(Weighting):
+    name = "alignedmtl"
+    level = "grad"
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self._alpha: Tensor | None = None
+
+    def weigh(self, task, loss):
+        return loss  # the combination happens on the gradients
+
+    def weights(self):
+        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
+        if self._alpha is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self.tasks, self._alpha.tolist()))
+
+    def combine(self, grads, losses=None):
+        self._alpha = alignedmtl_weights(_gram(grads), rtol=default_rtol(grads.shape[0], grads.dtype))
+        return _apply(self._alpha, grads)

@@ -1,0 +1,166 @@
+"""CAGrad (Liu et al. 2021, "Conflict-Averse Gradient Descent for Multi-task Learning").
+
+The update maximises the worst task's improvement within a ball around the mean gradient g_0::
+
+    max_d min_t g_t . d     s.t.  ||d - g_0|| <= c ||g_0||,         g_0 = (1/K) sum_t g_t
+
+Its dual is a K-dim problem over the simplex (phi = c^2 ||g_0||^2, g_w = sum_t w_t g_t)::
+
+    w* = argmin_{w in simplex}  F(w) = g_w . g_0 + sqrt(phi) ||g_w||
+    d  = g_0 + (sqrt(phi) / ||g_w*||) g_w*                                  (the paper's Algorithm 1)
+
+Final rescale: Algorithm 1 steps along d itself; the authors' code (``rescale=1``, the setting of
+their experiments, also LibMTL's default) divides it by (1 + c^2). We follow the code:
+``CAGRAD_RESCALE = True`` returns d / (1 + c^2). With c = 0 both give exactly the mean gradient g_0.
+``c = CAGRAD_C = 0.4`` (the paper's choice for its image benchmarks; c in [0, 1)).
+
+Everything is a function of the K x K Gram matrix (||g_0||^2 = mean(GG^T), g_w . g_0 = w^T GG^T 1/K,
+||g_w||^2 = w^T GG^T w), so the dual is solved in float64 on the CPU: for K = 2 exactly (to 1e-15 in
+w) by golden-section search on the convex F(x, 1 - x); for K > 2 by projected gradient descent on the
+simplex with a backtracking line search. d is then ``alpha @ grads`` with
+``alpha = (1/K + sqrt(phi)/||g_w|| * w) / (1 + c^2)``.
+
+Degenerate input: if g_0 = 0 (e.g. exactly opposed gradients) then phi = 0 and d = g_0 = 0; if the
+optimal g_w is 0 (a zero row, or opposed rows that cancel) the correction is dropped and d = g_0
+(every direction in the ball is then equally good for the worst task). Non-finite input gives the
+mean of the rows (non-finite: the trainer skips the step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mtl.weighting.base import Weighting
+
+CAGRAD_C = 0.4  # radius of the ball around g_0, relative to ||g_0||
+CAGRAD_RESCALE = True  # divide the update by 1 + c^2 (the authors' code, rescale=1)
+CAGRAD_MAX_ITER = 2000  # projected-gradient iterations for K > 2
+
+
+def _gram(grads: Tensor) -> Tensor:
+    g = grads.detach()
+    g = g if g.dtype == torch.float64 else g.float()
+    return (g @ g.T).double()
+
+
+def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
+    if grads.dtype in (torch.float32, torch.float64):
+        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
+    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+
+
+def project_simplex(v: np.ndarray) -> np.ndarray:
+    """Euclidean projection onto {w >= 0, sum w = 1}."""
+    u = np.sort(v)[::-1]
+    css = np.cumsum(u) - 1.0
+    idx = np.arange(1, len(v) + 1)
+    rho = np.nonzero(u - css / idx > 0)[0][-1]
+    return np.maximum(v - css[rho] / (rho + 1.0), 0.0)
+
+
+def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.ndarray:
+    """argmin over the simplex of w^T m 1/K + c ||g_0|| sqrt(w^T m w), for a PSD float64 Gram m."""
+    k = m.shape[0]
+    b = m.mean(axis=1)  # g_t . g_0
+    sqrt_phi = c * math.sqrt(max(float(m.mean()), 0.0))
+
+    def f(w):
+        return float(w @ b) + sqrt_phi * math.sqrt(max(float(w @ m @ w), 0.0))
+
+    if k == 1:
+        return np.ones(1)
+    if k == 2:  # golden-section search on x = w_1 in [0, 1] (F is convex in x)
+        lo, hi = 0.0, 1.0
+        r = (math.sqrt(5.0) - 1.0) / 2.0
+        x1, x2 = hi - r * (hi - lo), lo + r * (hi - lo)
+        f1, f2 = f(np.array([x1, 1 - x1])), f(np.array([x2, 1 - x2]))
+        for _ in range(80):
+            if f1 <= f2:
+                hi, x2, f2 = x2, x1, f1
+                x1 = hi - r * (hi - lo)
+                f1 = f(np.array([x1, 1 - x1]))
+            else:
+                lo, x1, f1 = x1, x2, f2
+                x2 = lo + r * (hi - lo)
+                f2 = f(np.array([x2, 1 - x2]))
+        x = (lo + hi) / 2
+        cands = [np.array([x, 1 - x]), np.array([1.0, 0.0]), np.array([0.0, 1.0])]
+        return min(cands, key=f)
+
+    eps = 1e-30 * max(float(np.max(np.diag(m))), 1e-300)
+
+    def grad(w):
+        return b + sqrt_phi * (m @ w) / math.sqrt(max(float(w @ m @ w), 0.0) + eps)
+
+    w = np.full(k, 1.0 / k)
+    fw = f(w)
+    step = 1.0 / max(float(np.linalg.norm(m, 2)), 1e-300)
+    for _ in range(max_iter):
+        gw = grad(w)
+        while True:
+            new = project_simplex(w - step * gw)
+            diff = new - w
+            fn = f(new)
+            if fn <= fw + float(gw @ diff) + float(diff @ diff) / (2 * step) or step < 1e-300:
+                break
+            step *= 0.5
+        if float(np.abs(diff).max()) < 1e-13:
+            w, fw = new, fn
+            break
+        w, fw = new, fn
+        step *= 2.0
+    return w
+
+
+@torch.no_grad()
+def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RESCALE) -> Tensor:
+    """(K,) alpha with ``cagrad(grads) == alpha @ grads`` for the Gram matrix ``grads @ grads.T``."""
+    k = gram.shape[0]
+    m = gram.detach().cpu().double().numpy()
+    if not np.isfinite(m).all():
+        return torch.full((k,), 1.0 / k, dtype=gram.dtype, device=gram.device)
+    alpha = np.full(k, 1.0 / k)
+    g0_sq = max(float(m.mean()), 0.0)
+    if c > 0 and g0_sq > 0:
+        w = cagrad_dual(m, c)
+        gw_norm = math.sqrt(max(float(w @ m @ w), 0.0))
+        if gw_norm > 1e-12 * math.sqrt(max(float(np.max(np.diag(m))), 0.0)):
+            alpha = alpha + c * math.sqrt(g0_sq) / gw_norm * w
+    if rescale:
+        alpha = alpha / (1.0 + c)
+    return torch.as_tensor(alpha, dtype=gram.dtype, device=gram.device)
+
+
+@torch.no_grad()
+def cagrad(grads: Tensor, losses: Tensor | None = None, *, c: float = CAGRAD_C,
+           rescale: bool = CAGRAD_RESCALE) -> Tensor:
+    """(K, P) task gradients -> (P,) conflict-averse update (divided by 1 + c^2 when ``rescale``)."""
+    return _apply(cagrad_weights(_gram(grads), c, rescale), grads)
+
+
+class CAGrad(Weighting):
+    name = "cagrad"
+    level = "grad"
+    C = CAGRAD_C
+    RESCALE = CAGRAD_RESCALE
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self._alpha: Tensor | None = None
+
+    def weigh(self, task, loss):
+        return loss  # the combination happens on the gradients
+
+    def weights(self):
+        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
+        if self._alpha is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self.tasks, self._alpha.tolist()))
+
+    def combine(self, grads, losses=None):
+        self._alpha = cagrad_weights(_gram(grads), self.C, self.RESCALE)
+        return _apply(self._alpha, grads)

@@ -1,0 +1,103 @@
+"""IMTL-G (Liu et al. 2021, "Towards Impartial Multi-task Learning"), the gradient half of IMTL.
+
+The update ``d = sum_t alpha_t g_t`` with ``sum_t alpha_t = 1`` has equal projections onto every task's
+unit gradient u_t = g_t / ||g_t||: ``d . u_1 = d . u_t`` for all t. Closed form (rows t = 2..K)::
+
+    D = [g_1 - g_t]_t,   U = [u_1 - u_t]_t,   alpha_{2..K} = g_1 U^T (D U^T)^{-1},   alpha_1 = 1 - sum alpha_{2..K}
+
+Every product is a Gram entry (g_i . u_j = (GG^T)_ij / ||g_j||), so the (K-1) x (K-1) system is built
+from the K x K Gram matrix and solved in float64 on the CPU by a pseudo-inverse whose cutoff is
+``rcond * max_t ||g_t||`` (the entries of D U^T are in units of ||g||): ``IMTLG_RCOND`` for float64
+gradients, ``IMTLG_RCOND_F32`` when the Gram matrix comes from lower-precision gradients.
+The scale is that of a convex-like combination (alpha sums to 1, like the mean gradient). Only the
+gradient half: IMTL-L (learned loss scales) and the hybrid are not part of this method.
+
+Degenerate input:
+- zero rows (||g_t||^2 <= 1e-12 max_s ||g_s||^2) have no direction u_t: they get alpha_t = 0 and the
+  rule is applied to the others (one left: alpha = 1 for it); all-zero input gives d = 0.
+- a singular D U^T (identical gradients: U = 0, any alpha satisfies the condition) is solved by the
+  pseudo-inverse, which gives the minimum-norm alpha_{2..K} (identical rows: alpha = (1, 0, ...), d = g).
+- exactly opposed gradients give alpha_1 ||g_1|| = alpha_2 ||g_2|| and d = 0 (equal projections 0).
+- non-finite input gives alpha = 1/K (a non-finite update: the trainer skips the step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mtl.weighting.base import Weighting
+
+IMTLG_RCOND = 1e-10  # singular values of D U^T below rcond * max ||g_t|| count as zero (float64 gradients)
+IMTLG_RCOND_F32 = 1e-5  # the same for float32 (or lower) gradients: their Gram entries carry ~1e-7 noise
+
+
+def default_rcond(dtype: torch.dtype) -> float:
+    return IMTLG_RCOND if dtype == torch.float64 else IMTLG_RCOND_F32
+
+
+def _gram(grads: Tensor) -> Tensor:
+    g = grads.detach()
+    g = g if g.dtype == torch.float64 else g.float()
+    return (g @ g.T).double()
+
+
+def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
+    if grads.dtype in (torch.float32, torch.float64):
+        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
+    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+
+
+@torch.no_grad()
+def imtlg_weights(gram: Tensor, rcond: float = IMTLG_RCOND) -> Tensor:
+    """(K,) alpha (summing to 1 over the non-zero rows) for the Gram matrix ``grads @ grads.T``."""
+    k = gram.shape[0]
+    m = gram.detach().cpu().double().numpy()
+    if not np.isfinite(m).all():
+        return torch.full((k,), 1.0 / k, dtype=gram.dtype, device=gram.device)
+    sq = np.diag(m).copy()
+    alpha = np.zeros(k)
+    active = np.nonzero(sq > 1e-12 * max(float(sq.max()), 0.0))[0]
+    if len(active) == 1:
+        alpha[active] = 1.0
+    elif len(active) > 1:
+        sub = m[np.ix_(active, active)]
+        c = sub / np.sqrt(np.diag(sub))[None, :]  # c[i, j] = g_i . u_j
+        g1_u = c[0, 0] - c[0, 1:]  # g_1 . (u_1 - u_t)
+        du = c[0, 0] - c[0, 1:][None, :] - c[1:, 0][:, None] + c[1:, 1:]  # (g_1 - g_i) . (u_1 - u_j)
+        u, s, vt = np.linalg.svd(du)
+        keep = s > rcond * float(np.sqrt(sq[active].max()))
+        inv = (vt[keep].T / s[keep]) @ u[:, keep].T  # pseudo-inverse with an absolute cutoff
+        rest = g1_u @ inv
+        alpha[active[1:]] = rest
+        alpha[active[0]] = 1.0 - rest.sum()
+    return torch.as_tensor(alpha, dtype=gram.dtype, device=gram.device)
+
+
+@torch.no_grad()
+def imtlg(grads: Tensor, losses: Tensor | None = None) -> Tensor:
+    """(K, P) task gradients -> (P,) update with equal projections onto every unit task gradient."""
+    return _apply(imtlg_weights(_gram(grads), default_rcond(grads.dtype)), grads)
+
+
+class IMTLG(Weighting):
+    name = "imtlg"
+    level = "grad"
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self._alpha: Tensor | None = None
+
+    def weigh(self, task, loss):
+        return loss  # the combination happens on the gradients
+
+    def weights(self):
+        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
+        if self._alpha is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self.tasks, self._alpha.tolist()))
+
+    def combine(self, grads, losses=None):
+        self._alpha = imtlg_weights(_gram(grads), default_rcond(grads.dtype))
+        return _apply(self._alpha, grads)

@@ -1,0 +1,134 @@
+"""MGDA (Sener & Koltun 2018, "Multi-Task Learning as Multi-Objective Optimization"): min-norm point.
+
+The update is the point of minimum norm in the convex hull of the task gradients::
+
+    alpha* = argmin_{alpha in simplex} || sum_t alpha_t g_t ||^2,      d = sum_t alpha*_t g_t
+
+It is a common descent direction: the optimality conditions give ``d . g_t >= ||d||^2 >= 0`` for every
+task, and ``d = 0`` exactly when the point is Pareto-stationary (some convex combination of the
+gradients vanishes). The scale is that of a convex combination (like the mean gradient, not the sum).
+
+K = 2, closed form (weight on g_1)::
+
+    alpha = clip( ((g_2 - g_1) . g_2) / ||g_1 - g_2||^2, 0, 1 )     (0.5 when g_1 = g_2)
+
+computed with tensor ops on the device. K > 2: Frank-Wolfe on the K x K Gram matrix (the paper's
+Algorithm 2: move towards the vertex e_t with the smallest (G G^T alpha)_t, exact line search on the
+segment), with away steps added for linear convergence, in float64 on the CPU (a K x K system),
+until the duality gap is below ``MGDA_TOL`` * max_t ||g_t||^2.
+
+Variant: plain gradients, no normalisation (the paper's "MGDA-UB" upper bound on the shared
+representation and its gradient normalisations "l2"/"loss"/"loss+" are not used).
+
+Degenerate input: a zero row makes the min-norm point the origin, so d = 0 (the zero task is already
+stationary; nothing improves every task); all-zero input gives d = 0; identical rows give d = g.
+Non-finite input gives the mean of the rows (non-finite, so the trainer skips the step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mtl.weighting.base import Weighting
+
+MGDA_MAX_ITER = 1000  # Frank-Wolfe iterations (K > 2)
+MGDA_TOL = 1e-12  # stop when the duality gap is below this fraction of max_t ||g_t||^2
+
+
+def _gram(grads: Tensor) -> Tensor:
+    g = grads.detach()
+    g = g if g.dtype == torch.float64 else g.float()
+    return (g @ g.T).double()
+
+
+def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
+    if grads.dtype in (torch.float32, torch.float64):
+        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
+    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+
+
+def min_norm_2(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """Weight on x of the min-norm point of the segment [x, y], given a=x.x, b=y.y, c=x.y (tensors)."""
+    denom = a + b - 2 * c  # ||x - y||^2
+    ok = denom > 1e-12 * (a + b)
+    return torch.where(ok, ((b - c) / torch.where(ok, denom, 1.0)).clamp(0.0, 1.0), 0.5)
+
+
+def frank_wolfe_min_norm(m: np.ndarray, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL) -> np.ndarray:
+    """argmin over the simplex of alpha^T m alpha, for a PSD float64 matrix m (K x K).
+
+    Frank-Wolfe with exact line search (Sener & Koltun's Algorithm 2), plus away steps (move weight
+    off the worst vertex in use), which make it converge linearly instead of as O(1/iterations).
+    """
+    k = m.shape[0]
+    alpha = np.full(k, 1.0 / k)
+    scale = max(float(np.max(np.diag(m))), 1e-300)
+    for _ in range(max_iter):
+        grad = m @ alpha  # half the gradient of alpha^T m alpha
+        s = int(np.argmin(grad))
+        used = np.nonzero(alpha > 0)[0]
+        v = int(used[np.argmax(grad[used])])
+        gap_fw = float(grad @ alpha - grad[s])  # half the Frank-Wolfe duality gap
+        gap_away = float(grad[v] - grad @ alpha)
+        if gap_fw <= tol * scale:
+            break
+        if gap_fw >= gap_away:  # towards vertex s: alpha + gamma (e_s - alpha), gamma in [0, 1]
+            direction = -alpha.copy()
+            direction[s] += 1.0
+            gamma_max = 1.0
+        else:  # away from vertex v: alpha + gamma (alpha - e_v), gamma in [0, alpha_v / (1 - alpha_v)]
+            direction = alpha.copy()
+            direction[v] -= 1.0
+            gamma_max = alpha[v] / (1.0 - alpha[v]) if alpha[v] < 1.0 else 1e300
+        curvature = float(direction @ m @ direction)
+        slope = float(grad @ direction)  # < 0
+        gamma = gamma_max if curvature <= 0 else min(-slope / curvature, gamma_max)
+        alpha = np.maximum(alpha + gamma * direction, 0.0)
+        alpha /= alpha.sum()
+    return alpha
+
+
+@torch.no_grad()
+def mgda_weights(gram: Tensor, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL) -> Tensor:
+    """(K,) min-norm convex weights for the Gram matrix ``grads @ grads.T`` (float64)."""
+    k = gram.shape[0]
+    if k == 1:
+        return torch.ones(1, dtype=gram.dtype, device=gram.device)
+    if k == 2:
+        a1 = min_norm_2(gram[0, 0], gram[1, 1], gram[0, 1])
+        return torch.stack([a1, 1 - a1])
+    m = gram.detach().cpu().double().numpy()
+    if not np.isfinite(m).all():
+        return torch.full((k,), 1.0 / k, dtype=gram.dtype, device=gram.device)
+    return torch.as_tensor(frank_wolfe_min_norm(m, max_iter, tol), dtype=gram.dtype, device=gram.device)
+
+
+@torch.no_grad()
+def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MAX_ITER,
+         tol: float = MGDA_TOL) -> Tensor:
+    """(K, P) task gradients -> (P,) min-norm point of their convex hull."""
+    return _apply(mgda_weights(_gram(grads), max_iter, tol), grads)
+
+
+class MGDA(Weighting):
+    name = "mgda"
+    level = "grad"
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self._alpha: Tensor | None = None
+
+    def weigh(self, task, loss):
+        return loss  # the combination happens on the gradients
+
+    def weights(self):
+        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
+        if self._alpha is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self.tasks, self._alpha.tolist()))
+
+    def combine(self, grads, losses=None):
+        self._alpha = mgda_weights(_gram(grads))
+        return _apply(self._alpha, grads)

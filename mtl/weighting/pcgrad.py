@@ -1,0 +1,106 @@
+"""PCGrad (Yu et al. 2020, "Gradient Surgery for Multi-Task Learning"): project away the conflicts.
+
+For each task i, starting from ``g_i^PC = g_i``, and for every other task j (in a random order)::
+
+    if g_i^PC . g_j < 0:   g_i^PC <- g_i^PC - (g_i^PC . g_j) / ||g_j||^2 * g_j
+
+(the projection is onto the normal plane of the *original* g_j), and the update is the **sum**
+``d = sum_i g_i^PC`` (the same scale as equal weighting, which sums the task losses).
+
+Every projected row is a linear combination of the rows, so the whole computation runs on the K x K
+Gram matrix ``G G^T``: ``pcgrad_coefficients`` returns C with ``g_i^PC = sum_k C[i, k] g_k`` and
+``d = (sum_i C[i, :]) @ G``. Nothing leaves the device (no .cpu(), no data-dependent Python branch).
+
+Order: with K = 2 there is only one other task, so the result is deterministic. With K > 2 the
+order of the other tasks is drawn independently for every task i from a ``torch.Generator`` seeded
+from ``(cfg.seed, step)`` (see ``stream_seed``), so every rank draws the same order with no
+communication and a resumed run repeats it exactly.
+
+Degenerate input: a zero row g_j is never projected on (there is nothing to conflict with) and a
+zero row g_i stays zero; all-zero input gives a zero update. Non-finite input propagates (so the
+trainer's finite check skips the step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+from mtl.weighting.base import Weighting
+
+
+def stream_seed(seed: int, step: int, salt: str = "pcgrad") -> int:
+    """A 63-bit seed for the random stream of (seed, step), the same in every process."""
+    digest = hashlib.blake2b(f"{salt}:{int(seed)}:{int(step)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _gram(grads: Tensor) -> Tensor:
+    g = grads.detach()
+    g = g if g.dtype == torch.float64 else g.float()
+    return (g @ g.T).double()
+
+
+def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
+    if grads.dtype in (torch.float32, torch.float64):
+        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
+    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+
+
+@torch.no_grad()
+def pcgrad_coefficients(gram: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """(K, K) C such that the projected gradients are ``C @ grads``; ``gram = grads @ grads.T``."""
+    k = gram.shape[0]
+    coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    sq = gram.diagonal()
+    for i in range(k):
+        if k > 2 and generator is not None:
+            order = [j for j in torch.randperm(k, generator=generator).tolist() if j != i]
+        else:
+            order = [j for j in range(k) if j != i]
+        for j in order:
+            dot = coef[i] @ gram[:, j]  # g_i^PC . g_j
+            conflict = (dot < 0) & (sq[j] > 0)
+            coef[i, j] -= torch.where(conflict, dot / torch.where(sq[j] > 0, sq[j], 1.0), 0.0)
+    return coef
+
+
+def pcgrad_weights(gram: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """(K,) alpha with ``pcgrad(grads) == alpha @ grads``."""
+    return pcgrad_coefficients(gram, generator).sum(0)
+
+
+@torch.no_grad()
+def pcgrad(grads: Tensor, losses: Tensor | None = None, *, generator: torch.Generator | None = None) -> Tensor:
+    """(K, P) task gradients -> (P,) sum of the conflict-projected gradients."""
+    return _apply(pcgrad_weights(_gram(grads), generator), grads)
+
+
+class PCGrad(Weighting):
+    name = "pcgrad"
+    level = "grad"
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self.seed = int(cfg.seed)
+        self.step = 0
+        self._alpha: Tensor | None = None
+
+    def begin_step(self, step):
+        self.step = int(step)
+
+    def weigh(self, task, loss):
+        return loss  # the combination happens on the gradients
+
+    def weights(self):
+        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
+        if self._alpha is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self.tasks, self._alpha.tolist()))
+
+    def combine(self, grads, losses=None):
+        gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step)) if len(self.tasks) > 2 else None
+        self._alpha = pcgrad_weights(_gram(grads), gen)
+        return _apply(self._alpha, grads)

@@ -1,0 +1,40 @@
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+# keep every process to one thread: the suite runs several processes on 2 cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real train.py, in one process or under torchrun with gloo (no fixed ports)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [PY, os.path.join(ROOT, "train.py"), *args]
+    else:
+        cmd = [PY, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               f"--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "train.py"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                             f"STDERR:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture
+def tiny():
+    return TINY

@@ -1,0 +1,573 @@
+"""Task-weighting methods: hand-worked cases from the papers' definitions, properties, and state round trips.
+
+Gradient-level methods are checked on two-task cases worked by hand (orthogonal, exactly opposed, one
+gradient 100x the other, identical) and on the property each paper promises; loss-level methods on
+the formula for given losses/steps and on a state_dict round trip (a fresh instance loaded from it
+produces the same next weights).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mtl.config import Config
+from mtl.weighting import weighting_types
+from mtl.weighting.alignedmtl import alignedmtl, alignedmtl_balance, alignedmtl_weights
+from mtl.weighting.cagrad import cagrad, cagrad_weights
+from mtl.weighting.dwa import dwa_weights
+from mtl.weighting.famo import FAMO_EPS, famo_logit_grad
+from mtl.weighting.gradnorm import gradnorm, gradnorm_loss, gradnorm_renormalize, gradnorm_weight_grad
+from mtl.weighting.imtlg import imtlg, imtlg_weights
+from mtl.weighting.mgda import mgda, mgda_weights
+from mtl.weighting.nashmtl import nashmtl, nashmtl_weights
+from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, stream_seed
+from mtl.weighting.rlw import rlw_weights
+from mtl.weighting.upgrad import upgrad, upgrad_projections
+
+TASKS = ["cls", "gen"]
+GRAD_FUNCS = {"pcgrad": pcgrad, "mgda": mgda, "cagrad": cagrad, "nashmtl": nashmtl, "imtlg": imtlg,
+              "alignedmtl": alignedmtl, "upgrad": upgrad}
+LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo"]
+GRAD_METHODS = [*GRAD_FUNCS, "gradnorm"]
+
+
+def cfg_for(method: str, seed: int = 0, tasks=TASKS):
+    cfg = OmegaConf.structured(Config)
+    cfg.weighting.method = method
+    cfg.seed = seed
+    cfg.tasks = list(tasks)
+    return cfg
+
+
+def make(method: str, seed: int = 0, tasks=TASKS):
+    return weighting_types()[method](cfg_for(method, seed, tasks), list(tasks))
+
+
+def G(*rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def gram(g: torch.Tensor) -> torch.Tensor:
+    return g @ g.T
+
+
+def close(a, b, tol=1e-9):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert torch.allclose(a, b, atol=tol, rtol=tol), f"{a.tolist()} != {b.tolist()}"
+
+
+def random_grads(k: int, p: int, seed: int) -> torch.Tensor:
+    return torch.randn(k, p, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def roundtrip(module):
+    """A fresh instance of the same method loaded from ``module``'s state_dict (through torch.save)."""
+    buf = io.BytesIO()
+    torch.save(module.state_dict(), buf)
+    buf.seek(0)
+    fresh = make(module.name, tasks=module.tasks)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    return fresh
+
+
+# --------------------------------------------------------------------------------------------------
+# discovery and the common contract
+
+
+def test_every_method_is_discovered_with_its_level():
+    types = weighting_types()
+    for m in LOSS_METHODS:
+        assert types[m].level == "loss", m
+    for m in GRAD_METHODS:
+        assert types[m].level == "grad", m
+    for m in LOSS_METHODS + GRAD_METHODS:
+        assert types[m].check(cfg_for(m)) == []
+
+
+@pytest.mark.parametrize("method", GRAD_METHODS)
+def test_grad_methods_leave_losses_unweighted_and_report_the_combination(method):
+    w = make(method)
+    loss = torch.tensor(2.5)
+    assert w.weigh("cls", loss) is loss
+    grads = G([1.0, 0.0, 2.0], [0.5, -1.0, 0.0])
+    w.begin_step(0)
+    d = w.combine(grads, torch.tensor([1.0, 2.0]))
+    alpha = torch.tensor([w.weights()[t] for t in TASKS], dtype=torch.float64)
+    close(d, alpha @ grads, 1e-12)
+
+
+@pytest.mark.parametrize("name", list(GRAD_FUNCS))
+@pytest.mark.parametrize("rows", [
+    [[0.0, 0.0, 0.0], [1.0, 2.0, -1.0]],  # a zero row
+    [[1.0, 2.0, -1.0], [0.0, 0.0, 0.0]],
+    [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],  # all zero
+    [[1e-30, 0.0, 0.0], [0.0, 1e30, 0.0]],  # extreme scales
+    [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [-1.0, 0.0, 0.0]],  # K = 3: zero and opposed
+])
+def test_degenerate_inputs_give_finite_updates(name, rows):
+    g = G(*rows)
+    d = GRAD_FUNCS[name](g)
+    assert d.shape == (g.shape[1],) and torch.isfinite(d).all(), d
+
+
+@pytest.mark.parametrize("name", list(GRAD_FUNCS))
+def test_float32_and_single_task_inputs(name):
+    g = random_grads(3, 50, 1).float()
+    d = GRAD_FUNCS[name](g)
+    assert d.dtype == torch.float32 and torch.isfinite(d).all()
+    one = G([3.0, 4.0])
+    d1 = GRAD_FUNCS[name](one)
+    assert torch.isfinite(d1).all()
+    assert float(d1 @ one[0]) > 0  # a single task always descends
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", list(GRAD_FUNCS))
+def test_cuda_matches_cpu(name):
+    for k in (2, 3):
+        g = random_grads(k, 1000, 7)
+        close(GRAD_FUNCS[name](g.cuda()).cpu(), GRAD_FUNCS[name](g), 1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# PCGrad
+
+
+def test_pcgrad_two_task_cases():
+    close(pcgrad(G([3.0, 0.0], [0.0, 4.0])), [3.0, 4.0])  # orthogonal: no conflict, the sum
+    close(pcgrad(G([1.0, 2.0], [-2.0, -4.0])), [0.0, 0.0])  # opposed: both projected to zero
+    close(pcgrad(G([1.0, 2.0], [1.0, 2.0])), [2.0, 4.0])  # identical: the sum
+    close(pcgrad(G([2.0, 1.0], [1.0, 3.0])), [3.0, 4.0])  # acute angle: the sum
+    # 100x: g1=(100,0), g2=(-1,1): g1 -> g1 + 50 g2 = (50,50); g2 -> g2 + 0.01 g1 = (0,1)
+    g = G([100.0, 0.0], [-1.0, 1.0])
+    close(pcgrad(g), [50.0, 51.0])
+    proj = pcgrad_coefficients(gram(g)) @ g
+    close(proj, [[50.0, 50.0], [0.0, 1.0]])
+
+
+def test_pcgrad_removes_the_conflict_with_the_other_task():
+    for seed in range(20):
+        g = random_grads(2, 6, seed)
+        proj = pcgrad_coefficients(gram(g)) @ g
+        for i, j in ((0, 1), (1, 0)):
+            dot = float(proj[i] @ g[j])
+            assert dot >= -1e-10
+            if float(g[i] @ g[j]) < 0:
+                assert abs(dot) < 1e-10  # projected exactly onto the normal plane
+            else:
+                close(proj[i], g[i])  # no conflict: untouched
+
+
+def reference_pcgrad(g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The paper's Algorithm 1 on the vectors themselves, with the same random order."""
+    k = g.shape[0]
+    out = []
+    for i in range(k):
+        order = [j for j in torch.randperm(k, generator=gen).tolist() if j != i]
+        gi = g[i].clone()
+        for j in order:
+            dot = gi @ g[j]
+            if dot < 0:
+                gi = gi - dot / (g[j] @ g[j]) * g[j]
+        out.append(gi)
+    return torch.stack(out).sum(0)
+
+
+def test_pcgrad_k3_follows_the_algorithm_and_is_reproducible():
+    g = G([1.0, 0.0, 0.0], [-0.8, 1.0, 0.0], [-0.5, -0.9, 0.3])
+    for seed in range(6):
+        d = pcgrad(g, generator=torch.Generator().manual_seed(seed))
+        close(d, reference_pcgrad(g, torch.Generator().manual_seed(seed)))
+    a, b = make("pcgrad", seed=3, tasks=["a", "b", "c"]), make("pcgrad", seed=3, tasks=["a", "b", "c"])
+    outs = set()
+    for step in range(12):
+        a.begin_step(step)
+        b.begin_step(step)
+        da, db = a.combine(g, None), b.combine(g, None)
+        assert torch.equal(da, db)
+        outs.add(tuple(round(x, 9) for x in da.tolist()))
+    assert len(outs) > 1  # the order (and here the result) changes with the step
+    assert stream_seed(0, 1) != stream_seed(0, 2) != stream_seed(1, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# MGDA
+
+
+def test_mgda_two_task_cases():
+    # orthogonal g1=(3,0), g2=(0,4): alpha = ((g2-g1).g2)/||g1-g2||^2 = 16/25
+    close(mgda_weights(gram(G([3.0, 0.0], [0.0, 4.0]))), [16 / 25, 9 / 25])
+    close(mgda(G([3.0, 0.0], [0.0, 4.0])), [48 / 25, 36 / 25])
+    close(mgda(G([1.0, 2.0], [-3.0, -6.0])), [0.0, 0.0])  # opposed: the origin is in the hull
+    close(mgda(G([100.0, 0.0], [0.0, 1.0])), [100 / 10001, 10000 / 10001])
+    close(mgda(G([1.0, 2.0], [1.0, 2.0])), [1.0, 2.0])  # identical
+    close(mgda(G([0.0, 0.0], [1.0, 2.0])), [0.0, 0.0])  # zero row: the origin
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_mgda_is_the_min_norm_point_and_descends_for_every_task(k):
+    gen = torch.Generator().manual_seed(k)
+    for seed in range(5):
+        g = random_grads(k, 5, 100 * k + seed)
+        alpha = mgda_weights(gram(g))
+        assert alpha.min() >= 0 and abs(float(alpha.sum()) - 1) < 1e-12
+        d = alpha @ g
+        norm2 = float(d @ d)
+        assert (g @ d >= norm2 - 1e-7).all()  # KKT: d . g_t >= ||d||^2 >= 0
+        e = -torch.rand(4000, k, generator=gen, dtype=torch.float64).log()
+        w = torch.cat([e / e.sum(1, keepdim=True), torch.eye(k, dtype=torch.float64)])  # uniform on the simplex
+        others = ((w @ g) ** 2).sum(1)
+        assert others.min() >= norm2 - 1e-7
+
+
+# --------------------------------------------------------------------------------------------------
+# CAGrad
+
+
+def test_cagrad_with_c_zero_is_the_mean():
+    for k in (2, 3):
+        g = random_grads(k, 7, k)
+        close(cagrad(g, c=0.0), g.mean(0))
+        close(cagrad(g, c=0.0, rescale=False), g.mean(0))
+
+
+def test_cagrad_two_task_cases():
+    c = 0.4
+    g = G([1.0, 0.0], [0.0, 1.0])  # orthogonal, equal norms: by symmetry w = (1/2, 1/2), g_w = g_0
+    close(cagrad(g, c=c, rescale=False), [(1 + c) / 2, (1 + c) / 2])
+    close(cagrad(g, c=c), [(1 + c) / 2 / (1 + c * c), (1 + c) / 2 / (1 + c * c)])
+    close(cagrad(G([1.0, 2.0], [-1.0, -2.0]), c=c), [0.0, 0.0])  # opposed: g_0 = 0
+    close(cagrad(G([1.0, 2.0], [1.0, 2.0]), c=c, rescale=False), [1 + c, 2 * (1 + c)])  # identical
+    # a zero row: the optimal g_w is 0 and the update is g_0
+    close(cagrad(G([0.0, 0.0], [2.0, 4.0]), c=c, rescale=False), [1.0, 2.0])
+
+
+def _circle(center, radius, n):
+    t = torch.linspace(0, 2 * math.pi, n, dtype=torch.float64)
+    return center + radius * torch.stack([t.cos(), t.sin()], 1)
+
+
+@pytest.mark.parametrize("rows", [
+    [[100.0, 0.0], [0.0, 1.0]],  # one gradient 100x the other
+    [[100.0, 0.0], [-1.0, 1.0]],  # ... and in conflict
+    [[1.0, 0.2], [-0.7, 1.0]],
+])
+def test_cagrad_maximises_the_worst_task_in_the_ball(rows):
+    c = 0.4
+    g = G(*rows)
+    g0 = g.mean(0)
+    d = cagrad(g, c=c, rescale=False)
+    assert abs(float((d - g0).norm()) - c * float(g0.norm())) < 1e-9  # on the boundary of the ball
+    worst = float((g @ d).min())
+    samples = _circle(g0, c * float(g0.norm()), 200001)
+    best_sampled = float((samples @ g.T).min(1).values.max())
+    assert worst >= best_sampled - 1e-6 * float(g.norm()) ** 2
+    close(cagrad(g, c=c), d / (1 + c * c))
+
+
+def test_cagrad_k3_maximises_the_worst_task_in_the_ball():
+    c = 0.4
+    g = G([1.0, 0.0, 0.2], [-0.5, 1.0, 0.0], [0.1, -0.6, 1.0])
+    g0 = g.mean(0)
+    d = cagrad(g, c=c, rescale=False)
+    assert float((d - g0).norm()) <= c * float(g0.norm()) + 1e-9
+    u = torch.randn(100000, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    samples = g0 + c * float(g0.norm()) * u / u.norm(dim=1, keepdim=True)
+    assert float((g @ d).min()) >= float((samples @ g.T).min(1).values.max()) - 1e-6
+    alpha = cagrad_weights(gram(g), c, False)
+    close(alpha @ g, d)
+
+
+# --------------------------------------------------------------------------------------------------
+# Nash-MTL
+
+
+def test_nash_two_task_cases():
+    close(nashmtl_weights(gram(G([3.0, 0.0], [0.0, 4.0]))), [1 / 3, 1 / 4], 1e-7)  # alpha_t = 1/||g_t||
+    close(nashmtl(G([3.0, 0.0], [0.0, 4.0])), [1.0, 1.0], 1e-7)
+    close(nashmtl_weights(gram(G([100.0, 0.0], [0.0, 1.0]))), [0.01, 1.0], 1e-7)
+    # identical g: 2 alpha ||g||^2 = 1/alpha -> alpha = 1/(sqrt(2) ||g||)
+    g = G([3.0, 4.0], [3.0, 4.0])
+    close(nashmtl_weights(gram(g)), [1 / (5 * math.sqrt(2))] * 2, 1e-7)
+    # opposed: no solution exists; the ridge keeps it finite and the update is 0
+    d = nashmtl(G([1.0, 2.0], [-3.0, -6.0]))
+    assert torch.isfinite(d).all() and float(d.norm()) < 1e-9
+    # zero row: alpha = 0 for it, the other is normalised
+    close(nashmtl_weights(gram(G([0.0, 0.0], [3.0, 4.0]))), [0.0, 0.2], 1e-7)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_nash_alpha_solves_the_bargaining_equation(k):
+    for seed in range(5):
+        g = random_grads(k, 6, 10 * k + seed)
+        g[1:] = g[1:] + 1.5 * g[0]  # keep a common descent direction (the solution exists)
+        m = gram(g)
+        alpha = nashmtl_weights(m)
+        assert (alpha > 0).all()
+        close((m @ alpha) * alpha, torch.ones(k), 1e-6)  # (GG^T alpha)_t = 1/alpha_t
+
+
+# --------------------------------------------------------------------------------------------------
+# IMTL-G
+
+
+def test_imtlg_two_task_cases():
+    # orthogonal g1=(3,0), g2=(0,4): alpha = (4/7, 3/7), d = (12/7, 12/7)
+    close(imtlg_weights(gram(G([3.0, 0.0], [0.0, 4.0]))), [4 / 7, 3 / 7])
+    close(imtlg(G([3.0, 0.0], [0.0, 4.0])), [12 / 7, 12 / 7])
+    close(imtlg(G([100.0, 0.0], [0.0, 1.0])), [100 / 101, 100 / 101])
+    # opposed: d . u = -d . u forces d . u = 0, so alpha_1 ||g_1|| = alpha_2 ||g_2||
+    close(imtlg_weights(gram(G([1.0, 2.0], [-3.0, -6.0]))), [0.75, 0.25])
+    close(imtlg(G([1.0, 2.0], [-1.0, -2.0])), [0.0, 0.0])  # opposed, equal norms: equal (zero) projections
+    close(imtlg(G([1.0, 2.0], [1.0, 2.0])), [1.0, 2.0])  # identical
+    close(imtlg_weights(gram(G([0.0, 0.0], [1.0, 2.0]))), [0.0, 1.0])  # zero row
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_imtlg_has_equal_projections_onto_the_unit_gradients(k):
+    for seed in range(5):
+        g = random_grads(k, 6, 20 * k + seed)
+        alpha = imtlg_weights(gram(g))
+        assert abs(float(alpha.sum()) - 1) < 1e-10
+        proj = (g / g.norm(dim=1, keepdim=True)) @ (alpha @ g)
+        close(proj, proj[0].expand(k), 1e-9)
+
+
+# --------------------------------------------------------------------------------------------------
+# Aligned-MTL
+
+
+def test_alignedmtl_two_task_cases():
+    # orthogonal (3,0), (0,4): sigma_min = 3, aligned rows (3,0), (0,3), sum (3,3)
+    close(alignedmtl(G([3.0, 0.0], [0.0, 4.0])), [3.0, 3.0])
+    close(alignedmtl(G([100.0, 0.0], [0.0, 1.0])), [1.0, 1.0])
+    close(alignedmtl(G([1.0, 2.0], [1.0, 2.0])), [2.0, 4.0])  # identical (rank 1): the sum
+    close(alignedmtl(G([1.0, 2.0], [-1.0, -2.0])), [0.0, 0.0])  # opposed
+    close(alignedmtl(G([0.0, 0.0], [1.0, 2.0])), [1.0, 2.0])  # zero row: the other row
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_alignedmtl_gram_condition(k):
+    for seed in range(5):
+        g = random_grads(k, 6, 30 * k + seed) * torch.tensor([100.0] + [1.0] * (k - 1), dtype=torch.float64)[:, None]
+        m = gram(g)
+        b = alignedmtl_balance(m)
+        aligned = b @ g
+        lam, vec = torch.linalg.eigh(m)
+        close(gram(aligned), lam.min() * torch.eye(k), 1e-8 * float(lam.max()))  # orthogonal, equal norms
+        d = alignedmtl_weights(m) @ g
+        sqrt_m = vec @ torch.diag(lam.sqrt()) @ vec.T
+        close(g @ d, lam.min().sqrt() * sqrt_m @ torch.ones(k, dtype=torch.float64), 1e-8 * float(lam.max()))
+
+
+# --------------------------------------------------------------------------------------------------
+# UPGrad
+
+
+def test_upgrad_two_task_cases():
+    close(upgrad(G([3.0, 0.0], [0.0, 4.0])), [1.5, 2.0])  # orthogonal: the mean
+    close(upgrad(G([1.0, 2.0], [-3.0, -6.0])), [0.0, 0.0])  # opposed: both project to 0
+    close(upgrad(G([1.0, 2.0], [1.0, 2.0])), [1.0, 2.0])  # identical
+    # 100x in conflict: pi(g1) = (50, 50), pi(g2) = (0, 1), mean (25, 25.5)
+    close(upgrad(G([100.0, 0.0], [-1.0, 1.0])), [25.0, 25.5])
+    for seed in range(10):  # K = 2: the PCGrad projection, averaged
+        g = random_grads(2, 4, seed)
+        close(upgrad(g), pcgrad(g) / 2)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_upgrad_projects_onto_the_dual_cone(k):
+    for seed in range(5):
+        g = random_grads(k, 4, 40 * k + seed)
+        v = upgrad_projections(gram(g))
+        proj = v @ g
+        assert (proj @ g.T >= -1e-9).all()  # every projection is in the dual cone
+        u = v - torch.eye(k, dtype=torch.float64)
+        assert (u >= -1e-12).all()
+        # KKT of the projection: x - g_i = G^T u_i with u_i >= 0 and u_it > 0 only where g_t . x = 0
+        assert (u * (proj @ g.T)).abs().max() < 1e-8
+        d = upgrad(g)
+        assert (g @ d >= -1e-9).all()  # never increases a task's loss to first order
+        close(d, proj.mean(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# GradNorm
+
+
+def test_gradnorm_loss_and_its_gradient():
+    w = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    norms = torch.tensor([4.0, 1.0], dtype=torch.float64)
+    l0 = torch.tensor([2.0, 2.0], dtype=torch.float64)
+    lt = torch.tensor([1.0, 1.5], dtype=torch.float64)  # ratios (0.5, 0.75), r = (0.8, 1.2)
+    r = torch.tensor([0.8, 1.2], dtype=torch.float64)
+    target = 2.5 * r**1.5
+    loss, grad = gradnorm_weight_grad(w, norms, l0, lt, 1.5)
+    close(loss, (torch.tensor([4.0, 1.0], dtype=torch.float64) - target).abs().sum())
+    close(grad, torch.sign(w * norms - target) * norms)  # target held constant
+    close(gradnorm_loss(w, norms, l0, lt, 1.5), loss)
+    assert grad[0] > 0 and grad[1] < 0  # the task with the larger weighted norm is pushed down
+    w2 = gradnorm_renormalize(torch.tensor([3.0, -1.0, 1.0]))
+    assert abs(float(w2.sum()) - 3) < 1e-6 and (w2 > 0).all()
+    close(gradnorm(G([1.0, 2.0], [3.0, 4.0]), torch.tensor([0.5, 2.0], dtype=torch.float64)), [6.5, 9.0])
+
+
+def test_gradnorm_weighting_updates_and_round_trips():
+    w = make("gradnorm")
+    grads = G([4.0, 0.0], [0.0, 1.0])
+    w.begin_step(0)
+    close(w.combine(grads, None), [4.0, 1.0])  # w = 1 until a loss history exists
+    assert w.weights() == {"cls": 1.0, "gen": 1.0}
+    w.end_step({"cls": 2.0, "gen": 2.0})
+    w.begin_step(1)
+    close(w.combine(grads, None), [4.0, 1.0])  # this step still uses w = 1 ...
+    after = w.weights()  # ... and then moves it: equal ratios, cls has the larger norm
+    assert after["cls"] < 1 < after["gen"] and abs(sum(after.values()) - 2) < 1e-6
+    close(after["cls"], 1 - 0.025, 1e-4)  # a first Adam step moves by ~lr (before renormalising)
+    w.end_step({"cls": 1.9, "gen": 1.5})
+    fresh = roundtrip(w)
+    assert fresh.weights() == w.weights()
+    for step in (2, 3):
+        for m in (w, fresh):
+            m.begin_step(step)
+            m.combine(grads, None)
+            m.end_step({"cls": 1.8, "gen": 1.2})
+    assert fresh.weights() == w.weights()
+    nan = G([float("nan"), 0.0], [0.0, 1.0])
+    before = w.weights()
+    w.combine(nan, None)
+    assert w.weights() == before  # non-finite gradients do not move the weights
+
+
+# --------------------------------------------------------------------------------------------------
+# loss-level methods
+
+
+def test_rlw_weights_are_softmax_of_normals_shared_by_seed_and_step():
+    a, b = make("rlw", seed=5), make("rlw", seed=5)
+    seen = []
+    for step in range(50):
+        a.begin_step(step)
+        b.begin_step(step)
+        assert a.weights() == b.weights()
+        w = a.weights()
+        assert all(v > 0 for v in w.values()) and abs(sum(w.values()) - 1) < 1e-12
+        seen.append(w["cls"])
+    assert len(set(seen)) == 50  # a new draw every step
+    other = make("rlw", seed=6)
+    other.begin_step(3)
+    a.begin_step(3)
+    assert other.weights() != a.weights()
+    # log(w1/w2) = z1 - z2 ~ N(0, 2) for standard-normal z
+    diffs = torch.tensor([math.log(w[0] / w[1]) for w in (rlw_weights(0, s, 2) for s in range(4000))])
+    assert abs(float(diffs.mean())) < 0.1 and abs(float(diffs.var()) - 2.0) < 0.2
+    a.begin_step(9)
+    loss = torch.tensor(3.0)
+    close(a.weigh("gen", loss), 3.0 * a.weights()["gen"], 1e-6)
+    fresh = roundtrip(a)
+    assert fresh.weights() == a.weights()
+    fresh.begin_step(10)
+    a.begin_step(10)
+    assert fresh.weights() == a.weights()
+
+
+def test_uw_term_weights_and_gradient():
+    w = make("uw")
+    with torch.no_grad():
+        w.log_vars.copy_(torch.tensor([0.3, -0.7]))
+    loss = torch.tensor(2.0)
+    term = w.weigh("gen", loss)
+    close(term, 0.5 * math.exp(0.7) * 2.0 + 0.5 * -0.7, 1e-6)
+    (grad,) = torch.autograd.grad(term, w.log_vars)
+    close(grad, [0.0, 0.5 - 0.5 * math.exp(0.7) * 2.0], 1e-6)  # d/ds = 0.5 - 0.5 exp(-s) L
+    assert w.weights()["cls"] == pytest.approx(0.5 * math.exp(-0.3))
+    x = torch.tensor(1.5, requires_grad=True)
+    (gx,) = torch.autograd.grad(w.weigh("cls", x**2), x)
+    close(gx, 0.5 * math.exp(-0.3) * 3.0, 1e-6)
+    assert [p for p in w.parameters()] == [w.log_vars]
+    fresh = roundtrip(w)
+    assert fresh.weights() == w.weights()
+    close(fresh.weigh("gen", loss).detach(), term.detach())
+
+
+def test_dwa_weights_follow_the_formula():
+    w = make("dwa")
+    assert w.weights() == {"cls": 1.0, "gen": 1.0}
+    w.end_step({"cls": 1.0, "gen": 2.0})
+    assert w.weights() == {"cls": 1.0, "gen": 1.0}  # still 1 for the first two steps
+    w.end_step({"cls": 0.5, "gen": 1.8})
+    r = torch.tensor([0.5 / 1.0, 1.8 / 2.0]) / 2.0
+    expected = 2 * torch.softmax(r, 0)
+    close(list(w.weights().values()), expected, 1e-6)
+    assert w.weights()["gen"] > w.weights()["cls"]  # the slower task gains weight
+    close(w.weigh("gen", torch.tensor(3.0)), 3.0 * float(expected[1]), 1e-6)
+    w.end_step({"cls": 0.4, "gen": 0.9})
+    close(dwa_weights([0.4, 0.9], [0.5, 1.8]), list(w.weights().values()), 1e-12)
+    fresh = roundtrip(w)
+    assert fresh.weights() == w.weights()
+    for m in (w, fresh):
+        m.end_step({"cls": 0.3, "gen": 0.85})
+    assert fresh.weights() == w.weights()
+
+
+def test_gls_is_the_log_of_the_geometric_mean():
+    w = make("gls")
+    x = torch.tensor([2.0, 3.0], requires_grad=True)
+    losses = {"cls": x[0] ** 2, "gen": x[1] * 5.0}
+    total = sum(w.weigh(t, losses[t]) for t in TASKS)
+    close(total, math.log(math.sqrt(4.0 * 15.0)), 1e-6)  # log (L1 L2)^(1/2)
+    (gx,) = torch.autograd.grad(total, x)
+    # d log L / dx = L'/(K L): 2x/(2 x^2) and 5/(2 * 5x)
+    close(gx, [1 / 2.0, 1 / 6.0], 1e-6)
+    assert torch.isfinite(w.weigh("cls", torch.tensor(0.0)))
+
+
+def test_famo_terms_and_logit_update():
+    w = make("famo")
+    x = torch.tensor(2.0, requires_grad=True)
+    term = w.weigh("cls", x**2)  # first step: c = 1, z = 1/2
+    (gx,) = torch.autograd.grad(term, x)
+    close(gx, 0.5 * 2 * 2.0 / (4.0 + FAMO_EPS), 1e-6)
+    w.end_step({"cls": 1.0, "gen": 1.0})  # no update yet (no "before" loss)
+    close(w.logits, [0.0, 0.0])
+    w.begin_step(1)
+    # c = (sum z/L)^-1 from the previous losses: (0.5 + 0.5)^-1 = 1; term = c z log L
+    close(w.weigh("gen", torch.tensor(3.0)), 0.5 * math.log(3.0 + FAMO_EPS), 1e-6)
+    w.end_step({"cls": 0.5, "gen": 0.9})  # cls improved faster
+    delta = torch.log(torch.tensor([1.0, 1.0]) + FAMO_EPS) - torch.log(torch.tensor([0.5, 0.9]) + FAMO_EPS)
+    g = famo_logit_grad(torch.zeros(2), delta)
+    close(g, 0.5 * (delta - delta.mean()), 1e-6)
+    close(w.logits, -0.025 * torch.sign(g), 1e-6)  # the first Adam step moves each logit by ~lr
+    z = w.weights()
+    assert z["gen"] > 0.5 > z["cls"]  # the slower task gains weight
+    w.begin_step(2)
+    c = 1.0 / (z["cls"] / 0.5 + z["gen"] / 0.9)
+    close(w.weigh("cls", torch.tensor(0.4)), c * z["cls"] * math.log(0.4 + FAMO_EPS), 1e-6)
+    for losses in ({"cls": 0.45, "gen": 0.8}, {"cls": 0.44, "gen": 0.6}):
+        w.end_step(losses)
+    fresh = roundtrip(w)
+    assert fresh.weights() == w.weights()
+    for m in (w, fresh):
+        m.begin_step(5)
+        m.end_step({"cls": 0.3, "gen": 0.55})
+    assert fresh.weights() == w.weights()
+    close(fresh.weigh("gen", torch.tensor(0.5)), w.weigh("gen", torch.tensor(0.5)), 1e-12)
+
+
+@pytest.mark.parametrize("method", LOSS_METHODS)
+def test_loss_methods_are_separable(method):
+    """A task's term must not change when another task's current loss does."""
+    a, b = make(method), make(method)
+    for m in (a, b):
+        m.end_step({"cls": 1.0, "gen": 2.0})
+        m.end_step({"cls": 0.8, "gen": 1.9})
+        m.begin_step(2)
+    x = torch.tensor(1.3)
+    ta = [a.weigh("cls", x), a.weigh("gen", torch.tensor(0.1))]
+    tb = [b.weigh("gen", torch.tensor(5.0)), b.weigh("cls", x)]
+    close(ta[0].detach(), tb[1].detach(), 0.0)

@@ -1,0 +1,40 @@
+"""Train one multi-task model: ``torchrun --nproc_per_node=N train.py --config configs/X.yaml [key=value ...]``.
+
+Also runs as ``python train.py --config ...`` (one process) and under multi-node torchrun rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mtl.cli import run_guarded
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config file (may name a base: file)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100")
+    args = parser.parse_args(argv)
+
+    def run():
+        from mtl import dist
+        from mtl.trainer import Trainer
+        from mtl.validate import load_run_config
+
+        cfg = load_run_config(args.config, args.overrides)
+        info = dist.init_distributed(cfg)
+        trainer = None
+        try:
+            trainer = Trainer(cfg, info)
+            trainer.train()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            dist.destroy()
+
+    return run_guarded(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
