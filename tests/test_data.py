@@ -22,7 +22,6 @@ from mtl.data import (
     all_captions,
     build_datasets,
     build_eval_loader,
-    build_tokenizer,
     build_train_loader,
     set_epoch,
     train_tokenizer,
@@ -497,11 +496,17 @@ def test_build_datasets_user_data(images):
 
 
 def test_build_tokenizer_trains_or_loads(tmp_path):
+    from mtl.build import build_tokenizer
+    from mtl.dist import DistInfo
+
     cfg = _cfg(image_size=32, **{"synthetic.train_size": 50})
+    cfg.output_dir = str(tmp_path / "run1")
     train, _ = build_datasets(cfg)
-    trained = build_tokenizer(cfg, train)
+    trained = build_tokenizer(cfg, lambda: all_captions(train), DistInfo())
     assert trained.decode(trained.encode(train.caption(3))) == train.caption(3)
+    assert (tmp_path / "run1" / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own copy
     trained.save(str(tmp_path / "tok"))
     cfg.tokenizer.path = str(tmp_path / "tok")
-    loaded = build_tokenizer(cfg, train)
+    cfg.output_dir = str(tmp_path / "run2")
+    loaded = build_tokenizer(cfg, lambda: [], DistInfo())
     assert loaded.encode(train.caption(3)) == trained.encode(train.caption(3))

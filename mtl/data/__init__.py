@@ -10,7 +10,6 @@ from mtl.data.loader import (
     all_captions,
     build_datasets,
     build_eval_loader,
-    build_tokenizer,
     build_train_loader,
     set_epoch,
 )
@@ -28,7 +27,6 @@ __all__ = [
     "all_captions",
     "build_datasets",
     "build_eval_loader",
-    "build_tokenizer",
     "build_train_loader",
     "set_epoch",
     "train_tokenizer",
