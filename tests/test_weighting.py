@@ -87,6 +87,7 @@ def test_every_method_is_discovered_with_its_level():
         assert types[m].level == "grad", m
     for m in LOSS_METHODS + GRAD_METHODS:
         assert types[m].check(cfg_for(m)) == []
+        roundtrip(make(m))  # every state_dict loads (strictly) into a fresh instance
 
 
 @pytest.mark.parametrize("method", GRAD_METHODS)
@@ -132,6 +133,24 @@ def test_cuda_matches_cpu(name):
     for k in (2, 3):
         g = random_grads(k, 1000, 7)
         close(GRAD_FUNCS[name](g.cuda()).cpu(), GRAD_FUNCS[name](g), 1e-9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("method", LOSS_METHODS + GRAD_METHODS)
+def test_weightings_run_on_cuda(method):
+    w = make(method, tasks=["a", "b", "c"]).to("cuda")
+    for step in range(3):
+        w.begin_step(step)
+        if w.level == "grad":
+            grads = random_grads(3, 1000, step).float().cuda()
+            d = w.combine(grads, torch.ones(3, device="cuda"))
+            assert d.device.type == "cuda" and d.shape == (1000,) and torch.isfinite(d).all()
+        else:
+            for t in w.tasks:
+                term = w.weigh(t, torch.tensor(1.5, device="cuda"))
+                assert term.device.type == "cuda" and torch.isfinite(term)
+        w.end_step({"a": 2.0 - 0.1 * step, "b": 1.0, "c": 0.5 + 0.1 * step})
+        assert all(math.isfinite(v) for v in w.weights().values())
 
 
 # --------------------------------------------------------------------------------------------------

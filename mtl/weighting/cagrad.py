@@ -131,7 +131,7 @@ def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RES
         if gw_norm > 1e-12 * math.sqrt(max(float(np.max(np.diag(m))), 0.0)):
             alpha = alpha + c * math.sqrt(g0_sq) / gw_norm * w
     if rescale:
-        alpha = alpha / (1.0 + c)
+        alpha = alpha / (1.0 + c * c)
     return torch.as_tensor(alpha, dtype=gram.dtype, device=gram.device)
 
 

@@ -22,7 +22,8 @@ Degenerate input:
   (the equation has no solution for it); all-zero input gives d = 0.
 - when no direction improves every task (0 in the convex hull, e.g. exactly opposed gradients) the
   equation has no solution; a ridge ``NASH_RIDGE`` * I on the cosine matrix keeps it solvable, alpha
-  becomes large (~1/sqrt(ridge)) and d ~ 0 (exactly 0 for opposed gradients of any norms).
+  becomes large (~1/sqrt(ridge)) and d ~ 0 (0 up to rounding for opposed gradients of any norms).
+  The ridge perturbs the equation by ridge * beta_t^2 (relative), negligible unless d is nearly 0.
 - non-finite input gives alpha = 1 (a non-finite update: the trainer skips the step).
 """
 
