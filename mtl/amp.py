@@ -21,6 +21,9 @@ class Amp:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
     def unscale_(self, optimizer) -> None:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)

@@ -82,6 +82,16 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def average_grads(params: list) -> None:
+    """Average the gradients of parameters that DDP does not manage, in one collective."""
+    params = [p for p in params if p.grad is not None]
+    if not params or not (dist.is_available() and dist.is_initialized()):
+        return
+    flat = all_reduce_mean(torch.cat([p.grad.reshape(-1) for p in params]))
+    for p, piece in zip(params, torch.split(flat, [p.numel() for p in params])):
+        p.grad.copy_(piece.view_as(p))
+
+
 def all_gather_objects(obj) -> list:
     if dist.is_available() and dist.is_initialized():
         out = [None] * dist.get_world_size()

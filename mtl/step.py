@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtl.dist import all_reduce_mean, all_reduce_sum
+from mtl.dist import all_reduce_mean, all_reduce_sum, average_grads
 from mtl.strategies import StepInputs
 
 
@@ -31,8 +31,11 @@ def train_step(run, batch: dict) -> StepResult:
     for head in run.heads.values():
         head.prepare(batch, all_reduce_sum)  # e.g. the global caption-token count
 
+    w = run.weighting
     losses, stats = run.strategy.forward_backward(StepInputs(
-        model=run.model, batch=batch, tasks=run.tasks, weigh=run.weighting.weigh, scale=run.amp.scale))
+        model=run.model, batch=batch, tasks=run.tasks, weigh=w.weigh, scale=run.amp.scale,
+        combine=w.combine if w.level == "grad" else None, loss_scale=run.amp.loss_scale))
+    average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
     run.amp.unscale_(run.optimizer)
     grads = [p.grad for p in run.params if p.grad is not None]

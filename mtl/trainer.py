@@ -187,7 +187,7 @@ class Trainer:
         else:
             self.bad_steps = 0
         if self.step % t.log_every == 0 or self.step == 1:
-            scale = self.amp.scaler.get_scale() if self.amp.scaler is not None else 1.0
+            scale = self.amp.loss_scale()
             values = {f"loss_{k}": v for k, v in r.losses.items()}
             values.update({f"weight_{k}": v for k, v in self.weighting.weights().items()})
             values.update({k: float(v) / scale for k, v in r.stats.items()})

@@ -26,6 +26,8 @@ class StepInputs:
     tasks: list
     weigh: Callable[[str, torch.Tensor], torch.Tensor]  # the weighting method's per-task term
     scale: Callable[[torch.Tensor], torch.Tensor]  # AMP loss scaling (identity unless fp16)
+    combine: Callable | None = None  # a gradient-level method's combine(grads, losses), else None
+    loss_scale: Callable[[], float] = lambda: 1.0  # the current fp16 loss scale
 
 
 class Strategy:
@@ -37,6 +39,7 @@ class Strategy:
     backbone_backwards: int = 1
     allreduces: int = 1  # reductions of every gradient bucket per step
     changes_objective: bool = False
+    task_gradients: bool = False  # gives gradient-level weighting methods each task's gradient
 
     def __init__(self, cfg):
         self.cfg = cfg
