@@ -18,7 +18,9 @@ class RunLogger:
         self._jsonl = None
         if not enabled:
             return
-        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(output_dir, "metrics.jsonl")
+        _drop_records_after(path, start_step)  # a resumed run redoes the steps after its checkpoint
+        self._jsonl = open(path, "a", encoding="utf-8")
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(os.path.join(output_dir, "tb"))
@@ -77,3 +79,22 @@ class RunLogger:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    if len(keep) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, path)
