@@ -18,7 +18,7 @@ install: $(STAMP)
 
 # The main job: NPROC processes on this machine (gloo on CPU, nccl on GPU, chosen automatically).
 train: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+	$(BIN)/python -m mtl.launch --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

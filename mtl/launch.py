@@ -1,0 +1,47 @@
+"""``python -m mtl.launch [torchrun options] train.py --config X [key=value ...]``: torchrun, quieter on failure.
+
+What ``make train`` uses. It checks the config once, before any worker starts (a config error is one
+message and exit code 2), then runs torchrun's own launcher in this process. When a worker fails it
+has already printed its one-line error; instead of torchrun's launcher traceback this prints one
+summary line and exits with the worker's exit code. Plain ``torchrun`` works too; it only prints
+more on failure.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _config_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    if "--config" not in argv:
+        return None, []
+    i = argv.index("--config")
+    return argv[i + 1] if i + 1 < len(argv) else None, [a for a in argv[i + 2:] if "=" in a and not a.startswith("-")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config, overrides = _config_args(argv)
+    if config is not None:
+        from mtl.cli import run_guarded
+        from mtl.validate import load_run_config
+
+        code = run_guarded(lambda: load_run_config(config, overrides))
+        if code:
+            return code
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        ranks = sorted(e.failures)
+        print(f"mtl.launch: worker(s) {ranks} exited with code(s) {codes}; the error is above", file=sys.stderr)
+        return next((c for c in codes if c > 0), 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
