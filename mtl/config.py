@@ -92,6 +92,9 @@ class DDPConfig:
     bucket_cap_mb: int = 25
     timeout_s: int = 600  # collective timeout: a failed rank makes the others exit within this
     detach_owner: str = "cls"  # detach strategy: the task whose loss trains the backbone
+    unsafe: bool = False  # allow flag combinations known to fail (to reproduce the failures); never in real runs
+    replica_check_every: int = 100  # all-reduce a parameter checksum every N steps; 0: off
+    nan_monitor: bool = False  # on a non-finite step, name the task and the first non-finite parameter
 
 
 @dataclass

@@ -22,6 +22,7 @@ from mtl.dist import DistInfo, barrier
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.logger import RunLogger
+from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.step import train_step
 
 
@@ -156,12 +157,19 @@ class Trainer:
         while self.step < t.max_steps:
             i, batch = next(batches)
             tic = time.perf_counter()
-            result = train_step(self, to_device(batch, self.device))
+            batch = to_device(batch, self.device)
+            try:
+                result = train_step(self, batch)
+            except RuntimeError as e:
+                raise explain_ddp_error(e, self, batch) or e from None
             self.step += 1
             self.batch_in_epoch = i + 1
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            self._after_step(result, time.perf_counter() - tic)
+            self._after_step(result, time.perf_counter() - tic, batch)
+            every = cfg.ddp.replica_check_every
+            if self.dist.distributed and every and self.step % every == 0:
+                check_replicas(self.bare, self.step)
             if self.step % t.eval_every == 0 and self.step < t.max_steps:
                 self.run_eval()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps:
@@ -172,14 +180,16 @@ class Trainer:
         self._finish(final, wall)
         return final
 
-    def _after_step(self, r, seconds: float) -> None:
+    def _after_step(self, r, seconds: float, batch: dict) -> None:
         t = self.cfg.trainer
         if r.nonfinite:
             self.bad_steps += 1
             bad = [k for k, v in r.losses.items() if not np.isfinite(v)] or ["gradient"]
-            self.log.record(self.step, {"bad_step": 1, "nonfinite": ",".join(bad), "consecutive": self.bad_steps},
-                            kind="bad_step")
-            self.log.info(f"step {self.step}: non-finite {', '.join(bad)}; optimizer step skipped on every rank")
+            where = locate_nonfinite(self.bare, batch, self.tasks) if self.cfg.ddp.nan_monitor else ""
+            self.log.record(self.step, {"bad_step": 1, "nonfinite": ",".join(bad), "consecutive": self.bad_steps,
+                                        "where": where}, kind="bad_step")
+            self.log.info(f"step {self.step}: non-finite {', '.join(bad)}; optimizer step skipped on every rank"
+                          + (f"\n{where}" if where else ""))
             if self.bad_steps >= t.max_bad_steps:
                 raise TrainingError(
                     f"{self.bad_steps} consecutive non-finite steps (trainer.max_bad_steps={t.max_bad_steps}). "

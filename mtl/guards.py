@@ -1,0 +1,83 @@
+"""Turning DDP's failure modes into messages: reduction errors, replica divergence, non-finite gradients."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mtl.diagnose import nonfinite_parameters, reach_table, task_gradients
+from mtl.dist import all_gather_objects
+from mtl.errors import TrainingError
+
+DDP_ERRORS = {
+    "Expected to have finished reduction in the prior iteration": "per-task forwards left parameters without a "
+    "gradient, so DDP's reduction never finished (and the optimizer stepped on unreduced gradients)",
+    "Expected to mark a variable ready only once": "one forward was followed by several backward passes through "
+    "the same parameters",
+    "Encountered gradient which is undefined, but still allreduced": "find_unused_parameters=True with several "
+    "backward passes through one forward",
+    "Your training graph has changed in this iteration": "static_graph=True with several backward passes",
+}
+
+
+def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingError | None:
+    """A TrainingError naming, per task, the module groups that got no gradient, or None if not a DDP error."""
+    text = str(error)
+    cause = next((why for key, why in DDP_ERRORS.items() if key in text), None)
+    if cause is None:
+        return None
+    cfg = trainer.cfg
+    lines = [f"DDP error at step {trainer.step + 1} with ddp.strategy={cfg.ddp.strategy} "
+             f"(find_unused_parameters={trainer.strategy.ddp_kwargs()['find_unused_parameters']}): {cause}.",
+             f"  torch said: {text.splitlines()[0][:200]}"]
+    try:
+        table = reach_table(task_gradients(trainer.bare, batch, trainer.tasks), depth=2)
+        for t, row in table.items():
+            missing = sorted(g for g, s in row.items() if s == "none")
+            lines.append(f"  task {t}: no gradient reaches {', '.join(missing) or '(every parameter is reached)'}")
+        shared = sorted(g for g in next(iter(table.values())) if all(row[g] != "none" for row in table.values()))
+        if shared:
+            lines.append(f"  reached by every task (a backward pass per task marks them ready again): {', '.join(shared)}")
+    except Exception as e:  # the explanation must never hide the original error
+        lines.append(f"  (could not trace the per-task gradients: {e})")
+    lines.append("  fix: set ddp.strategy=feature_leaf (one shared forward, exact, one all-reduce), or "
+                 "ddp.strategy=placeholder / find_unused for per-task forwards, and remove ddp.unsafe and any "
+                 "ddp.find_unused_parameters / ddp.static_graph override (see docs/strategies.md)")
+    return TrainingError("\n".join(lines))
+
+
+def parameter_checksums(model: torch.nn.Module) -> torch.Tensor:
+    """Two float64 numbers per parameter tensor: its sum and its sum of squares."""
+    params = [p.detach() for p in model.parameters()]
+    sums = torch.stack([p.double().sum() for p in params])
+    norms = torch.stack(torch._foreach_norm([p.double() for p in params]))
+    return torch.cat([sums, norms])
+
+
+def check_replicas(model: torch.nn.Module, step: int) -> None:
+    """Fail loudly, naming the first diverging parameter, if the ranks' parameters are not identical."""
+    local = parameter_checksums(model)
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # one collective: the max and (minus) the min of each
+    n = local.numel()
+    spread = both[:n] + both[n:]  # max - min per checksum; exactly 0 when every rank agrees
+    if bool((spread != 0).any()):
+        names = [name for name, _ in model.named_parameters()]
+        first = int((spread.view(2, -1) != 0).any(0).nonzero()[0])
+        raise TrainingError(
+            f"replica check at step {step}: the ranks' parameters differ, first at {names[first]!r} "
+            f"(checksum spread {float(spread[first]):.3g}). Gradients stopped being synchronised: check "
+            "ddp.strategy and its flags (docs/strategies.md), or set ddp.replica_check_every=0 to turn the check off")
+
+
+def locate_nonfinite(model, batch: dict, tasks: list[str]) -> str:
+    """Per rank and task, the first parameter whose gradient is NaN/inf (recomputed on this rank's batch)."""
+    try:
+        grads = task_gradients(model, batch, tasks)
+        found = {t: nonfinite_parameters(g)[:1] for t, g in grads.items()}
+    except Exception as e:
+        found = {"?": [f"could not trace: {e}"]}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    reports = all_gather_objects((rank, found))
+    lines = [f"  rank {r} task {t}: first non-finite gradient in {p[0]}" for r, f in reports for t, p in f.items() if p]
+    return "\n".join(lines) or "  no task gives a non-finite gradient on its own batch (an overflow in the sum?)"
