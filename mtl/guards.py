@@ -10,8 +10,10 @@ from mtl.dist import all_gather_objects
 from mtl.errors import TrainingError
 
 DDP_ERRORS = {
-    "Expected to have finished reduction in the prior iteration": "per-task forwards left parameters without a "
-    "gradient, so DDP's reduction never finished (and the optimizer stepped on unreduced gradients)",
+    "Expected to have finished reduction in the prior iteration": "a backward pass left some parameters without a "
+    "gradient (per-task forwards, or no_sync, without find_unused_parameters), so DDP never finished that reduction "
+    "and the gradients it left are rank-local. With no_sync the error only comes at the next step's forward, after "
+    "the optimizer has stepped on them",
     "Expected to mark a variable ready only once": "one forward was followed by several backward passes through "
     "the same parameters",
     "Encountered gradient which is undefined, but still allreduced": "find_unused_parameters=True with several "

@@ -104,3 +104,23 @@ def test_feature_leaf_step_matches_an_independently_computed_gradient(tmp_path):
         assert float((step - g).abs().max()) <= float(tol), n
         checked += 1
     assert checked > 50
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, torch_says", [
+    (["ddp.strategy=find_unused", "ddp.find_unused_parameters=false"],
+     "Expected to have finished reduction in the prior iteration"),
+    (["ddp.strategy=two_backward"], "Expected to mark a variable ready only once"),
+])
+def test_the_seed_articles_failures_are_reproduced_and_explained(tmp_path, overrides, torch_says):
+    """The failures the seed articles describe, reproduced (ddp.unsafe=true skips the config-time refusal); the
+    trainer turns each into one message naming, per task, the module groups without a gradient, and the fix."""
+    proc = run_train(["--config", TINY, f"output_dir={tmp_path}", "ddp.unsafe=true", *overrides], nproc=2,
+                     check=False)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert torch_says in err
+    assert "task cls: no gradient reaches heads.gen" in err and "task gen: no gradient reaches heads.cls" in err
+    assert "fix: set ddp.strategy=feature_leaf" in err
+    assert err.count("error: DDP error") == 1  # one message, from rank 0
+    assert "Traceback (most recent call last)" not in err.split("torch.distributed.elastic")[0]

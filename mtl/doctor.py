@@ -1,0 +1,189 @@
+"""The gradient doctor: one step in one process, and what each strategy would cost.
+
+    python -m mtl.doctor --config configs/tiny.yaml [key=value ...] [--json]
+
+Prints, for the configured model and one training batch:
+- per task, which module groups receive a gradient (non-zero, zero, or none);
+- per-task gradient norms, and any NaN/inf with the parameter names;
+- the cosine between the tasks' gradients on the shared (backbone) parameters;
+- per strategy: forwards, backbone backward passes, all-reduces and bytes all-reduced per step, the
+  extra memory held, and a time estimate from measured forward/backward times;
+- a recommendation for this model, with the reason.
+It never starts a process group and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from mtl.cli import run_guarded
+
+
+def _tokenizer(cfg, train_ds):
+    from mtl.data.loader import all_captions
+    from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
+
+    run_copy = os.path.join(cfg.output_dir, "tokenizer")
+    if os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
+        return CaptionTokenizer.load(run_copy)
+    if cfg.tokenizer.path:
+        return CaptionTokenizer.load(cfg.tokenizer.path)
+    return train_tokenizer(all_captions(train_ds), cfg.tokenizer.vocab_size)
+
+
+def _timed(fn, reps: int = 3) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        tic = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def examine(cfg) -> dict:
+    from mtl.build import build_model
+    from mtl.data.loader import CaptionCollate, build_datasets, build_train_loader, set_epoch
+    from mtl.diagnose import nonfinite_parameters, reach_table, task_gradients
+    from mtl.strategies import strategy_types
+    from mtl.trainer import seed_everything
+    from mtl.weighting import weighting_types
+
+    seed_everything(cfg.seed)
+    train_ds, _ = build_datasets(cfg)
+    tok = _tokenizer(cfg, train_ds)
+    model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tok).train()
+    loader = build_train_loader(train_ds, CaptionCollate(tok, cfg.data.max_caption_tokens), cfg.data.batch_size,
+                                0, 1, cfg.seed)
+    set_epoch(loader, 0)
+    batch = next(iter(loader))
+    tasks = list(cfg.tasks)
+
+    grads = task_gradients(model, batch, tasks)
+    table = reach_table(grads, depth=3)
+    norms = {t: float(torch.linalg.vector_norm(torch.stack([g.norm() for g in per.values() if g is not None])))
+             for t, per in grads.items()}
+    nonfinite = {t: nonfinite_parameters(per) for t, per in grads.items()}
+    shared_names = [n for n, p in model.named_parameters() if n.startswith("backbone.") and p.requires_grad]
+
+    def shared_vec(t):
+        return torch.cat([(grads[t][n] if grads[t][n] is not None else torch.zeros_like(dict(model.named_parameters())[n]))
+                          .reshape(-1) for n in shared_names])
+
+    vecs = {t: shared_vec(t) for t in tasks}
+    cosine = {}
+    for i, a in enumerate(tasks):
+        for b in tasks[i + 1:]:
+            cosine[f"{a}/{b}"] = float(torch.nn.functional.cosine_similarity(vecs[a], vecs[b], dim=0))
+
+    # measured forward and backward times of the whole model (F, B), and of the backbone alone
+    def forward():
+        return sum(model(batch)["losses"].values())
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        forward().backward()
+
+    f_time = _timed(lambda: forward().detach())
+    fb_time = _timed(fwd_bwd)
+    b_time = max(fb_time - f_time, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+    p_all = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    p_shared = sum(p.numel() for p in model.backbone.parameters() if p.requires_grad)
+    p_heads = p_all - p_shared
+    elem = 4
+    with torch.no_grad():
+        fmap = model.backbone(batch["image"]).numel()
+    k = len(tasks)
+    costs = {}
+    for name, cls in strategy_types().items():
+        if name == "two_backward":
+            continue
+        extra = {"feature_leaf": fmap * elem * 2, "task_grads": k * p_shared * elem + fmap * elem * 2}.get(name, 0)
+        reduced = (k * p_shared + p_heads) * elem if name == "task_grads" else cls.allreduces * p_all * elem
+        # time model: each forward costs F; each backbone backward costs about B (heads are small here)
+        estimate = (cls.forwards * f_time + cls.backbone_backwards * b_time) / (f_time + b_time)
+        costs[name] = {"forwards": cls.forwards, "backbone_backwards": cls.backbone_backwards,
+                       "allreduces": cls.allreduces, "bytes_allreduced": reduced, "extra_memory_bytes": extra,
+                       "est_time_vs_combined": round(estimate, 2), "exact_combined_gradient": not cls.changes_objective,
+                       "task_gradients": cls.task_gradients, "summary": cls.summary}
+    method = weighting_types()[cfg.weighting.method]
+    if method.level == "grad":
+        rec = ("task_grads", f"weighting.method={cfg.weighting.method} needs each task's rank-averaged gradient of the "
+               "shared parameters; task_grads gives it with one backbone forward and one all-reduce")
+    else:
+        rec = ("feature_leaf", "it gives the exact combined-loss gradient with one backbone forward, one backbone "
+               "backward and one all-reduce (the cost of combined), plus each task's feature gradient")
+    conflict = min(cosine.values()) if cosine else 0.0
+    if conflict < 0 and method.level == "loss":
+        rec = (rec[0], rec[1] + f"; the tasks' shared gradients conflict (cosine {conflict:.2f}), so a gradient-level "
+               "method (pcgrad, mgda, cagrad, nashmtl ...) with ddp.strategy=task_grads may be worth a try")
+    return {"batch_size": cfg.data.batch_size, "tasks": tasks, "reach": table, "grad_norms": norms,
+            "nonfinite": nonfinite, "cosine": cosine, "forward_s": f_time, "backward_s": b_time,
+            "params": {"all": p_all, "shared": p_shared, "heads": p_heads}, "strategies": costs,
+            "recommendation": {"strategy": rec[0], "reason": rec[1]}}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.2f} MB"
+
+
+def render(report: dict) -> str:
+    out = [f"gradient doctor: one step in one process, batch {report['batch_size']}", ""]
+    out.append("where each task's gradient goes (module group: non-zero | zero | none)")
+    groups = sorted({g for row in report["reach"].values() for g in row})
+    tasks = report["tasks"]
+    width = max(len(g) for g in groups) + 2
+    out.append("  " + "group".ljust(width) + "".join(t.ljust(10) for t in tasks))
+    for g in groups:
+        out.append("  " + g.ljust(width) + "".join(report["reach"][t].get(g, "-").ljust(10) for t in tasks))
+    out.append("")
+    out.append("per-task gradient norm: " + ", ".join(f"{t}={v:.4g}" for t, v in report["grad_norms"].items()))
+    bad = {t: v for t, v in report["nonfinite"].items() if v}
+    out.append("non-finite gradients: " + ("; ".join(f"{t}: {', '.join(v[:5])}" for t, v in bad.items()) or "none"))
+    out.append("gradient conflict on the shared parameters (cosine): "
+               + ", ".join(f"{k}={v:+.3f}" for k, v in report["cosine"].items()))
+    p = report["params"]
+    out.append(f"parameters: {p['all']:,} ({p['shared']:,} shared, {p['heads']:,} in heads); measured "
+               f"F={report['forward_s'] * 1e3:.1f} ms, B={report['backward_s'] * 1e3:.1f} ms")
+    out.append("")
+    out.append("what each strategy costs per step (time estimate = (forwards*F + backbone backwards*B) / (F+B))")
+    hdr = f"  {'strategy':<13}{'fwd':>4}{'bb bwd':>7}{'all-red':>8}{'bytes reduced':>15}{'extra mem':>12}{'time':>7}  exact"
+    out.append(hdr)
+    for name, c in report["strategies"].items():
+        out.append(f"  {name:<13}{c['forwards']:>4}{c['backbone_backwards']:>7}{c['allreduces']:>8}"
+                   f"{_mb(c['bytes_allreduced']):>15}{_mb(c['extra_memory_bytes']):>12}{c['est_time_vs_combined']:>6}x"
+                   f"  {'yes' if c['exact_combined_gradient'] else 'no (detached objective)'}")
+    r = report["recommendation"]
+    out += ["", f"recommendation: ddp.strategy={r['strategy']}: {r['reason']}"]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mtl.doctor", description="gradient doctor (one process)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    for key in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(key, None)  # one process, always
+
+    def run():
+        from mtl.validate import load_run_config
+
+        cfg = load_run_config(args.config, args.overrides)
+        report = examine(cfg)
+        print(json.dumps(report, indent=2) if args.json else render(report))
+
+    return run_guarded(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
