@@ -1,0 +1,276 @@
+"""Cost of each step strategy, measured side by side: ``make bench-strategies``.
+
+    python -m mtl.bench_strategies --config configs/default.yaml [--nproc 2] [--rounds 7] [--steps 3]
+                                   [--write docs/strategies.md] [key=value ...]
+
+Time: one run of ``nproc`` gloo/nccl processes builds one trainer per strategy on the same model
+and the same batches, then alternates the strategies ``rounds`` times (the order rotates each
+round), timing ``steps`` optimizer steps each time. The table gives each strategy's median step
+time as a ratio to ``combined`` from the same run, so machine noise hits all of them alike.
+F and B (forward, and backward including its all-reduce) are measured in the same run, on the
+``combined`` pattern, to compute the (F + 2B) / (F + B) bound.
+
+Memory: a fresh run per strategy, so that one strategy's peak cannot hide another's. On CUDA the
+peak of ``torch.cuda.max_memory_allocated`` during the steps; on the CPU the growth of the process's
+peak RSS from just before the first step, on rank 0.
+
+All-reduces and bytes per step: a counting DDP comm hook (plus the hand-made all-reduce of
+``task_grads``), read on the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+ORDER = ["combined", "feature_leaf", "detach", "accumulate", "find_unused", "placeholder", "task_grads"]
+BEGIN, END = "<!-- bench-strategies:begin -->", "<!-- bench-strategies:end -->"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(rank: int, world: int, port: int) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+
+
+def _trainer(config: str, overrides: list[str], strategy: str, out_dir: str):
+    from mtl import dist
+    from mtl.trainer import Trainer
+    from mtl.validate import load_run_config
+
+    cfg = load_run_config(config, [*overrides, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{strategy}",
+                                   "trainer.progress=false", "resume=null", "ddp.replica_check_every=0"])
+    return Trainer(cfg, dist.init_distributed(cfg))
+
+
+_ACTIVE: list = [None]  # the counts dict of the strategy being stepped (for the hand-made all-reduce)
+
+
+def _counting(trainer, counts: dict) -> None:
+    """Count reduction rounds and bytes: a DDP comm hook, and the hand-made all-reduce of task_grads."""
+    import mtl.strategies.task_grads as task_grads
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if hasattr(trainer.model, "register_comm_hook"):
+        def hook(state, bucket):
+            counts["rounds"] += bucket.index() == 0
+            counts["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(None, bucket)
+
+        trainer.model.register_comm_hook(None, hook)
+    if not getattr(task_grads.all_reduce_mean, "counting", False):
+        original = task_grads.all_reduce_mean
+
+        def manual(t):
+            _ACTIVE[0]["rounds"] += 1
+            _ACTIVE[0]["bytes"] += t.numel() * t.element_size()
+            return original(t)
+
+        manual.counting = True
+        task_grads.all_reduce_mean = manual
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, result_file):
+    _setup(rank, world, port)
+    from mtl import dist
+    from mtl.evaluate import to_device
+    from mtl.step import train_step
+
+    trainers = {s: _trainer(config, overrides, s, out_dir) for s in ORDER}
+    batches = {s: t.batches() for s, t in trainers.items()}
+    counts = {s: {"rounds": 0, "bytes": 0} for s in ORDER}
+    for s, t in trainers.items():
+        _counting(t, counts[s])
+    times = {s: [] for s in ORDER}
+    per_step = {}
+    for r in range(rounds + 1):  # round 0 warms every strategy up and is not timed
+        order = ORDER[r % len(ORDER):] + ORDER[: r % len(ORDER)]
+        for s in order:
+            t = trainers[s]
+            _ACTIVE[0] = counts[s]
+            batch = to_device(next(batches[s])[1], t.device)
+            for _ in range(steps):
+                before = dict(counts[s])
+                dist.barrier()
+                _sync(t.device)
+                tic = time.perf_counter()
+                train_step(t, batch)
+                _sync(t.device)
+                if r:
+                    times[s].append(time.perf_counter() - tic)
+                t.step += 1
+                per_step[s] = {k: counts[s][k] - before[k] for k in before}
+    # F and B on the combined pattern (DDP forward; backward with its all-reduce)
+    t = trainers["combined"]
+    batch = to_device(next(batches["combined"])[1], t.device)
+    f_times, fb_times = [], []
+    for _ in range(max(3, rounds)):
+        for head in t.heads.values():
+            head.prepare(batch, dist.all_reduce_sum)
+        dist.barrier()
+        _sync(t.device)
+        tic = time.perf_counter()
+        loss = sum(t.model(batch)["losses"].values())
+        _sync(t.device)
+        mid = time.perf_counter()
+        loss.backward()
+        _sync(t.device)
+        f_times.append(mid - tic)
+        fb_times.append(time.perf_counter() - tic)
+        t.optimizer.zero_grad(set_to_none=False)
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump({"times": times, "per_step": per_step, "F": statistics.median(f_times),
+                       "FB": statistics.median(fb_times)}, f)
+    for tr in trainers.values():
+        tr.close()
+    dist.destroy()
+
+
+def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_dir, result_file):
+    import resource
+
+    _setup(rank, world, port)
+    from mtl import dist
+    from mtl.evaluate import to_device
+    from mtl.step import train_step
+
+    t = _trainer(config, overrides, strategy, out_dir)
+    batches = t.batches()
+    batch = to_device(next(batches)[1], t.device)
+    if t.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(t.device)
+        base = torch.cuda.memory_allocated(t.device)
+    else:  # the resident size now (not the peak so far, which building the run may have set)
+        with open("/proc/self/statm") as f:
+            base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    for _ in range(steps):
+        train_step(t, batch)
+        t.step += 1
+    _sync(t.device)
+    if t.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(t.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump({"growth_bytes": peak - base}, f)
+    t.close()
+    dist.destroy()
+
+
+def run(config: str, overrides: list[str], nproc: int, rounds: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        res = os.path.join(tmp, "time.json")
+        mp.start_processes(_time_worker, args=(nproc, _free_port(), config, overrides, rounds, steps, tmp, res),
+                           nprocs=nproc, start_method="spawn")
+        with open(res) as f:
+            timing = json.load(f)
+        memory = {}
+        for s in ORDER:
+            res = os.path.join(tmp, f"mem_{s}.json")
+            mp.start_processes(_memory_worker, args=(nproc, _free_port(), config, overrides, s, steps, tmp, res),
+                               nprocs=nproc, start_method="spawn")
+            with open(res) as f:
+                memory[s] = json.load(f)["growth_bytes"]
+    return {"timing": timing, "memory": memory}
+
+
+def table(result: dict, meta: dict) -> str:
+    from mtl.strategies import strategy_types
+
+    types = strategy_types()
+    t = result["timing"]
+    med = {s: statistics.median(v) for s, v in t["times"].items()}
+    f, fb = t["F"], t["FB"]
+    b = max(fb - f, 1e-12)
+    bound = (f + 2 * b) / (f + b)
+    lines = [
+        f"Measured with `{meta['command']}` on {meta['machine']} ({meta['date']}): {meta['nproc']} processes "
+        f"({meta['backend']}), per-process batch {meta['batch']}, {meta['rounds']} alternations x {meta['steps']} steps. "
+        f"F = {f * 1e3:.0f} ms, B = {b * 1e3:.0f} ms (backward with its all-reduce), so "
+        f"(F + 2B) / (F + B) = {bound:.2f}.",
+        "",
+        "| strategy | step time vs combined (median) | peak step memory vs combined | all-reduces / step "
+        "| MB all-reduced / step | forwards | backbone backwards |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    mem_c = max(result["memory"]["combined"], 1)
+    for s in ORDER:
+        c = types[s]
+        ps = t["per_step"][s]
+        lines.append(f"| `{s}` | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {ps['rounds']} "
+                     f"| {ps['bytes'] / 2**20:.1f} | {c.forwards} | {c.backbone_backwards} |")
+    lines += ["", f"Median step time of `combined`: {med['combined'] * 1e3:.0f} ms. Peak step memory of `combined`: "
+              f"{mem_c / 2**20:.0f} MB ({meta['memory_kind']})."]
+    return "\n".join(lines)
+
+
+def write_into(path: str, text: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        doc = f.read()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} section to fill")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mtl.bench_strategies", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/default.yaml")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--write", default=None, help="a markdown file whose bench-strategies section to replace")
+    p.add_argument("--json", default=None, help="also save the raw numbers here")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    from mtl.validate import load_run_config
+
+    cfg = load_run_config(a.config, a.overrides)
+    tic = time.time()
+    result = run(a.config, a.overrides, a.nproc, a.rounds, a.steps)
+    cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    meta = {"command": "make bench-strategies" if not a.overrides else f"python -m mtl.bench_strategies "
+            f"--config {a.config} {' '.join(a.overrides)}", "machine": f"{platform.machine()} "
+            f"{os.cpu_count()}-core {'GPU' if cuda else 'CPU'}", "date": time.strftime("%Y-%m-%d"),
+            "nproc": a.nproc, "backend": "nccl" if cuda else "gloo", "batch": cfg.data.batch_size,
+            "rounds": a.rounds, "steps": a.steps,
+            "memory_kind": "CUDA max_memory_allocated" if cuda else "growth of rank 0's peak RSS during the steps"}
+    text = table(result, meta)
+    print(text)
+    print(f"\n(bench took {time.time() - tic:.0f} s)", file=sys.stderr)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, **result}, f, indent=2)
+    if a.write:
+        write_into(a.write, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
