@@ -32,7 +32,11 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-ORDER = ["combined", "feature_leaf", "detach", "accumulate", "find_unused", "placeholder", "task_grads"]
+ORDER = ["combined", "feature_leaf", "detach", "accumulate", "find_unused", "placeholder", "task_grads",
+         "combined+find_unused"]
+# "combined+find_unused": the same single backward with find_unused_parameters=True, to isolate what
+# the flag itself costs (the seed articles claim 15-20% more memory and slower synchronisation)
+VARIANTS = {"combined+find_unused": ("combined", ["ddp.find_unused_parameters=true"])}
 BEGIN, END = "<!-- bench-strategies:begin -->", "<!-- bench-strategies:end -->"
 
 
@@ -50,12 +54,13 @@ def _setup(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
 
 
-def _trainer(config: str, overrides: list[str], strategy: str, out_dir: str):
+def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
     from mtl import dist
     from mtl.trainer import Trainer
     from mtl.validate import load_run_config
 
-    cfg = load_run_config(config, [*overrides, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{strategy}",
+    strategy, extra = VARIANTS.get(label, (label, []))
+    cfg = load_run_config(config, [*overrides, *extra, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{label}",
                                    "trainer.progress=false", "resume=null", "ddp.replica_check_every=0"])
     return Trainer(cfg, dist.init_distributed(cfg))
 
@@ -140,10 +145,18 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
         f_times.append(mid - tic)
         fb_times.append(time.perf_counter() - tic)
         t.optimizer.zero_grad(set_to_none=False)
+    from mtl.guards import check_replicas
+
+    check_times = []
+    for _ in range(max(5, rounds)):
+        dist.barrier()
+        tic = time.perf_counter()
+        check_replicas(t.bare, t.step)
+        check_times.append(time.perf_counter() - tic)
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump({"times": times, "per_step": per_step, "F": statistics.median(f_times),
-                       "FB": statistics.median(fb_times)}, f)
+                       "FB": statistics.median(fb_times), "replica_check": statistics.median(check_times)}, f)
     for tr in trainers.values():
         tr.close()
     dist.destroy()
@@ -219,12 +232,17 @@ def table(result: dict, meta: dict) -> str:
     ]
     mem_c = max(result["memory"]["combined"], 1)
     for s in ORDER:
-        c = types[s]
+        c = types[VARIANTS.get(s, (s,))[0]]
         ps = t["per_step"][s]
-        lines.append(f"| `{s}` | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {ps['rounds']} "
+        label = "`combined` + find_unused_parameters=True" if s in VARIANTS else f"`{s}`"
+        lines.append(f"| {label} | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {ps['rounds']} "
                      f"| {ps['bytes'] / 2**20:.1f} | {c.forwards} | {c.backbone_backwards} |")
+    rc = t["replica_check"]
     lines += ["", f"Median step time of `combined`: {med['combined'] * 1e3:.0f} ms. Peak step memory of `combined`: "
-              f"{mem_c / 2**20:.0f} MB ({meta['memory_kind']})."]
+              f"{mem_c / 2**20:.0f} MB ({meta['memory_kind']}).",
+              "", f"Replica check (`ddp.replica_check_every`): {rc * 1e3:.1f} ms per check = "
+              f"{rc / med['combined'] * 100:.1f}% of one `combined` step; at the default of every 100 steps, "
+              f"{rc / med['combined']:.3f}% of training time."]
     return "\n".join(lines)
 
 
