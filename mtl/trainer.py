@@ -200,7 +200,7 @@ class Trainer:
             scale = self.amp.loss_scale()
             values = {f"loss_{k}": v for k, v in r.losses.items()}
             values.update({f"weight_{k}": v for k, v in self.weighting.weights().items()})
-            values.update({k: float(v) / scale for k, v in r.stats.items()})
+            values.update({k: float(v) / (1.0 if "_cos/" in k else scale) for k, v in r.stats.items()})
             values.update({
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": r.grad_norm, "step_time_s": seconds,
                 "samples_per_s": self.cfg.data.batch_size * self.dist.world_size / max(seconds, 1e-9),

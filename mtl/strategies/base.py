@@ -92,3 +92,15 @@ def no_sync(model: torch.nn.Module):
 
 def detached(losses: dict) -> dict:
     return {k: v.detach() for k, v in losses.items()}
+
+
+def gradient_stats(tasks: list, rows: torch.Tensor, prefix: str = "") -> dict:
+    """Per-task gradient norms and the pairwise cosines of the rows of ``rows`` (K, N), as tensors."""
+    norms = rows.norm(dim=1)
+    stats = {f"{prefix}grad_norm/{t}": norms[i] for i, t in enumerate(tasks)}
+    unit = rows / norms.clamp(min=1e-30)[:, None]
+    cos = unit @ unit.T
+    for i, a in enumerate(tasks):
+        for j in range(i + 1, len(tasks)):
+            stats[f"{prefix}grad_cos/{a}_{tasks[j]}"] = cos[i, j]
+    return stats

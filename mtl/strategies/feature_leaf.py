@@ -8,7 +8,9 @@ sum, with one all-reduce (DDP with find_unused_parameters=False sees every param
 gradient). The per-task feature gradients are available on their own, between the head passes.
 """
 
-from mtl.strategies.base import Strategy, detached
+import torch
+
+from mtl.strategies.base import Strategy, detached, gradient_stats
 
 
 class FeatureLeaf(Strategy):
@@ -18,10 +20,10 @@ class FeatureLeaf(Strategy):
     def forward_backward(self, s):
         out = s.model(s.batch, feature_leaf=True)
         leaf, losses = out["leaf"], out["losses"]
-        stats, before = {}, 0.0
+        per_task, before = [], 0.0
         for t in s.tasks:  # one backward pass per task; each stops at the leaf
             s.scale(s.weigh(t, losses[t])).backward()
-            stats[f"feat_grad_norm/{t}"] = (leaf.grad - before).detach().float().norm()
+            per_task.append((leaf.grad - before).detach().float().flatten())
             before = leaf.grad.clone()
         out["features"].backward(leaf.grad)  # the one backbone backward, for the weighted sum
-        return detached(losses), stats
+        return detached(losses), gradient_stats(s.tasks, torch.stack(per_task), "feat_")

@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mtl.dist import all_reduce_mean
-from mtl.strategies.base import Strategy, no_sync
+from mtl.strategies.base import Strategy, gradient_stats, no_sync
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -70,4 +70,4 @@ class TaskGrads(Strategy):
             scale = s.loss_scale()
             direction = s.combine(grads / scale, buf[-k:]) * scale
         _write_grads(shared, direction.to(shared[0].dtype))
-        return {t: v.detach() for t, v in losses.items()}, {}
+        return {t: v.detach() for t, v in losses.items()}, gradient_stats(s.tasks, grads)
