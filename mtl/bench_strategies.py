@@ -235,8 +235,9 @@ def table(result: dict, meta: dict) -> str:
         c = types[VARIANTS.get(s, (s,))[0]]
         ps = t["per_step"][s]
         label = "`combined` + find_unused_parameters=True" if s in VARIANTS else f"`{s}`"
+        k = c.cost(meta["tasks"])
         lines.append(f"| {label} | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {ps['rounds']} "
-                     f"| {ps['bytes'] / 2**20:.1f} | {c.forwards} | {c.backbone_backwards} |")
+                     f"| {ps['bytes'] / 2**20:.1f} | {k['forwards']} | {k['backbone_backwards']} |")
     rc = t["replica_check"]
     lines += ["", f"Median step time of `combined`: {med['combined'] * 1e3:.0f} ms. Peak step memory of `combined`: "
               f"{mem_c / 2**20:.0f} MB ({meta['memory_kind']}).",
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--config {a.config} {' '.join(a.overrides)}", "machine": f"{platform.machine()} "
             f"{os.cpu_count()}-core {'GPU' if cuda else 'CPU'}", "date": time.strftime("%Y-%m-%d"),
             "nproc": a.nproc, "backend": "nccl" if cuda else "gloo", "batch": cfg.data.batch_size,
-            "rounds": a.rounds, "steps": a.steps,
+            "rounds": a.rounds, "steps": a.steps, "tasks": len(cfg.tasks),
             "memory_kind": "CUDA max_memory_allocated" if cuda else "growth of rank 0's peak RSS during the steps"}
     text = table(result, meta)
     print(text)

@@ -107,11 +107,11 @@ def examine(cfg) -> dict:
         if name == "two_backward":
             continue
         extra = {"feature_leaf": fmap * elem * 2, "task_grads": k * p_shared * elem + fmap * elem * 2}.get(name, 0)
-        reduced = (k * p_shared + p_heads) * elem if name == "task_grads" else cls.allreduces * p_all * elem
+        c = cls.cost(k)
+        reduced = (k * p_shared + p_heads) * elem if name == "task_grads" else c["allreduces"] * p_all * elem
         # time model: each forward costs F; each backbone backward costs about B (heads are small here)
-        estimate = (cls.forwards * f_time + cls.backbone_backwards * b_time) / (f_time + b_time)
-        costs[name] = {"forwards": cls.forwards, "backbone_backwards": cls.backbone_backwards,
-                       "allreduces": cls.allreduces, "bytes_allreduced": reduced, "extra_memory_bytes": extra,
+        estimate = (c["forwards"] * f_time + c["backbone_backwards"] * b_time) / (f_time + b_time)
+        costs[name] = {**c, "bytes_allreduced": reduced, "extra_memory_bytes": extra,
                        "est_time_vs_combined": round(estimate, 2), "exact_combined_gradient": not cls.changes_objective,
                        "task_gradients": cls.task_gradients, "summary": cls.summary}
     method = weighting_types()[cfg.weighting.method]

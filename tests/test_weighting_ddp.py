@@ -27,6 +27,7 @@ from .conftest import TINY, free_port
 B = 4
 STEPS = 3
 TOL = 1e-5
+SEED = int(os.environ.get("WDDP_SEED", "0"))
 METHODS = sorted(weighting_types())
 EXTRA = {"static": ["weighting.weights.cls=1.0", "weighting.weights.gen=0.5"]}
 CAPTURE = "pcgrad"  # the method whose step-0 task-gradient matrices are kept for the negative control
@@ -35,7 +36,7 @@ DEADLINE_S = 240  # every spawned process is killed after this (the collectives 
 
 def overrides(method: str, out_dir: str, batch: int) -> list[str]:
     level = weighting_types()[method].level
-    return [f"output_dir={out_dir}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
+    return [f"output_dir={out_dir}", f"seed={SEED}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
             "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.progress=false", "ddp.timeout_s=60",
             f"ddp.strategy={'task_grads' if level == 'grad' else 'feature_leaf'}", f"weighting.method={method}",
             *EXTRA.get(method, [])]

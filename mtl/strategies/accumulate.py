@@ -18,8 +18,8 @@ class Accumulate(Strategy):
     summary = "per-task forward+backward, all but the last inside no_sync(); one all-reduce"
     find_unused_parameters = True
     shared_forward = False
-    forwards = 2
-    backbone_backwards = 2
+    forwards = "K"
+    backbone_backwards = "K"
 
     def forward_backward(self, s):
         losses = {}

@@ -35,14 +35,21 @@ class Strategy:
     summary: str = ""
     find_unused_parameters: bool = False  # what DDP must be built with
     shared_forward: bool = True  # one backbone forward per step (vs one per task)
-    forwards: int = 1  # backbone forwards per step
-    backbone_backwards: int = 1
-    allreduces: int = 1  # reductions of every gradient bucket per step
+    # per-step costs: an int, or "K" for one per task
+    forwards: int | str = 1  # backbone forwards
+    backbone_backwards: int | str = 1
+    allreduces: int | str = 1  # reductions of every gradient bucket
     changes_objective: bool = False
     task_gradients: bool = False  # gives gradient-level weighting methods each task's gradient
 
     def __init__(self, cfg):
         self.cfg = cfg
+
+    @classmethod
+    def cost(cls, num_tasks: int) -> dict:
+        """{'forwards', 'backbone_backwards', 'allreduces'} per step for ``num_tasks`` tasks."""
+        return {k: num_tasks if getattr(cls, k) == "K" else getattr(cls, k)
+                for k in ("forwards", "backbone_backwards", "allreduces")}
 
     @classmethod
     def check(cls, cfg) -> list[str]:

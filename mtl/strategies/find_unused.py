@@ -14,9 +14,9 @@ class FindUnused(Strategy):
     summary = "per-task forward+backward, find_unused_parameters=True"
     find_unused_parameters = True
     shared_forward = False
-    forwards = 2
-    backbone_backwards = 2
-    allreduces = 2
+    forwards = "K"
+    backbone_backwards = "K"
+    allreduces = "K"
 
     def forward_backward(self, s):
         losses = {}

@@ -33,9 +33,9 @@ class Placeholder(Strategy):
     name = "placeholder"
     summary = "per-task forward+backward, zero term over unreached params, find_unused_parameters=False"
     shared_forward = False
-    forwards = 2
-    backbone_backwards = 2
-    allreduces = 2
+    forwards = "K"
+    backbone_backwards = "K"
+    allreduces = "K"
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -38,7 +38,7 @@ class TaskGrads(Strategy):
     name = "task_grads"
     summary = "one backbone forward, a backbone backward per task, per-task rank-averaged shared gradients"
     task_gradients = True
-    backbone_backwards = 2  # one per task
+    backbone_backwards = "K"  # one per task
     allreduces = 1  # by hand, coalesced
 
     def forward_backward(self, s):

@@ -12,7 +12,7 @@ from mtl.strategies.base import Strategy, detached
 class TwoBackward(Strategy):
     name = "two_backward"
     summary = "UNSAFE under DDP: one shared forward, one backward per task through the shared graph"
-    backbone_backwards = 2
+    backbone_backwards = "K"
     allreduces = 0  # it never completes one
 
     @classmethod

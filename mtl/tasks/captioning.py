@@ -39,8 +39,9 @@ class CaptioningHead(TaskHead):
     def prepare(self, batch, reduce_sum):
         # The caption loss is the mean over the GLOBAL batch's tokens. DDP averages gradients over
         # ranks, so each rank's loss is its token-NLL sum * world / global token count.
-        local = (batch["target_ids"] != -100).sum().to(torch.float64)
-        batch["gen_tokens_global"], batch["gen_world"] = reduce_sum(local), reduce_sum(torch.ones((), dtype=torch.float64))
+        local = torch.stack([(batch["target_ids"] != -100).sum(), torch.ones((), dtype=torch.long,
+                                                                         device=batch["target_ids"].device)])
+        batch["gen_tokens_global"], batch["gen_world"] = reduce_sum(local.to(torch.float64)).unbind()
 
     def token_nll_sum(self, features, batch) -> torch.Tensor:
         logits = self.decoder(batch["input_ids"], batch["attention_mask"], self.memory(features))
