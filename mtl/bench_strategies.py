@@ -70,8 +70,9 @@ _ACTIVE: list = [None]  # the counts dict of the strategy being stepped (for the
 
 def _counting(trainer, counts: dict) -> None:
     """Count reduction rounds and bytes: a DDP comm hook, and the hand-made all-reduce of task_grads."""
-    import mtl.strategies.task_grads as task_grads
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import mtl.strategies.task_grads as task_grads
 
     if hasattr(trainer.model, "register_comm_hook"):
         def hook(state, bucket):

@@ -72,8 +72,11 @@ def build_optimizer(cfg, model: torch.nn.Module, weighting: torch.nn.Module) -> 
 
 
 def build_scheduler(cfg, optimizer):
-    from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
-                              get_linear_schedule_with_warmup)
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
     o, total = cfg.optim, cfg.trainer.max_steps
     if o.scheduler == "cosine":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -47,29 +47,29 @@ class DataConfig:
     on_error: str = "raise"  # raise | skip
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # user data (source: manifest | imagefolder)
-    train_path: Optional[str] = None  # manifest .jsonl, or an ImageFolder root
-    val_path: Optional[str] = None
-    image_root: Optional[str] = None  # base for relative image paths; default: the manifest's folder
-    num_classes: Optional[int] = None  # user data: number of classes (default: inferred from train labels)
+    train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
+    val_path: str | None = None
+    image_root: str | None = None  # base for relative image paths; default: the manifest's folder
+    num_classes: int | None = None  # user data: number of classes (default: inferred from train labels)
 
 
 @dataclass
 class TokenizerConfig:
-    path: Optional[str] = None  # a local tokenizer directory; null: train one from the training captions
+    path: str | None = None  # a local tokenizer directory; null: train one from the training captions
     vocab_size: int = 512  # when training one
 
 
 @dataclass
 class BackboneConfig:
     name: str = "resnet18"  # any torchvision classification model of a supported family
-    weights: Optional[str] = None  # null | a torchvision weights name (e.g. IMAGENET1K_V1) | a local file
+    weights: str | None = None  # null | a torchvision weights name (e.g. IMAGENET1K_V1) | a local file
     norm: str = "batch"  # batch | group | frozen | sync  (group/frozen/sync are rank-independent)
     stages: int = 4  # ResNet/ConvNeXt: keep this many stages (fewer: smaller, higher-resolution map)
 
 
 @dataclass
 class DecoderConfig:
-    pretrained: Optional[str] = None  # a local GPT-2 directory (config + weights); null: build from the sizes below
+    pretrained: str | None = None  # a local GPT-2 directory (config + weights); null: build from the sizes below
     n_layer: int = 2
     n_embd: int = 128
     n_head: int = 4
@@ -87,7 +87,7 @@ class ModelConfig:
 class DDPConfig:
     strategy: str = "feature_leaf"  # see docs/strategies.md
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
-    find_unused_parameters: Optional[bool] = None  # null: what the strategy needs; set it only to override
+    find_unused_parameters: bool | None = None  # null: what the strategy needs; set it only to override
     static_graph: bool = False
     bucket_cap_mb: int = 25
     timeout_s: int = 600  # collective timeout: a failed rank makes the others exit within this
@@ -100,7 +100,7 @@ class DDPConfig:
 @dataclass
 class WeightingConfig:
     method: str = "equal"
-    weights: Dict[str, float] = field(default_factory=dict)  # static: task name -> weight
+    weights: dict[str, float] = field(default_factory=dict)  # static: task name -> weight
 
 
 @dataclass
@@ -108,7 +108,7 @@ class OptimConfig:
     name: str = "adamw"  # adamw | sgd (momentum 0.9; the parity tests use it, see docs/strategies.md)
     lr: float = 1e-3
     weight_decay: float = 0.01
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     scheduler: str = "cosine"  # cosine | linear | constant  (all with linear warmup, from transformers)
     warmup_steps: int = 100
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
@@ -133,13 +133,28 @@ class CheckpointConfig:
 
 
 @dataclass
+class BenchConfig:
+    """``python -m mtl.bench``: which methods to compare, over which seeds (train.py ignores this)."""
+
+    methods: list[str] = field(default_factory=lambda: ["equal", "uw", "dwa", "rlw", "gls", "famo", "pcgrad", "mgda",
+                                                        "cagrad", "nashmtl", "imtlg", "alignedmtl", "upgrad",
+                                                        "gradnorm"])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    nproc: int = 1  # 1: every run in this process; more: each run under torchrun (python -m mtl.launch)
+    baselines: bool = True  # also train the single-task runs that delta-m needs
+    last_k: int = 3  # the table shows the mean of the last k evaluations (and the best, in results.csv)
+    loss_strategy: str = "feature_leaf"  # ddp.strategy for loss-level methods
+    grad_strategy: str = "task_grads"  # ddp.strategy for gradient-level methods
+
+
+@dataclass
 class Config:
     output_dir: str = "runs/default"
     seed: int = 0
     precision: str = "fp32"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda
-    resume: Optional[str] = None  # null | auto | a checkpoint directory
-    tasks: List[str] = field(default_factory=lambda: ["cls", "gen"])
+    resume: str | None = None  # null | auto | a checkpoint directory
+    tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -148,6 +163,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,16 +13,29 @@ import torch
 
 from mtl import checkpoint as ckpt
 from mtl.amp import Amp
-from mtl.build import (build_model, build_optimizer, build_scheduler, build_strategy, build_tokenizer,
-                       build_weighting, wrap_ddp)
+from mtl.build import (
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    build_strategy,
+    build_tokenizer,
+    build_weighting,
+    wrap_ddp,
+)
 from mtl.config import to_yaml
-from mtl.data.loader import (CaptionCollate, all_captions, build_datasets, build_eval_loader,
-                             build_train_loader, set_epoch)
+from mtl.data.loader import (
+    CaptionCollate,
+    all_captions,
+    build_datasets,
+    build_eval_loader,
+    build_train_loader,
+    set_epoch,
+)
 from mtl.dist import DistInfo, barrier
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
-from mtl.logger import RunLogger
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
+from mtl.logger import RunLogger
 from mtl.step import train_step
 
 
@@ -200,7 +213,7 @@ class Trainer:
             scale = self.amp.loss_scale()
             values = {f"loss_{k}": v for k, v in r.losses.items()}
             values.update({f"weight_{k}": v for k, v in self.weighting.weights().items()})
-            values.update({k: float(v) / (1.0 if "_cos/" in k else scale) for k, v in r.stats.items()})
+            values.update({k: float(v) / (scale if "grad_norm" in k else 1.0) for k, v in r.stats.items()})
             values.update({
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": r.grad_norm, "step_time_s": seconds,
                 "samples_per_s": self.cfg.data.batch_size * self.dist.world_size / max(seconds, 1e-9),

@@ -27,7 +27,7 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | N
         cmd = [PY, os.path.join(ROOT, "train.py"), *args]
     else:
         cmd = [PY, "-m", "mtl.launch", f"--nproc_per_node={nproc}", "--nnodes=1",
-               f"--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "train.py"), *args]
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "train.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"

@@ -1,14 +1,25 @@
-"""Every weighting method, proven under DDP: 2 processes x batch B == 1 process x batch 2B, after 3 steps.
+"""Every weighting method, proven under DDP: 2 processes x batch B == 1 process x batch 2B after 3 steps.
 
-In-process (no train.py): ONE spawn of 2 gloo workers runs every method in sequence, building a
-``Trainer`` and stepping it with ``train_step``; the 1-process reference runs every method in one more
-spawned process without RANK in its environment (so ``init_distributed`` starts no process group).
-fp32, GroupNorm (rank-independent), SGD (see tests/test_strategies_ddp.py for why not Adam). Gradient-level
-methods run under ``ddp.strategy=task_grads``; loss-level methods under ``feature_leaf``.
+In-process, no train.py: ONE spawn of three workers. Workers 0 and 1 are a 2-rank gloo run (batch B each);
+worker 2 has no RANK in its environment, so ``init_distributed`` starts no process group, and runs the same
+methods on batch 2B. Each worker builds a ``Trainer`` from configs/tiny.yaml per method (every method in
+``weighting_types()``; gradient-level ones under ``ddp.strategy=task_grads``, loss-level ones under
+``feature_leaf``) and steps it 3 times with ``train_step``. GroupNorm (rank-independent), SGD (see
+tests/test_strategies_ddp.py for why not Adam), rlw seeded identically (cfg.seed) in every process.
 
-The parity holds only if each task's gradient is averaged over the ranks *before* the method combines
-them. ``test_combining_before_averaging_misses_the_bar`` shows the 1e-5 bar would catch the opposite order:
-it takes the two ranks' LOCAL task-gradient matrices of a real 2-rank step and combines them per rank.
+Why float64 and not float32: a 2-rank run sums its gradients in another order than a 1-process run, so
+after one step the parameters differ by ~5e-7 (relative) in float32. That is enough to move a ReLU
+pre-activation that lies within rounding of zero (seen: 2.4e-7, 3e-8 and 2.8e-6, against typical values of
+0.6-1.2) to the other side of the kink; with tiny.yaml's 4x4 feature map and 8 images one unit carries
+~1/128 of its channel's gradient, so the gradient jumps by 1e-3..1e-2 and a correct method misses the 1e-5
+bar after 3 steps (float32, seed 0: cagrad 7.9e-4, from one unit of backbone.layers.1.0 at step 2; seed 2:
+pcgrad 1.2e-2 and imtlg 1.5e-3, one unit each, and upgrad 2.3e-2). In float64 the same comparison gives
+~1e-15, plus ~1e-7 where the float32 losses the model returns (``.float()``) feed a method's weights. So
+here the bar measures the order of averaging and combining, not which side of a kink rounding fell.
+
+The parity holds only if each task's gradient is averaged over the ranks *before* the method combines them;
+``test_combining_before_averaging_misses_the_bar`` shows the bar catches the opposite order, on the two
+ranks' LOCAL task-gradient matrices of a real 2-rank step.
 """
 
 from __future__ import annotations
@@ -26,37 +37,37 @@ from .conftest import TINY, free_port
 
 B = 4
 STEPS = 3
-TOL = 1e-5
-SEED = int(os.environ.get("WDDP_SEED", "0"))
-METHODS = sorted(weighting_types())
+TOL = 1e-5  # parameters and reported weights, max over tensors of max|a - b| / max|a|
+# The weighting's own state: FAMO's Adam moments are built from log L(k-1) - log L(k) of the float32
+# rank-averaged losses, whose rounding (~6e-8) is divided by that small difference (~6e-6 seen).
+STATE_TOL = 1e-4
+DTYPE = torch.float64  # see the module docstring
 EXTRA = {"static": ["weighting.weights.cls=1.0", "weighting.weights.gen=0.5"]}
 CAPTURE = "pcgrad"  # the method whose step-0 task-gradient matrices are kept for the negative control
-DEADLINE_S = 240  # every spawned process is killed after this (the collectives time out after 60 s)
+DEADLINE_S = 300  # the workers are killed after this; a stuck collective times out after 60 s anyway
+METHODS = sorted(weighting_types())
+# Methods that miss the bar for a known reason (strict: a fix makes the test fail until this entry goes).
+KNOWN_FAILURES: dict = {}  # method -> reason; a method listed here is expected to fail parity
 
 
 def overrides(method: str, out_dir: str, batch: int) -> list[str]:
     level = weighting_types()[method].level
-    return [f"output_dir={out_dir}", f"seed={SEED}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
+    return [f"output_dir={out_dir}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
             "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.progress=false", "ddp.timeout_s=60",
             f"ddp.strategy={'task_grads' if level == 'grad' else 'feature_leaf'}", f"weighting.method={method}",
             *EXTRA.get(method, [])]
 
 
 def _worker(index, port, out_dir):
-    """index 0 and 1: the two ranks; index 2: the single process (no RANK: no process group)."""
+    """index 0 and 1: the two ranks (batch B); index 2: the single process (batch 2B, no process group)."""
     world = 2 if index < 2 else 1
-    env = {"OMP_NUM_THREADS": "1"}
+    os.environ["OMP_NUM_THREADS"] = "1"
     if world > 1:
-        env.update({"RANK": str(index), "WORLD_SIZE": str(world), "LOCAL_RANK": str(index),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        os.environ.update({"RANK": str(index), "WORLD_SIZE": "2", "LOCAL_RANK": str(index),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     else:
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             os.environ.pop(key, None)
-    os.environ.update(env)
-    import time
-
-    import torch
-
     import mtl.strategies.task_grads as task_grads
     from mtl import dist
     from mtl.evaluate import to_device
@@ -65,85 +76,79 @@ def _worker(index, port, out_dir):
     from mtl.validate import load_run_config
 
     torch.set_num_threads(1)
+    torch.set_default_dtype(DTYPE)
     label = f"rank{index}" if world > 1 else "single"
     results, captured = {}, {}
     original = task_grads.all_reduce_mean
+
+    def capture(buf):  # buf = [G (K x P, this rank's own rows), head gradients, losses]
+        captured.setdefault("local", buf.detach().clone())
+        out = original(buf)
+        captured.setdefault("averaged", out.detach().clone())
+        return out
+
     try:
         for method in METHODS:
-            tic = time.time()
-            cfg = load_run_config(TINY, overrides(method, os.path.join(out_dir, f"world{world}", method), B * 2 // world))
+            cfg = load_run_config(TINY, overrides(method, os.path.join(out_dir, f"world{world}", method),
+                                                  2 * B // world))
             trainer = Trainer(cfg, dist.init_distributed(cfg))
             assert trainer.dist.world_size == world and trainer.dist.distributed == (world > 1)
-            if method == CAPTURE:
-                def capture(buf, _k=len(trainer.tasks)):
-                    if "local" not in captured:  # step 0: [G (K x P, this rank's own), head grads, losses]
-                        captured["local"] = buf.detach().clone()
-                    out = original(buf)
-                    captured.setdefault("averaged", out.detach().clone())
-                    return out
-
-                task_grads.all_reduce_mean = capture
-            tb = time.time()
+            task_grads.all_reduce_mean = capture if method == CAPTURE else original
             batches = trainer.batches()
             trainer.bare.train()
             for _ in range(STEPS):
-                train_step(trainer, to_device(next(batches)[1], trainer.device))
+                batch = to_device(next(batches)[1], trainer.device)
+                batch = {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v
+                         for k, v in batch.items()}
+                train_step(trainer, batch)
                 trainer.step += 1
             task_grads.all_reduce_mean = original
-            shared = sum(p.numel() for p in trainer.bare.backbone.parameters() if p.requires_grad)
             results[method] = {
                 "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
                 "weighting": trainer.weighting.state_dict(),
                 "weights": trainer.weighting.weights(),
-                "shared": shared,
+                "shared": sum(p.numel() for p in trainer.bare.backbone.parameters() if p.requires_grad),
             }
             trainer.close()
-            print(f"TIMING {label} {method} build {tb - tic:.2f} steps {time.time() - tb:.2f}", flush=True)
         torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{label}.pt"))
     finally:
         task_grads.all_reduce_mean = original
         dist.destroy()
 
 
-def _spawn(out_dir):
-    """The two ranks and the single process, side by side (the ranks often wait for each other)."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("weighting_ddp")
     deadline = time.monotonic() + DEADLINE_S
-    ctx = mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=3, start_method="spawn", join=False)
+    # all three at once: the two ranks spend part of their time waiting for each other
+    ctx = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=3, start_method="spawn", join=False)
     try:
-        while not ctx.join(timeout=0.5):
+        while not ctx.join(timeout=0.5):  # raises if a worker failed (and terminates the others)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers still running after {DEADLINE_S} s")
+                raise TimeoutError(f"weighting DDP workers still running after {DEADLINE_S} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("weighting_ddp")
-    t0 = time.monotonic()
-    _spawn(str(out))
-    print(f"TIMING spawn {time.monotonic() - t0:.1f}")
     return {label: torch.load(out / f"{label}.pt", weights_only=False) for label in ("rank0", "rank1", "single")}
 
 
 def _leaves(obj, prefix=""):
-    """(key, float64 tensor) for every number in a (nested) state: tensors, floats, lists, dicts."""
+    """(key, float64 vector) for every number of a nested state: tensors, numbers, lists, dicts."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(obj, torch.Tensor):
         yield prefix, obj.detach().double().reshape(-1)
-    elif isinstance(obj, (int, float, bool)) or (isinstance(obj, (list, tuple)) and obj):
+    elif isinstance(obj, (int, float, list, tuple)):
         yield prefix, torch.as_tensor(obj, dtype=torch.float64).reshape(-1)
-    elif obj is not None and not (isinstance(obj, (list, tuple)) and not obj):
-        raise TypeError(f"{prefix}: cannot compare {type(obj).__name__}")
+    elif obj is not None:
+        raise TypeError(f"{prefix}: cannot compare a {type(obj).__name__}")
 
 
 def max_rel_diff(a, b) -> float:
-    """max over leaves of max|a - b| / max|a| (a leaf with max|a| = 0 must match to 1e-12 absolute)."""
+    """max over leaves of max|a - b| / max|a| (a leaf that is all zeros in ``a`` is compared in absolute terms)."""
     la, lb = dict(_leaves(a)), dict(_leaves(b))
     assert la.keys() == lb.keys(), sorted(set(la) ^ set(lb))
     worst = 0.0
@@ -164,39 +169,40 @@ def bitwise_equal(a, b) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[m], strict=True))
+                                    if m in KNOWN_FAILURES else m for m in METHODS])
 def test_two_processes_equal_one_process_on_the_global_batch(runs, method):
     r0, r1, single = (runs[k]["results"][method] for k in ("rank0", "rank1", "single"))
-    for part in ("model", "weighting", "weights"):  # the ranks are replicas, bit for bit
+    for part in ("model", "weighting", "weights"):  # the two ranks are replicas, bit for bit
         assert bitwise_equal(r0[part], r1[part]), (method, part)
+    assert next(iter(r0["model"].values())).dtype == DTYPE
     model = max_rel_diff(single["model"], r0["model"])
-    state = max_rel_diff(single["weighting"], r0["weighting"])
     weights = max_rel_diff(single["weights"], r0["weights"])
-    print(f"{method}: model {model:.2e}, weighting state {state:.2e}, weights {weights:.2e}")
-    assert model <= TOL and state <= TOL and weights <= TOL, (method, model, state, weights)
+    state = max_rel_diff(single["weighting"], r0["weighting"])
+    print(f"{method}: parameters {model:.1e}, weights {weights:.1e}, weighting state {state:.1e}")
+    assert model <= TOL and weights <= TOL and state <= STATE_TOL, (method, model, weights, state)
 
 
 @pytest.mark.slow
 def test_combining_before_averaging_misses_the_bar(runs):
-    """PCGrad on the rank-averaged task gradients (what task_grads does) matches the 1-process run to 1e-5;
-    averaging each rank's PCGrad of its LOCAL task gradients (the classic mistake) misses it by far."""
+    """PCGrad of the rank-averaged task gradients (what task_grads does) matches the 1-process run; the mean of
+    each rank's PCGrad of its LOCAL task gradients (combine first, average after) misses the bar by far."""
     from mtl.weighting.pcgrad import pcgrad
 
     k, n = 2, runs["single"]["results"][CAPTURE]["shared"]
     local = [runs[r]["captured"]["local"][: k * n].view(k, n) for r in ("rank0", "rank1")]
     averaged = runs["rank0"]["captured"]["averaged"][: k * n].view(k, n)
-    reference = runs["single"]["captured"]["local"][: k * n].view(k, n)  # the global batch's task gradients
+    reference = runs["single"]["captured"]["local"][: k * n].view(k, n)  # no process group: the global batch's
 
     def rel(a, b):
         return float((a - b).abs().max() / a.abs().max())
 
-    assert rel(reference, (local[0] + local[1]) / 2) <= TOL  # the rows themselves are linear in the batch
-    right = pcgrad(averaged)
+    assert rel(reference, averaged) <= TOL  # the rows themselves are linear in the batch
+    truth, right = pcgrad(reference), pcgrad(averaged)
     wrong = (pcgrad(local[0]) + pcgrad(local[1])) / 2
-    truth = pcgrad(reference)
-    # the control is only meaningful if the local gradients conflict differently from the averaged ones
     cos = [float(torch.nn.functional.cosine_similarity(g[0], g[1], dim=0)) for g in (*local, averaged)]
-    print(f"cos(g_cls, g_gen): rank0 {cos[0]:+.3f}, rank1 {cos[1]:+.3f}, averaged {cos[2]:+.3f}; "
-          f"right {rel(truth, right):.2e}, wrong {rel(truth, wrong):.2e}")
+    print(f"cos(g_cls, g_gen): rank 0 {cos[0]:+.3f}, rank 1 {cos[1]:+.3f}, averaged {cos[2]:+.3f}; "
+          f"rank-averaged rows {rel(truth, right):.1e}, combined per rank {rel(truth, wrong):.1e}")
     assert rel(truth, right) <= TOL
+    # only meaningful when a rank's rows conflict differently from the averaged ones; they do at seed 0
     assert rel(truth, wrong) > 1e3 * TOL, cos

@@ -10,7 +10,7 @@ The arguments of ``forward`` are how a step strategy shapes the graph (see mtl/s
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn

@@ -12,8 +12,8 @@ asserts ``allreduces`` with a counting comm hook, and ``mtl.doctor`` prints all 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel

@@ -15,6 +15,8 @@ which reproduces ``combined`` (the parity tests check it).
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -64,10 +66,14 @@ class TaskGrads(Strategy):
         buf = all_reduce_mean(torch.cat([grads.reshape(-1), _flat(p.grad for p in heads), loss_vec]))
         grads = buf[: k * n].view(k, n)
         _write_grads(heads, buf[k * n: -k])
+        tic = time.perf_counter()
         if s.combine is None:  # loss-level weighting: the weighted rows just add up
             direction = grads.sum(0)
         else:  # gradient-level: the method sees unscaled, rank-averaged rows
             scale = s.loss_scale()
             direction = s.combine(grads / scale, buf[-k:]) * scale
+        if direction.is_cuda:
+            torch.cuda.synchronize(direction.device)
+        stats = {**gradient_stats(s.tasks, grads), "combine_s": time.perf_counter() - tic}  # the method's own maths
         _write_grads(shared, direction.to(shared[0].dtype))
-        return {t: v.detach() for t, v in losses.items()}, gradient_stats(s.tasks, grads)
+        return {t: v.detach() for t, v in losses.items()}, stats

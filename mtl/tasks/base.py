@@ -7,8 +7,9 @@ with a ``TaskHead`` subclass that sets ``name`` (see docs/extending.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ class TaskHead(nn.Module):
     name: str = ""  # the key of this task's loss; set by each subclass
 
     @classmethod
-    def build(cls, info: BuildInfo) -> "TaskHead":
+    def build(cls, info: BuildInfo) -> TaskHead:
         return cls(info)
 
     def prepare(self, batch: dict, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:

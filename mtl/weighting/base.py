@@ -3,7 +3,11 @@
 A method is one file in ``mtl/weighting/`` defining a ``Weighting`` subclass with a ``name``.
 
 Loss-level methods (``level = "loss"``) turn each task's loss into the term whose backward pass the
-step runs: ``weigh(task, loss)``. They see only scalars, so they cost nothing under DDP. Their
+step runs: ``weigh(task, loss)``. They see only scalars, so they cost next to nothing under DDP; a
+method whose term is nonlinear in the loss (gls, famo: log L) must use the rank-averaged loss value
+(one scalar all-reduce in ``weigh``), or DDP's average of the ranks' gradients is not the gradient
+of the global batch's objective. Every strategy calls ``weigh`` once per task, in task order, on
+every rank, so such a collective is safe. Their
 weights may depend on the step (``begin_step``) and on the rank-averaged losses of earlier steps
 (``end_step``), but never on another task's *current* loss, which is what lets a strategy run one
 backward pass per task.

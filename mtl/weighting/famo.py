@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from mtl.dist import all_reduce_mean
 from mtl.weighting.base import Weighting
 
 FAMO_LR = 0.025  # step size of the task logits
@@ -84,7 +85,8 @@ class FAMO(Weighting):
 
     def weigh(self, task, loss):
         coef = self._coefficients()[self._index[task]]
-        return coef * torch.log(loss + FAMO_EPS)
+        # the gradient of coef * log(L_global): the rank's loss over the rank-averaged value (see gls.py)
+        return coef * loss / (all_reduce_mean(loss.detach()) + FAMO_EPS)
 
     def weights(self):
         return dict(zip(self.tasks, torch.softmax(self.logits, dim=0).tolist()))

@@ -19,8 +19,7 @@ this is the usual stochastic estimate. Losses are clamped at ``GLS_EPS`` before 
 
 from __future__ import annotations
 
-import torch
-
+from mtl.dist import all_reduce_mean
 from mtl.weighting.base import Weighting
 
 GLS_EPS = 1e-12
@@ -30,7 +29,11 @@ class GLS(Weighting):
     name = "gls"
 
     def weigh(self, task, loss):
-        return torch.log(loss.clamp_min(GLS_EPS)) / len(self.tasks)
+        # d log(L)/d theta = grad(L) / L with L the GLOBAL batch's loss. Each rank's term is its own loss
+        # divided by the rank-averaged value (one scalar all-reduce), so that DDP's average of the
+        # ranks' gradients is grad(L_global) / (K L_global), as in one process on the global batch.
+        # log(L_r) per rank would average grad(L_r) / L_r instead: a different, world-size-dependent step.
+        return loss / (len(self.tasks) * all_reduce_mean(loss.detach()).clamp_min(GLS_EPS))
 
     def weights(self):
         return {t: 1.0 / len(self.tasks) for t in self.tasks}
