@@ -155,8 +155,7 @@ class Trainer:
             set_epoch(self.train_loader, self.epoch)
             skip = self.batch_in_epoch
             self.train_loader.sampler.set_start(skip * self.cfg.data.batch_size)
-            for i, batch in enumerate(self.train_loader, start=skip):
-                yield i, batch
+            yield from enumerate(self.train_loader, start=skip)
             self.epoch += 1
             self.batch_in_epoch = 0
 
