@@ -94,6 +94,10 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module, trainer_
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(config_yaml)
         torch.save({"format": FORMAT, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
+        if os.environ.get("MTL_TEST_SLOW_SAVE"):  # tests kill a run while it saves
+            import time
+
+            time.sleep(float(os.environ["MTL_TEST_SLOW_SAVE"]))
     barrier()
     if rank == 0:
         if os.path.isdir(final):  # re-saving the same step (e.g. the final step after a resume)
@@ -119,21 +123,27 @@ def _fsync_dir(path: str) -> None:
         pass
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict, dict | None]:
-    """Load the model weights in place; return (trainer_state, this rank's RNG state or None)."""
-    model_file = os.path.join(path, "model.safetensors")
-    state_file = os.path.join(path, "trainer_state.pt")
-    for f in (model_file, state_file):
-        if not os.path.isfile(f):
-            raise CheckpointError(f"checkpoint {path!r} is incomplete: {os.path.basename(f)} is missing. "
+def read_trainer_state(path: str) -> dict:
+    """The checkpoint's trainer state; a CheckpointError if the folder is incomplete, truncated or not ours."""
+    for name in ("model.safetensors", "trainer_state.pt"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: {name} is missing. "
                                   "Point resume at another checkpoint, or use resume=auto")
+    state_file = os.path.join(path, "trainer_state.pt")
     try:
-        trainer_state = torch.load(state_file, map_location="cpu", weights_only=True)
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {state_file!r} cannot be read ({type(e).__name__}); it is truncated or "
                               "not written by mtl. Point resume at another checkpoint") from None
-    if not isinstance(trainer_state, dict) or trainer_state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{state_file!r} is not an mtl checkpoint (format {FORMAT} expected)")
+    return state
+
+
+def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict, dict | None]:
+    """Load the model weights in place; return (trainer_state, this rank's RNG state or None)."""
+    trainer_state = read_trainer_state(path)
+    model_file = os.path.join(path, "model.safetensors")
     try:
         weights = load_file(model_file)
     except Exception as e:

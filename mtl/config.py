@@ -123,6 +123,7 @@ class TrainerConfig:
     num_samples: int = 4  # greedy sample captions shown at each eval
     num_beams: int = 1  # beam width for the eval captions (1: greedy)
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps
+    poison: str | None = None  # testing: "STEP:TASK:RANK" makes TASK's loss NaN at STEP on RANK (RANK * = all)
     progress: bool = True  # progress bar with ETA on rank 0
 
 

@@ -18,7 +18,7 @@ from mtl.strategies import StepInputs
 
 @dataclass
 class StepResult:
-    losses: dict  # task -> loss averaged over ranks
+    losses: dict  # task -> loss averaged over ranks (NaN/inf where a rank's loss was)
     grad_norm: float  # global norm of the (unscaled, unclipped) gradient
     stepped: bool  # False: skipped (non-finite, or an fp16 overflow)
     nonfinite: bool  # a NaN/inf loss or gradient (not an fp16 overflow)
@@ -32,8 +32,9 @@ def train_step(run, batch: dict) -> StepResult:
         head.prepare(batch, all_reduce_sum)  # e.g. the global caption-token count
 
     w = run.weighting
+    weigh = poisoned(w.weigh, run.cfg.trainer.poison, run.step + 1, run.dist.rank)
     losses, stats = run.strategy.forward_backward(StepInputs(
-        model=run.model, batch=batch, tasks=run.tasks, weigh=w.weigh, scale=run.amp.scale,
+        model=run.model, batch=batch, tasks=run.tasks, weigh=weigh, scale=run.amp.scale,
         combine=w.combine if w.level == "grad" else None, loss_scale=run.amp.loss_scale))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
@@ -42,7 +43,10 @@ def train_step(run, batch: dict) -> StepResult:
     # DDP has already averaged the gradients, so this norm is the same on every rank: a NaN or inf
     # anywhere (any task, any rank) makes every rank skip the step together.
     grad_norm = torch.nn.utils.get_total_norm(grads)
-    loss_avg = all_reduce_mean(torch.stack([losses[t].float() for t in run.tasks]))
+    # one collective for the rank-averaged losses and "does any rank want to stop" (SIGTERM/SIGUSR1)
+    stop = torch.tensor([float(run.stop_requested)], device=grad_norm.device)
+    reduced = all_reduce_mean(torch.cat([torch.stack([losses[t].float() for t in run.tasks]).to(stop.device), stop]))
+    loss_avg, run.stop_agreed = reduced[:-1], bool(reduced[-1] > 0)
     grad_finite, loss_finite = bool(torch.isfinite(grad_norm)), bool(torch.isfinite(loss_avg).all())
     if grad_finite and run.cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(run.params, run.cfg.optim.grad_clip, grad_norm)
@@ -56,3 +60,18 @@ def train_step(run, batch: dict) -> StepResult:
     gn = float(grad_norm)
     return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=stepped,
                       nonfinite=nonfinite, stats=stats)
+
+
+def poisoned(weigh, spec: str | None, step: int, rank: int):
+    """``trainer.poison = "STEP:TASK:RANK"``: that task's loss becomes NaN at that step on that rank (testing).
+
+    TASK ``crash`` makes that rank raise instead.
+    """
+    if not spec:
+        return weigh
+    at, task, who = spec.split(":")
+    if int(at) != step or who not in ("*", str(rank)):
+        return weigh
+    if task == "crash":  # a rank that dies mid-step: the others must not hang
+        raise RuntimeError(f"trainer.poison: rank {rank} crashes at step {step} (testing)")
+    return lambda t, loss: weigh(t, loss * float("nan") if t == task else loss)

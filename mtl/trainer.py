@@ -6,6 +6,7 @@ import json
 import os
 import random
 import resource
+import signal
 import time
 
 import numpy as np
@@ -36,6 +37,7 @@ from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.logger import RunLogger
+from mtl.resume import check_resume_config
 from mtl.step import train_step
 
 
@@ -80,7 +82,8 @@ class Trainer:
         self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
                                             dist.world_size, cfg.data.num_workers, pin)
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
-        self.bad_steps = 0
+        self.bad_steps = self.overflows = 0
+        self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
         self.last_eval: dict = {}
         if resume_path:
             self._load(resume_path)
@@ -113,10 +116,17 @@ class Trainer:
             if cfg.resume == "auto":
                 print(f"resume=auto: {'resuming from ' + path if path else 'no checkpoint yet, starting fresh'}",
                       flush=True)
+                root = ckpt.checkpoint_root(cfg.output_dir)
+                partial = sorted(n for n in os.listdir(root) if n.endswith(".tmp")) if os.path.isdir(root) else []
+                if partial:
+                    print(f"resume=auto: ignoring incomplete checkpoint(s) {', '.join(partial)} (a save was interrupted)",
+                          flush=True)
         barrier()
         return path
 
     def _load(self, path: str) -> None:
+        ckpt.read_trainer_state(path)  # not ours / truncated: say so before comparing configs
+        check_resume_config(path, self.cfg)
         state, rng = ckpt.load_checkpoint(path, self.bare, self.dist.rank)
         saved_world = state.get("world_size")
         if saved_world is not None and saved_world != self.dist.world_size:
@@ -159,10 +169,19 @@ class Trainer:
             self.epoch += 1
             self.batch_in_epoch = 0
 
+    def _on_signal(self, signum, _frame) -> None:
+        self.stop_requested = True  # acted on after the current step, by every rank together
+
     def train(self) -> dict:
         cfg, t = self.cfg, self.cfg.trainer
         start = time.perf_counter()
         self.bare.train()
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+        skipped = getattr(self.train_ds, "skipped", 0) + getattr(self.val_ds, "skipped", 0)
+        if skipped:
+            self.log.info(f"data.on_error=skip: skipped {skipped} bad data line(s): "
+                          + "; ".join((getattr(self.train_ds, "skip_reasons", []) + getattr(self.val_ds, "skip_reasons", []))[:5]))
         if self.step >= t.max_steps:
             self.log.info(f"nothing to do: step {self.step} >= trainer.max_steps {t.max_steps}")
         batches = self.batches()
@@ -186,6 +205,10 @@ class Trainer:
                 self.run_eval()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps:
                 self.save()
+            if self.stop_agreed:  # a rank got SIGTERM/SIGUSR1: all finish this step, save, exit 0
+                self.log.info(f"step {self.step}: stop signal received; saving a checkpoint and exiting")
+                self.save()
+                return self.last_eval
         final = self.run_eval()
         self.save()
         wall = time.perf_counter() - start
@@ -208,6 +231,9 @@ class Trainer:
                     "Lower optim.lr, use precision=bf16/fp32, or check the data; the last good checkpoint is kept")
         else:
             self.bad_steps = 0
+            if not r.stepped:  # an fp16 overflow: the GradScaler skipped the step and backed off
+                self.overflows += 1
+                self.log.record(self.step, {"fp16_overflow": 1, "total": self.overflows}, kind="overflow")
         if self.step % t.log_every == 0 or self.step == 1:
             scale = self.amp.loss_scale()
             values = {f"loss_{k}": v for k, v in r.losses.items()}
@@ -246,7 +272,9 @@ class Trainer:
         self.log.figure("samples", sample_figure(images, samples), self.step)
 
     def _finish(self, final: dict, wall: float) -> None:
-        summary = {"step": self.step, "wall_time_s": round(wall, 1), "world_size": self.dist.world_size, **final}
+        summary = {"step": self.step, "wall_time_s": round(wall, 1), "world_size": self.dist.world_size,
+                   "fp16_overflows": self.overflows,
+                   "data_skipped": getattr(self.train_ds, "skipped", 0) + getattr(self.val_ds, "skipped", 0), **final}
         if self.dist.is_main:
             with open(os.path.join(self.cfg.output_dir, "final_metrics.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)

@@ -72,6 +72,11 @@ def validate(cfg) -> list[str]:
     if cfg.model.decoder.pretrained and not cfg.tokenizer.path:
         errors.append("tokenizer.path: a pretrained decoder (model.decoder.pretrained) needs its own tokenizer; "
                       "set tokenizer.path to its directory")
+    if cfg.trainer.poison is not None:
+        parts = str(cfg.trainer.poison).split(":")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in [*cfg.tasks, "crash"] or not (parts[2] == "*"
+                                                                                             or parts[2].isdigit()):
+            errors.append(f"trainer.poison: {cfg.trainer.poison!r} must be STEP:TASK:RANK, e.g. 3:gen:1 or 3:cls:*")
     if len(cfg.optim.betas) != 2:
         errors.append(f"optim.betas: needs two values (got {list(cfg.optim.betas)})")
 

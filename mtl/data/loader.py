@@ -175,12 +175,15 @@ def build_train_loader(
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
     cls = EpochDistributedSampler if hasattr(ds, "set_epoch") else ResumableDistributedSampler
     sampler = cls(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    # the loader's own generator: making an iterator (at each epoch, and at a resume) must not draw
+    # from the global torch RNG, or a resumed run's dropout would see a shifted random stream
     return DataLoader(
         ds,
         batch_size=batch_size,
         sampler=sampler,
         collate_fn=collate,
         drop_last=True,
+        generator=torch.Generator().manual_seed(seed),
         **_loader_kwargs(num_workers, pin_memory),
     )
 

@@ -1,0 +1,59 @@
+"""Which config changes a resume may make without breaking exactness (docs/reliability.md).
+
+Safe to change: ``trainer.max_steps``, the logging and evaluation intervals, output options, and
+operational switches that do not touch the maths. Everything else (model shape, data, strategy,
+weighting, batch size, seed, precision, optimizer ...) must match the checkpoint's config, or the
+resumed run would not be the run that was interrupted; each differing key is listed.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import OmegaConf
+
+from mtl.errors import CheckpointError
+
+SAFE_TO_CHANGE = (
+    "output_dir", "resume", "device", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
+    "trainer.eval_max_batches", "trainer.num_samples", "trainer.num_beams", "trainer.progress",
+    "trainer.max_bad_steps", "trainer.poison", "checkpoint.", "data.num_workers", "data.eval_batch_size",
+    "ddp.timeout_s", "ddp.replica_check_every", "ddp.nan_monitor", "bench.",
+)
+
+
+def _flatten(node, prefix=""):
+    out = {}
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def differing_keys(saved: dict, current: dict) -> list[str]:
+    a, b = _flatten(saved), _flatten(current)
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if a.get(k) != b.get(k) and not any(k == s or (s.endswith(".") and k.startswith(s))
+                                                               for s in SAFE_TO_CHANGE)]
+
+
+def check_resume_config(checkpoint_dir: str, cfg) -> None:
+    path = os.path.join(checkpoint_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {checkpoint_dir!r} has no config.yaml: it is incomplete or not written by mtl")
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:
+        raise CheckpointError(f"{path!r} cannot be read: {e}") from None
+    current = OmegaConf.to_container(cfg, resolve=True)
+    diff = differing_keys(saved, current)
+    if diff:
+        a, b = _flatten(saved), _flatten(current)
+        lines = [f"  {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in diff]
+        raise CheckpointError(
+            f"cannot resume from {checkpoint_dir!r}: the config changed in ways that break an exact resume:\n"
+            + "\n".join(lines) + "\nRestore these keys, or start a new run in another output_dir. Keys that may change "
+            "on resume: " + ", ".join(SAFE_TO_CHANGE))

@@ -1,0 +1,203 @@
+"""Reliability with real processes and real signals: exact resume after SIGKILL, a kill during a save,
+SIGTERM, elastic restarts, non-finite steps, a crashing rank, and checkpoints that are not ours."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from .conftest import PY, ROOT, TINY, free_port, run_train
+
+FAST = ["trainer.eval_every=1000", "trainer.eval_max_batches=1", "trainer.log_every=1", "checkpoint.every_steps=4",
+        "resume=auto"]
+
+
+def steps_logged(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        steps = [json.loads(line)["step"] for line in f if line.strip() and '"kind": "train"' in line]
+    return max(steps, default=0)
+
+
+def start(args, nproc=1, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [PY, os.path.join(ROOT, "train.py"), *args]
+    else:
+        cmd = [PY, "-m", "mtl.launch", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", os.path.join(ROOT, "train.py"), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_step(proc, run_dir, step, timeout=240):
+    deadline = time.time() + timeout
+    while steps_logged(run_dir) < step:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before step {step}: {proc.communicate()[1][-3000:]}")
+        if time.time() > deadline:
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.05)
+
+
+def kill_group(proc, sig=signal.SIGKILL):
+    os.killpg(proc.pid, sig)
+    proc.communicate(timeout=120)
+
+
+def model_bytes(run_dir, step):
+    with open(os.path.join(run_dir, "checkpoints", f"step_{step}", "model.safetensors"), "rb") as f:
+        return f.read()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, overrides", [
+    (1, ["ddp.strategy=feature_leaf"]),
+    (2, ["ddp.strategy=feature_leaf"]),  # one shared forward
+    (2, ["ddp.strategy=find_unused"]),  # per-task forwards
+    (2, ["ddp.strategy=task_grads", "weighting.method=pcgrad"]),  # a gradient-level method
+])
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, overrides):
+    args = ["--config", TINY, "trainer.max_steps=10", "model.decoder.dropout=0.1", *FAST, *overrides]
+    ref, cut = str(tmp_path / "ref"), str(tmp_path / "cut")
+    run_train([*args, f"output_dir={ref}"], nproc=nproc)
+    proc = start([*args, f"output_dir={cut}"], nproc=nproc)
+    wait_for_step(proc, cut, 5)  # past the step-4 checkpoint, before step 8's
+    kill_group(proc)
+    resumed = run_train([*args, f"output_dir={cut}"], nproc=nproc)
+    assert "resuming from" in resumed.stdout
+    assert model_bytes(ref, 10) == model_bytes(cut, 10)  # byte for byte
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    args = ["--config", TINY, "trainer.max_steps=10", *FAST, f"output_dir={out}"]
+    proc = start(args, env={"MTL_TEST_SLOW_SAVE": "30"})
+    deadline = time.time() + 120
+    while not os.path.isdir(os.path.join(out, "checkpoints", ".step_4.tmp", )) or not os.path.isfile(
+            os.path.join(out, "checkpoints", ".step_4.tmp", "trainer_state.pt")):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    kill_group(proc)
+    assert not os.path.isdir(os.path.join(out, "checkpoints", "step_4"))  # never renamed: not complete
+    # resume=auto must ignore the half-written save (and say so), start again, and finish
+    done = run_train(args)
+    assert "ignoring incomplete checkpoint(s) .step_4.tmp" in done.stdout
+    assert "no checkpoint yet, starting fresh" in done.stdout
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step_10"))
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_within_a_step_and_exits_zero(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start(["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=1000", f"output_dir={out}"],
+                 nproc=2)
+    wait_for_step(proc, out, 3)
+    seen = steps_logged(out)
+    kill_group(proc, signal.SIGTERM)  # like Slurm: every process of the job gets it
+    assert proc.returncode == 0, proc.stderr[-3000:] if proc.stderr else ""
+    saved = sorted(int(n.split("_")[1]) for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_"))
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 3  # the step in flight, plus the one that agreed
+
+
+@pytest.mark.slow
+def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    args = ["--config", TINY, "trainer.max_steps=10", *FAST]
+    ref, el = str(tmp_path / "ref"), str(tmp_path / "elastic")
+    run_train([*args, f"output_dir={ref}"], nproc=2)
+    cmd = [PY, "-m", "mtl.launch", "--nproc_per_node=2", "--max-restarts=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", os.path.join(ROOT, "train.py"), *args, f"output_dir={el}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_step(proc, el, 5)
+    workers = subprocess.run(["pgrep", "-f", f"output_dir={el}"], capture_output=True, text=True).stdout.split()
+    victim = max(int(p) for p in workers if int(p) != proc.pid)  # a worker, not the launcher
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert model_bytes(ref, 10) == model_bytes(el, 10)
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_task_on_one_rank_skips_the_step_everywhere(tmp_path):
+    out = str(tmp_path / "run")
+    run_train(["--config", TINY, "trainer.max_steps=4", *FAST, "checkpoint.every_steps=1", "trainer.poison=3:gen:1",
+               f"output_dir={out}"], nproc=2)
+    assert model_bytes(out, 2) == model_bytes(out, 3)  # step 3 changed no parameter, bitwise
+    s2 = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=True)
+    s3 = torch.load(os.path.join(out, "checkpoints", "step_3", "trainer_state.pt"), weights_only=True)
+    for k, v in s2["optimizer"]["state"].items():  # nor any optimizer state
+        assert all(torch.equal(v[n], s3["optimizer"]["state"][k][n]) for n in v)
+    assert model_bytes(out, 3) != model_bytes(out, 4)  # and training went on
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        bad = [json.loads(line) for line in f if '"bad_step"' in line]
+    assert len(bad) == 1 and bad[0]["step"] == 3 and bad[0]["nonfinite"] == "gen"
+
+
+@pytest.mark.slow
+def test_too_many_bad_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    proc = run_train(["--config", TINY, "trainer.max_steps=6", *FAST, "checkpoint.every_steps=2",
+                      "trainer.max_bad_steps=1", "trainer.poison=3:cls:*", "ddp.nan_monitor=true",
+                      f"output_dir={out}"], check=False)
+    assert proc.returncode == 5 and "consecutive non-finite steps" in proc.stderr and "Traceback" not in proc.stderr
+    assert "first non-finite gradient in" in proc.stdout  # the NaN monitor names the parameter
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_2"]
+
+
+@pytest.mark.slow
+def test_a_crashing_rank_makes_every_rank_exit(tmp_path):
+    tic = time.time()
+    proc = run_train(["--config", TINY, "trainer.max_steps=50", *FAST, "trainer.poison=3:crash:1", "ddp.timeout_s=30",
+                      f"output_dir={tmp_path}"], nproc=2, check=False, timeout=180)
+    assert proc.returncode != 0 and time.time() - tic < 120
+
+
+def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path):
+    out = str(tmp_path / "run")
+    run_train(["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=2", f"output_dir={out}"])
+    proc = run_train(["--config", TINY, "trainer.max_steps=4", "resume=auto", "data.batch_size=4", "seed=3",
+                      f"output_dir={out}"], check=False)
+    assert proc.returncode == 4, proc.stderr
+    assert "data.batch_size: checkpoint 8, now 4" in proc.stderr and "seed: checkpoint 0, now 3" in proc.stderr
+    assert "trainer.max_steps" not in proc.stderr.split("Keys that may change")[0]  # safe to change
+    ok = run_train(["--config", TINY, "trainer.max_steps=4", "resume=auto", "trainer.log_every=2",
+                    f"output_dir={out}"])
+    assert "resuming from" in ok.stdout
+
+
+def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path):
+    from mtl.checkpoint import load_checkpoint
+    from mtl.errors import CheckpointError
+
+    bad = tmp_path / "step_5"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"not safetensors")
+    (bad / "trainer_state.pt").write_bytes(b"\x80\x04 truncated pickle")
+    with pytest.raises(CheckpointError, match="truncated or not written by mtl"):
+        load_checkpoint(str(bad), torch.nn.Linear(2, 2), 0)
+    torch.save({"format": "something-else"}, bad / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match="not an mtl checkpoint"):
+        load_checkpoint(str(bad), torch.nn.Linear(2, 2), 0)
+    (bad / "config.yaml").write_text("seed: 0\n")
+    proc = run_train(["--config", TINY, f"resume={bad}", f"output_dir={tmp_path / 'run'}"], check=False)
+    assert proc.returncode == 4 and "Traceback" not in proc.stderr and "step_5" in proc.stderr
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    out = str(tmp_path / "run")
+    run_train(["--config", TINY, "trainer.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+               f"output_dir={out}"])
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_5", "step_6"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
