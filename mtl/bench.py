@@ -19,7 +19,8 @@ Metrics and their definitions:
   ``(-1)^l_i (M_i - B_i) / B_i * 100`` against the single-task baselines B (l_i = 1 if lower is better);
 - delta-p % (LibMTL): the same relative change averaged within each task first, then across tasks;
 - mean rank: each method's rank per metric (1 = best), averaged over the metrics;
-- cost: median step time and peak memory as ratios to ``equal`` measured in the same sweep, the
+- cost: step time (the median over seeds of each run's median step) and peak memory as ratios to
+  ``equal`` measured in the same sweep, the
   method's own maths (``combine_s``, gradient-level methods), bytes all-reduced per step with two or
   more processes, and wall time.
 """
@@ -220,14 +221,21 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
         row["delta_p"], row["delta_p_std"] = _mean_std(dp)
         for key in ("step_time_s", "peak_mem_mb", "wall_s", "combine_s"):
             row[key], row[key + "_std"] = _mean_std([d[key] for d in ok])
+        if ok:  # the median over seeds of each run's median step time: one run slowed by a busy machine does not count
+            row["step_time_s"] = statistics.median(d["step_time_s"] for d in ok)
         strategy = cfg.bench.grad_strategy if row["level"] == "grad" else cfg.bench.loss_strategy
         row["strategy"] = strategy
         row["allreduce_mb"] = allreduce_bytes(pairs[0][0]["dir"], strategy, len(cfg.tasks)) / 2**20 if ok else float("nan")
         rows.append(row)
     eq = next((r for r in rows if r["method"] == "equal"), None)
+    # In one process on the CPU the runs share the process, whose peak RSS only grows: no per-run peak.
+    # (bench.nproc > 1 runs each under its own torchrun; on CUDA the trainer logs max_memory_allocated.)
+    import torch
+
+    mem_ok = cfg.bench.nproc > 1 or (torch.cuda.is_available() and cfg.device != "cpu")
     for r in rows:
         r["time_vs_equal"] = r["step_time_s"] / eq["step_time_s"] if eq else float("nan")
-        r["mem_vs_equal"] = r["peak_mem_mb"] / eq["peak_mem_mb"] if eq else float("nan")
+        r["mem_vs_equal"] = r["peak_mem_mb"] / eq["peak_mem_mb"] if eq and mem_ok else float("nan")
     for key, _, higher in METRICS:  # mean rank over the metrics (1 = best)
         order = sorted((r for r in rows if r[key] == r[key]), key=lambda r: -r[key] if higher else r[key])
         for i, r in enumerate(order, 1):
@@ -249,6 +257,9 @@ def write_tables(cfg, rows: list[dict], base: dict, meta: dict) -> str:
         for r in rows:
             w.writerow(r)
 
+    def ratio(v):
+        return "n/a" if v != v else f"{v:.2f}x"
+
     def pm(r, k, scale=1.0, digits=3):
         v, s = r[k] * scale, r[k + "_std"] * scale
         return "n/a" if v != v else f"{v:.{digits}f} ± {s:.{digits}f}"
@@ -264,9 +275,15 @@ def write_tables(cfg, rows: list[dict], base: dict, meta: dict) -> str:
         lines.append(
             f"| `{r['method']}`{failed} | {r['level']} | {pm(r, 'cls_acc')} | {pm(r, 'gen_bleu4')} | {pm(r, 'gen_chrf')} "
             f"| {pm(r, 'delta_m', digits=2)} | {pm(r, 'delta_p', digits=2)} | {r['mean_rank']:.1f} "
-            f"| {r['time_vs_equal']:.2f}x | {r['mem_vs_equal']:.2f}x | {r['combine_s'] * 1e3:.2f} "
+            f"| {r['time_vs_equal']:.2f}x | {ratio(r['mem_vs_equal'])} "
+            f"| {r['combine_s'] * 1e3:.2f} "
             f"| {r['allreduce_mb']:.1f} | {r['wall_s']:.0f} |")
     f_ms, b_ms = meta.get("forward_s", float("nan")) * 1e3, meta.get("backward_s", float("nan")) * 1e3
+    if all(r["mem_vs_equal"] != r["mem_vs_equal"] for r in rows):
+        lines += ["", "Peak memory: n/a here, because every run shared one CPU process (whose peak RSS only grows); run "
+                  "with bench.nproc=2 (each run its own torchrun) or on CUDA for per-run peaks. What a method adds is its "
+                  "strategy's memory (task_grads holds the K x P matrix of task gradients), measured by "
+                  "`make bench-strategies`."]
     lines += ["", f"Measured F = {f_ms:.0f} ms, B = {b_ms:.0f} ms (one process, the bench model), so "
               f"(F + 2B) / (F + B) = {(f_ms + 2 * b_ms) / (f_ms + b_ms):.2f}: the step-time goal for gradient-level "
               "methods, before their own maths."]
