@@ -29,12 +29,17 @@ def main(argv: list[str] | None = None) -> int:
         code = run_guarded(lambda: load_run_config(config, overrides))
         if code:
             return code
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(argv)
     try:
         run(args)
+    except SignalException as e:  # the launcher itself got SIGTERM/SIGINT (e.g. from Slurm)
+        print(f"mtl.launch: got {e.sigval.name}; the workers were sent it too and save a checkpoint before they "
+              "exit (resume with resume=auto)", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         ranks = sorted(e.failures)
