@@ -32,9 +32,9 @@ def train_step(run, batch: dict) -> StepResult:
         head.prepare(batch, all_reduce_sum)  # e.g. the global caption-token count
 
     w = run.weighting
-    weigh = poisoned(w.weigh, run.cfg.trainer.poison, run.step + 1, run.dist.rank)
+    poison(batch, run.cfg.trainer.poison, run.step + 1, run.dist.rank)
     losses, stats = run.strategy.forward_backward(StepInputs(
-        model=run.model, batch=batch, tasks=run.tasks, weigh=weigh, scale=run.amp.scale,
+        model=run.model, batch=batch, tasks=run.tasks, weigh=w.weigh, scale=run.amp.scale,
         combine=w.combine if w.level == "grad" else None, loss_scale=run.amp.loss_scale))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
@@ -62,16 +62,16 @@ def train_step(run, batch: dict) -> StepResult:
                       nonfinite=nonfinite, stats=stats)
 
 
-def poisoned(weigh, spec: str | None, step: int, rank: int):
-    """``trainer.poison = "STEP:TASK:RANK"``: that task's loss becomes NaN at that step on that rank (testing).
+def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
+    """``trainer.poison = "STEP:TASK:RANK"``: that task's loss is NaN at that step on that rank (testing).
 
-    TASK ``crash`` makes that rank raise instead.
+    TASK ``crash`` makes that rank raise instead. The model multiplies the named task's loss by NaN.
     """
     if not spec:
-        return weigh
+        return
     at, task, who = spec.split(":")
     if int(at) != step or who not in ("*", str(rank)):
-        return weigh
+        return
     if task == "crash":  # a rank that dies mid-step: the others must not hang
         raise RuntimeError(f"trainer.poison: rank {rank} crashes at step {step} (testing)")
-    return lambda t, loss: weigh(t, loss * float("nan") if t == task else loss)
+    batch["poison"] = task
