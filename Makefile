@@ -29,6 +29,9 @@ lint: $(STAMP)
 tensorboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUN_DIR)/tb --host 127.0.0.1
 
+bench: $(STAMP)
+	$(BIN)/python -m mtl.bench --config configs/bench.yaml $(ARGS)
+
 bench-strategies: $(STAMP)
 	$(BIN)/python -m mtl.bench_strategies --config $(CONFIG) --write docs/strategies.md $(ARGS)
 
