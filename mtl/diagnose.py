@@ -41,10 +41,5 @@ def reach_table(grads: dict[str, dict[str, torch.Tensor | None]], depth: int = 3
     return table
 
 
-def unreached(grads: dict[str, dict[str, torch.Tensor | None]], depth: int = 3) -> dict[str, list[str]]:
-    """{task: module groups the task's loss does not reach at all}."""
-    return {t: sorted(g for g, s in row.items() if s == "none") for t, row in reach_table(grads, depth).items()}
-
-
 def nonfinite_parameters(grads: dict[str, torch.Tensor | None]) -> list[str]:
     return [n for n, g in grads.items() if g is not None and not bool(torch.isfinite(g).all())]

@@ -33,10 +33,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 def pick_device(cfg_device: str, local_rank: int) -> torch.device:
     if cfg_device == "cuda" or (cfg_device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -98,14 +94,6 @@ def all_gather_objects(obj) -> list:
         dist.all_gather_object(out, obj)
         return out
     return [obj]
-
-
-def broadcast_object(obj, src: int = 0):
-    if dist.is_available() and dist.is_initialized():
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-    return obj
 
 
 def barrier() -> None:

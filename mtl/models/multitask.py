@@ -46,6 +46,3 @@ class MultiTaskModel(nn.Module):
                 if batch.get("poison") == name:  # trainer.poison, for the non-finite-step tests
                     losses[name] = losses[name] * float("nan")
         return {"losses": losses, "features": features, "leaf": leaf}
-
-    def shared_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.backbone.parameters() if p.requires_grad]

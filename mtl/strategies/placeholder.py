@@ -59,7 +59,3 @@ class Placeholder(Strategy):
             s.scale(term).backward()
             losses[t] = loss.detach()
         return losses, {}
-
-    def unreached_names(self, model: torch.nn.Module) -> dict[str, list[str]]:
-        names = {id(p): n for n, p in model.named_parameters()}
-        return {t: [names[id(p)] for p in ps] for t, ps in self._unreached.items()}
