@@ -1,0 +1,55 @@
+"""The weighting benchmark end to end on the tiny config: tables, plots, failures recorded, re-runs skip."""
+
+import csv
+import json
+import os
+import subprocess
+
+import pytest
+
+from .conftest import PY, ROOT, TINY
+
+FAST = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.log_every=1", "checkpoint.every_steps=0",
+        "bench.seeds=[0]", "bench.last_k=2"]
+
+
+def bench(out, *extra):
+    return subprocess.run([PY, "-m", "mtl.bench", "--config", TINY, f"output_dir={out}", *FAST, *extra], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path):
+    out = tmp_path / "bench"
+    # static without weighting.weights is a config error for that run only: recorded, the sweep goes on
+    proc = bench(out, "bench.methods=[equal,pcgrad,static]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[1/5] equal seed 0: training" in proc.stdout and "FAILED" in proc.stdout
+    with open(out / "runs.jsonl") as f:
+        status = {(r["label"], r["seed"]): r for r in map(json.loads, f)}
+    assert status[("static", 0)]["status"] == "failed" and "weighting.weights" in status[("static", 0)]["error"]
+    assert all(status[(m, 0)]["status"] == "ok" for m in ("equal", "pcgrad", "single_cls", "single_gen"))
+    with open(out / "results.csv") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"equal", "pcgrad", "static"}
+    assert rows["static"]["runs_ok"] == "0"
+    for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "delta_p", "mean_rank", "time_vs_equal"):
+        assert rows["equal"][key] not in ("", "nan"), key
+    assert float(rows["equal"]["time_vs_equal"]) == 1.0
+    assert float(rows["pcgrad"]["combine_s"]) > 0 and float(rows["equal"]["combine_s"]) == 0
+    assert float(rows["pcgrad"]["allreduce_mb"]) > float(rows["equal"]["allreduce_mb"])  # K rows of the backbone
+    for png in ("metrics_vs_step.png", "metrics_vs_wall.png", "task_weights.png", "gradient_cosine.png"):
+        assert (out / png).stat().st_size > 10_000
+    assert "| `equal` |" in (out / "results.md").read_text()
+    assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(out / "tb") for f in fs)
+    again = bench(out, "bench.methods=[equal,pcgrad,static]")
+    assert "equal seed 0: finished before, skipped" in again.stdout and "pcgrad seed 0: finished before" in again.stdout
+
+
+@pytest.mark.slow
+def test_bench_runs_under_torchrun_when_configured(tmp_path):
+    out = tmp_path / "bench"
+    proc = bench(out, "bench.methods=[equal]", "bench.baselines=false", "bench.nproc=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "runs" / "equal" / "seed0" / "final_metrics.json") as f:
+        assert json.load(f)["world_size"] == 2
