@@ -17,14 +17,18 @@ from mtl.weighting import weighting_types
 
 
 def build_tokenizer(cfg, train_captions, dist: DistInfo) -> CaptionTokenizer:
-    """The run's own copy (``output_dir/tokenizer``) wins, so a resumed run decodes as before."""
+    """The run's own copy (``output_dir/tokenizer``) wins, so a resumed run decodes as before.
+
+    Only rank 0 looks at the file system and writes; then EVERY rank meets at the barrier, whatever it
+    sees on disk. (A rank that skipped the barrier because it looked after rank 0 had written the file
+    entered DDP's start-up collective while rank 0 waited in the barrier: a deadlock.)
+    """
     run_copy = os.path.join(cfg.output_dir, "tokenizer")
-    if not os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
-        if dist.is_main:
-            tok = (CaptionTokenizer.load(cfg.tokenizer.path) if cfg.tokenizer.path
-                   else train_tokenizer(train_captions(), cfg.tokenizer.vocab_size))
-            tok.save(run_copy)
-        barrier()
+    if dist.is_main and not os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
+        tok = (CaptionTokenizer.load(cfg.tokenizer.path) if cfg.tokenizer.path
+               else train_tokenizer(train_captions(), cfg.tokenizer.vocab_size))
+        tok.save(run_copy)
+    barrier()
     return CaptionTokenizer.load(run_copy)
 
 

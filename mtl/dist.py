@@ -96,6 +96,16 @@ def all_gather_objects(obj) -> list:
     return [obj]
 
 
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s ``obj`` on every rank: for decisions one rank takes (e.g. from what it sees on disk)
+    that every rank must follow, so that all ranks take the same collective path."""
+    if dist.is_available() and dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+    return obj
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -32,7 +32,7 @@ from mtl.data.loader import (
     build_train_loader,
     set_epoch,
 )
-from mtl.dist import DistInfo, barrier
+from mtl.dist import DistInfo, barrier, broadcast_object
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
@@ -96,18 +96,16 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
 
     def _prepare_output_dir(self) -> str | None:
-        """Decide what to resume from, refusing to write over another run's checkpoints."""
+        """Decide what to resume from, refusing to write over another run's checkpoints.
+
+        Rank 0 alone reads the folder and decides; every rank follows that one decision, so no rank's own
+        view of the file system can send it down another collective path than its peers.
+        """
         cfg = self.cfg
-        existing = ckpt.latest_checkpoint(cfg.output_dir)
-        path = None
-        if cfg.resume is None and existing:
-            raise ConfigError(
-                f"output_dir: {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing)}) of another "
-                "run. Set resume=auto to continue it, or choose another output_dir")
-        if cfg.resume == "auto":
-            path = existing
-        elif cfg.resume:
-            path = cfg.resume
+        decision = self._resume_decision() if self.dist.is_main else None
+        error, path = broadcast_object(decision)
+        if error:
+            raise ConfigError(error)
         if self.dist.is_main:
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
@@ -123,6 +121,17 @@ class Trainer:
                           flush=True)
         barrier()
         return path
+
+    def _resume_decision(self) -> tuple[str | None, str | None]:
+        """(error message or None, checkpoint to resume from or None), from what this process sees on disk."""
+        cfg = self.cfg
+        existing = ckpt.latest_checkpoint(cfg.output_dir)
+        if cfg.resume is None and existing:
+            return (f"output_dir: {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing)}) of "
+                    "another run. Set resume=auto to continue it, or choose another output_dir"), None
+        if cfg.resume == "auto":
+            return None, existing
+        return None, cfg.resume or None
 
     def _load(self, path: str) -> None:
         ckpt.read_trainer_state(path)  # not ours / truncated: say so before comparing configs

@@ -100,9 +100,18 @@ class CaptionTokenizer:
         return " ".join(text.split())
 
     def save(self, directory: str) -> str:
+        """Write ``directory/tokenizer.json`` atomically: a reader sees the old file or the whole new one."""
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, FILE_NAME)
-        self._tok.save(path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            self._tok.save(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
         return path
 
     @classmethod
