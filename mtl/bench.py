@@ -176,9 +176,7 @@ def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int) -> int:
                 shared += n
             elif not k.endswith("transformer.wte.weight"):  # tied to lm_head.weight: one parameter, counted once
                 heads += n
-    if strategy == "task_grads":
-        return 4 * (num_tasks * shared + heads)
-    return 4 * strategy_types()[strategy].cost(num_tasks)["allreduces"] * (shared + heads)
+    return strategy_types()[strategy].allreduce_bytes(num_tasks, shared, heads)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -32,11 +32,17 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-ORDER = ["combined", "feature_leaf", "detach", "accumulate", "find_unused", "placeholder", "task_grads",
-         "combined+find_unused"]
 # "combined+find_unused": the same single backward with find_unused_parameters=True, to isolate what
 # the flag itself costs (the seed articles claim 15-20% more memory and slower synchronisation)
 VARIANTS = {"combined+find_unused": ("combined", ["ddp.find_unused_parameters=true"])}
+
+
+def strategies_to_time() -> list[str]:
+    """Every registered strategy but the unsafe ones, ``combined`` (the baseline) first, then the variants."""
+    from mtl.strategies import strategy_types
+
+    names = [n for n, cls in strategy_types().items() if not cls.unsafe and n != "combined"]
+    return ["combined", *names, *VARIANTS]
 BEGIN, END = "<!-- bench-strategies:begin -->", "<!-- bench-strategies:end -->"
 
 
@@ -65,14 +71,12 @@ def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
     return Trainer(cfg, dist.init_distributed(cfg))
 
 
-_ACTIVE: list = [None]  # the counts dict of the strategy being stepped (for the hand-made all-reduce)
-
-
 def _counting(trainer, counts: dict) -> None:
-    """Count reduction rounds and bytes: a DDP comm hook, and the hand-made all-reduce of task_grads."""
+    """Count reduction rounds and bytes: a DDP comm hook, and the strategy's hand-made collectives
+    (``counts['manual']``, through the ``CountingComm`` the step hands the strategy)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    import mtl.strategies.task_grads as task_grads
+    from mtl.dist import CountingComm
 
     if hasattr(trainer.model, "register_comm_hook"):
         def hook(state, bucket):
@@ -81,16 +85,7 @@ def _counting(trainer, counts: dict) -> None:
             return allreduce_hook(None, bucket)
 
         trainer.model.register_comm_hook(None, hook)
-    if not getattr(task_grads.all_reduce_mean, "counting", False):
-        original = task_grads.all_reduce_mean
-
-        def manual(t):
-            _ACTIVE[0]["rounds"] += 1
-            _ACTIVE[0]["bytes"] += t.numel() * t.element_size()
-            return original(t)
-
-        manual.counting = True
-        task_grads.all_reduce_mean = manual
+    trainer.comm = CountingComm(counts)
 
 
 def _sync(device) -> None:
@@ -104,18 +99,18 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
     from mtl.evaluate import to_device
     from mtl.step import train_step
 
-    trainers = {s: _trainer(config, overrides, s, out_dir) for s in ORDER}
+    names = strategies_to_time()
+    trainers = {s: _trainer(config, overrides, s, out_dir) for s in names}
     batches = {s: t.batches() for s, t in trainers.items()}
-    counts = {s: {"rounds": 0, "bytes": 0} for s in ORDER}
+    counts = {s: {"rounds": 0, "manual": 0, "bytes": 0} for s in names}
     for s, t in trainers.items():
         _counting(t, counts[s])
-    times = {s: [] for s in ORDER}
+    times = {s: [] for s in names}
     per_step = {}
     for r in range(rounds + 1):  # round 0 warms every strategy up and is not timed
-        order = ORDER[r % len(ORDER):] + ORDER[: r % len(ORDER)]
+        order = names[r % len(names):] + names[: r % len(names)]
         for s in order:
             t = trainers[s]
-            _ACTIVE[0] = counts[s]
             batch = to_device(next(batches[s])[1], t.device)
             for _ in range(steps):
                 before = dict(counts[s])
@@ -203,7 +198,7 @@ def run(config: str, overrides: list[str], nproc: int, rounds: int, steps: int) 
         with open(res) as f:
             timing = json.load(f)
         memory = {}
-        for s in ORDER:
+        for s in strategies_to_time():
             res = os.path.join(tmp, f"mem_{s}.json")
             mp.start_processes(_memory_worker, args=(nproc, _free_port(), config, overrides, s, steps, tmp, res),
                                nprocs=nproc, start_method="spawn")
@@ -232,12 +227,13 @@ def table(result: dict, meta: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     mem_c = max(result["memory"]["combined"], 1)
-    for s in ORDER:
+    for s in t["times"]:
         c = types[VARIANTS.get(s, (s,))[0]]
         ps = t["per_step"][s]
         label = "`combined` + find_unused_parameters=True" if s in VARIANTS else f"`{s}`"
         k = c.cost(meta["tasks"])
-        lines.append(f"| {label} | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {ps['rounds']} "
+        rounds = ps["rounds"] + ps.get("manual", 0)  # DDP's bucket rounds + the strategy's hand-made ones
+        lines.append(f"| {label} | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {rounds} "
                      f"| {ps['bytes'] / 2**20:.1f} | {k['forwards']} | {k['backbone_backwards']} |")
     rc = t["replica_check"]
     lines += ["", f"Median step time of `combined`: {med['combined'] * 1e3:.0f} ms. Peak step memory of `combined`: "

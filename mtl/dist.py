@@ -88,6 +88,35 @@ def average_grads(params: list) -> None:
         p.grad.copy_(piece.view_as(p))
 
 
+class Comm:
+    """The collectives a step strategy may call, handed to it in ``StepInputs.comm``.
+
+    A strategy calls ``s.comm.all_reduce_mean(t)`` instead of importing a module function, so a tool or
+    a test can count or inspect its communication by handing it another ``Comm`` (``CountingComm``)
+    instead of patching a module.
+    """
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(t)
+
+
+class CountingComm(Comm):
+    """A ``Comm`` that counts its reductions and their bytes into ``counts['manual']`` / ``counts['bytes']``,
+    and can hand each (local, reduced) pair to ``observe(local, reduced)`` (to look at a step's buffers)."""
+
+    def __init__(self, counts: dict | None = None, observe=None):
+        self.counts = counts if counts is not None else {}
+        self.observe = observe
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        self.counts["manual"] = self.counts.get("manual", 0) + 1
+        self.counts["bytes"] = self.counts.get("bytes", 0) + t.numel() * t.element_size()
+        out = super().all_reduce_mean(t)
+        if self.observe is not None:
+            self.observe(t, out)
+        return out
+
+
 def all_gather_objects(obj) -> list:
     if dist.is_available() and dist.is_initialized():
         out = [None] * dist.get_world_size()

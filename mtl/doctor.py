@@ -104,11 +104,11 @@ def examine(cfg) -> dict:
     k = len(tasks)
     costs = {}
     for name, cls in strategy_types().items():
-        if name == "two_backward":
+        if cls.unsafe:
             continue
-        extra = {"feature_leaf": fmap * elem * 2, "task_grads": k * p_shared * elem + fmap * elem * 2}.get(name, 0)
         c = cls.cost(k)
-        reduced = (k * p_shared + p_heads) * elem if name == "task_grads" else c["allreduces"] * p_all * elem
+        extra = cls.extra_memory_bytes(k, p_shared, fmap, elem)
+        reduced = cls.allreduce_bytes(k, p_shared, p_heads, elem)
         # time model: each forward costs F; each backbone backward costs about B (heads are small here)
         estimate = (c["forwards"] * f_time + c["backbone_backwards"] * b_time) / (f_time + b_time)
         costs[name] = {**c, "bytes_allreduced": reduced, "extra_memory_bytes": extra,

@@ -26,7 +26,7 @@ class StepResult:
 
 
 def train_step(run, batch: dict) -> StepResult:
-    """``run`` holds model, strategy, weighting, optimizer, scheduler, amp, tasks (see Trainer)."""
+    """``run`` holds model, strategy, weighting, optimizer, scheduler, amp, comm, tasks (see Trainer)."""
     run.weighting.begin_step(run.step)
     for head in run.heads.values():
         head.prepare(batch, all_reduce_sum)  # e.g. the global caption-token count
@@ -35,7 +35,7 @@ def train_step(run, batch: dict) -> StepResult:
     poison(batch, run.cfg.trainer.poison, run.step + 1, run.dist.rank)
     losses, stats = run.strategy.forward_backward(StepInputs(
         model=run.model, batch=batch, tasks=run.tasks, weigh=w.weigh, scale=run.amp.scale,
-        combine=w.combine if w.level == "grad" else None, loss_scale=run.amp.loss_scale))
+        combine=w.combine if w.level == "grad" else None, loss_scale=run.amp.loss_scale, comm=run.comm))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
     run.amp.unscale_(run.optimizer)

@@ -32,7 +32,7 @@ from mtl.data.loader import (
     build_train_loader,
     set_epoch,
 )
-from mtl.dist import DistInfo, barrier, broadcast_object
+from mtl.dist import Comm, DistInfo, barrier, broadcast_object
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
@@ -67,6 +67,7 @@ class Trainer:
         self.bare.to(self.device)
         self.heads = dict(self.bare.heads.items())
         self.strategy = build_strategy(cfg)
+        self.comm = Comm()  # the strategy's hand-made collectives; tools swap in a CountingComm
         self.weighting = build_weighting(cfg).to(self.device)
         self.amp = Amp(cfg.precision, self.device)
         self.bare.autocast_dtype = self.amp.dtype

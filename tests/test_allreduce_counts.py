@@ -1,4 +1,6 @@
-"""How many times each strategy all-reduces the gradients per step, counted with a DDP comm hook."""
+"""How many times each strategy all-reduces the gradients per step, counted with a DDP comm hook (plus the
+strategy's own collectives, counted by the ``CountingComm`` the step hands it); and the bytes each strategy
+says it all-reduces (``Strategy.allreduce_bytes``) equal the bytes counted."""
 
 import json
 import os
@@ -6,9 +8,11 @@ import os
 import pytest
 import torch.multiprocessing as mp
 
+from mtl.strategies import strategy_types
+
 from .conftest import TINY, free_port
 
-STRATEGIES = ["combined", "feature_leaf", "detach", "accumulate", "find_unused", "placeholder", "task_grads"]
+STRATEGIES = [n for n, cls in strategy_types().items() if not cls.unsafe]
 EXPECTED = {"combined": 1, "feature_leaf": 1, "detach": 1, "accumulate": 1, "find_unused": 2, "placeholder": 2,
             "task_grads": 1}
 
@@ -19,8 +23,8 @@ def _worker(rank, port, out_dir):
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    import mtl.strategies.task_grads as task_grads
     from mtl import dist
+    from mtl.dist import CountingComm
     from mtl.evaluate import to_device
     from mtl.step import train_step
     from mtl.trainer import Trainer
@@ -40,14 +44,7 @@ def _worker(rank, port, out_dir):
             return allreduce_hook(None, bucket)
 
         trainer.model.register_comm_hook(None, hook)
-        original = task_grads.all_reduce_mean
-
-        def counting(t):
-            counts["manual"] += 1
-            counts["bytes"] += t.numel() * t.element_size()
-            return original(t)
-
-        task_grads.all_reduce_mean = counting
+        trainer.comm = CountingComm(counts)
         batches = trainer.batches()
         per_step = []
         for _ in range(3):
@@ -55,9 +52,10 @@ def _worker(rank, port, out_dir):
             train_step(trainer, to_device(next(batches)[1], trainer.device))
             trainer.step += 1
             per_step.append({k: counts[k] - before[k] for k in counts})
-        task_grads.all_reduce_mean = original
         trainer.close()
-        results[name] = per_step
+        shared = sum(p.numel() for p in trainer.bare.backbone.parameters() if p.requires_grad)
+        heads = sum(p.numel() for p in trainer.bare.heads.parameters() if p.requires_grad)
+        results[name] = {"steps": per_step, "tasks": len(trainer.tasks), "shared": shared, "heads": heads}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy()
@@ -76,16 +74,26 @@ def counts(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_allreduces_per_step(counts, strategy):
-    for step in counts[strategy]:  # every step, including the first (before DDP rebuilds its buckets)
+    for step in counts[strategy]["steps"]:  # every step, including the first (before DDP rebuilds its buckets)
         assert step["rounds"] + step["manual"] == EXPECTED[strategy], (strategy, step)
     if strategy == "task_grads":  # all by hand, in one coalesced collective; DDP reduces nothing itself
-        assert all(s["rounds"] == 0 and s["manual"] == 1 for s in counts[strategy])
+        assert all(s["rounds"] == 0 and s["manual"] == 1 for s in counts[strategy]["steps"])
+    else:
+        assert all(s["manual"] == 0 for s in counts[strategy]["steps"])
 
 
 @pytest.mark.slow
 def test_bytes_per_step_follow_the_rounds(counts):
-    one = counts["combined"][-1]["bytes"]
-    assert counts["feature_leaf"][-1]["bytes"] == one
-    assert counts["find_unused"][-1]["bytes"] == 2 * one
-    assert counts["placeholder"][-1]["bytes"] == 2 * one
-    assert counts["task_grads"][-1]["bytes"] > one  # K rows of the shared gradient + the heads
+    one = counts["combined"]["steps"][-1]["bytes"]
+    assert counts["feature_leaf"]["steps"][-1]["bytes"] == one
+    assert counts["find_unused"]["steps"][-1]["bytes"] == 2 * one
+    assert counts["placeholder"]["steps"][-1]["bytes"] == 2 * one
+    assert counts["task_grads"]["steps"][-1]["bytes"] > one  # K rows of the shared gradient + the heads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_strategy_states_the_bytes_it_all_reduces(counts, strategy):
+    c = counts[strategy]
+    stated = strategy_types()[strategy].allreduce_bytes(c["tasks"], c["shared"], c["heads"])
+    assert c["steps"][-1]["bytes"] == stated, (strategy, c["steps"][-1]["bytes"], stated)

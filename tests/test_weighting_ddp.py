@@ -68,8 +68,8 @@ def _worker(index, port, out_dir):
     else:
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             os.environ.pop(key, None)
-    import mtl.strategies.task_grads as task_grads
     from mtl import dist
+    from mtl.dist import Comm, CountingComm
     from mtl.evaluate import to_device
     from mtl.step import train_step
     from mtl.trainer import Trainer
@@ -79,13 +79,10 @@ def _worker(index, port, out_dir):
     torch.set_default_dtype(DTYPE)
     label = f"rank{index}" if world > 1 else "single"
     results, captured = {}, {}
-    original = task_grads.all_reduce_mean
 
-    def capture(buf):  # buf = [G (K x P, this rank's own rows), head gradients, losses]
+    def capture(buf, out):  # buf = [G (K x P, this rank's own rows), head gradients, losses]; out: its average
         captured.setdefault("local", buf.detach().clone())
-        out = original(buf)
         captured.setdefault("averaged", out.detach().clone())
-        return out
 
     try:
         for method in METHODS:
@@ -93,7 +90,7 @@ def _worker(index, port, out_dir):
                                                   2 * B // world))
             trainer = Trainer(cfg, dist.init_distributed(cfg))
             assert trainer.dist.world_size == world and trainer.dist.distributed == (world > 1)
-            task_grads.all_reduce_mean = capture if method == CAPTURE else original
+            trainer.comm = CountingComm(observe=capture) if method == CAPTURE else Comm()
             batches = trainer.batches()
             trainer.bare.train()
             for _ in range(STEPS):
@@ -102,7 +99,6 @@ def _worker(index, port, out_dir):
                          for k, v in batch.items()}
                 train_step(trainer, batch)
                 trainer.step += 1
-            task_grads.all_reduce_mean = original
             results[method] = {
                 "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
                 "weighting": trainer.weighting.state_dict(),
@@ -112,7 +108,6 @@ def _worker(index, port, out_dir):
             trainer.close()
         torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{label}.pt"))
     finally:
-        task_grads.all_reduce_mean = original
         dist.destroy()
 
 

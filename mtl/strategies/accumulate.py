@@ -17,7 +17,6 @@ class Accumulate(Strategy):
     name = "accumulate"
     summary = "per-task forward+backward, all but the last inside no_sync(); one all-reduce"
     find_unused_parameters = True
-    shared_forward = False
     forwards = "K"
     backbone_backwards = "K"
 

@@ -5,18 +5,26 @@ A strategy is one file in ``mtl/strategies/`` defining a ``Strategy`` subclass w
 one in all) and leaves the rank-averaged gradient of the weighted objective in ``.grad``. The
 trainer then clips, steps the optimizer and zeroes the gradients; strategies never do.
 
-The class attributes are the strategy's cost per optimizer step. ``tests/test_strategies_ddp.py``
-asserts ``allreduces`` with a counting comm hook, and ``mtl.doctor`` prints all of them.
+A strategy describes its own costs: the class attributes (forwards, backbone backward passes,
+all-reduces per step, static_graph support) and the classmethods ``allreduce_bytes`` and
+``extra_memory_bytes``. ``tests/test_allreduce_counts.py`` asserts the all-reduces and bytes with a
+counting comm hook; ``mtl.doctor``, ``mtl.bench`` and ``mtl.bench_strategies`` read them from the
+class and never key a formula by a strategy's name.
+
+Collectives a strategy runs by hand go through ``StepInputs.comm`` (a ``mtl.dist.Comm``), never a
+module-level function, so tools count them by handing over a ``CountingComm``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+from mtl.dist import Comm
 
 
 @dataclass
@@ -28,13 +36,15 @@ class StepInputs:
     scale: Callable[[torch.Tensor], torch.Tensor]  # AMP loss scaling (identity unless fp16)
     combine: Callable | None = None  # a gradient-level method's combine(grads, losses), else None
     loss_scale: Callable[[], float] = lambda: 1.0  # the current fp16 loss scale
+    comm: Comm = field(default_factory=Comm)  # the collectives a strategy runs by hand
 
 
 class Strategy:
     name: str = ""
     summary: str = ""
     find_unused_parameters: bool = False  # what DDP must be built with
-    shared_forward: bool = True  # one backbone forward per step (vs one per task)
+    supports_static_graph: bool = False  # ddp.static_graph=true: only with one backward pass per forward
+    unsafe: bool = False  # kept to reproduce a failure; never recommended or benchmarked
     # per-step costs: an int, or "K" for one per task
     forwards: int | str = 1  # backbone forwards
     backbone_backwards: int | str = 1
@@ -52,13 +62,23 @@ class Strategy:
                 for k in ("forwards", "backbone_backwards", "allreduces")}
 
     @classmethod
+    def allreduce_bytes(cls, num_tasks: int, shared_params: int, head_params: int, elem: int = 4) -> int:
+        """Bytes each process all-reduces per step: every bucket, ``allreduces`` times."""
+        return cls.cost(num_tasks)["allreduces"] * (shared_params + head_params) * elem
+
+    @classmethod
+    def extra_memory_bytes(cls, num_tasks: int, shared_params: int, feature_numel: int, elem: int = 4) -> int:
+        """Memory held beyond ``combined``'s during a step (feature map of the batch: ``feature_numel``)."""
+        return 0
+
+    @classmethod
     def check(cls, cfg) -> list[str]:
         """Refuse DDP flags and options that are known to fail or desync with this strategy."""
         errors = []
         fu = cfg.ddp.find_unused_parameters
         if fu is not None and fu != cls.find_unused_parameters and not cls.tolerates_find_unused(fu):
             errors.append(cls.find_unused_reason(fu))
-        if cfg.ddp.static_graph and cls.name != "combined":
+        if cfg.ddp.static_graph and not cls.supports_static_graph:
             errors.append(
                 f"ddp.static_graph: true cannot be used with ddp.strategy={cls.name}: static_graph does not support "
                 "several backward passes per step (and with no_sync it has silently stopped syncing). Set "

@@ -10,6 +10,7 @@ from mtl.strategies.base import Strategy, detached
 class Combined(Strategy):
     name = "combined"
     summary = "one forward, one backward on the weighted sum"
+    supports_static_graph = True  # one backward per forward
 
     @classmethod
     def tolerates_find_unused(cls, value):

@@ -17,6 +17,10 @@ class FeatureLeaf(Strategy):
     name = "feature_leaf"
     summary = "one backbone forward and backward; per-task head backward into a feature leaf"
 
+    @classmethod
+    def extra_memory_bytes(cls, num_tasks, shared_params, feature_numel, elem=4):
+        return 2 * feature_numel * elem  # the leaf and its accumulated gradient
+
     def forward_backward(self, s):
         out = s.model(s.batch, feature_leaf=True)
         leaf, losses = out["leaf"], out["losses"]

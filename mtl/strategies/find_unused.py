@@ -13,7 +13,6 @@ class FindUnused(Strategy):
     name = "find_unused"
     summary = "per-task forward+backward, find_unused_parameters=True"
     find_unused_parameters = True
-    shared_forward = False
     forwards = "K"
     backbone_backwards = "K"
     allreduces = "K"

@@ -32,7 +32,6 @@ def reached_parameters(loss: torch.Tensor) -> set[int]:
 class Placeholder(Strategy):
     name = "placeholder"
     summary = "per-task forward+backward, zero term over unreached params, find_unused_parameters=False"
-    shared_forward = False
     forwards = "K"
     backbone_backwards = "K"
     allreduces = "K"

@@ -20,7 +20,6 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mtl.dist import all_reduce_mean
 from mtl.strategies.base import Strategy, gradient_stats, no_sync
 
 
@@ -43,6 +42,14 @@ class TaskGrads(Strategy):
     backbone_backwards = "K"  # one per task
     allreduces = 1  # by hand, coalesced
 
+    @classmethod
+    def allreduce_bytes(cls, num_tasks, shared_params, head_params, elem=4):
+        return (num_tasks * shared_params + head_params + num_tasks) * elem  # [G, head gradients, losses]
+
+    @classmethod
+    def extra_memory_bytes(cls, num_tasks, shared_params, feature_numel, elem=4):
+        return num_tasks * shared_params * elem + 2 * feature_numel * elem  # G, and the leaf with its gradient
+
     def forward_backward(self, s):
         bare = s.model.module if isinstance(s.model, DistributedDataParallel) else s.model
         shared = [p for p in bare.backbone.parameters() if p.requires_grad]
@@ -63,7 +70,7 @@ class TaskGrads(Strategy):
         grads = torch.stack(rows)
         k, n = grads.shape
         loss_vec = torch.stack([losses[t].detach().float() for t in s.tasks]).to(grads.dtype)
-        buf = all_reduce_mean(torch.cat([grads.reshape(-1), _flat(p.grad for p in heads), loss_vec]))
+        buf = s.comm.all_reduce_mean(torch.cat([grads.reshape(-1), _flat(p.grad for p in heads), loss_vec]))
         grads = buf[: k * n].view(k, n)
         _write_grads(heads, buf[k * n: -k])
         tic = time.perf_counter()

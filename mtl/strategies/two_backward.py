@@ -14,6 +14,7 @@ class TwoBackward(Strategy):
     summary = "UNSAFE under DDP: one shared forward, one backward per task through the shared graph"
     backbone_backwards = "K"
     allreduces = 0  # it never completes one
+    unsafe = True
 
     @classmethod
     def check(cls, cfg):
