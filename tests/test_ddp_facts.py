@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # tests of torch itself: the slow tier
 
 WORLD = 2
 LOCAL_BATCH = 4

@@ -161,6 +161,7 @@ def check_three_task_run(run_dir, last_step):
 STEPS = 12
 
 
+@pytest.mark.slow
 def test_three_tasks_train_through_train_py(tmp_path):
     run_train(["--config", TINY, f"output_dir={tmp_path}", "tasks=[cls,gen,count]", f"trainer.max_steps={STEPS}",
                f"trainer.eval_every={STEPS}", "optim.lr=1e-3", "data.batch_size=16", "checkpoint.every_steps=0",

@@ -37,6 +37,7 @@ def assert_run_outputs(run_dir, last_step):
     return train
 
 
+@pytest.mark.slow
 def test_one_process_run_learns_and_writes_its_outputs(tmp_path):
     out = tmp_path / "run"
     proc = run_train(["--config", TINY, f"output_dir={out}", "trainer.max_steps=20", "trainer.eval_every=20",
@@ -70,6 +71,7 @@ def test_torchrun_two_processes(tmp_path, strategy, precision):
         assert all("loss_scale" in r for r in train)
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_where_the_run_stopped(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     run_train(["--config", TINY, f"output_dir={full}"])
@@ -85,6 +87,7 @@ def test_resume_auto_continues_where_the_run_stopped(tmp_path):
     assert all(a[k].equal(b[k]) for k in a)  # same batches, same RNG: bitwise the same parameters
 
 
+@pytest.mark.slow
 def test_refuses_to_write_over_another_runs_checkpoints(tmp_path):
     out = tmp_path / "run"
     run_train(["--config", TINY, f"output_dir={out}", "trainer.max_steps=3"])
