@@ -158,7 +158,7 @@ def read_model_weights(weights: str, key: str) -> dict:
     except Exception as e:
         raise CheckpointError(f"{key}: {weights!r} cannot be read as safetensors ({type(e).__name__}); it is "
                               "truncated or not a model file") from None
-    if meta.get("format") != ckpt.FORMAT:
+    if not str(meta.get("format", "")).startswith("mtl-checkpoint-"):  # any version: the keys are checked on load
         raise CheckpointError(f"{key}: {weights!r} is not an mtl model file (no {ckpt.FORMAT!r} tag): pass a file "
                               "written by train.py or mtl.tools.export. For torchvision backbone weights use "
                               "model.backbone.weights")

@@ -219,6 +219,10 @@ def test_imagefolder_runs_keep_their_class_names(tmp_path):
     out = train(tmp_path / "run", "data.source=imagefolder", f"data.train_path={root}", f"data.val_path={root}",
                 max_steps=2)
     assert load_model(checkpoint(out, 2)).class_names == ["apple", "zebra"]
+    final = json.loads(open(os.path.join(out, "final_metrics.json")).read())
+    assert evaluate_tool.main(["--checkpoint", out, "--out", str(tmp_path / "m.json")]) == 0
+    got = json.loads((tmp_path / "m.json").read_text())
+    assert got["images"] == 16 and got["cls_acc"] == final["cls_acc"] and got["gen_loss"] == final["gen_loss"]
     preds = tmp_path / "p.jsonl"
     assert predict_tool.main(["--model", out, str(root), "--out", str(preds)]) == 0
     got = read_jsonl(preds)

@@ -22,7 +22,7 @@ from mtl.tools import MODEL_HELP, write_text
 def main(argv: list[str] | None = None) -> int:
     lines = __doc__.strip().splitlines()
     parser = argparse.ArgumentParser(prog="python -m mtl.tools.evaluate", description=lines[0],
-                                     epilog="\n".join(lines[4:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
     parser.add_argument("--config", help="take the data to evaluate on (data.*, seed) from this config")
     parser.add_argument("overrides", nargs="*", help="data.* / seed overrides, e.g. data.source=manifest "

@@ -21,7 +21,7 @@ from mtl.tools import MODEL_HELP, write_text
 def main(argv: list[str] | None = None) -> int:
     lines = __doc__.strip().splitlines()
     parser = argparse.ArgumentParser(prog="python -m mtl.tools.predict", description=lines[0],
-                                     epilog="\n".join(lines[4:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("images", nargs="+", help="image files and/or folders of images")
     parser.add_argument("--beams", type=int, default=1, help="beam width for the captions (1: greedy, the default)")
