@@ -70,8 +70,9 @@ class Trainer:
         self.bare = build_model(cfg, self.train_ds.num_classes, self.train_ds.class_names, self.tokenizer)
         if cfg.init_from and not resume_path:  # warm start: these weights, a fresh optimizer and schedule, step 0
             weights = init_from_weights(self.bare, cfg.init_from)
-            if dist.is_main:
-                print(f"init_from: a new run from the weights {weights}", flush=True)
+        if cfg.init_from and dist.is_main:
+            print("init_from: " + (f"not used, resuming from {resume_path}" if resume_path
+                                   else f"a new run from the weights {weights}"), flush=True)
         self.bare.to(self.device)
         self.heads = dict(self.bare.heads.items())
         self.strategy = build_strategy(cfg)

@@ -269,13 +269,14 @@ def test_init_from_starts_a_new_run_from_the_weights(run, tmp_path, capsys):
     assert state["step"] == 2 and state["scheduler"]["last_epoch"] == 2
 
 
-def test_resume_wins_over_init_from_and_may_drop_it(run, tmp_path):
+def test_resume_wins_over_init_from_and_may_drop_it(run, tmp_path, capsys):
     out = train(tmp_path / "warm", f"init_from={checkpoint(run)}", max_steps=2)
     resumed_weights = load_file(os.path.join(checkpoint(out, 2), "model.safetensors"))
     for extra in ([f"init_from={checkpoint(run)}"], []):  # init_from kept, or dropped on the resume
         trainer = _trainer([f"output_dir={out}", "resume=auto", "trainer.max_steps=3", *extra])
         try:
             assert trainer.step == 2
+            assert ("init_from: not used, resuming from" in capsys.readouterr().out) == bool(extra)
             for k, v in trainer.bare.state_dict().items():
                 assert torch.equal(v, resumed_weights[k]), k
         finally:
