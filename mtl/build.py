@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from mtl import checkpoint as ckpt
+from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
 from mtl.dist import DistInfo, barrier
+from mtl.errors import CheckpointError
 from mtl.models.backbone import build_backbone
 from mtl.models.multitask import MultiTaskModel
 from mtl.strategies import strategy_types
@@ -24,8 +28,11 @@ def build_tokenizer(cfg, train_captions, dist: DistInfo) -> CaptionTokenizer:
     entered DDP's start-up collective while rank 0 waited in the barrier: a deadlock.)
     """
     run_copy = os.path.join(cfg.output_dir, "tokenizer")
+    # a warm start (init_from) decodes with the vocabulary its weights were trained on; every rank
+    # looks it up (read-only), so a missing one is the same error everywhere, not a hang
+    source = cfg.tokenizer.path or (init_from_tokenizer(cfg.init_from) if cfg.get("init_from") else None)
     if dist.is_main and not os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
-        tok = (CaptionTokenizer.load(cfg.tokenizer.path) if cfg.tokenizer.path
+        tok = (CaptionTokenizer.load(source) if source
                else train_tokenizer(train_captions(), cfg.tokenizer.vocab_size))
         tok.save(run_copy)
     barrier()
@@ -88,3 +95,105 @@ def build_scheduler(cfg, optimizer):
     if o.scheduler == "linear":
         return get_linear_schedule_with_warmup(optimizer, o.warmup_steps, total)
     return get_constant_schedule_with_warmup(optimizer, o.warmup_steps)
+
+
+# ------------------------------------------------------------------ a trained model's files (init_from, mtl.inference)
+
+MODEL_FILE = "model.safetensors"
+CLASS_NAMES_FILE = "class_names.json"
+
+
+@dataclass
+class ModelFiles:
+    """Where a trained model's pieces are. ``tokenizer`` and ``class_names`` are the folder's own copies
+    when it has them, else the run folder's (a checkpoint ``output_dir/checkpoints/step_N`` falls back
+    to ``output_dir``); None when neither exists."""
+
+    folder: str  # the checkpoint or export folder
+    weights: str  # its model.safetensors
+    config: str | None  # its config.yaml
+    tokenizer: str | None  # a folder holding tokenizer.json
+    class_names: str | None  # a class_names.json
+
+
+def find_model_files(path: str, key: str) -> ModelFiles:
+    """A checkpoint folder, an export folder, a run's output_dir (its newest checkpoint) or a model.safetensors.
+
+    ``key`` names the setting in messages (e.g. ``init_from``, ``--model``). Raises CheckpointError.
+    """
+    what = "a checkpoint folder, an export folder, a run's output_dir or a model.safetensors file"
+    if os.path.isfile(path):
+        folder, weights = os.path.dirname(os.path.abspath(path)), path
+    elif os.path.isdir(path):
+        folder = path
+        if not os.path.isfile(os.path.join(path, MODEL_FILE)):
+            folder = ckpt.latest_checkpoint(path)  # a run's output_dir
+            if folder is None:
+                raise CheckpointError(f"{key}: {path!r} holds no {MODEL_FILE} and no complete checkpoints/step_<N>/: "
+                                      f"it is not an mtl model folder. Pass {what}")
+        weights = os.path.join(folder, MODEL_FILE)
+    else:
+        raise CheckpointError(f"{key}: {path!r} does not exist. Pass {what}")
+    parent = os.path.dirname(os.path.abspath(folder))
+    places = [folder] + ([os.path.dirname(parent)] if os.path.basename(parent) == "checkpoints" else [])
+    tokenizers = [os.path.join(p, "tokenizer") for p in places]
+    names = [os.path.join(p, CLASS_NAMES_FILE) for p in places]
+    config = os.path.join(folder, "config.yaml")
+    return ModelFiles(
+        folder=folder, weights=weights, config=config if os.path.isfile(config) else None,
+        tokenizer=next((t for t in tokenizers if os.path.isfile(os.path.join(t, TOKENIZER_FILE))), None),
+        class_names=next((n for n in names if os.path.isfile(n)), None),
+    )
+
+
+def read_model_weights(weights: str, key: str) -> dict:
+    """The state dict in an mtl ``model.safetensors`` (a checkpoint's, or an export's copy of it)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(weights, "pt") as f:
+            meta = f.metadata() or {}
+        state = load_file(weights)
+    except Exception as e:
+        raise CheckpointError(f"{key}: {weights!r} cannot be read as safetensors ({type(e).__name__}); it is "
+                              "truncated or not a model file") from None
+    if not str(meta.get("format", "")).startswith("mtl-checkpoint-"):  # any version: the keys are checked on load
+        raise CheckpointError(f"{key}: {weights!r} is not an mtl model file (no {ckpt.FORMAT!r} tag): pass a file "
+                              "written by train.py or mtl.tools.export. For torchvision backbone weights use "
+                              "model.backbone.weights")
+    return state
+
+
+def load_model_weights(model: torch.nn.Module, state: dict, key: str, fix: str) -> None:
+    """Load ``state`` into ``model`` exactly; anything missing, unexpected or of another shape is named."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} here"
+              for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = [f"{len(v)} {label} (e.g. {', '.join(v[:3])})"
+                 for label, v in (("of another shape", shapes), ("missing", missing), ("unexpected", unexpected)) if v]
+        raise CheckpointError(f"{key}: the weights do not fit this model: {'; '.join(parts)}. {fix}")
+    model.load_state_dict(state)
+
+
+INIT_FROM_FIX = ("A warm start needs the model of the run that wrote the weights: set model.*, tasks, "
+                 "data.image_size, the number of classes and the tokenizer as in that run's config.yaml")
+
+
+def init_from_tokenizer(source: str) -> str:
+    """The tokenizer folder that goes with the ``init_from`` weights."""
+    found = find_model_files(source, "init_from").tokenizer
+    if found is None:
+        raise CheckpointError(f"init_from: no tokenizer found with {source!r} (a tokenizer/ folder in it or in its "
+                              "run folder); set tokenizer.path to the tokenizer those weights were trained with")
+    return found
+
+
+def init_from_weights(model: torch.nn.Module, source: str) -> str:
+    """Warm start: load the weights of ``source`` into ``model`` (nothing else); return the file read."""
+    weights = find_model_files(source, "init_from").weights
+    load_model_weights(model, read_model_weights(weights, "init_from"), f"init_from {weights!r}", INIT_FROM_FIX)
+    return weights

@@ -19,6 +19,7 @@ SAFE_TO_CHANGE = (
     "trainer.eval_max_batches", "trainer.num_samples", "trainer.num_beams", "trainer.progress",
     "trainer.max_bad_steps", "trainer.poison", "checkpoint.", "data.num_workers", "data.eval_batch_size",
     "ddp.timeout_s", "ddp.replica_check_every", "ddp.nan_monitor", "bench.",
+    "init_from",  # only read at a fresh start: a resume loads its own checkpoint's weights
 )
 
 

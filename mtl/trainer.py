@@ -21,6 +21,7 @@ from mtl.build import (
     build_strategy,
     build_tokenizer,
     build_weighting,
+    init_from_weights,
     wrap_ddp,
 )
 from mtl.config import to_yaml
@@ -63,7 +64,15 @@ class Trainer:
 
         self.train_ds, self.val_ds = build_datasets(cfg)
         self.tokenizer = build_tokenizer(cfg, lambda: all_captions(self.train_ds), dist)
+        if dist.is_main:  # the class list, for mtl.inference (which reads a checkpoint's own copy first)
+            with open(os.path.join(cfg.output_dir, "class_names.json"), "w", encoding="utf-8") as f:
+                json.dump(list(self.train_ds.class_names), f)
         self.bare = build_model(cfg, self.train_ds.num_classes, self.train_ds.class_names, self.tokenizer)
+        if cfg.init_from and not resume_path:  # warm start: these weights, a fresh optimizer and schedule, step 0
+            weights = init_from_weights(self.bare, cfg.init_from)
+        if cfg.init_from and dist.is_main:
+            print("init_from: " + (f"not used, resuming from {resume_path}" if resume_path
+                                   else f"a new run from the weights {weights}"), flush=True)
         self.bare.to(self.device)
         self.heads = dict(self.bare.heads.items())
         self.strategy = build_strategy(cfg)

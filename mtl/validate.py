@@ -45,6 +45,12 @@ def validate(cfg) -> list[str]:
                       f"(supported: {', '.join(SUPPORTED)})")
     if cfg.resume is not None and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         errors.append(f"resume: {cfg.resume!r} is neither null, 'auto' nor an existing checkpoint directory")
+    if cfg.init_from is not None and not os.path.exists(cfg.init_from):
+        errors.append(f"init_from: {cfg.init_from!r} does not exist (a checkpoint or export folder, a run's "
+                      "output_dir, or a model.safetensors file)")
+    if cfg.init_from is not None and cfg.resume not in (None, "auto"):
+        errors.append("init_from: a warm start begins a new run, resume=<checkpoint> continues one; set only one "
+                      "(with resume=auto, init_from is used only while output_dir has no checkpoint)")
     _positive(errors, cfg, "trainer.max_steps", "data.batch_size", "data.eval_batch_size", "data.image_size",
               "data.max_caption_tokens", "trainer.log_every", "trainer.eval_every", "trainer.num_beams",
               "optim.lr", "ddp.bucket_cap_mb", "ddp.timeout_s", "tokenizer.vocab_size", "trainer.max_bad_steps")

@@ -66,6 +66,10 @@ def _load_weights(name: str, weights: str | None) -> nn.Module:
     if os.path.sep in weights or weights.endswith((".pt", ".pth", ".safetensors", ".bin")):
         net = torchvision.models.get_model(name, weights=None)
         state = _read_state_dict(weights)
+        if any(k.startswith("backbone.") for k in state) and any(k.startswith("heads.") for k in state):
+            raise ConfigError(f"model.backbone.weights: {weights!r} is a whole mtl model (backbone and heads), not "
+                              f"torchvision {name} weights; to start a new run from it set init_from={weights} "
+                              "and model.backbone.weights=null")
         missing, unexpected = net.load_state_dict(state, strict=False)
         # the classifier may be absent or of another size: we cut it off anyway
         bad = [k for k in missing if not k.startswith(("fc.", "classifier.", "heads."))]

@@ -1,0 +1,292 @@
+"""Use a trained model: load it with one call, preprocess images as training does, classify and caption.
+
+``load_model(path, device)`` takes a checkpoint folder (``output_dir/checkpoints/step_<N>``), an export
+folder (``python -m mtl.tools.export``), a run's ``output_dir`` (its newest checkpoint) or the
+``model.safetensors`` in one of them. It rebuilds the model from the saved ``config.yaml``, loads the
+weights exactly (any missing or misshapen key is named), and returns a ``Predictor``: the model in eval
+mode on ``device``, its tokenizer, its class names, and ``predict(images)``.
+
+Where the pieces come from (``mtl.build.find_model_files``): the folder's own ``tokenizer/`` and
+``class_names.json`` first, else the run folder's (``output_dir/tokenizer/``, ``output_dir/class_names.json``).
+A run written before class names were saved falls back to the synthetic shape names or to "0", "1", ...
+
+Images are read with the data code's own transform (``mtl.data.manifest.load_image``: RGB, the run's
+``data.image_size``, the same scaling), so a file is seen exactly as the training and eval loaders see it.
+
+The command-line tools in ``mtl/tools/`` (evaluate, predict, export) are thin wrappers over this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import sys
+
+import torch
+
+from mtl.amp import DTYPES
+from mtl.build import (
+    CLASS_NAMES_FILE,
+    MODEL_FILE,
+    ModelFiles,
+    build_model,
+    find_model_files,
+    load_model_weights,
+    read_model_weights,
+)
+from mtl.config import load_config
+from mtl.data.loader import CaptionCollate, build_datasets, build_eval_loader
+from mtl.data.manifest import ImageFolderCaptions, ManifestDataset, load_image
+from mtl.data.tokenizer import CaptionTokenizer
+from mtl.dist import pick_device
+from mtl.errors import CheckpointError, ConfigError, DataError
+from mtl.evaluate import evaluate
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
+# keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
+EVAL_KEYS = ("data.", "seed")
+
+
+class Predictor:
+    """A trained model ready for inference (what ``load_model`` returns)."""
+
+    def __init__(self, model, cfg, tokenizer: CaptionTokenizer, class_names: list[str], device: torch.device,
+                 files: ModelFiles):
+        self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.class_names, self.device, self.files = class_names, device, files
+
+    @property
+    def tasks(self) -> list[str]:
+        return self.model.task_names
+
+    @property
+    def image_size(self) -> int:
+        return int(self.cfg.data.image_size)
+
+    def load_images(self, paths: list[str]) -> torch.Tensor:
+        """(N, 3, S, S): the files as the training data sets read them."""
+        return torch.stack([read_image(p, self.image_size) for p in paths])
+
+    @torch.no_grad()
+    def predict(self, images, num_beams: int = 1, batch_size: int = 32) -> list[dict]:
+        """One dict per image: ``class`` (name), ``class_index``, ``prob`` (softmax probability of that class)
+        for the ``cls`` task, ``caption`` for ``gen`` (greedy, or beam search with ``num_beams`` > 1), and
+        ``count`` for ``count``. ``images``: file paths, or image tensors (3, S, S) / (N, 3, S, S) as the
+        data sets give them."""
+        if num_beams < 1:
+            raise ConfigError(f"num_beams: must be >= 1 (got {num_beams})")
+        if torch.is_tensor(images):
+            images = list(images.unsqueeze(0) if images.dim() == 3 else images)
+        images = list(images)
+        out: list[dict] = []
+        for start in range(0, len(images), batch_size):
+            chunk = images[start:start + batch_size]
+            x = torch.stack([read_image(i, self.image_size) if isinstance(i, str | os.PathLike) else i
+                             for i in chunk]).to(self.device)
+            out += self._predict_batch(x, num_beams)
+        return out
+
+    def _predict_batch(self, x: torch.Tensor, num_beams: int) -> list[dict]:
+        model, heads = self.model, self.model.heads
+        rows: list[dict] = [{} for _ in range(x.shape[0])]
+        with model.autocast(self.device.type):
+            features = model.backbone(x)
+            if "cls" in heads:
+                probs = heads["cls"].logits(features).float().softmax(-1)
+                prob, index = probs.max(-1)
+                for row, p, i in zip(rows, prob.tolist(), index.tolist()):
+                    row.update({"class": self.class_names[i], "class_index": i, "prob": p})
+            if "gen" in heads:
+                head = heads["gen"]
+                ids = head.decoder.generate(head.memory(features), head.max_new_tokens, num_beams)
+                for row, seq in zip(rows, ids):
+                    row["caption"] = self.tokenizer.decode(seq)
+            if "count" in heads:
+                for row, c in zip(rows, heads["count"].logits(features).argmax(-1).tolist()):
+                    row["count"] = c + 1
+        return rows
+
+
+def read_image(path, image_size: int) -> torch.Tensor:
+    """One image file through the data code's transform; a missing or undecodable file is a DataError."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DataError(f"image {path!r} not found")
+    try:
+        return load_image(path, image_size)
+    except DataError:
+        raise DataError(f"image {path!r} cannot be decoded as an image; remove it or pass image files only") from None
+
+
+def image_paths(inputs: list[str]) -> list[str]:
+    """Files as given; each folder becomes the image files under it (by extension, recursively, sorted)."""
+    paths: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(os.path.join(d, n) for d, _, names in os.walk(item) for n in names
+                           if n.lower().endswith(IMAGE_EXTENSIONS))
+            if not found:
+                raise DataError(f"folder {item!r} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+            paths += found
+        elif os.path.isfile(item):
+            paths.append(item)
+        else:
+            raise DataError(f"{item!r} is neither an image file nor a folder")
+    if not paths:
+        raise DataError("no images given: pass image files or folders")
+    return paths
+
+
+def _device(device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device in ("auto", "cpu", "cuda"):
+        return pick_device(device, 0)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device: {device!r} is not a device (auto, cpu, cuda or cuda:N)") from None
+
+
+def _class_names(files: ModelFiles, cfg, num_classes: int) -> list[str]:
+    if files.class_names:
+        try:
+            with open(files.class_names, encoding="utf-8") as f:
+                names = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{files.class_names!r} cannot be read as JSON: {e}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) != num_classes:
+            raise CheckpointError(f"{files.class_names!r} must be a JSON list of {num_classes} class names (the "
+                                  "model's number of classes); restore the file or delete it")
+        return names
+    if cfg.data.source == "synthetic":  # drawn on the fly: building the splits costs nothing
+        return list(build_datasets(cfg)[0].class_names)
+    if cfg.data.source == "imagefolder":
+        print(f"note: {files.folder!r} and its run folder have no {CLASS_NAMES_FILE} (written by runs since this "
+              "was added); classes are named by their index, the sorted class folders of the training set",
+              file=sys.stderr)
+    return [str(i) for i in range(num_classes)]
+
+
+def load_model(path: str, device="cpu") -> Predictor:
+    """The trained model at ``path`` in eval mode on ``device`` (auto | cpu | cuda | cuda:N | a torch.device)."""
+    files = find_model_files(os.fspath(path), "model")
+    state = read_model_weights(files.weights, "model")  # first: is it ours at all?
+    if files.config is None:
+        raise CheckpointError(f"{files.folder!r} has no config.yaml next to {MODEL_FILE}: it is not an mtl "
+                              "checkpoint or export folder")
+    if files.tokenizer is None:
+        raise CheckpointError(f"{files.folder!r}: no tokenizer/ found in it or in its run folder; the model "
+                              "cannot decode captions without the tokenizer it was trained with")
+    cfg = load_config(files.config)  # keys and types only: paths in it (data, resume) may not exist here
+    cfg.model.backbone.weights = None  # the backbone's weights are in our file: never download or read others
+    tokenizer = CaptionTokenizer.load(files.tokenizer)
+    if "heads.cls.fc.weight" in state:
+        num_classes = int(state["heads.cls.fc.weight"].shape[0])
+    elif cfg.data.source == "synthetic":
+        num_classes = int(cfg.data.synthetic.num_classes)
+    else:
+        num_classes = int(cfg.data.num_classes or 1)
+    class_names = _class_names(files, cfg, num_classes)
+    model = build_model(cfg, num_classes, class_names, tokenizer)
+    load_model_weights(model, state, f"model {files.weights!r}", LOAD_FIX)
+    dev = _device(device)
+    model.autocast_dtype = DTYPES.get(cfg.precision)  # as the run's own evaluation
+    model.to(dev).eval()
+    return Predictor(model, cfg, tokenizer, class_names, dev, files)
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def eval_config(predictor: Predictor, config: str | None = None, overrides: list[str] | None = None):
+    """The model's config with the data (``data.*`` and ``seed``) of ``config``, or of the model's own
+    config, plus ``overrides``. Only ``data.*`` and ``seed`` may be overridden: the model is the checkpoint's."""
+    overrides = list(overrides or [])
+    bad = [o.split("=", 1)[0] for o in overrides
+           if not any(o.split("=", 1)[0].strip().startswith(k) for k in EVAL_KEYS)]
+    if bad:
+        raise ConfigError([f"{k}: not an evaluation setting; the model's config comes from the checkpoint. Set "
+                           "only data.* and seed here" for k in bad])
+    source = load_config(config or predictor.files.config, overrides)
+    cfg = copy.deepcopy(predictor.cfg)
+    cfg.data, cfg.seed = source.data, source.seed
+    if cfg.data.image_size != predictor.image_size:
+        raise ConfigError(f"data.image_size: the model was trained at {predictor.image_size}, not "
+                          f"{cfg.data.image_size}; remove the override or set it to {predictor.image_size}")
+    return cfg
+
+
+def eval_dataset(cfg, class_names: list[str]):
+    """The split to evaluate (``data.val_path``, or the synthetic val split), labelled with the model's classes."""
+    d = cfg.data
+    if d.source == "synthetic":  # drawn on the fly: building the train split costs nothing
+        ds = build_datasets(cfg)[1]
+        if ds.num_classes > len(class_names):
+            raise ConfigError(f"data.synthetic.num_classes: {ds.num_classes} shape kinds, but the model knows "
+                              f"{len(class_names)}; set it to {len(class_names)}")
+        return ds
+    if d.source not in ("manifest", "imagefolder"):
+        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder")
+    if not d.val_path:
+        raise ConfigError(f"data.val_path: set it to the {d.source} to evaluate on")
+    if d.source == "manifest":
+        return ManifestDataset(d.val_path, d.image_root, d.image_size, len(class_names), d.on_error)
+    return ImageFolderCaptions(d.val_path, image_size=d.image_size, on_error=d.on_error, class_names=class_names)
+
+
+def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: int | None = None) -> dict:
+    """Flat metrics (``cls_acc``, ``gen_bleu4`` ...; as in the run's ``final_metrics.json``) on the eval split
+    of ``cfg`` (see ``eval_config``), with the project's own evaluation code, in this one process."""
+    ds = eval_dataset(cfg, predictor.class_names)
+    collate = CaptionCollate(predictor.tokenizer, cfg.data.max_caption_tokens)
+    loader = build_eval_loader(ds, collate, cfg.data.eval_batch_size, 0, 1, cfg.data.num_workers)
+    gen = predictor.model.heads["gen"] if "gen" in predictor.model.heads else None
+    beams = gen.num_beams if gen is not None else None
+    try:
+        if gen is not None and num_beams:
+            gen.num_beams = int(num_beams)
+        metrics = evaluate(predictor.model, loader, predictor.tasks, predictor.device, max_batches)
+    finally:
+        if gen is not None:
+            gen.num_beams = beams
+    flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
+    evaluated = len(ds) if not max_batches else min(len(ds), max_batches * cfg.data.eval_batch_size)
+    # NaN (e.g. counting on data without counts) is not JSON: null
+    return {**{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in flat.items()},
+            "images": evaluated}
+
+
+# ------------------------------------------------------------------ export
+
+
+def export_model(path: str, out: str) -> str:
+    """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json.
+
+    The model is loaded first (so a broken checkpoint is refused, not copied); the folder appears whole
+    or not at all (written next to it, then renamed)."""
+    out = os.fspath(out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"--out: {out!r} already exists and is not an empty folder; choose a new folder")
+    predictor = load_model(path, "cpu")
+    tmp = f"{out.rstrip(os.sep)}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        shutil.copyfile(predictor.files.weights, os.path.join(tmp, MODEL_FILE))
+        shutil.copyfile(predictor.files.config, os.path.join(tmp, "config.yaml"))
+        predictor.tokenizer.save(os.path.join(tmp, "tokenizer"))
+        with open(os.path.join(tmp, CLASS_NAMES_FILE), "w", encoding="utf-8") as f:
+            json.dump(predictor.class_names, f, indent=1)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty, checked above
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write {out!r}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,55 @@
+"""Evaluate a trained model on a data set and write its metrics as JSON.
+
+  python -m mtl.tools.evaluate --checkpoint runs/x/checkpoints/step_1000 [--config X] [data.key=value ...] \
+      [--out metrics.json]
+
+One process is enough (no torchrun): the project's own evaluation code (mtl.evaluate) runs over the
+whole eval split. What is evaluated: the data section (data.* and seed) of --config X, or of the
+checkpoint's own config, with the key=value overrides; the model always comes from the checkpoint.
+The split is data.val_path (manifest or ImageFolder) or the built-in synthetic validation split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mtl.cli import run_guarded
+from mtl.tools import MODEL_HELP, write_text
+
+
+def main(argv: list[str] | None = None) -> int:
+    lines = __doc__.strip().splitlines()
+    parser = argparse.ArgumentParser(prog="python -m mtl.tools.evaluate", description=lines[0],
+                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
+    parser.add_argument("--config", help="take the data to evaluate on (data.*, seed) from this config")
+    parser.add_argument("overrides", nargs="*", help="data.* / seed overrides, e.g. data.source=manifest "
+                        "data.val_path=test.jsonl")
+    parser.add_argument("--out", help="write the metrics here as JSON (they are printed in any case)")
+    parser.add_argument("--max-batches", type=int, default=0, help="evaluate only this many batches (0: all)")
+    parser.add_argument("--beams", type=int, default=None,
+                        help="beam width for the captions (default: the checkpoint's trainer.num_beams)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    args = parser.parse_args(argv)
+
+    def run():
+        from mtl.errors import ConfigError
+        from mtl.inference import eval_config, evaluate_model, load_model
+
+        if args.max_batches < 0 or (args.beams is not None and args.beams < 1):
+            raise ConfigError("--max-batches must be >= 0 and --beams >= 1")
+        predictor = load_model(args.checkpoint, args.device)
+        cfg = eval_config(predictor, args.config, args.overrides)
+        metrics = evaluate_model(predictor, cfg, args.max_batches, args.beams)
+        text = json.dumps({"checkpoint": predictor.files.folder, **metrics}, indent=2) + "\n"
+        if args.out:
+            write_text(args.out, text)
+        print(text, end="", flush=True)
+
+    return run_guarded(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Export a trained model as a self-contained folder: model.safetensors, config.yaml, tokenizer/, class_names.json.
+
+  python -m mtl.tools.export --checkpoint runs/x/checkpoints/step_1000 --out runs/x/export
+
+The folder needs nothing else: mtl.inference.load_model(folder) rebuilds the model in one call, and
+python -m mtl.tools.predict / evaluate accept it wherever they take a checkpoint. The checkpoint is
+loaded first (a broken one is refused, not copied), and the folder appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mtl.cli import run_guarded
+from mtl.tools import MODEL_HELP
+
+
+def main(argv: list[str] | None = None) -> int:
+    lines = __doc__.strip().splitlines()
+    parser = argparse.ArgumentParser(prog="python -m mtl.tools.export", description=lines[0],
+                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
+    parser.add_argument("--out", required=True, help="the folder to create (new, or empty)")
+    args = parser.parse_args(argv)
+
+    def run():
+        from mtl.inference import export_model
+
+        print(f"exported to {export_model(args.checkpoint, args.out)}", flush=True)
+
+    return run_guarded(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
