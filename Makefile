@@ -7,7 +7,7 @@ CONFIG  ?= configs/default.yaml
 NPROC   ?= 2
 RUN_DIR ?= runs/default
 
-.PHONY: install train test lint tensorboard bench bench-strategies doctor clean
+.PHONY: install train test test-fast lint tensorboard bench bench-strategies doctor clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,8 +20,13 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python -m mtl.launch --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
+# The whole suite (what CI runs).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The fast tier for forkers: in-process tests only (no multi-process runs, no tests of torch itself).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mtl tests train.py
