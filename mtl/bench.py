@@ -2,8 +2,8 @@
 
     python -m mtl.bench --config configs/bench.yaml [key=value ...]
 
-Trains every method in ``bench.methods`` for every seed in ``bench.seeds``, plus the two
-single-task baselines (``tasks=[cls]``, ``tasks=[gen]``) that delta-m needs, each in
+Trains every method in ``bench.methods`` for every seed in ``bench.seeds``, plus one single-task
+baseline per task (``tasks=[cls]``, ``tasks=[gen]``, ...) that delta-m needs, each in
 ``output_dir/runs/<method>/seed<k>/``. Loss-level methods run with ``bench.loss_strategy``
 (default ``feature_leaf``), gradient-level ones with ``bench.grad_strategy`` (``task_grads``).
 
@@ -14,7 +14,8 @@ that finished (their ``final_metrics.json`` exists).
 
 Metrics and their definitions:
 - quality: the mean of the last ``bench.last_k`` evaluations (the table) and the best evaluation
-  (results.csv) of ``cls_acc``, ``gen_bleu4``, ``gen_chrf`` (all higher is better);
+  (results.csv) of each task's declared metrics (``TaskHead.metrics``: ``cls_acc``, ``gen_bleu4``,
+  ``gen_chrf`` for the default tasks, all higher is better);
 - delta-m % (Maninis et al. 2019, as in Nash-MTL and FAMO): the mean over all M metrics of
   ``(-1)^l_i (M_i - B_i) / B_i * 100`` against the single-task baselines B (l_i = 1 if lower is better);
 - delta-p % (LibMTL): the same relative change averaged within each task first, then across tasks;
@@ -38,7 +39,13 @@ import sys
 import time
 import traceback
 
-METRICS = [("cls_acc", "cls", True), ("gen_bleu4", "gen", True), ("gen_chrf", "gen", True)]
+
+def metric_specs(tasks) -> list[tuple[str, str, bool]]:
+    """``[(metric key, task, higher is better)]``: what each task declares (``TaskHead.metrics``)."""
+    from mtl.tasks import task_types
+
+    types = task_types()
+    return [(key, t, higher) for t in tasks for key, higher in types[t].metric_keys()]
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -50,7 +57,7 @@ def plan(cfg) -> list[dict]:
     runs = []
     labels = list(cfg.bench.methods)
     if cfg.bench.baselines:
-        labels += ["single_cls", "single_gen"]
+        labels += [f"single_{t}" for t in cfg.tasks]
     for label in labels:
         for seed in cfg.bench.seeds:
             if label.startswith("single_"):
@@ -134,7 +141,7 @@ def run_all(cfg, config_path: str, base_overrides: list[str]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ analysis
 
-def read_run(run_dir: str, last_k: int) -> dict | None:
+def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(os.path.join(run_dir, "final_metrics.json")):
         return None
@@ -150,7 +157,7 @@ def read_run(run_dir: str, last_k: int) -> dict | None:
            "peak_mem_mb": max(r.get("peak_mem_mb", 0.0) for r in train), "train": train, "evals": evals, "t0": t0}
     combine = [r["combine_s"] for r in train if r.get("combine_s") is not None]
     out["combine_s"] = statistics.median(combine) if combine else 0.0
-    for key, _, higher in METRICS:
+    for key, _, higher in specs:
         values = [e[key] for e in evals if e.get(key) is not None]
         if values:
             out[key] = statistics.mean(values[-last_k:])
@@ -190,12 +197,13 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
     from mtl.weighting import weighting_types
 
     types = weighting_types()
+    specs = metric_specs(cfg.tasks)
     per_label: dict[str, list] = {}
     for r in runs:
-        data = read_run(r["dir"], cfg.bench.last_k) if r.get("status") == "ok" else None
+        data = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
         per_label.setdefault(r["label"], []).append((r, data))
     base = {}
-    for key, task, _ in METRICS:
+    for key, task, _ in specs:
         vals = [d[key] for _, d in per_label.get(f"single_{task}", []) if d and key in d]
         base[key] = statistics.mean(vals) if vals else float("nan")
     rows = []
@@ -204,17 +212,17 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
         ok = [d for _, d in pairs if d]
         row = {"method": label, "level": types[label].level, "runs_ok": len(ok), "runs": len(pairs),
                "failed": [f"seed {r['seed']}: {r.get('error')}" for r, d in pairs if not d]}
-        for key, _, _ in METRICS:
+        for key, _, _ in specs:
             row[key], row[key + "_std"] = _mean_std([d.get(key) for d in ok])
             row[key + "_best"], _ = _mean_std([d.get(key + "_best") for d in ok])
         dm, dp = [], []
         for d in ok:
             rel = {key: (1 if higher else -1) * (d[key] - base[key]) / base[key] * 100
-                   for key, _, higher in METRICS if key in d and base[key] == base[key] and base[key] != 0}
-            if len(rel) == len(METRICS):
+                   for key, _, higher in specs if key in d and base[key] == base[key] and base[key] != 0}
+            if len(rel) == len(specs):
                 dm.append(statistics.mean(rel.values()))
-                tasks = sorted({t for _, t, _ in METRICS})
-                dp.append(statistics.mean(statistics.mean(rel[k] for k, t, _ in METRICS if t == task) for task in tasks))
+                tasks = sorted({t for _, t, _ in specs})
+                dp.append(statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks))
         row["delta_m"], row["delta_m_std"] = _mean_std(dm)
         row["delta_p"], row["delta_p_std"] = _mean_std(dp)
         for key in ("step_time_s", "peak_mem_mb", "wall_s", "combine_s"):
@@ -234,7 +242,7 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
     for r in rows:
         r["time_vs_equal"] = r["step_time_s"] / eq["step_time_s"] if eq else float("nan")
         r["mem_vs_equal"] = r["peak_mem_mb"] / eq["peak_mem_mb"] if eq and mem_ok else float("nan")
-    for key, _, higher in METRICS:  # mean rank over the metrics (1 = best)
+    for key, _, higher in specs:  # mean rank over the metrics (1 = best)
         order = sorted((r for r in rows if r[key] == r[key]), key=lambda r: -r[key] if higher else r[key])
         for i, r in enumerate(order, 1):
             r.setdefault("_ranks", []).append(i)
@@ -245,8 +253,9 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
 
 def write_tables(cfg, rows: list[dict], base: dict, meta: dict) -> str:
     out = cfg.output_dir
-    fields = ["method", "level", "strategy", "runs_ok", "runs"] + [k for m, _, _ in METRICS for k in (m, m + "_std",
-                                                                                                        m + "_best")]
+    specs = metric_specs(cfg.tasks)
+    fields = ["method", "level", "strategy", "runs_ok", "runs"] + [k for m, _, _ in specs for k in (m, m + "_std",
+                                                                                                      m + "_best")]
     fields += ["delta_m", "delta_m_std", "delta_p", "delta_p_std", "mean_rank", "time_vs_equal", "mem_vs_equal",
                "combine_s", "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
@@ -262,17 +271,18 @@ def write_tables(cfg, rows: list[dict], base: dict, meta: dict) -> str:
         v, s = r[k] * scale, r[k + "_std"] * scale
         return "n/a" if v != v else f"{v:.{digits}f} ± {s:.{digits}f}"
 
+    keys = [k for k, _, _ in specs]
     lines = [f"Mean ± std over seeds {list(cfg.bench.seeds)}; quality is the mean of the last {cfg.bench.last_k} "
-             f"evaluations (the best evaluation is in results.csv). Single-task baselines: cls_acc "
-             f"{base['cls_acc']:.3f}, gen_bleu4 {base['gen_bleu4']:.3f}, gen_chrf {base['gen_chrf']:.3f}.", "",
-             "| method | level | cls acc | BLEU-4 | chrF | Δm % | Δp % | mean rank | step time vs equal "
+             f"evaluations (the best evaluation is in results.csv). Single-task baselines: "
+             + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ".", "",
+             "| method | level | " + " | ".join(keys) + " | Δm % | Δp % | mean rank | step time vs equal "
              "| peak mem vs equal | method maths (ms) | MB all-reduced/step | wall (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["mean_rank"] != r["mean_rank"], r["mean_rank"])):
         failed = f" ({r['runs'] - r['runs_ok']} failed)" if r["runs_ok"] < r["runs"] else ""
         lines.append(
-            f"| `{r['method']}`{failed} | {r['level']} | {pm(r, 'cls_acc')} | {pm(r, 'gen_bleu4')} | {pm(r, 'gen_chrf')} "
-            f"| {pm(r, 'delta_m', digits=2)} | {pm(r, 'delta_p', digits=2)} | {r['mean_rank']:.1f} "
+            f"| `{r['method']}`{failed} | {r['level']} | " + " | ".join(pm(r, k) for k in keys)
+            + f" | {pm(r, 'delta_m', digits=2)} | {pm(r, 'delta_p', digits=2)} | {r['mean_rank']:.1f} "
             f"| {r['time_vs_equal']:.2f}x | {ratio(r['mem_vs_equal'])} "
             f"| {r['combine_s'] * 1e3:.2f} "
             f"| {r['allreduce_mb']:.1f} | {r['wall_s']:.0f} |")
@@ -300,14 +310,15 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    specs = metric_specs(cfg.tasks)
     data: dict[str, list] = {}
     for r in runs:
-        d = read_run(r["dir"], cfg.bench.last_k) if r.get("status") == "ok" else None
+        d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
         if d:
             data.setdefault(r["label"], []).append(d)
     labels = [m for m in cfg.bench.methods if m in data]
     cmap = plt.get_cmap("tab20")
-    colour = {m: cmap(i % 20) for i, m in enumerate(labels + ["single_cls", "single_gen"])}
+    colour = {m: cmap(i % 20) for i, m in enumerate(labels + [f"single_{t}" for t in cfg.tasks])}
     paths = []
 
     def mean_curve(runs_, key, x="step"):
@@ -322,8 +333,9 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
         return xs, ys
 
     for x, unit in (("step", "optimizer step"), ("wall", "wall time since start (s)")):
-        fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4))
-        for ax, (key, task, _) in zip(axes, METRICS):
+        fig, axes = plt.subplots(1, len(specs), figsize=(5 * len(specs), 4), squeeze=False)
+        axes = axes[0]
+        for ax, (key, task, _) in zip(axes, specs):
             for m in labels + [f"single_{task}"]:
                 if m in data:
                     xs, ys = mean_curve(data[m], key, x)
@@ -348,7 +360,8 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
         return xs, [statistics.mean(by_step[s]) for s in xs]
 
     tasks = list(cfg.tasks)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    axes = axes[0]
     for ax, t in zip(axes, tasks):
         for m in labels:
             xs, ys = train_curve(data[m], f"weight_{t}")
@@ -388,11 +401,12 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
 def write_hparams(cfg, runs: list[dict]) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
+    specs = metric_specs(cfg.tasks)
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
     for r in runs:
-        d = read_run(r["dir"], cfg.bench.last_k) if r.get("status") == "ok" else None
+        d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
         if d:
-            metrics = {f"hparam/{k}": d[k] for k, _, _ in METRICS if k in d}
+            metrics = {f"hparam/{k}": d[k] for k, _, _ in specs if k in d}
             metrics["hparam/step_time_s"] = d["step_time_s"]
             writer.add_hparams({"method": r["label"], "seed": r["seed"]}, metrics, run_name=f"{r['label']}-seed{r['seed']}")
     writer.close()

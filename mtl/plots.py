@@ -15,8 +15,8 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_curves(metrics_path: str, out_path: str) -> None:
-    """Per-task training losses (left) and validation metrics (right) against the step."""
+def plot_curves(metrics_path: str, out_path: str, metric_keys: list[str]) -> None:
+    """Per-task training losses (left) and the validation metrics ``metric_keys`` (right) against the step."""
     rows = read_metrics(metrics_path)
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -29,7 +29,7 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     ax1.set_yscale("log")
     ax1.set_title("training losses")
     ax1.legend()
-    for key in sorted({k for r in evals for k in r if k.endswith(("_acc", "_bleu4", "_chrf"))}):
+    for key in metric_keys:
         pts = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
         ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
     ax2.set_xlabel("optimizer step")

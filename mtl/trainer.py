@@ -300,7 +300,8 @@ class Trainer:
             from mtl.plots import plot_curves
 
             plot_curves(os.path.join(self.cfg.output_dir, "metrics.jsonl"),
-                        os.path.join(self.cfg.output_dir, "curves.png"))
+                        os.path.join(self.cfg.output_dir, "curves.png"),
+                        [key for head in self.heads.values() for key, _ in head.metric_keys()])
             hp = {"strategy": self.cfg.ddp.strategy, "weighting": self.cfg.weighting.method,
                   "precision": self.cfg.precision, "lr": self.cfg.optim.lr,
                   "global_batch": self.cfg.data.batch_size * self.dist.world_size}

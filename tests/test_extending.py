@@ -182,3 +182,33 @@ def test_three_tasks_under_torchrun_with_the_placeholder_strategy(tmp_path):
     run_train(["--config", TINY, f"output_dir={tmp_path}", "tasks=[cls,gen,count]", "ddp.strategy=placeholder",
                "ddp.replica_check_every=1", "checkpoint.every_steps=0", "trainer.num_samples=0"], nproc=2)
     check_three_task_run(str(tmp_path), 6)
+
+
+@pytest.mark.slow
+def test_the_third_task_is_benchmarked_and_plotted_from_its_declared_metrics(tmp_path):
+    """The benchmark, delta-m and the plots loop over the configured tasks and what each declares
+    (``TaskHead.metrics``): with ``tasks=[cls,count]``, count gets its own baseline run, its column and its
+    delta-m term, and no caption metric appears. (The same three-task model under 2 processes: the test above.)"""
+    import csv
+    import subprocess
+
+    from .conftest import PY, ROOT
+
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [PY, "-m", "mtl.bench", "--config", TINY, f"output_dir={out}", "tasks=[cls,count]", "trainer.max_steps=4",
+         "trainer.eval_every=2", "trainer.log_every=1", "checkpoint.every_steps=0", "bench.seeds=[0]",
+         "bench.last_k=2", "bench.methods=[equal]", "trainer.num_samples=0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(out / "runs")) == ["equal", "single_cls", "single_count"]
+    with open(out / "runs" / "equal" / "seed0" / "final_metrics.json") as f:
+        final = json.load(f)
+    assert "count_acc" in final
+    with open(out / "results.csv") as f:
+        row = next(csv.DictReader(f))
+    assert row["count_acc"] not in ("", "nan") and row["delta_m"] not in ("", "nan")
+    assert "gen_bleu4" not in row
+    table = (out / "results.md").read_text()
+    assert "| count_acc |" in table and "count_acc" in table.splitlines()[0]  # column and baseline
+    assert (out / "metrics_vs_step.png").stat().st_size > 10_000

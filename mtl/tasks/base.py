@@ -29,6 +29,9 @@ class BuildInfo:
 
 class TaskHead(nn.Module):
     name: str = ""  # the key of this task's loss; set by each subclass
+    # The quality metrics of ``eval_reduce`` that curves, the benchmark and delta-m use: name -> higher is
+    # better. They are logged as ``<task>_<metric>``; other keys of ``eval_reduce`` are logged too.
+    metrics: dict[str, bool] = {}
 
     @classmethod
     def build(cls, info: BuildInfo) -> TaskHead:
@@ -45,6 +48,11 @@ class TaskHead(nn.Module):
     def eval_batch(self, features: torch.Tensor, batch: dict) -> dict:
         """Partial evaluation results for one batch: picklable, so they can be gathered across ranks."""
         raise NotImplementedError
+
+    @classmethod
+    def metric_keys(cls) -> list[tuple[str, bool]]:
+        """``[("<task>_<metric>", higher is better), ...]`` for the declared quality metrics."""
+        return [(f"{cls.name}_{m}", higher) for m, higher in cls.metrics.items()]
 
     def eval_reduce(self, parts: list[dict]) -> dict:
         """Metrics (name -> float, plus optional 'samples') from every rank's partial results."""

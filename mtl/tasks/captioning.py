@@ -14,6 +14,7 @@ from mtl.tasks.base import BuildInfo, TaskHead
 
 class CaptioningHead(TaskHead):
     name = "gen"
+    metrics = {"bleu4": True, "chrf": True}
 
     def __init__(self, info: BuildInfo):
         super().__init__()

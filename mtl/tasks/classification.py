@@ -11,6 +11,7 @@ from mtl.tasks.base import BuildInfo, TaskHead
 
 class ClassificationHead(TaskHead):
     name = "cls"
+    metrics = {"acc": True}
 
     def __init__(self, info: BuildInfo):
         super().__init__()

@@ -31,6 +31,7 @@ IGNORE = -1  # the target of an unknown count
 
 class CountingHead(TaskHead):
     name = "count"
+    metrics = {"acc": True}
 
     def __init__(self, info: BuildInfo):
         super().__init__()
