@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         tic = time.time()
         runs = run_all(cfg, a.config, a.overrides)
         rows, base = summarize(cfg, runs)
-        report = examine(cfg)  # F and B of the bench model, one process
+        report = examine(cfg, batches=1)  # F and B of the bench model, one process
         text = write_tables(cfg, rows, base, {"forward_s": report["forward_s"], "backward_s": report["backward_s"]})
         write_plots(cfg, runs)
         write_hparams(cfg, runs)

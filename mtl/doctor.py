@@ -1,14 +1,18 @@
 """The gradient doctor: one step in one process, and what each strategy would cost.
 
-    python -m mtl.doctor --config configs/tiny.yaml [key=value ...] [--json]
+    python -m mtl.doctor --config configs/tiny.yaml [--batches 8] [key=value ...] [--json]
 
-Prints, for the configured model and one training batch:
-- per task, which module groups receive a gradient (non-zero, zero, or none);
+Prints, for the configured model (its initial weights, or a trained model's with
+``init_from=<checkpoint>``):
+- per task, which module groups receive a gradient (non-zero, zero, or none), on the first batch;
 - per-task gradient norms, and any NaN/inf with the parameter names;
-- the cosine between the tasks' gradients on the shared (backbone) parameters;
+- the cosine between the tasks' gradients on the shared (backbone) parameters, on ``--batches``
+  training batches: its mean and a 95% confidence interval (Student's t over the batches);
 - per strategy: forwards, backbone backward passes, all-reduces and bytes all-reduced per step, the
-  extra memory held, and a time estimate from measured forward/backward times;
-- a recommendation for this model, with the reason.
+  extra memory held (each strategy states these itself), and a time estimate from measured
+  forward/backward times;
+- a recommendation for this model, with the reason. It suggests a gradient-level method only when
+  the conflict is significant (the whole confidence interval below zero), and says what it costs.
 It never starts a process group and writes nothing.
 """
 
@@ -37,6 +41,22 @@ def _tokenizer(cfg, train_ds):
     return train_tokenizer(all_captions(train_ds), cfg.tokenizer.vocab_size)
 
 
+# two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% confidence interval of the mean); half-width inf for one value."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("inf")
+    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
+    t = _T95[n - 2] if n - 1 <= len(_T95) else 1.96
+    return mean, t * sd / n**0.5
+
+
 def _timed(fn, reps: int = 3) -> float:
     fn()  # warm-up
     best = float("inf")
@@ -47,8 +67,8 @@ def _timed(fn, reps: int = 3) -> float:
     return best
 
 
-def examine(cfg) -> dict:
-    from mtl.build import build_model
+def examine(cfg, batches: int = 8) -> dict:
+    from mtl.build import build_model, init_from_weights
     from mtl.data.loader import CaptionCollate, build_datasets, build_train_loader, set_epoch
     from mtl.diagnose import nonfinite_parameters, reach_table, task_gradients
     from mtl.strategies import strategy_types
@@ -59,10 +79,13 @@ def examine(cfg) -> dict:
     train_ds, _ = build_datasets(cfg)
     tok = _tokenizer(cfg, train_ds)
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tok).train()
+    if cfg.get("init_from"):
+        init_from_weights(model, cfg.init_from)
     loader = build_train_loader(train_ds, CaptionCollate(tok, cfg.data.max_caption_tokens), cfg.data.batch_size,
                                 0, 1, cfg.seed)
     set_epoch(loader, 0)
-    batch = next(iter(loader))
+    stream = iter(loader)
+    batch = next(stream)
     tasks = list(cfg.tasks)
 
     grads = task_gradients(model, batch, tasks)
@@ -72,15 +95,25 @@ def examine(cfg) -> dict:
     nonfinite = {t: nonfinite_parameters(per) for t, per in grads.items()}
     shared_names = [n for n, p in model.named_parameters() if n.startswith("backbone.") and p.requires_grad]
 
-    def shared_vec(t):
-        return torch.cat([(grads[t][n] if grads[t][n] is not None else torch.zeros_like(dict(model.named_parameters())[n]))
-                          .reshape(-1) for n in shared_names])
-
-    vecs = {t: shared_vec(t) for t in tasks}
+    pairs = [(a, b) for i, a in enumerate(tasks) for b in tasks[i + 1:]]
+    per_batch: dict[str, list[float]] = {f"{a}/{b}": [] for a, b in pairs}
+    for n in range(batches):  # one batch says little: the cosine's spread over batches is as large as its mean
+        if n:
+            batch_n = next(stream, None)
+            if batch_n is None:
+                break
+            grads_n = task_gradients(model, batch_n, tasks)
+        else:
+            grads_n = grads
+        vecs = {t: torch.cat([(grads_n[t][name] if grads_n[t][name] is not None
+                               else torch.zeros_like(dict(model.named_parameters())[name])).reshape(-1)
+                              for name in shared_names]) for t in tasks}
+        for a, b in pairs:
+            per_batch[f"{a}/{b}"].append(float(torch.nn.functional.cosine_similarity(vecs[a], vecs[b], dim=0)))
     cosine = {}
-    for i, a in enumerate(tasks):
-        for b in tasks[i + 1:]:
-            cosine[f"{a}/{b}"] = float(torch.nn.functional.cosine_similarity(vecs[a], vecs[b], dim=0))
+    for key, values in per_batch.items():
+        mean, half = mean_ci95(values)
+        cosine[key] = {"mean": mean, "ci95": half, "batches": len(values), "per_batch": values}
 
     # measured forward and backward times of the whole model (F, B), and of the backbone alone
     def forward():
@@ -121,10 +154,19 @@ def examine(cfg) -> dict:
     else:
         rec = ("feature_leaf", "it gives the exact combined-loss gradient with one backbone forward, one backbone "
                "backward and one all-reduce (the cost of combined), plus each task's feature gradient")
-    conflict = min(cosine.values()) if cosine else 0.0
-    if conflict < 0 and method.level == "loss":
-        rec = (rec[0], rec[1] + f"; the tasks' shared gradients conflict (cosine {conflict:.2f}), so a gradient-level "
-               "method (pcgrad, mgda, cagrad, nashmtl ...) with ddp.strategy=task_grads may be worth a try")
+    if method.level == "loss" and cosine:
+        key = min(cosine, key=lambda k: cosine[k]["mean"])
+        c = cosine[key]
+        measured = f"cosine({key}) {c['mean']:+.3f} ± {c['ci95']:.3f} (95% CI over {c['batches']} batches)"
+        extra = costs["task_grads"]["est_time_vs_combined"] / max(costs["feature_leaf"]["est_time_vs_combined"], 1e-9)
+        if c["mean"] + c["ci95"] < 0:
+            rec = (rec[0], rec[1] + f"; the tasks' shared gradients conflict significantly ({measured}), so a "
+                   "gradient-level method (pcgrad, mgda, cagrad, nashmtl ...) with ddp.strategy=task_grads may be "
+                   f"worth a try: its step costs about {extra:.2f}x this one here (estimated from the measured F and "
+                   "B, before the method's own maths); whether it pays off in quality is what `make bench` measures")
+        else:
+            rec = (rec[0], rec[1] + f"; no significant gradient conflict ({measured}): nothing here argues for a "
+                   "gradient-level method")
     return {"batch_size": cfg.data.batch_size, "tasks": tasks, "reach": table, "grad_norms": norms,
             "nonfinite": nonfinite, "cosine": cosine, "forward_s": f_time, "backward_s": b_time,
             "params": {"all": p_all, "shared": p_shared, "heads": p_heads}, "strategies": costs,
@@ -148,8 +190,9 @@ def render(report: dict) -> str:
     out.append("per-task gradient norm: " + ", ".join(f"{t}={v:.4g}" for t, v in report["grad_norms"].items()))
     bad = {t: v for t, v in report["nonfinite"].items() if v}
     out.append("non-finite gradients: " + ("; ".join(f"{t}: {', '.join(v[:5])}" for t, v in bad.items()) or "none"))
-    out.append("gradient conflict on the shared parameters (cosine): "
-               + ", ".join(f"{k}={v:+.3f}" for k, v in report["cosine"].items()))
+    out.append("gradient conflict on the shared parameters (cosine, mean ± 95% CI over batches): "
+               + ", ".join(f"{k}={v['mean']:+.3f} ± {v['ci95']:.3f} ({v['batches']} batches)"
+                           for k, v in report["cosine"].items()))
     p = report["params"]
     out.append(f"parameters: {p['all']:,} ({p['shared']:,} shared, {p['heads']:,} in heads); measured "
                f"F={report['forward_s'] * 1e3:.1f} ms, B={report['backward_s'] * 1e3:.1f} ms")
@@ -170,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtl.doctor", description="gradient doctor (one process)")
     parser.add_argument("--config", required=True)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--batches", type=int, default=8, help="training batches to measure the gradient conflict on")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     for key in ("RANK", "WORLD_SIZE"):
@@ -179,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         from mtl.validate import load_run_config
 
         cfg = load_run_config(args.config, args.overrides)
-        report = examine(cfg)
+        report = examine(cfg, max(1, args.batches))
         print(json.dumps(report, indent=2) if args.json else render(report))
 
     return run_guarded(run)

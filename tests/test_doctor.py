@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from mtl.doctor import main
 
 from .conftest import TINY
@@ -21,7 +23,14 @@ def test_doctor_reports_reach_norms_conflict_costs_and_a_recommendation(capsys):
     assert r["reach"]["gen"]["heads.cls.fc"] == "none" and r["reach"]["gen"]["heads.gen.decoder"] == "non-zero"
     assert all(r["reach"][t]["backbone.stem.0"] == "non-zero" for t in ("cls", "gen"))
     assert r["grad_norms"]["cls"] > 0 and r["grad_norms"]["gen"] > 0 and not any(r["nonfinite"].values())
-    assert -1.0 <= r["cosine"]["cls/gen"] <= 1.0
+    c = r["cosine"]["cls/gen"]
+    assert c["batches"] == 8 == len(c["per_batch"])  # the default: several batches, not one
+    assert all(-1.0 <= v <= 1.0 for v in c["per_batch"]) and len(set(c["per_batch"])) == 8
+    assert c["mean"] == pytest.approx(sum(c["per_batch"]) / 8) and 0 < c["ci95"] < float("inf")
+    rec = r["recommendation"]["reason"]
+    assert "95% CI over 8 batches" in rec
+    # a gradient-level method is suggested only when the whole interval lies below zero
+    assert ("conflict significantly" in rec) == (c["mean"] + c["ci95"] < 0)
     s = r["strategies"]
     assert "two_backward" not in s  # unsafe: never offered
     assert s["find_unused"]["allreduces"] == 2 and s["feature_leaf"]["allreduces"] == 1
@@ -41,3 +50,14 @@ def test_doctor_recommends_task_grads_for_gradient_level_weighting(capsys):
 def test_doctor_bad_config_is_one_message(capsys):
     code, _, err = doctor(capsys, "ddp.strategy=nope")
     assert code == 2 and "ddp.strategy" in err and "Traceback" not in err
+
+
+def test_mean_ci95_follows_students_t():
+    from mtl.doctor import mean_ci95
+
+    mean, half = mean_ci95([1.0, 2.0, 3.0])  # sd 1, n 3, t(0.975, 2) = 4.303
+    assert mean == 2.0 and half == pytest.approx(4.303 / 3**0.5)
+    assert mean_ci95([0.5]) == (0.5, float("inf"))
+    _, wide = mean_ci95([0.0, 1.0] * 2)
+    _, narrow = mean_ci95([0.0, 1.0] * 50)  # more batches, narrower interval (t -> 1.96)
+    assert narrow < wide / 5
