@@ -415,8 +415,8 @@ def config_summary(cfg: DictConfig, saved_to: str | None = None) -> str:
     for k, v in changed.items():
         section, _, rest = k.partition(".") if "." in k else ("", "", k)
         groups.setdefault(section, []).append(f"{rest}={_show(v)}")
-    where = f"; full config: {saved_to}" if saved_to else ""
-    lines = [f"config (only what differs from the defaults{where}):"]
+    where = f" (all of it: {saved_to})" if saved_to else ""
+    lines = [f"resolved config: only what differs from the defaults{where}"]
     for section, items in groups.items():
         lines.append(f"  {section + ': ' if section else ''}{' '.join(items)}")
     if not changed:

@@ -65,6 +65,6 @@ def test_config_validates_and_runs_one_step(path, tmp_path, capsys):
     assert final["step"] == 1 and "cls_acc" in final
     # the console shows only what differs from the defaults; config.yaml keeps everything
     head = printed.out.split("\nmtl: ")[0].splitlines()
-    assert head[0].startswith("config (only what differs") and str(out_dir / "config.yaml") in head[0]
+    assert head[0].startswith("resolved config: only what differs") and str(out_dir / "config.yaml") in head[0]
     assert len(head) <= 10, head
     assert "bucket_cap_mb" in (out_dir / "config.yaml").read_text()
