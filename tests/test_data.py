@@ -528,6 +528,13 @@ def test_training_set_smaller_than_the_global_batch_is_refused(tok):
     assert len(build_train_loader(ds, CaptionCollate(tok, 8), 6, 0, 2, seed=0)) == 1  # 12 = 6 x 2 fills one
 
 
+def test_a_60_image_manifest_at_the_default_batch_on_two_processes_is_refused(tok, images):
+    path = _write_lines(images / "m.jsonl", [{"image": "img/a.png", "label": 0, "caption": "x"}] * 60)
+    ds = ManifestDataset(path)
+    with pytest.raises(DataError, match=r"60 item\(s\).*data.batch_size=32 x 2 process\(es\) = 64"):
+        build_train_loader(ds, CaptionCollate(tok, 8), 32, 1, 2, seed=0)
+
+
 def test_a_train_loader_never_spins_on_an_empty_epoch(tok):
     from mtl.data.loader import ResumableDistributedSampler, TrainLoader
 
