@@ -12,7 +12,9 @@ Checks that need more than the schema (known names, ranges, combinations of opti
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
+import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -297,9 +299,10 @@ def _known_keys(path: list[str]) -> list[str]:
     return [f.name for f in fields(node)] if node is not None else []
 
 
-def config_keys(schema=Config, prefix: str = "") -> list[tuple[str, str, Any]]:
+def config_keys(schema=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """Every leaf key of the schema as (dotted name, type, default, comment), in schema order."""
     hints = typing.get_type_hints(schema)
+    comments = _comments(schema)
     out = []
     for f in fields(schema):
         t = hints[f.name]
@@ -307,15 +310,12 @@ def config_keys(schema=Config, prefix: str = "") -> list[tuple[str, str, Any]]:
             out += config_keys(t, f"{prefix}{f.name}.")
             continue
         default = f.default_factory() if f.default_factory is not MISSING else f.default
-        out.append((prefix + f.name, _type_name(t), default, _comments(schema).get(f.name, "")))
+        out.append((prefix + f.name, _type_name(t), default, comments.get(f.name, "")))
     return out
 
 
 def _comments(schema) -> dict[str, str]:
     """The ``# comment`` after each field in the schema's source: the one-line documentation of a key."""
-    import inspect
-    import re
-
     try:
         source = inspect.getsource(schema)
     except (OSError, TypeError):
