@@ -12,9 +12,13 @@ from mtl.cli import run_guarded
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from mtl.config import keys_help
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file (may name a base: file)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100 "
+                        "(the keys are listed below)")
     args = parser.parse_args(argv)
 
     def run():

@@ -11,8 +11,12 @@ Checks that need more than the schema (known names, ranges, combinations of opti
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
-from dataclasses import dataclass, field, fields, is_dataclass
+import re
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 import yaml
@@ -37,6 +41,16 @@ class SyntheticConfig:
 
 
 @dataclass
+class AugmentConfig:
+    """Training augmentation of manifest/ImageFolder images; off by default so runs are reproducible."""
+
+    random_resized_crop: bool = False  # crop a random part (area fraction `scale`, aspect `ratio`), resize to image_size
+    scale: list[float] = field(default_factory=lambda: [0.35, 1.0])
+    ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333])
+    hflip: bool = False  # mirror half of the images (not for captions that say left/right)
+
+
+@dataclass
 class DataConfig:
     source: str = "synthetic"  # synthetic | manifest | imagefolder
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
@@ -45,6 +59,8 @@ class DataConfig:
     image_size: int = 64
     max_caption_tokens: int = 16  # tokens after BOS, EOS included; longer captions are cut
     on_error: str = "raise"  # raise | skip
+    normalize: str = "auto"  # auto (the pretrained weights' mean/std; none without weights) | imagenet | none
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
@@ -172,10 +188,18 @@ class Config:
 # loading
 
 
-def _read_yaml(path: str, seen: tuple = ()) -> list[tuple[dict, str]]:
-    """Return [(mapping, source)] for ``path`` and its ``base:`` chain, base first."""
+def _read_yaml(path: str, seen: tuple = (), named_by: str | None = None) -> list[tuple[dict, str]]:
+    """Return [(mapping, source)] for ``path`` and its ``base:`` chain, base first.
+
+    ``named_by`` is the config file whose ``base:`` names ``path`` (None for the --config file).
+    """
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist (pass an existing file with --config)")
+        if named_by is None:
+            raise ConfigError(f"config file {path!r} does not exist (pass an existing file with --config)")
+        raise ConfigError(
+            f"config file {named_by!r}: its base file was not found at {path!r} ('base:' paths are relative to "
+            f"the file that names them, here the folder {os.path.dirname(os.path.abspath(named_by))!r}) "
+            "— copy the base file there too, or make 'base:' an absolute path or a path relative to that folder")
     real = os.path.realpath(path)
     if real in seen:
         raise ConfigError(f"config file {path!r}: 'base:' files form a cycle")
@@ -184,6 +208,8 @@ def _read_yaml(path: str, seen: tuple = ()) -> list[tuple[dict, str]]:
             data = yaml.safe_load(f)
     except OSError as e:
         raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
     if data is None:
@@ -196,7 +222,7 @@ def _read_yaml(path: str, seen: tuple = ()) -> list[tuple[dict, str]]:
         if not isinstance(base, str):
             raise ConfigError(f"{path}: 'base' must be a file name")
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-        chain += _read_yaml(base_path, seen + (real,))
+        chain += _read_yaml(base_path, seen + (real,), named_by=path)
     chain.append((data, path))
     return chain
 
@@ -242,8 +268,6 @@ def _schema_node(schema_type, path: list[str]):
 
 def _resolve(owner, name):
     # dataclass field types are strings under ``from __future__ import annotations``
-    import typing
-
     return typing.get_type_hints(owner)[name]
 
 
@@ -267,8 +291,7 @@ def _explain(e: Exception, dotted: str, value: Any) -> str:
     if name in ("ConfigAttributeError", "ConfigKeyError") or "not in struct" in msg or "Key '" in msg:
         parent, _, leaf = dotted.rpartition(".")
         known = _known_keys(parent.split(".") if parent else [])
-        hint = f" (known keys here: {', '.join(known)})" if known else ""
-        return f"unknown key {leaf!r}{hint}"
+        return f"unknown key {leaf!r}{suggest_key(dotted)}" + (f" (known keys here: {', '.join(known)})" if known else "")
     return f"bad value {value!r}: {msg}"
 
 
@@ -277,12 +300,68 @@ def _known_keys(path: list[str]) -> list[str]:
     return [f.name for f in fields(node)] if node is not None else []
 
 
-def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
-    """Load ``path`` (and its base chain) and apply ``overrides``, checking keys and types only.
+def config_keys(schema=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """Every leaf key of the schema as (dotted name, type, default, comment), in schema order."""
+    hints = typing.get_type_hints(schema)
+    comments = _comments(schema)
+    out = []
+    for f in fields(schema):
+        t = hints[f.name]
+        if is_dataclass(t):
+            out += config_keys(t, f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        out.append((prefix + f.name, _type_name(t), default, comments.get(f.name, "")))
+    return out
 
-    Raises ConfigError listing every problem. ``mtl.validate.load_run_config`` adds the semantic checks.
-    """
-    errors: list[str] = []
+
+def _comments(schema) -> dict[str, str]:
+    """The ``# comment`` after each field in the schema's source: the one-line documentation of a key."""
+    try:
+        source = inspect.getsource(schema)
+    except (OSError, TypeError):
+        return {}
+    found = (re.match(r"\s+(\w+):[^#]*#\s*(.*)$", line) for line in source.splitlines())
+    return {m.group(1): m.group(2).strip() for m in found if m}
+
+
+def _type_name(t) -> str:
+    text = getattr(t, "__name__", None) if not typing.get_args(t) else None
+    return text or str(t).replace("typing.", "").replace("NoneType", "None")
+
+
+def suggest_key(dotted: str) -> str:
+    """`` — did you mean 'x.y'?`` for a mistyped key: the nearest valid key beside it, or anywhere."""
+    parent, _, leaf = dotted.rpartition(".")
+    siblings = _known_keys(parent.split(".") if parent else [])
+    close = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    if close:
+        return f" — did you mean {(parent + '.' if parent else '') + close[0]!r}?"
+    every = [k for k, *_ in config_keys()]
+    sections = sorted({k.rsplit(".", 1)[0] for k in every if "." in k})
+    same_leaf = [k for k in every + sections if k.rsplit(".", 1)[-1] == leaf]
+    close = same_leaf or difflib.get_close_matches(dotted, every, n=1, cutoff=0.75)
+    return f" — did you mean {close[0]!r}?" if close else ""
+
+
+def keys_help() -> str:
+    """The config keys with their types and defaults (for ``train.py --help``)."""
+    rows = [(k, f"{t} = {_show(d)}", c) for k, t, d, c in config_keys()]
+    width = max(len(k) for k, _, _ in rows)
+    tw = max(len(t) for _, t, _ in rows if len(t) < 40)
+    lines = [f"  {k:<{width}}  {t:<{tw}}" + (f"  # {c}" if c else "") for k, t, c in rows]
+    return ("config keys (in the YAML file, or key=value on the command line; the schema is mtl/config.py):\n"
+            + "\n".join(line.rstrip() for line in lines))
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    return yaml.safe_dump(value, default_flow_style=True, width=1_000).strip().removesuffix("\n...")
+
+
+def _read_into(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:
+    """The config with every mergeable value applied; each key or type problem is appended to ``errors``."""
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
     for data, source in _read_yaml(path):
@@ -290,10 +369,57 @@ def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
     over, over_errors = parse_overrides(list(overrides or []))
     errors += over_errors
     _merge_into(cfg, over, "command line", [], errors)
+    return cfg
+
+
+def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
+    """Load ``path`` (and its base chain) and apply ``overrides``, checking keys and types only.
+
+    Raises ConfigError listing every problem. ``mtl.validate.load_run_config`` adds the semantic checks.
+    """
+    errors: list[str] = []
+    cfg = _read_into(path, overrides, errors)
     if errors:
         raise ConfigError(errors)
     return cfg
 
 
+def load_config_collecting(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:
+    """Like ``load_config``, but key/type problems are appended to ``errors`` and the offending values left
+    at their defaults, so that further checks can run and every problem be reported at once."""
+    return _read_into(path, overrides, errors)
+
+
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def _flat(node, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_summary(cfg: DictConfig, saved_to: str | None = None) -> str:
+    """A few lines for the console: only the keys that differ from the schema defaults, one line per section.
+
+    The full resolved config is in ``saved_to`` (``output_dir/config.yaml``).
+    """
+    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(Config)))
+    values = _flat(OmegaConf.to_container(cfg, resolve=True))
+    changed = {k: v for k, v in values.items() if defaults.get(k, object()) != v}
+    groups: dict[str, list[str]] = {}
+    for k, v in changed.items():
+        section, _, rest = k.partition(".") if "." in k else ("", "", k)
+        groups.setdefault(section, []).append(f"{rest}={_show(v)}")
+    where = f" (all of it: {saved_to})" if saved_to else ""
+    lines = [f"resolved config: only what differs from the defaults{where}"]
+    for section, items in groups.items():
+        lines.append(f"  {section + ': ' if section else ''}{' '.join(items)}")
+    if not changed:
+        lines.append("  (all defaults)")
+    return "\n".join(lines)

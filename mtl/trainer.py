@@ -24,7 +24,7 @@ from mtl.build import (
     init_from_weights,
     wrap_ddp,
 )
-from mtl.config import to_yaml
+from mtl.config import config_summary, to_yaml
 from mtl.data.loader import (
     CaptionCollate,
     all_captions,
@@ -120,7 +120,7 @@ class Trainer:
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(to_yaml(cfg))
-            print(("resolved config:\n" + to_yaml(cfg)).rstrip(), flush=True)
+            print(config_summary(cfg, os.path.join(cfg.output_dir, "config.yaml")), flush=True)
             if cfg.resume == "auto":
                 print(f"resume=auto: {'resuming from ' + path if path else 'no checkpoint yet, starting fresh'}",
                       flush=True)

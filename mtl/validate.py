@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
-from mtl.config import load_config
+import torch
+
+from mtl.config import load_config_collecting
+from mtl.data.images import NORMALIZE
+from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
 from mtl.models.backbone import NORMS, SUPPORTED
 from mtl.strategies import strategy_types
@@ -30,12 +34,26 @@ def _positive(errors, cfg, *keys, allow_zero=False):
             errors.append(f"{key}: must be {'>= 0' if allow_zero else '> 0'} (got {value})")
 
 
+def _augment(errors, cfg):
+    a = cfg.data.augment
+    if (a.random_resized_crop or a.hflip) and cfg.data.source == "synthetic":
+        errors.append("data.augment: applies to manifest/imagefolder images only; the synthetic captions name the "
+                      "position, which a crop or flip would make false — turn data.augment off")
+    for key, lo in (("scale", 0.0), ("ratio", 0.0)):
+        v = list(a[key])
+        if len(v) != 2 or not lo < v[0] <= v[1] or (key == "scale" and v[1] > 1.0):
+            errors.append(f"data.augment.{key}: needs [low, high] with 0 < low <= high"
+                          + (" <= 1" if key == "scale" else "") + f" (got {v})")
+
+
 def validate(cfg) -> list[str]:
     errors: list[str] = []
     _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
     _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
+    _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
+    _augment(errors, cfg)
     _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
     _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
     _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant"))
@@ -43,6 +61,10 @@ def validate(cfg) -> list[str]:
     if cfg.model.backbone.name not in SUPPORTED:
         errors.append(f"model.backbone.name: unknown backbone {cfg.model.backbone.name!r} "
                       f"(supported: {', '.join(SUPPORTED)})")
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.model.backbone.norm == "sync" and on_cpu:
+        errors.append("model.backbone.norm: sync (SyncBatchNorm) needs CUDA devices, and this run is on the CPU "
+                      f"(device={cfg.device}); use model.backbone.norm=group (rank-independent) or batch")
     if cfg.resume is not None and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         errors.append(f"resume: {cfg.resume!r} is neither null, 'auto' nor an existing checkpoint directory")
     if cfg.init_from is not None and not os.path.exists(cfg.init_from):
@@ -60,11 +82,9 @@ def validate(cfg) -> list[str]:
     syn = cfg.data.synthetic
     if cfg.data.source == "synthetic":
         _positive(errors, cfg, "data.synthetic.train_size", "data.synthetic.val_size", "data.synthetic.max_count")
-        if not 2 <= syn.num_classes <= 8:
-            errors.append(f"data.synthetic.num_classes: must be 2..8 shape kinds (got {syn.num_classes})")
-        if syn.train_size < cfg.data.batch_size:
-            errors.append(f"data.synthetic.train_size: {syn.train_size} is smaller than one batch "
-                          f"(data.batch_size={cfg.data.batch_size})")
+        problem = num_classes_problem(syn.num_classes)
+        if problem:
+            errors.append(problem)
     elif cfg.data.train_path is None or cfg.data.val_path is None:
         errors.append(f"data.train_path / data.val_path: data.source={cfg.data.source} needs both paths")
     if not 0.0 <= cfg.model.decoder.dropout < 1.0:
@@ -114,8 +134,11 @@ def validate(cfg) -> list[str]:
 
 
 def load_run_config(path: str, overrides: list[str] | None = None):
-    cfg = load_config(path, overrides)
-    errors = validate(cfg)
+    """The checked config. Key and type problems and the checks below are reported together, in one
+    ConfigError (a value that failed its key or type check keeps its default for the checks below)."""
+    errors: list[str] = []
+    cfg = load_config_collecting(path, overrides, errors)
+    errors += validate(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg

@@ -56,3 +56,80 @@ def test_bad_input_is_one_clear_message(tmp_path, case):
     for needle in needles:
         assert needle in err, (needle, err)
     assert err.count("error") >= 1 and not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the same, in this process through train.py's main(argv): what a new user hit (issue 8)
+
+
+def main_of(argv, capsys):
+    import train
+
+    code = train.main(argv)
+    return code, capsys.readouterr().err
+
+
+def stray_label_manifest(p):
+    img = good_image(p)
+    return manifest(p, [{"image": img, "label": i % 3, "caption": "x"} for i in range(6)]
+                    + [{"image": img, "label": 7, "caption": "typo"}])
+
+
+def non_utf8_manifest(p):
+    path = manifest(p, [{"image": good_image(p), "label": 0, "caption": "x"}] * 2)
+    path.write_bytes(path.read_bytes() + b'{"image": "ok.png", "label": 0, "caption": "na\xefve"}\n')
+    return path
+
+
+IN_PROCESS = {
+    # 4 training images, batch 8: fewer than one (global) batch
+    "training set smaller than a batch": (lambda p: [TINY, "data.synthetic.train_size=4"], 3,
+                                          ["data.batch_size=8", "1 process(es)", "4 item(s)"]),
+    "label outside the class list": (lambda p: [TINY, "data.source=manifest", "data.batch_size=2",
+                                                f"data.train_path={stray_label_manifest(p)}",
+                                                f"data.val_path={p / 'm.jsonl'}"], 3,
+                                     ["m.jsonl line 7", "label 7", "data.num_classes"]),
+    "non-UTF-8 byte": (lambda p: [TINY, "data.source=manifest", f"data.train_path={non_utf8_manifest(p)}",
+                                  f"data.val_path={p / 'm.jsonl'}"], 3, ["m.jsonl line 3", "UTF-8", "0xef"]),
+    "sync batch norm on the CPU": (lambda p: [TINY, "model.backbone.norm=sync", "device=cpu"], 2,
+                                   ["model.backbone.norm", "CUDA"]),
+    "copied config loses its base": (lambda p: [str(p / "copy.yaml")], 2,
+                                     ["copy.yaml", "default.yaml", "relative to", "absolute path"]),
+    "every config error at once": (lambda p: [TINY, "trainer.bogus=1", "data.batch_size=0", "optim.lr=-1"], 2,
+                                   ["trainer.bogus", "data.batch_size", "optim.lr"]),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_PROCESS))
+def test_bad_input_in_process(tmp_path, capsys, case):
+    (tmp_path / "copy.yaml").write_text(open(TINY).read())  # base: default.yaml, which is not beside the copy
+    make_args, code, needles = IN_PROCESS[case]
+    config, *overrides = make_args(tmp_path)
+    got, err = main_of(["--config", config, *overrides, f"output_dir={tmp_path / 'run'}"], capsys)
+    assert got == code, err
+    assert "Traceback" not in err and err.count("error") >= 1
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_non_utf8_line_is_skipped_and_the_run_goes_on(tmp_path, capsys):
+    path = non_utf8_manifest(tmp_path)
+    code = __import__("train").main(["--config", TINY, "data.source=manifest", f"data.train_path={path}",
+                                     f"data.val_path={path}", "data.on_error=skip", "data.batch_size=2",
+                                     "trainer.max_steps=1", "checkpoint.every_steps=0", "trainer.num_samples=0",
+                                     f"output_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "skipped 2 bad data line(s)" in out.out + out.err and "line 3" in out.out + out.err  # train + val
+
+
+@pytest.mark.slow
+def test_two_processes_with_less_than_one_global_batch_fail_fast(tmp_path):
+    """The reproduction from issue 8: 12 images, 8 per process, 2 processes. Each rank's epoch holds 6 images,
+    so no batch at all; this used to hang forever. Now every rank refuses with one message."""
+    proc = run_train(["--config", TINY, "data.synthetic.train_size=12", f"output_dir={tmp_path / 'run'}"],
+                     nproc=2, check=False, timeout=240)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("fewer than one global batch") == 1 and "2 process(es)" in proc.stderr

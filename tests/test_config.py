@@ -97,3 +97,81 @@ def test_known_bad_ddp_combinations_explain_why():
 def test_load_config_alone_skips_semantic_checks():
     cfg = load_config(TINY, ["ddp.strategy=nope"])
     assert cfg.ddp.strategy == "nope"
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 8: what a new user hit
+
+
+def test_key_type_and_value_errors_are_reported_together():
+    errs = errors_of(TINY, ["trainer.bogus=1", "data.batch_size=0", "optim.lr=-1"])
+    assert len(errs) == 3, errs
+    assert any("trainer.bogus" in e and "unknown key" in e for e in errs)
+    assert any(e.startswith("data.batch_size") for e in errs) and any(e.startswith("optim.lr") for e in errs)
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("trainer.max_stepz=3", "trainer.max_steps"),
+    ("batch_size=8", "data.batch_size"),  # a right name in the wrong section
+    ("data.synthetc.train_size=8", "data.synthetic"),  # the section is what is misspelt
+    ("model.backbone.norml=group", "model.backbone.norm"),
+])
+def test_a_mistyped_key_suggests_the_nearest_valid_one(override, suggestion):
+    (err,) = errors_of(TINY, [override])
+    assert f"did you mean {suggestion!r}?" in err, err
+
+
+def test_base_file_not_found_says_which_relative_to_what(tmp_path):
+    """A config copied out of configs/ keeps 'base: default.yaml', which now points next to the copy."""
+    copy = write(tmp_path, open(TINY).read(), name="mine.yaml")
+    (err,) = errors_of(copy)
+    assert copy in err and str(tmp_path / "default.yaml") in err and "relative to" in err and str(tmp_path) in err
+    assert "absolute path" in err and "--config" not in err
+
+
+def test_synthetic_class_count_has_one_range(tmp_path):
+    """The launcher's check (validate) and the data generator accept exactly the same class counts."""
+    from mtl.data.synthetic import SHAPES, SyntheticShapes
+
+    for n in range(0, len(SHAPES) + 3):
+        try:
+            SyntheticShapes(size=4, image_size=32, num_classes=n, max_count=1, noise=0, clutter=0, seed=0)
+            generator_ok = True
+        except ConfigError:
+            generator_ok = False
+        try:
+            load_run_config(TINY, [f"data.synthetic.num_classes={n}"])
+            validate_ok = True
+        except ConfigError as e:
+            assert any("data.synthetic.num_classes" in x for x in e.errors)
+            validate_ok = False
+        assert validate_ok == generator_ok, n
+    assert not validate_ok  # the range really ends
+
+
+def test_sync_batchnorm_on_the_cpu_is_a_config_error():
+    errs = errors_of(TINY, ["model.backbone.norm=sync", "device=cpu"])
+    assert errs[0].startswith("model.backbone.norm") and "CUDA" in errs[0] and "group" in errs[0]
+
+
+def test_help_lists_the_config_keys(capsys):
+    import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for key, text in [("data.synthetic.num_classes", "int = 4"), ("model.backbone.norm", "batch | group"),
+                      ("data.augment.hflip", "bool = false"), ("optim.lr", "float = 0.001")]:
+        line = next((x for x in out.splitlines() if x.strip().startswith(key + " ")), "")
+        assert text in line, (key, line)
+
+
+def test_config_summary_shows_only_what_differs(tmp_path):
+    from mtl.config import config_summary, to_yaml
+
+    cfg = load_run_config(TINY, ["trainer.num_beams=3"])
+    text = config_summary(cfg, "runs/tiny/config.yaml")
+    assert "runs/tiny/config.yaml" in text and "num_beams=3" in text and "batch_size=8" in text
+    assert "bucket_cap_mb" not in text and "replica_check_every" not in text  # defaults are left out
+    assert len(text.splitlines()) <= 10 < len(to_yaml(cfg).splitlines()) / 8

@@ -316,12 +316,12 @@ def images(tmp_path):
 
 GOOD = [
     {"image": "img/a.png", "label": 0, "caption": "a red square"},
-    {"image": "img/b.png", "label": 2, "captions": ["a blue square", "blue", "a square"]},
+    {"image": "img/b.png", "label": 1, "captions": ["a blue square", "blue", "a square"]},
 ]
 
 
 def test_manifest_good(images):
-    third = {"image": "img/c.jpg", "label": 1, "caption": "g"}
+    third = {"image": "img/c.jpg", "label": 2, "caption": "g"}
     path = _write_lines(images / "train.jsonl", GOOD + ["", third])
     ds = ManifestDataset(path, image_size=8)
     assert len(ds) == 3 and ds.skipped == 0 and ds.num_classes == 3 and ds.class_names == ["0", "1", "2"]
@@ -488,11 +488,11 @@ def test_build_datasets_user_data(images):
     with pytest.raises(ConfigError, match="data.val_path"):
         build_datasets(_cfg(source="manifest", train_path=path))
     val_path = _write_lines(images / "val.jsonl", [{"image": "img/a.png", "label": 7, "caption": "x"}])
-    # val labels are checked against the train split's classes (3, inferred)
+    # val labels are checked against the train split's classes (2, inferred)
     with pytest.raises(DataError, match="outside"):
         build_datasets(_cfg(source="manifest", train_path=path, val_path=val_path))
     train, val = build_datasets(_cfg(source="manifest", train_path=path, val_path=path, image_size=8))
-    assert len(train) == len(val) == 2 and val.num_classes == train.num_classes == 3
+    assert len(train) == len(val) == 2 and val.num_classes == train.num_classes == 2
 
 
 def test_build_tokenizer_trains_or_loads(tmp_path):
@@ -510,3 +510,211 @@ def test_build_tokenizer_trains_or_loads(tmp_path):
     cfg.output_dir = str(tmp_path / "run2")
     loaded = build_tokenizer(cfg, lambda: [], DistInfo())
     assert loaded.encode(train.caption(3)) == trained.encode(train.caption(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# defects a new user hit (issue 8)
+
+
+def test_training_set_smaller_than_the_global_batch_is_refused(tok):
+    """12 items, batch 8 per process, 2 processes: each rank's epoch holds 6 items, no full batch. Every rank
+    (same size, same decision) refuses with the numbers, instead of looping forever over empty epochs."""
+    ds = shapes(size=12)
+    for rank in (0, 1):
+        with pytest.raises(DataError) as err:
+            build_train_loader(ds, CaptionCollate(tok, 8), 8, rank, 2, seed=0)
+        msg = str(err.value)
+        assert "data.batch_size=8" in msg and "2 process(es)" in msg and "12 item(s)" in msg
+    assert len(build_train_loader(ds, CaptionCollate(tok, 8), 6, 0, 2, seed=0)) == 1  # 12 = 6 x 2 fills one
+
+
+def test_a_60_image_manifest_at_the_default_batch_on_two_processes_is_refused(tok, images):
+    path = _write_lines(images / "m.jsonl", [{"image": "img/a.png", "label": 0, "caption": "x"}] * 60)
+    ds = ManifestDataset(path)
+    with pytest.raises(DataError, match=r"60 item\(s\).*data.batch_size=32 x 2 process\(es\) = 64"):
+        build_train_loader(ds, CaptionCollate(tok, 8), 32, 1, 2, seed=0)
+
+
+def test_a_train_loader_never_spins_on_an_empty_epoch(tok):
+    from mtl.data.loader import ResumableDistributedSampler, TrainLoader
+
+    ds = shapes(size=4)
+    sampler = ResumableDistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    loader = TrainLoader(ds, batch_size=8, sampler=sampler, collate_fn=CaptionCollate(tok, 8), drop_last=True)
+    with pytest.raises(DataError, match="no full batch"):
+        iter(loader)
+    # a resumed run that starts at the very end of an epoch legitimately has nothing left of it
+    full = build_train_loader(shapes(size=16), CaptionCollate(tok, 8), 8, 0, 1, seed=0)
+    full.sampler.set_start(16)
+    assert list(full) == []
+
+
+STRAY = [{"image": "img/a.png", "label": i % 4, "caption": "x"} for i in range(8)] + [
+    {"image": "img/b.png", "label": 7, "caption": "a typo"}]
+
+
+def test_a_stray_label_does_not_add_classes(images):
+    """Labels 0..3 and one 7 (line 9): not 8 classes but a bad line, reported with file and line or skipped."""
+    path = _write_lines(images / "train.jsonl", STRAY)
+    with pytest.raises(DataError) as err:
+        ManifestDataset(path)
+    msg = str(err.value)
+    assert path in msg and "line 9" in msg and "label 7" in msg and "data.num_classes" in msg and "skip" in msg
+    ds = ManifestDataset(path, on_error="skip")
+    assert ds.num_classes == 4 and len(ds) == 8 and ds.skipped == 1 and "line 9" in ds.skip_reasons[0]
+    assert ManifestDataset(path, num_classes=8).num_classes == 8  # said on purpose: accepted
+    with pytest.raises(DataError, match="no line has label 0"):
+        ManifestDataset(_write_lines(images / "one_based.jsonl", [dict(x, label=x["label"] + 1) for x in STRAY[:8]]))
+
+
+def test_a_non_utf8_byte_costs_one_line_not_the_file(images):
+    path = images / "train.jsonl"
+    lines = [json.dumps(x).encode() for x in GOOD]
+    path.write_bytes(lines[0] + b"\n" + b'{"image": "img/a.png", "label": 0, "caption": "caf\xe9"}\n' + lines[1] + b"\n")
+    with pytest.raises(DataError) as err:
+        ManifestDataset(str(path))
+    msg = str(err.value)
+    assert "line 2" in msg and "UTF-8" in msg and "0xe9" in msg and "on_error=skip" in msg
+    ds = ManifestDataset(str(path), on_error="skip")
+    assert len(ds) == 2 and ds.skipped == 1 and "line 2" in ds.skip_reasons[0]
+    assert [r.line for r in ds.records] == [1, 3]
+
+
+def test_tokenizer_training_prints_no_progress_bar():
+    """The tokenizers library draws its bar only on a terminal, so run the training under a pseudo-terminal."""
+    import pty
+    import subprocess
+    import sys
+
+    code = "from mtl.data.tokenizer import train_tokenizer; train_tokenizer(['a red b %d' % i for i in range(5000)], 64)"
+    master, slave = pty.openpty()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=slave, stderr=slave, cwd=root,
+                            env={**os.environ, "PYTHONPATH": root})
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, out
+    assert b"Pre-processing" not in out and b"[00:00" not in out, out[:300]
+
+
+# ---------------------------------------------------------------------------------------------
+# real-data basics: EXIF, aspect ratio, augmentation, normalisation
+
+
+RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)
+
+
+def _bands(path, colours, band=(20, 20), vertical=True):
+    """Side-by-side (or stacked) bands of colour, each ``band`` = (w, h) pixels."""
+    w, h = band
+    n = len(colours)
+    img = Image.new("RGB", (w * n, h) if vertical else (w, h * n))
+    for i, c in enumerate(colours):
+        img.paste(c, (i * w, 0, (i + 1) * w, h) if vertical else (0, i * h, w, (i + 1) * h))
+    return img
+
+
+def _is(t: torch.Tensor, rgb) -> bool:
+    return torch.allclose(t, torch.tensor(rgb, dtype=torch.float32).view(3, *([1] * (t.dim() - 1))) / 255, atol=0.05)
+
+
+def test_images_are_cropped_not_stretched(tmp_path):
+    """A 60x20 picture red|green|blue: the centre crop keeps its proportions and shows only the green middle."""
+    from mtl.data.images import load_image
+
+    _bands(tmp_path / "wide.png", [RED, GREEN, BLUE]).save(tmp_path / "wide.png")
+    img = load_image(str(tmp_path / "wide.png"), 16)
+    assert img.shape == (3, 16, 16) and _is(img[:, :, 2:-2], GREEN)  # (the outer columns blend at the seams)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    """Stored as 40x20 red|blue with EXIF orientation 6 (shown turned 90 degrees clockwise): the upright
+    picture is 20 wide and 40 tall, red above blue, so its centre crop is the top-red/bottom-blue seam."""
+    from mtl.data.images import load_image
+
+    img = _bands(None, [RED, BLUE])
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    img.save(tmp_path / "turned.jpg", exif=exif, quality=100)
+    t = load_image(str(tmp_path / "turned.jpg"), 20)
+    assert _is(t[:, 2:8, :], RED) and _is(t[:, 12:18, :], BLUE)  # upright: red on top
+    with Image.open(tmp_path / "turned.jpg") as raw:
+        assert raw.size == (40, 20)  # the file itself really is stored sideways
+
+
+def test_augmentation_is_off_by_default_and_reproducible_when_on(tmp_path):
+    """Off: every epoch sees the same centre crop. On: the crop and flip change with the epoch but are a
+    function of (seed, epoch, index), so resuming or another worker reproduces them."""
+    from mtl.data.images import Augment
+
+    _bands(None, [RED, GREEN, BLUE, (255, 255, 0)], band=(10, 40)).save(tmp_path / "img.png")
+    lines = [{"image": "img.png", "label": 0, "caption": "x"}, {"image": "img.png", "label": 1, "caption": "y"}]
+    path = _write_lines(tmp_path / "m.jsonl", lines)
+    plain = ManifestDataset(path, image_size=16)
+    assert all(torch.equal(plain[(0, e)]["image"], plain[(0, 0)]["image"]) for e in range(5))
+    on = ManifestDataset(path, image_size=16, augment=Augment(random_resized_crop=True, hflip=True, seed=3))
+    crops = [on[(0, e)]["image"] for e in range(8)]
+    assert all(c.shape == (3, 16, 16) for c in crops)
+    assert len({c.numpy().tobytes() for c in crops}) > 4  # they differ from epoch to epoch
+    again = ManifestDataset(path, image_size=16, augment=Augment(random_resized_crop=True, hflip=True, seed=3))
+    assert all(torch.equal(again[(0, e)]["image"], crops[e]) for e in range(8))
+    flips = ManifestDataset(path, image_size=16, augment=Augment(hflip=True))
+    # the whole square picture: red|green|blue|yellow, or mirrored, yellow|blue|green|red
+    left = [flips[(0, e)]["image"][:, :, :2] for e in range(12)]
+    assert all(_is(x, RED) or _is(x, (255, 255, 0)) for x in left)
+    assert {_is(x, RED) for x in left} == {True, False}  # both occur
+
+
+def test_augmentation_is_set_in_yaml_and_refused_for_synthetic_data(images):
+    from mtl.validate import load_run_config
+
+    from .conftest import TINY
+
+    errs = []
+    try:
+        load_run_config(TINY, ["data.augment.hflip=true"])
+    except ConfigError as e:
+        errs = e.errors
+    assert any(e.startswith("data.augment") and "synthetic" in e for e in errs), errs
+    path = _write_lines(images / "train.jsonl", GOOD)
+    cfg = load_run_config(TINY, ["data.source=manifest", f"data.train_path={path}", f"data.val_path={path}",
+                                 "data.augment.random_resized_crop=true", "data.augment.scale=[0.5, 1.0]"])
+    train, val = build_datasets(cfg)
+    assert train.augment.random_resized_crop and train.augment.scale == (0.5, 1.0)
+    assert getattr(val, "augment", None) is None  # never on the validation split
+
+
+def test_pretrained_weights_bring_their_normalisation(tok):
+    import torchvision
+
+    from mtl.data.images import image_normalization
+
+    cfg = _cfg(image_size=32, **{"synthetic.train_size": 16, "synthetic.val_size": 4})
+    assert image_normalization(cfg) is None  # from scratch: the [0, 1] images as they are
+    train, _ = build_datasets(cfg)
+    raw = torch.stack([train[i]["image"] for i in range(4)])
+    assert torch.equal(next(iter(build_eval_loader(train, CaptionCollate(tok, 8), 4, 0, 1)))["image"], raw)
+
+    cfg.model.backbone.name, cfg.model.backbone.weights = "efficientnet_b0", "IMAGENET1K_V1"
+    t = torchvision.models.get_model_weights("efficientnet_b0")["IMAGENET1K_V1"].transforms()
+    mean, std = image_normalization(cfg)
+    assert mean == pytest.approx(t.mean) and std == pytest.approx(t.std)
+    train, val = build_datasets(cfg)
+    expect = (raw - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert torch.allclose(next(iter(build_eval_loader(train, CaptionCollate(tok, 8), 4, 0, 1)))["image"], expect)
+    batch = next(iter(build_train_loader(train, CaptionCollate(tok, 8), 4, 0, 1, seed=0)))
+    items = torch.stack([train[i]["image"] for i in batch["index"].tolist()])
+    assert torch.allclose(batch["image"], (items - expect.new_tensor(mean).view(1, 3, 1, 1))
+                          / expect.new_tensor(std).view(1, 3, 1, 1))
+    assert train[0]["image"].min() >= 0  # items stay pictures (the sample figures show them)
+    cfg.data.normalize = "none"
+    assert image_normalization(cfg) is None

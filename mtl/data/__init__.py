@@ -2,6 +2,8 @@
 
 Item format (every data set): ``{"image": float (3, S, S) in [0, 1], "label": int,
 "captions": list[str] (the one to train on first), "count": int (-1 if unknown), "index": int}``.
+Items stay pictures in [0, 1]; the loaders normalise whole batches with the data set's
+``normalization`` (the pretrained weights' mean/std, see ``mtl.data.images``), when it has one.
 """
 
 from mtl.data.loader import (

@@ -8,17 +8,27 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from mtl.data.images import Augment, Normalized, image_normalization
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
 from mtl.data.synthetic import SyntheticShapes
 from mtl.data.tokenizer import CaptionTokenizer
-from mtl.errors import ConfigError
+from mtl.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100  # target id that cross-entropy skips (torch's default ignore_index)
 SOURCES = ("synthetic", "manifest", "imagefolder")
 
 
 def build_datasets(cfg) -> tuple[Dataset, Dataset]:
-    """(train, val) data sets from the full config (``cfg.data`` and ``cfg.seed``)."""
+    """(train, val) data sets from the full config (``cfg.data``, ``cfg.seed``, ``cfg.model.backbone.weights``).
+
+    Each gets ``normalization``: the (mean, std) that the loaders normalise its batches with, or None.
+    """
+    train, val = _datasets(cfg)
+    train.normalization = val.normalization = image_normalization(cfg)
+    return train, val
+
+
+def _datasets(cfg) -> tuple[Dataset, Dataset]:
     d = cfg.data
     if d.source == "synthetic":
         s = d.synthetic
@@ -43,11 +53,13 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
                 f"data.{key} is required for data.source={d.source} (set it to the {key[:-5]} split's path)"
             )
     if d.source == "manifest":
-        train = ManifestDataset(d.train_path, d.image_root, d.image_size, d.num_classes, d.on_error)
+        train = ManifestDataset(d.train_path, d.image_root, d.image_size, d.num_classes, d.on_error,
+                                Augment.from_config(cfg))
         # val labels are checked against the train split's classes
         val = ManifestDataset(d.val_path, d.image_root, d.image_size, train.num_classes, d.on_error)
         return train, val
-    train = ImageFolderCaptions(d.train_path, image_size=d.image_size, on_error=d.on_error)
+    train = ImageFolderCaptions(d.train_path, image_size=d.image_size, on_error=d.on_error,
+                                augment=Augment.from_config(cfg))
     if d.num_classes is not None and d.num_classes != train.num_classes:
         raise ConfigError(
             f"data.num_classes={d.num_classes} but {d.train_path!r} has {train.num_classes} class folders "
@@ -144,6 +156,37 @@ class EpochDistributedSampler(ResumableDistributedSampler):
         return ((i, epoch) for i in super().__iter__())
 
 
+def check_train_size(size: int, batch_size: int, world_size: int) -> None:
+    """The training set must fill at least one GLOBAL batch (``data.batch_size`` x the number of processes).
+
+    Every rank sees the same data-set size, so every rank takes the same decision. With fewer items each
+    rank's epoch would hold no full batch at all (``drop_last``), and a training loop would wait forever.
+    """
+    if size < batch_size * world_size:
+        raise DataError(
+            f"the training set has {size} item(s), fewer than one global batch: data.batch_size={batch_size} "
+            f"x {world_size} process(es) = {batch_size * world_size}. Lower data.batch_size, run fewer "
+            "processes, or add training data")
+
+
+class TrainLoader(DataLoader):
+    """A DataLoader that refuses to start an epoch without a single batch, rather than let a
+    ``while True: for batch in loader`` loop spin forever (silently, deaf to signals)."""
+
+    def __iter__(self):
+        if len(self) == 0 and getattr(self.sampler, "start", 0) == 0:
+            raise DataError(
+                f"the training loader has no full batch in an epoch ({len(self.dataset)} item(s), "
+                f"data.batch_size={self.batch_size}, sampler of {len(self.sampler)} per process); lower "
+                "data.batch_size or add training data")
+        return super().__iter__()
+
+
+def _normalizing(collate, ds: Dataset):
+    norm = getattr(ds, "normalization", None)
+    return Normalized(collate, *norm) if norm else collate
+
+
 def _loader_kwargs(num_workers: int, pin_memory: bool) -> dict:
     return {
         "num_workers": num_workers,
@@ -172,16 +215,17 @@ def build_train_loader(
     changes nothing about which samples are seen together, which makes runs comparable and
     resumable across world sizes. Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
     """
+    check_train_size(len(ds), batch_size, world_size)
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
     cls = EpochDistributedSampler if hasattr(ds, "set_epoch") else ResumableDistributedSampler
     sampler = cls(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     # the loader's own generator: making an iterator (at each epoch, and at a resume) must not draw
     # from the global torch RNG, or a resumed run's dropout would see a shifted random stream
-    return DataLoader(
+    return TrainLoader(
         ds,
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=collate,
+        collate_fn=_normalizing(collate, ds),
         drop_last=True,
         generator=torch.Generator().manual_seed(seed),
         **_loader_kwargs(num_workers, pin_memory),
@@ -208,7 +252,7 @@ def build_eval_loader(
         batch_size=batch_size,
         sampler=list(range(rank, len(ds), world_size)),
         shuffle=False,
-        collate_fn=collate,
+        collate_fn=_normalizing(collate, ds),
         drop_last=False,
         **_loader_kwargs(num_workers, pin_memory),
     )

@@ -14,15 +14,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from mtl.data.images import PIL_ERRORS as _PIL_ERRORS
+from mtl.data.images import Augment, load_image
 from mtl.errors import DataError
 
 ON_ERROR = ("raise", "skip")
-_PIL_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 @dataclass
@@ -110,14 +109,19 @@ def read_caption_lines(
     image_root = os.path.abspath(image_root)
     records, reasons = [], []
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{kind} {path!r} cannot be read as UTF-8 text: {e}") from None
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()  # bytes: one undecodable line must not sink the whole file
+    except OSError as e:
+        raise DataError(f"{kind} {path!r} cannot be read: {e.strerror}") from None
+    for number, raw in enumerate(lines, start=1):
         try:
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise LineError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})",
+                                fix="save the file as UTF-8") from None
+            if not text.strip():
+                continue
             records.append(_parse_line(text, number, image_root, label_fn))
         except LineError as e:
             where = f"{kind} {path} line {number}: {e}"
@@ -130,20 +134,6 @@ def read_caption_lines(
     return records, reasons
 
 
-def load_image(path: str, image_size: int, where: str = "") -> torch.Tensor:
-    """RGB, resized to a square (bilinear), float (3, S, S) in [0, 1]."""
-    try:
-        with Image.open(path) as img:
-            img = img.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
-    except _PIL_ERRORS as e:
-        raise DataError(
-            f"image {path!r}{where} could not be read at load time ({e}); it changed after validation "
-            "— restore the file or drop its line"
-        ) from None
-    arr = np.asarray(img, dtype=np.uint8).copy()
-    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
-
-
 class CaptionedImages(Dataset):
     """Validated records served as items; what the manifest and ImageFolder sets have in common.
 
@@ -151,8 +141,10 @@ class CaptionedImages(Dataset):
     index, so a resumed run trains on exactly the captions the original run would have used.
     """
 
-    def __init__(self, records: list[Record], reasons: list[str], image_size: int, source: str):
+    def __init__(self, records: list[Record], reasons: list[str], image_size: int, source: str,
+                 augment: Augment | None = None):
         self.records = records
+        self.augment = augment  # training augmentation (random crop, flip); None: the centre crop
         self.skipped = len(reasons)
         self.skip_reasons = reasons
         self.image_size = int(image_size)
@@ -179,7 +171,7 @@ class CaptionedImages(Dataset):
         caps = rec.captions
         first = (int(epoch) + index) % len(caps)
         return {
-            "image": load_image(rec.image, self.image_size, where),
+            "image": load_image(rec.image, self.image_size, where, self.augment, (index, int(epoch))),
             "label": rec.label,
             "captions": [caps[first]] + caps[:first] + caps[first + 1 :],
             "count": -1,
@@ -201,7 +193,13 @@ def _int_label(obj: dict, rel: str) -> int:
 class ManifestDataset(CaptionedImages):
     """A JSONL manifest: ``{"image": "a/b.jpg", "label": 3, "caption": "..."}`` per line
     (or ``"captions": [...]``). Relative paths resolve against ``image_root`` (default: the
-    manifest's folder). ``num_classes`` None: inferred as the largest label + 1."""
+    manifest's folder).
+
+    ``num_classes`` None (a training split): the classes are 0..K-1 where every one of them has an
+    image. A label beyond a class with no image at all (labels 0..3 and one 7) is a typo, not four new
+    classes: it is reported with its line (or skipped with ``on_error="skip"``); set ``num_classes``
+    when some classes really have no training image.
+    """
 
     def __init__(
         self,
@@ -210,6 +208,7 @@ class ManifestDataset(CaptionedImages):
         image_size: int = 64,
         num_classes: int | None = None,
         on_error: str = "raise",
+        augment: Augment | None = None,
     ):
         def label_fn(obj: dict, rel: str) -> int:
             label = _int_label(obj, rel)
@@ -219,10 +218,36 @@ class ManifestDataset(CaptionedImages):
 
         root = image_root if image_root is not None else os.path.dirname(os.path.abspath(path))
         records, reasons = read_caption_lines(path, root, label_fn, on_error)
-        super().__init__(records, reasons, image_size, f"manifest {path}")
+        if num_classes is None:
+            records, reasons = _drop_stray_labels(records, reasons, path, on_error)
+        super().__init__(records, reasons, image_size, f"manifest {path}", augment)
         self.path = path
         self.num_classes = num_classes if num_classes is not None else max(r.label for r in records) + 1
         self.class_names = [str(i) for i in range(self.num_classes)]
+
+
+def _drop_stray_labels(records: list[Record], reasons: list[str], path: str, on_error: str):
+    """The classes are 0..K-1, K the first label no line has; lines with a larger label are errors."""
+    present = {r.label for r in records}
+    k = next(i for i in range(len(present) + 1) if i not in present)
+    stray = [r for r in records if r.label > k]
+    if not stray:
+        return records, reasons
+    if k == 0:
+        raise DataError(f"manifest {path!r}: no line has label 0 (the lowest is {min(present)}); labels are class "
+                        "indices counted from 0 — renumber them, or set data.num_classes to include the unused ones")
+    for r in stray:
+        where = (f"manifest {path} line {r.line}: label {r.label} is outside the class list 0..{k - 1} (no image "
+                 f"has label {k}, so {r.label} looks like a typo)")
+        if on_error == "raise":
+            raise DataError(f"{where} — fix the label, set data.num_classes={r.label + 1} if classes "
+                            f"{k}..{r.label - 1} really have no training image, or set data.on_error=skip")
+        reasons.append(where)
+    kept = [r for r in records if r.label < k]
+    if not kept:
+        raise DataError(f"manifest {path!r} has no usable lines ({len(reasons)} bad); first problems: "
+                        + "; ".join(reasons[:3]))
+    return kept, reasons
 
 
 class ImageFolderCaptions(CaptionedImages):
@@ -241,6 +266,7 @@ class ImageFolderCaptions(CaptionedImages):
         image_size: int = 64,
         on_error: str = "raise",
         class_names: list[str] | None = None,
+        augment: Augment | None = None,
     ):
         if not os.path.isdir(root):
             raise DataError(f"image folder {root!r} not found — set the data path to an existing folder")
@@ -262,7 +288,7 @@ class ImageFolderCaptions(CaptionedImages):
 
         captions_file = captions_file or os.path.join(root, "captions.jsonl")
         records, reasons = read_caption_lines(captions_file, root, label_fn, on_error, kind="captions file")
-        super().__init__(records, reasons, image_size, f"captions file {captions_file}")
+        super().__init__(records, reasons, image_size, f"captions file {captions_file}", augment)
         self.root = root
         self.class_names = list(class_names)
         self.num_classes = len(class_names)

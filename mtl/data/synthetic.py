@@ -23,6 +23,16 @@ from mtl.errors import ConfigError
 # The label is an index into SHAPES; ``num_classes`` takes the first N. The order puts the most
 # distinct silhouettes first, so the default (4) stays easy at 32 px.
 SHAPES = ["circle", "square", "triangle", "cross", "ring", "diamond", "star"]
+MIN_CLASSES = 2  # one class would leave nothing to classify
+
+
+def num_classes_problem(num_classes: int) -> str | None:
+    """Why ``data.synthetic.num_classes`` is unusable, or None. The one place that knows the range:
+    ``mtl.validate`` (the launcher's up-front check) asks this too."""
+    if not MIN_CLASSES <= num_classes <= len(SHAPES):
+        return (f"data.synthetic.num_classes={num_classes}: must be in {MIN_CLASSES}..{len(SHAPES)}, "
+                f"the number of shape kinds ({', '.join(SHAPES)})")
+    return None
 
 COLOURS = {
     "red": (0.90, 0.15, 0.15),
@@ -207,8 +217,9 @@ class SyntheticShapes(Dataset):
         clutter: int,
         seed: int,
     ):
-        if not 1 <= num_classes <= len(SHAPES):
-            raise ConfigError(f"data.synthetic.num_classes={num_classes}: must be in 1..{len(SHAPES)}")
+        problem = num_classes_problem(num_classes)
+        if problem:
+            raise ConfigError(problem)
         if not 16 <= image_size <= 1024:
             raise ConfigError(f"data.image_size={image_size}: the synthetic shapes need 16..1024")
         if not 1 <= max_count <= max_count_for(image_size):

@@ -140,7 +140,9 @@ def train_tokenizer(captions: Iterable[str], vocab_size: int) -> CaptionTokenize
     tok = Tokenizer(models.WordLevel(unk_token=UNK))
     tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIALS)
+    # show_progress=False: the library's own bar ("Pre-processing sequences") would break into the run's console
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIALS,
+                                        show_progress=False)
     seen = [0]
 
     def counted():

@@ -1,0 +1,139 @@
+"""Image files to tensors: EXIF orientation, aspect-preserving resize and crop, optional augmentation,
+and the input normalisation that pretrained backbone weights expect.
+
+- Every image is turned upright first (``ImageOps.exif_transpose``): phone photos store their
+  rotation in EXIF, and a model trained on sideways pictures learns the wrong thing.
+- The short side is resized to ``data.image_size`` and the centre square cropped, so nothing is
+  stretched (eval always; training too unless augmentation is on).
+- Training augmentation (``data.augment``, off by default so runs stay reproducible): a random
+  resized crop and a horizontal flip. Their random draws depend on (seed, epoch, index) only, so a
+  resumed run and every data-loader worker see the same crops.
+- Normalisation (``data.normalize``) is applied by the loaders to whole batches; items stay in
+  [0, 1] so they can be shown as pictures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from mtl.errors import ConfigError, DataError
+
+PIL_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+NORMALIZE = ("auto", "none", "imagenet")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # what every torchvision classification weight set was trained with
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Training-time augmentation of file images (``data.augment``); all off: a deterministic centre crop."""
+
+    random_resized_crop: bool = False
+    scale: tuple[float, float] = (0.35, 1.0)  # crop area, as a fraction of the image's
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)  # crop aspect ratio (width / height)
+    hflip: bool = False
+    seed: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.random_resized_crop or self.hflip
+
+    @classmethod
+    def from_config(cls, cfg) -> Augment:
+        a = cfg.data.augment
+        return cls(bool(a.random_resized_crop), tuple(a.scale), tuple(a.ratio), bool(a.hflip), int(cfg.seed))
+
+
+def _random_box(rng: np.random.Generator, w: int, h: int, aug: Augment) -> tuple[int, int, int, int]:
+    """(left, top, width, height) of a crop with a random area fraction and aspect ratio; the centre square
+    if ten draws do not fit inside the image."""
+    lo, hi = math.log(aug.ratio[0]), math.log(aug.ratio[1])
+    for _ in range(10):
+        area = w * h * rng.uniform(*aug.scale)
+        ratio = math.exp(rng.uniform(lo, hi))
+        cw, ch = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < cw <= w and 0 < ch <= h:
+            return int(rng.integers(w - cw + 1)), int(rng.integers(h - ch + 1)), cw, ch
+    side = min(w, h)
+    return (w - side) // 2, (h - side) // 2, side, side
+
+
+def _centre_crop(img: Image.Image, size: int) -> Image.Image:
+    """Resize the short side to ``size`` (keeping the aspect ratio), then cut out the centre square."""
+    w, h = img.size
+    scale = size / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    img = img.resize((nw, nh), Image.BILINEAR)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return img.crop((left, top, left + size, top + size))
+
+
+def load_image(path: str, image_size: int, where: str = "", augment: Augment | None = None,
+               key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """An image file as float (3, S, S) in [0, 1]: upright (EXIF), RGB, short side resized and centre-cropped;
+    with ``augment`` active, a random resized crop and/or flip drawn from (augment.seed, epoch, index) = key."""
+    try:
+        with Image.open(path) as raw:
+            img = ImageOps.exif_transpose(raw).convert("RGB")
+    except PIL_ERRORS as e:
+        raise DataError(
+            f"image {path!r}{where} could not be read at load time ({e}); it changed after validation "
+            "— restore the file or drop its line"
+        ) from None
+    if augment is not None and augment.active:
+        index, epoch = key
+        rng = np.random.default_rng([augment.seed, epoch, index])
+        if augment.random_resized_crop:
+            left, top, cw, ch = _random_box(rng, *img.size, augment)
+            img = img.resize((image_size, image_size), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+        else:
+            img = _centre_crop(img, image_size)
+        if augment.hflip and rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    else:
+        img = _centre_crop(img, image_size)
+    arr = np.asarray(img, dtype=np.uint8).copy()
+    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
+
+
+def image_normalization(cfg) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(mean, std) the backbone's input should be normalised with, or None for [0, 1] input.
+
+    ``data.normalize``: ``auto`` uses the pretrained weights' own statistics (a torchvision weights name:
+    its ``transforms()``; a local weights file: ImageNet's, which all torchvision weights use) and none
+    when the backbone starts from scratch; ``imagenet`` and ``none`` force either.
+    """
+    mode = cfg.data.normalize
+    if mode not in NORMALIZE:
+        raise ConfigError(f"data.normalize: {mode!r} is not one of {', '.join(NORMALIZE)}")
+    weights = cfg.model.backbone.weights
+    if mode == "none" or (mode == "auto" and not weights):
+        return None
+    if mode == "imagenet" or weights.endswith((".pt", ".pth", ".safetensors", ".bin")) or "/" in weights:
+        return IMAGENET_MEAN, IMAGENET_STD
+    import torchvision
+
+    try:
+        t = torchvision.models.get_model_weights(cfg.model.backbone.name)[weights].transforms()
+    except (KeyError, ValueError):
+        return IMAGENET_MEAN, IMAGENET_STD  # an unknown name is reported by the backbone builder
+    return tuple(float(x) for x in t.mean), tuple(float(x) for x in t.std)
+
+
+class Normalized:
+    """A collate function whose batch images are normalised: ``(image - mean) / std`` per channel."""
+
+    def __init__(self, collate, mean, std):
+        self.collate = collate
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+
+    def __call__(self, items: list[dict]) -> dict:
+        batch = self.collate(items)
+        batch["image"] = (batch["image"] - self.mean) / self.std
+        return batch
