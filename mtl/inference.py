@@ -11,7 +11,8 @@ Where the pieces come from (``mtl.build.find_model_files``): the folder's own ``
 A run written before class names were saved falls back to the synthetic shape names or to "0", "1", ...
 
 Images are read with the data code's own transform (``mtl.data.manifest.load_image``: RGB, the run's
-``data.image_size``, the same scaling), so a file is seen exactly as the training and eval loaders see it.
+``data.image_size``, the same scaling) and normalised as the loaders normalise them (``data.normalize``,
+e.g. the pretrained weights' mean and std), so a file is seen exactly as the training and eval loaders see it.
 
 The command-line tools in ``mtl/tools/`` (evaluate, predict, export) are thin wrappers over this module.
 """
@@ -38,6 +39,7 @@ from mtl.build import (
     read_model_weights,
 )
 from mtl.config import load_config
+from mtl.data.images import image_normalization, normalize_images
 from mtl.data.loader import CaptionCollate, build_datasets, build_eval_loader
 from mtl.data.manifest import ImageFolderCaptions, ManifestDataset, load_image
 from mtl.data.tokenizer import CaptionTokenizer
@@ -58,6 +60,7 @@ class Predictor:
                  files: ModelFiles):
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.class_names, self.device, self.files = class_names, device, files
+        self.normalization = image_normalization(cfg)  # what the training loaders applied (pretrained weights)
 
     @property
     def tasks(self) -> list[str]:
@@ -87,6 +90,7 @@ class Predictor:
             chunk = images[start:start + batch_size]
             x = torch.stack([read_image(i, self.image_size) if isinstance(i, str | os.PathLike) else i
                              for i in chunk]).to(self.device)
+            x = normalize_images(x, self.normalization)
             out += self._predict_batch(x, num_beams)
         return out
 
@@ -235,8 +239,11 @@ def eval_dataset(cfg, class_names: list[str]):
     if not d.val_path:
         raise ConfigError(f"data.val_path: set it to the {d.source} to evaluate on")
     if d.source == "manifest":
-        return ManifestDataset(d.val_path, d.image_root, d.image_size, len(class_names), d.on_error)
-    return ImageFolderCaptions(d.val_path, image_size=d.image_size, on_error=d.on_error, class_names=class_names)
+        ds = ManifestDataset(d.val_path, d.image_root, d.image_size, len(class_names), d.on_error)
+    else:
+        ds = ImageFolderCaptions(d.val_path, image_size=d.image_size, on_error=d.on_error, class_names=class_names)
+    ds.normalization = image_normalization(cfg)  # the eval loader normalises as training did
+    return ds
 
 
 def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: int | None = None) -> dict:

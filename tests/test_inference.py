@@ -387,3 +387,30 @@ def test_eval_config_keeps_the_model_and_takes_the_data(run, tmp_path):
     cfg = eval_config(predictor, TINY, ["data.synthetic.val_size=10"])
     assert cfg.model == predictor.cfg.model and cfg.data.synthetic.val_size == 10
     assert len(eval_dataset(cfg, predictor.class_names)) == 10
+
+
+def test_a_normalising_run_is_normalised_at_inference_too(tmp_path):
+    """With ``data.normalize`` on (pretrained weights bring their mean/std), the training loaders normalise the
+    batches; predict and evaluate must feed the model the same numbers, not the raw [0, 1] images."""
+    from mtl.data.images import image_normalization
+    from mtl.data.loader import CaptionCollate, build_datasets, build_eval_loader
+    from mtl.inference import eval_dataset
+
+    run_dir = train(tmp_path / "run", "data.normalize=imagenet")
+    predictor = load_model(run_dir)
+    assert predictor.normalization == image_normalization(predictor.cfg) is not None
+    _, val = build_datasets(predictor.cfg)
+    loader = build_eval_loader(val, CaptionCollate(predictor.tokenizer, 16), 8, 0, 1, 0)
+    batch = next(iter(loader))  # what the run's own evaluation fed the model
+    model = predictor.model
+    with torch.no_grad():
+        expected = model.heads["cls"].logits(model.backbone(batch["image"])).float().softmax(-1).max(-1)
+    raw = torch.stack([val[i]["image"] for i in range(8)])  # [0, 1], as the data sets give them
+    got = predictor.predict(raw)
+    assert [p["class_index"] for p in got] == expected.indices.tolist()
+    assert [p["prob"] for p in got] == pytest.approx(expected.values.tolist(), rel=1e-5)
+    rows = write_images(tmp_path / "imgs", [val[i] for i in range(4)])
+    cfg = predictor.cfg.copy()
+    cfg.data.source, cfg.data.val_path = "manifest", str(tmp_path / "imgs" / "manifest.jsonl")
+    assert eval_dataset(cfg, predictor.class_names).normalization == predictor.normalization
+    assert len(rows) == 4

@@ -125,15 +125,25 @@ def image_normalization(cfg) -> tuple[tuple[float, ...], tuple[float, ...]] | No
     return tuple(float(x) for x in t.mean), tuple(float(x) for x in t.std)
 
 
+def normalize_images(images: torch.Tensor, normalization) -> torch.Tensor:
+    """``(images - mean) / std`` per channel for (N, 3, H, W) images in [0, 1]; unchanged when ``normalization``
+    (what ``image_normalization`` gives) is None. Everything that feeds the model images calls this."""
+    if not normalization:
+        return images
+    mean, std = normalization
+    shape = (1, 3, 1, 1)
+    return (images - torch.tensor(mean, dtype=images.dtype, device=images.device).view(shape)) / torch.tensor(
+        std, dtype=images.dtype, device=images.device).view(shape)
+
+
 class Normalized:
     """A collate function whose batch images are normalised: ``(image - mean) / std`` per channel."""
 
     def __init__(self, collate, mean, std):
         self.collate = collate
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+        self.normalization = (tuple(mean), tuple(std))
 
     def __call__(self, items: list[dict]) -> dict:
         batch = self.collate(items)
-        batch["image"] = (batch["image"] - self.mean) / self.std
+        batch["image"] = normalize_images(batch["image"], self.normalization)
         return batch
