@@ -155,6 +155,7 @@ class Config:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda
     resume: str | None = None  # null | auto | a checkpoint directory
+    overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

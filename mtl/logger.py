@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from mtl.errors import TrainingError
+
 
 class RunLogger:
     def __init__(self, output_dir: str, enabled: bool, max_steps: int, progress: bool, start_step: int = 0):
@@ -19,7 +21,7 @@ class RunLogger:
         if not enabled:
             return
         path = os.path.join(output_dir, "metrics.jsonl")
-        _drop_records_after(path, start_step)  # a resumed run redoes the steps after its checkpoint
+        trim_metrics(output_dir, start_step)  # a resumed run redoes the steps after its checkpoint
         self._jsonl = open(path, "a", encoding="utf-8")
         from torch.utils.tensorboard import SummaryWriter
 
@@ -44,8 +46,14 @@ class RunLogger:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
         line = {"step": step, "kind": kind, "time": round(time.time(), 3), **clean}
-        self._jsonl.write(json.dumps(line) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(line) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            from mtl.checkpoint import describe_os_error
+
+            raise TrainingError(f"cannot write {self._jsonl.name}: {describe_os_error(e)}. The last checkpoint is "
+                                "intact; free space or make output_dir writable, then resume with resume=auto") from None
         prefix = "" if kind == "train" else f"{kind}/"
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -81,7 +89,10 @@ class RunLogger:
             self._jsonl.close()
 
 
-def _drop_records_after(path: str, step: int) -> None:
+def trim_metrics(output_dir: str, step: int) -> None:
+    """Drop ``metrics.jsonl``'s records after ``step`` (rank 0, before a resumed run logs again). A failed
+    rewrite (e.g. a full disk) raises the OSError and leaves ``metrics.jsonl`` as it was, and no ``.tmp``."""
+    path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return
     with open(path, encoding="utf-8") as f:
@@ -95,6 +106,15 @@ def _drop_records_after(path: str, step: int) -> None:
             continue  # a line cut short by a crash
     if len(keep) != len(lines):
         tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(keep)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            e.filename = e.filename or tmp  # name the file in the message
+            raise
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)

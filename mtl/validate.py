@@ -45,6 +45,9 @@ def validate(cfg) -> list[str]:
                       f"(supported: {', '.join(SUPPORTED)})")
     if cfg.resume is not None and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         errors.append(f"resume: {cfg.resume!r} is neither null, 'auto' nor an existing checkpoint directory")
+    if cfg.overwrite and cfg.resume is not None:
+        errors.append(f"overwrite: true starts over, resume={cfg.resume} continues a run; set one of them "
+                      "(overwrite=false to resume, resume=null to start over)")
     _positive(errors, cfg, "trainer.max_steps", "data.batch_size", "data.eval_batch_size", "data.image_size",
               "data.max_caption_tokens", "trainer.log_every", "trainer.eval_every", "trainer.num_beams",
               "optim.lr", "ddp.bucket_cap_mb", "ddp.timeout_s", "tokenizer.vocab_size", "trainer.max_bad_steps")
