@@ -5,6 +5,12 @@ overrides from the command line. Every value is checked against the dataclasses 
 anything starts: an unknown key or a wrong type is reported with the key and where it came from,
 and *all* such errors are reported together (``ConfigError``, exit code 2).
 
+Interpolations: a user config (its files and the command line) is trusted like a script. It may use
+``${other.key}`` and OmegaConf's built-in resolvers (``oc.env``, ``oc.select``, ``oc.decode`` ...);
+mtl registers none of its own. ``to_yaml`` resolves them, so the printed and saved config (and every
+checkpoint's) holds plain values. Files that are data, not config (a checkpoint's ``config.yaml``),
+are never read through OmegaConf (``mtl.resume``).
+
 Checks that need more than the schema (known names, ranges, combinations of options) live in
 ``mtl.validate`` so that this module stays free of imports from the rest of the package.
 """

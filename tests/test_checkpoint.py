@@ -418,6 +418,10 @@ def test_a_checkpoint_config_resolves_no_interpolation(tmp_path, monkeypatch):
         check_resume_config(path, config(tmp_path))
     assert "seed: checkpoint '${oc.env:MY_API_TOKEN}', now 0" in e.value.message
     assert "s3cret" not in e.value.message
+    # a user's own config is trusted: there the resolvers work (README, mtl/config.py)
+    monkeypatch.setenv("MTL_TEST_SEED", "7")
+    cfg = config(tmp_path, "seed=${oc.env:MTL_TEST_SEED}")
+    assert cfg.seed == 7 and "seed: 7" in to_yaml(cfg)
 
 
 # ------------------------------------------------------------------ starting over (issue 8)
@@ -467,3 +471,41 @@ def test_checkpoints_carry_the_tokenizer_and_class_names_and_a_resume_uses_them(
     run_copy.write_bytes(good[: len(good) // 3])  # the run's own copy is truncated
     second = run("trainer.max_steps=2", "resume=auto")
     assert second.step == 2 and run_copy.read_bytes() == good  # the checkpoint's tokenizer was used
+
+
+# ------------------------------------------------------------------ the lock with real processes (defect 3)
+
+
+@pytest.mark.slow
+def test_a_second_run_under_torchrun_is_refused_at_once(tmp_path):
+    """Rank 0 of a 2-process run finds the folder in use; both ranks follow its one decision: one message,
+    exit 2, no hang (a rank left waiting would hit run_train's timeout). The holder is then SIGKILLed: its
+    stale lock does not block the resume."""
+    import signal
+
+    from .conftest import PY, run_train
+
+    out = tmp_path / "run"
+    args = ["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=1", "trainer.eval_every=100",
+            "resume=auto", f"output_dir={out}"]
+    first = subprocess.Popen([PY, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "MTL_TEST_SLOW_SAVE": "300"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        saving = out / "checkpoints" / ".step_1.tmp" / "trainer_state.pt"
+        deadline = time.time() + 240
+        while not saving.exists():  # the first run is inside its (slowed) save, holding the lock
+            assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        second = run_train(args, nproc=2, check=False, timeout=240)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert second.stderr.count("in use by another run") == 1
+        assert f"PID {first.pid} on host {socket.gethostname()}" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    assert (out / runlock.LOCK_NAME).exists()  # the killed run could not release it
+    third = run_train(args)
+    assert f"took over the stale lock {out / runlock.LOCK_NAME} (PID {first.pid}" in third.stdout
+    assert os.path.isdir(out / "checkpoints" / "step_2") and not (out / runlock.LOCK_NAME).exists()
