@@ -509,3 +509,54 @@ def test_a_second_run_under_torchrun_is_refused_at_once(tmp_path):
     third = run_train(args)
     assert f"took over the stale lock {out / runlock.LOCK_NAME} (PID {first.pid}" in third.stdout
     assert os.path.isdir(out / "checkpoints" / "step_2") and not (out / runlock.LOCK_NAME).exists()
+
+
+def _saving_rank(rank, port, out, results):
+    import datetime
+
+    import torch.distributed as tdist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    state = {"step": 4, "epoch": 0, "batch_in_epoch": 4, "world_size": 2}
+    try:
+        ckpt.save_checkpoint(out, 2, model(2), {**state, "step": 2}, "seed: 0\n", rank)
+        if rank == 1:  # the disk fills up while rank 1 writes its RNG file
+            ckpt.open = FullDisk("rng_rank1.pt")
+        ckpt.save_checkpoint(out, 4, model(4), state, "seed: 0\n", rank)
+        results.put((rank, "saved", None))
+    except CheckpointError as e:
+        results.put((rank, "CheckpointError", e.message))
+    except Exception as e:  # a hang shows as gloo's timeout here
+        results.put((rank, type(e).__name__, str(e)[:300]))
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_one_rank_is_the_same_message_on_every_rank(tmp_path):
+    """Without agreement, the failing rank raised alone and rank 0 waited in the save's barrier."""
+    import torch.multiprocessing as mp
+
+    from .conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_saving_rank, args=(r, port, str(tmp_path), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(2):
+            rank, kind, message = results.get(timeout=120)
+            got[rank] = (kind, message)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got[0] == got[1] and got[0][0] == "CheckpointError", got
+    assert "rng_rank1.pt (rank 1): no space left on device" in got[0][1]
+    assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == ["step_2"]
+    assert ckpt.verify_checkpoint(os.path.join(tmp_path, "checkpoints", "step_2"))["world_size"] == 2
