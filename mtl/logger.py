@@ -18,6 +18,7 @@ class RunLogger:
         self._tb = None
         self._bar = None
         self._jsonl = None
+        self._failed = False  # a failed write was reported
         if not enabled:
             return
         path = os.path.join(output_dir, "metrics.jsonl")
@@ -52,6 +53,7 @@ class RunLogger:
         except OSError as e:
             from mtl.checkpoint import describe_os_error
 
+            self._failed = True
             raise TrainingError(f"cannot write {self._jsonl.name}: {describe_os_error(e)}. The last checkpoint is "
                                 "intact; free space or make output_dir writable, then resume with resume=auto") from None
         prefix = "" if kind == "train" else f"{kind}/"
@@ -81,12 +83,22 @@ class RunLogger:
             self._tb.add_hparams(hparams, metrics, run_name=".")
 
     def close(self) -> None:
+        """Close every log; a write that fails now (e.g. the disk is full) costs log lines, not the run's exit
+        message: one warning, unless a failed write was already reported."""
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
+        for closer in (self._tb, self._jsonl):
+            if closer is None:
+                continue
+            try:
+                closer.close()
+            except OSError as e:
+                if not self._failed:
+                    from mtl.checkpoint import describe_os_error
+
+                    print(f"warning: could not finish writing the logs in {self.output_dir}: {describe_os_error(e)}",
+                          file=sys.stderr, flush=True)
+                self._failed = True
 
 
 def trim_metrics(output_dir: str, step: int) -> None:

@@ -87,21 +87,41 @@ class FullDisk:
 
 
 class _Filling:
+    """Once full, the disk stays full: a later write, flush or close of this file fails too (a real buffered
+    file keeps the bytes it could not write and tries again at close)."""
+
     def __init__(self, f, disk):
-        self._f, self._disk, self._written = f, disk, 0
+        self._f, self._disk, self._written, self._full = f, disk, 0, False
+
+    def _fail(self):
+        self._full = True
+        self._disk.fired += 1
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def write(self, data):
+        if self._full:
+            self._fail()
         if self._written + len(data) > self._disk.room:
             self._f.write(data[: max(0, self._disk.room - self._written)])
             self._f.flush()
-            self._disk.fired += 1
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self._fail()
         self._written += len(data)
         return self._f.write(data)
 
     def writelines(self, lines):
         for line in lines:
             self.write(line)
+
+    def flush(self):
+        if self._full:
+            self._fail()
+        self._f.flush()
+
+    def close(self):
+        if not self._f.closed:
+            self._f.close()
+            if self._full:
+                self._fail()
 
     def __getattr__(self, name):
         return getattr(self._f, name)
@@ -110,7 +130,7 @@ class _Filling:
         return self
 
     def __exit__(self, *exc):
-        self._f.close()
+        self.close()
 
 
 class Killed(BaseException):
@@ -273,6 +293,20 @@ def test_a_full_disk_at_a_resume_leaves_metrics_as_they_were_and_no_tmp_file(tmp
     assert disk.fired and e.value.errno == errno.ENOSPC
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # no 0-byte metrics.jsonl.tmp
     assert metrics.read_bytes() == before
+
+
+def test_a_full_disk_while_logging_is_one_message_naming_the_file(tmp_path, monkeypatch):
+    from mtl.errors import TrainingError
+
+    disk = FullDisk("metrics.jsonl", room=100)
+    monkeypatch.setattr(logger_module, "open", disk, raising=False)
+    log = logger_module.RunLogger(str(tmp_path), True, 10, False)
+    with pytest.raises(TrainingError) as e:
+        for step in range(1, 10):
+            log.record(step, {"loss": 1.0})
+    log.close()  # train.py closes the logger on the way out: no second error, no traceback
+    assert disk.fired >= 2 and e.value.exit_code == 5
+    assert f"cannot write {tmp_path / 'metrics.jsonl'}: no space left on device" in e.value.message
 
 
 def test_a_full_disk_at_start_up_is_one_message_naming_the_path(tmp_path, monkeypatch):
