@@ -330,13 +330,9 @@ def verify_checkpoint(path: str) -> dict:
                               "without checksums wrote it)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError(f"checkpoint {name}: {MANIFEST} is unreadable or truncated") from None
-    state = read_trainer_state(path)
-    ranks = state.get("world_size") or 1
-    needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(ranks))]
-    for rel in needed:
-        if rel not in listed:
-            raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
     for rel, (size, digest) in listed.items():
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise CheckpointError(f"checkpoint {name}: its {MANIFEST} names {rel!r}, outside the checkpoint")
         file = os.path.join(path, *rel.split("/"))
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint {name}: {rel} is missing")
@@ -345,6 +341,14 @@ def verify_checkpoint(path: str) -> dict:
                                   "written (truncated?)")
         if _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {name}: {rel} does not match its SHA-256 checksum (corrupt)")
+    try:
+        state = read_trainer_state(path)
+    except CheckpointError:
+        raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
+    needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
+    for rel in needed:
+        if rel not in listed:
+            raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
     return state
 
 
