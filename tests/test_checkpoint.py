@@ -258,10 +258,9 @@ def test_re_saving_a_step_replaces_it_and_leaves_no_copy(tmp_path):
     save(tmp_path, 3)
     path = save(tmp_path, 3, net=model(99))
     assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == ["step_3"]
-    weights, _ = ckpt.load_checkpoint(path, model(0), 0)[0], None
     net = model(0)
-    ckpt.load_checkpoint(path, net, 0)
-    assert torch.equal(net[0].weight, model(99)[0].weight) and weights["step"] == 3
+    state, _ = ckpt.load_checkpoint(path, net, 0)
+    assert torch.equal(net[0].weight, model(99)[0].weight) and state["step"] == 3  # the new save's weights
 
 
 # ------------------------------------------------------------------ full disk, read-only folder (defect 10)
