@@ -5,14 +5,27 @@
 - ``trainer_state.pt``: optimizer, scheduler, GradScaler, weighting method, step, epoch and the
   position in the epoch;
 - ``rng_rank<r>.pt``: every RNG of rank r (Python, NumPy, torch, CUDA);
-- ``config.yaml``: the resolved config of the run that wrote it.
+- ``config.yaml``: the resolved config of the run that wrote it;
+- any extra files the trainer passes (``tokenizer/tokenizer.json``, ``class_names.json``);
+- ``manifest.json``, written last: the size and SHA-256 of every other file.
 
 A write is atomic: every file goes into ``.step_<N>.tmp/`` and rank 0 renames the folder once all
-ranks have written their part. A folder named ``step_<N>`` is therefore always complete.
+ranks have written their part. Re-saving a step that exists (a SIGTERM on a checkpoint step, a
+resume with nothing left to do) first renames the old folder to ``.step_<N>.old`` and deletes it
+only once the new one is in place; a run killed in between leaves that complete copy, which
+:func:`recover` puts back. So at every moment a complete checkpoint is on disk.
+
+A checkpoint is trusted only once :func:`verify_checkpoint` has checked its manifest: a missing,
+truncated or bit-flipped file is refused by name, and ``resume=auto`` falls back past it
+(:func:`find_resumable`). A failed write (full disk, read-only folder) is one CheckpointError naming
+the path and the cause, on every rank; the half-written folder is removed.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import random
 import re
@@ -20,13 +33,17 @@ import shutil
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
-from mtl.dist import barrier
+from mtl.dist import all_gather_objects
 from mtl.errors import CheckpointError
 
 FORMAT = "mtl-checkpoint-v1"
+MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+ASIDE_DIR = re.compile(r"^\.step_(\d+)\.old$")  # a complete checkpoint moved aside while its step is re-saved
+CORE_FILES = ("model.safetensors", "trainer_state.pt", "config.yaml")
 
 
 def checkpoint_root(output_dir: str) -> str:
@@ -34,22 +51,52 @@ def checkpoint_root(output_dir: str) -> str:
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints, oldest first."""
+    """Published checkpoints, oldest first: every ``step_<N>`` folder (broken ones included: see
+    :func:`verify_checkpoint`), and a ``.step_<N>.old`` copy whose ``step_<N>`` is missing (a re-save
+    interrupted between its two renames)."""
     root = checkpoint_root(output_dir)
     if not os.path.isdir(root):
         return []
-    found = []
+    published, aside = {}, {}
     for name in os.listdir(root):
-        m = STEP_DIR.match(name)
         path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, "trainer_state.pt")):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+        if not os.path.isdir(path):
+            continue
+        if m := STEP_DIR.match(name):
+            published[int(m.group(1))] = path
+        elif m := ASIDE_DIR.match(name):
+            aside[int(m.group(1))] = path
+    return sorted({**aside, **published}.items())
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
     found = list_checkpoints(output_dir)
     return found[-1][1] if found else None
+
+
+def recover(output_dir: str) -> list[str]:
+    """Put back a checkpoint moved aside by an interrupted re-save; drop leftover copies. Rank 0, under
+    the run lock. Returns one note per action."""
+    root = checkpoint_root(output_dir)
+    notes = []
+    if not os.path.isdir(root):
+        return notes
+    for name in sorted(os.listdir(root)):
+        m = ASIDE_DIR.match(name)
+        if not m:
+            continue
+        aside, final = os.path.join(root, name), os.path.join(root, f"step_{m.group(1)}")
+        if os.path.isdir(final):
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(aside, final)
+            _fsync_dir(root)
+            notes.append(f"restored step_{m.group(1)} from {name} (a re-save of that step was interrupted)")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG and model state
 
 
 def rng_state() -> dict:
@@ -78,38 +125,177 @@ def bare_state_dict(model: torch.nn.Module) -> dict:
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
 
 
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def describe_os_error(e: OSError) -> str:
+    """The cause in words a user acts on."""
+    causes = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+              errno.EROFS: "read-only file system", errno.EACCES: "permission denied (read-only folder?)",
+              errno.EPERM: "permission denied (read-only folder?)"}
+    return causes.get(e.errno, (e.strerror or str(e)).lower())
+
+
+class _Sink:
+    """A file for torch.save that remembers the OSError behind torch's generic 'iostream error'."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
+def _write_file(path: str, fill) -> None:
+    """Create ``path``, let ``fill(file)`` write it, and make it durable; an OSError names the file and why."""
+    try:
+        with open(path, "wb") as f:
+            sink = _Sink(f)
+            try:
+                fill(sink)
+            except RuntimeError:  # torch.save reports a failed write as a RuntimeError without its cause
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is None:
+            e.filename = path
+        raise
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    _write_file(path, lambda f: f.write(data))
+
+
+def _torch_file(obj):
+    return lambda f: torch.save(obj, f)
+
+
+def _agree(error: str | None, tmp: str, rank: int, root: str) -> None:
+    """A collective: every rank learns whether any rank failed; then all raise the same error and rank 0
+    removes the half-written folder. (A rank that raised alone would leave its peers in a barrier.)"""
+    errors = [e for e in all_gather_objects(error) if e]
+    if errors:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _fsync_dir(root)
+        raise CheckpointError(errors[0])
+
+
+def _attempt(what, path_of_error, rank: int) -> str | None:
+    """Run ``what()``; an OSError becomes one message naming the path and the cause."""
+    try:
+        what()
+    except OSError as e:
+        where = e.filename or path_of_error
+        who = f" (rank {rank})" if rank else ""
+        return (f"cannot write checkpoint file {where}{who}: {describe_os_error(e)}. The half-written checkpoint "
+                "was removed and the previous ones are intact; free space or make output_dir writable, then "
+                "resume with resume=auto")
+    return None
+
+
+def _check_extra_name(name: str) -> str:
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm.startswith("..") or norm in (*CORE_FILES, MANIFEST) or norm.startswith("rng_rank"):
+        raise ValueError(f"extra checkpoint file name {name!r} is not a free relative name")
+    return norm
+
+
 def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module, trainer_state: dict, config_yaml: str,
-                    rank: int, keep_last: int = 0) -> str:
-    """Every rank calls this (collective); returns the final path."""
+                    rank: int, keep_last: int = 0, extra_files: dict[str, bytes] | None = None) -> str:
+    """Every rank calls this (collective); returns the final path.
+
+    ``extra_files`` (rank 0's are used): small files to store too, ``{relative name: bytes}``, e.g.
+    ``{"class_names.json": b"[...]"}``; sub-folders are allowed (``tokenizer/tokenizer.json``).
+    """
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".step_{step}.tmp")
-    if rank == 0:
+    extra = {_check_extra_name(k): v for k, v in (extra_files or {}).items()}
+
+    def start():
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    barrier()
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    if rank == 0:
-        save_file(bare_state_dict(model), os.path.join(tmp, "model.safetensors"), metadata={"format": FORMAT})
-        with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
-            f.write(config_yaml)
-        torch.save({"format": FORMAT, **trainer_state}, os.path.join(tmp, "trainer_state.pt"))
+
+    _agree(_attempt(start, tmp, rank) if rank == 0 else None, tmp, rank, root)
+
+    def write_parts():
+        _write_file(os.path.join(tmp, f"rng_rank{rank}.pt"), _torch_file(rng_state()))
+        if rank != 0:
+            return
+        _write_bytes(os.path.join(tmp, "model.safetensors"),
+                     safetensors_bytes(bare_state_dict(model), metadata={"format": FORMAT}))
+        _write_bytes(os.path.join(tmp, "config.yaml"), config_yaml.encode("utf-8"))
+        _write_file(os.path.join(tmp, "trainer_state.pt"), _torch_file({"format": FORMAT, **trainer_state}))
+        for name, data in extra.items():
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            _write_bytes(os.path.join(tmp, name), data)
         if os.environ.get("MTL_TEST_SLOW_SAVE"):  # tests kill a run while it saves
             import time
 
             time.sleep(float(os.environ["MTL_TEST_SLOW_SAVE"]))
-    barrier()
-    if rank == 0:
-        if os.path.isdir(final):  # re-saving the same step (e.g. the final step after a resume)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+
+    _agree(_attempt(write_parts, tmp, rank), tmp, rank, root)
+
+    def publish():
+        _write_bytes(os.path.join(tmp, MANIFEST), json.dumps(_manifest(tmp), indent=1).encode("utf-8"))
+        _fsync_dir(tmp)
+        _publish(tmp, final, root)
         if keep_last > 0:
             for _, path in list_checkpoints(output_dir)[:-keep_last]:
                 if path != final:
                     shutil.rmtree(path, ignore_errors=True)
-    barrier()
+
+    _agree(_attempt(publish, tmp, rank) if rank == 0 else None, tmp, rank, root)
     return final
+
+
+def _publish(tmp: str, final: str, root: str) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and deleted only after."""
+    aside = os.path.join(root, "." + os.path.basename(final) + ".old")
+    if os.path.isdir(final):  # re-saving the same step (e.g. the final step after a resume)
+        shutil.rmtree(aside, ignore_errors=True)  # a leftover of an earlier interrupted re-save
+        os.rename(final, aside)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            os.rename(aside, final)  # the old one stays the checkpoint
+            raise
+        _fsync_dir(root)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+
+
+def _manifest(folder: str) -> dict:
+    files = {}
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, folder).replace(os.sep, "/")
+            if rel != MANIFEST:
+                files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    return {"format": FORMAT, "files": dict(sorted(files.items()))}
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -123,12 +309,74 @@ def _fsync_dir(path: str) -> None:
         pass
 
 
+# ---------------------------------------------------------------------------------------------
+# checking and reading
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The checkpoint's trainer state once every file is present and matches the manifest's digest;
+    otherwise a CheckpointError whose message is the reason, naming the file."""
+    name = os.path.basename(path.rstrip(os.sep))
+    for core in CORE_FILES:
+        if not os.path.isfile(os.path.join(path, core)):
+            raise CheckpointError(f"checkpoint {name}: {core} is missing")
+    manifest_file = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_file, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        listed = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in files.items()}
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {name}: {MANIFEST} is missing (the save did not finish, or an mtl "
+                              "without checksums wrote it)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"checkpoint {name}: {MANIFEST} is unreadable or truncated") from None
+    for rel, (size, digest) in listed.items():
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise CheckpointError(f"checkpoint {name}: its {MANIFEST} names {rel!r}, outside the checkpoint")
+        file = os.path.join(path, *rel.split("/"))
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint {name}: {rel} is missing")
+        if os.path.getsize(file) != size:
+            raise CheckpointError(f"checkpoint {name}: {rel} has {os.path.getsize(file)} bytes, {size} were "
+                                  "written (truncated?)")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"checkpoint {name}: {rel} does not match its SHA-256 checksum (corrupt)")
+    try:
+        state = read_trainer_state(path)
+    except CheckpointError:
+        raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
+    needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
+    for rel in needed:
+        if rel not in listed:
+            raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
+    return state
+
+
+def find_resumable(output_dir: str) -> tuple[str | None, list[str]]:
+    """``resume=auto``'s one rule: the newest checkpoint that verifies, and one warning per newer one that
+    does not (naming it and why). (None, []) when there is none yet; a CheckpointError when there are
+    checkpoints but every one is broken (starting fresh would silently lose them)."""
+    warnings, broken = [], []
+    for _, path in reversed(list_checkpoints(output_dir)):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            warnings.append(f"resume=auto: skipping broken {e.message}")
+            broken.append(e.message)
+            continue
+        return path, warnings
+    if broken:
+        raise CheckpointError(f"resume=auto: no complete checkpoint in {checkpoint_root(output_dir)!r}: "
+                              + "; ".join(broken) + ". Delete the broken folders, or set overwrite=true to start over")
+    return None, warnings
+
+
 def read_trainer_state(path: str) -> dict:
     """The checkpoint's trainer state; a CheckpointError if the folder is incomplete, truncated or not ours."""
     for name in ("model.safetensors", "trainer_state.pt"):
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"checkpoint {path!r} is incomplete: {name} is missing. "
-                                  "Point resume at another checkpoint, or use resume=auto")
+                                  "Point resume at another checkpoint")
     state_file = os.path.join(path, "trainer_state.pt")
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
@@ -140,8 +388,8 @@ def read_trainer_state(path: str) -> dict:
     return state
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict, dict | None]:
-    """Load the model weights in place; return (trainer_state, this rank's RNG state or None)."""
+def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict, dict]:
+    """Load the model weights in place; return (trainer_state, this rank's RNG state)."""
     trainer_state = read_trainer_state(path)
     model_file = os.path.join(path, "model.safetensors")
     try:
@@ -153,10 +401,13 @@ def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict,
         raise CheckpointError(f"checkpoint {model_file!r} does not fit this model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}. Was it written with another model config?")
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
-    rng = None
-    if os.path.isfile(rng_file):
-        try:
-            rng = torch.load(rng_file, map_location="cpu", weights_only=True)
-        except Exception:
-            raise CheckpointError(f"{rng_file!r} cannot be read; the checkpoint is corrupt") from None
+    if not os.path.isfile(rng_file):  # without it the resumed run draws other random numbers: not exact
+        raise CheckpointError(f"checkpoint {path!r}: {os.path.basename(rng_file)} is missing, so rank {rank}'s "
+                              "random state cannot be restored and the resume would not be exact. Point resume at "
+                              "another checkpoint")
+    try:
+        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+    except Exception:
+        raise CheckpointError(f"{rng_file!r} cannot be read; the checkpoint is corrupt") from None
     return trainer_state, rng
+

@@ -5,6 +5,12 @@ overrides from the command line. Every value is checked against the dataclasses 
 anything starts: an unknown key or a wrong type is reported with the key and where it came from,
 and *all* such errors are reported together (``ConfigError``, exit code 2).
 
+Interpolations: a user config (its files and the command line) is trusted like a script. It may use
+``${other.key}`` and OmegaConf's built-in resolvers (``oc.env``, ``oc.select``, ``oc.decode`` ...);
+mtl registers none of its own. ``to_yaml`` resolves them, so the printed and saved config (and every
+checkpoint's) holds plain values. Files that are data, not config (a checkpoint's ``config.yaml``),
+are never read through OmegaConf (``mtl.resume``).
+
 Checks that need more than the schema (known names, ranges, combinations of options) live in
 ``mtl.validate`` so that this module stays free of imports from the rest of the package.
 """
@@ -172,6 +178,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     resume: str | None = None  # null | auto | a checkpoint directory
     init_from: str | None = None  # warm start: a NEW run (step 0, fresh optimizer) from a checkpoint/export's weights
+    overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from mtl.errors import TrainingError
+
 
 class RunLogger:
     def __init__(self, output_dir: str, enabled: bool, max_steps: int, progress: bool, start_step: int = 0):
@@ -16,10 +18,11 @@ class RunLogger:
         self._tb = None
         self._bar = None
         self._jsonl = None
+        self._failed = False  # a failed write was reported
         if not enabled:
             return
         path = os.path.join(output_dir, "metrics.jsonl")
-        _drop_records_after(path, start_step)  # a resumed run redoes the steps after its checkpoint
+        trim_metrics(output_dir, start_step)  # a resumed run redoes the steps after its checkpoint
         self._jsonl = open(path, "a", encoding="utf-8")
         from torch.utils.tensorboard import SummaryWriter
 
@@ -44,8 +47,15 @@ class RunLogger:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
         line = {"step": step, "kind": kind, "time": round(time.time(), 3), **clean}
-        self._jsonl.write(json.dumps(line) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(line) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            from mtl.checkpoint import describe_os_error
+
+            self._failed = True
+            raise TrainingError(f"cannot write {self._jsonl.name}: {describe_os_error(e)}. The last checkpoint is "
+                                "intact; free space or make output_dir writable, then resume with resume=auto") from None
         prefix = "" if kind == "train" else f"{kind}/"
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -73,15 +83,28 @@ class RunLogger:
             self._tb.add_hparams(hparams, metrics, run_name=".")
 
     def close(self) -> None:
+        """Close every log; a write that fails now (e.g. the disk is full) costs log lines, not the run's exit
+        message: one warning, unless a failed write was already reported."""
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._jsonl is not None:
-            self._jsonl.close()
+        for closer in (self._tb, self._jsonl):
+            if closer is None:
+                continue
+            try:
+                closer.close()
+            except OSError as e:
+                if not self._failed:
+                    from mtl.checkpoint import describe_os_error
+
+                    print(f"warning: could not finish writing the logs in {self.output_dir}: {describe_os_error(e)}",
+                          file=sys.stderr, flush=True)
+                self._failed = True
 
 
-def _drop_records_after(path: str, step: int) -> None:
+def trim_metrics(output_dir: str, step: int) -> None:
+    """Drop ``metrics.jsonl``'s records after ``step`` (rank 0, before a resumed run logs again). A failed
+    rewrite (e.g. a full disk) raises the OSError and leaves ``metrics.jsonl`` as it was, and no ``.tmp``."""
+    path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return
     with open(path, encoding="utf-8") as f:
@@ -95,6 +118,15 @@ def _drop_records_after(path: str, step: int) -> None:
             continue  # a line cut short by a crash
     if len(keep) != len(lines):
         tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(keep)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            e.filename = e.filename or tmp  # name the file in the message
+            raise
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)

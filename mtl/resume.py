@@ -4,18 +4,23 @@ Safe to change: ``trainer.max_steps``, the logging and evaluation intervals, out
 operational switches that do not touch the maths. Everything else (model shape, data, strategy,
 weighting, batch size, seed, precision, optimizer ...) must match the checkpoint's config, or the
 resumed run would not be the run that was interrupted; each differing key is listed.
+
+A checkpoint's ``config.yaml`` is data, not a config: it is read with ``yaml.safe_load`` and no
+``${...}`` interpolation or resolver in it is ever evaluated (a crafted ``seed: ${oc.env:TOKEN}``
+is compared, and printed, as that literal text). mtl writes it already resolved.
 """
 
 from __future__ import annotations
 
 import os
 
+import yaml
 from omegaconf import OmegaConf
 
 from mtl.errors import CheckpointError
 
 SAFE_TO_CHANGE = (
-    "output_dir", "resume", "device", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
+    "output_dir", "resume", "overwrite", "device", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
     "trainer.eval_max_batches", "trainer.num_samples", "trainer.num_beams", "trainer.progress",
     "trainer.max_bad_steps", "trainer.poison", "checkpoint.", "data.num_workers", "data.eval_batch_size",
     "ddp.timeout_s", "ddp.replica_check_every", "ddp.nan_monitor", "bench.",
@@ -34,8 +39,12 @@ def _flatten(node, prefix=""):
     return out
 
 
-def differing_keys(saved: dict, current: dict) -> list[str]:
+def differing_keys(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """Keys whose value differs and that may not change on resume. A key the saved config lacks (it was
+    added to the schema after the checkpoint was written) counts as its default from ``defaults``."""
     a, b = _flatten(saved), _flatten(current)
+    if defaults:
+        a = {**{k: v for k, v in _flatten(defaults).items() if k not in a}, **a}
     keys = sorted(set(a) | set(b))
     return [k for k in keys if a.get(k) != b.get(k) and not any(k == s or (s.endswith(".") and k.startswith(s))
                                                                for s in SAFE_TO_CHANGE)]
@@ -46,13 +55,20 @@ def check_resume_config(checkpoint_dir: str, cfg) -> None:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {checkpoint_dir!r} has no config.yaml: it is incomplete or not written by mtl")
     try:
-        saved = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except Exception as e:
+        with open(path, encoding="utf-8") as f:
+            saved = yaml.safe_load(f)  # plain data: nothing in it is resolved
+    except (OSError, yaml.YAMLError) as e:
         raise CheckpointError(f"{path!r} cannot be read: {e}") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path!r} is not an mtl config (a mapping of keys expected)")
+    from mtl.config import Config
+
     current = OmegaConf.to_container(cfg, resolve=True)
-    diff = differing_keys(saved, current)
+    defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=True)
+    diff = differing_keys(saved, current, defaults)
     if diff:
         a, b = _flatten(saved), _flatten(current)
+        a = {**{k: v for k, v in _flatten(defaults).items() if k not in a}, **a}
         lines = [f"  {k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in diff]
         raise CheckpointError(
             f"cannot resume from {checkpoint_dir!r}: the config changed in ways that break an exact resume:\n"

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import time
 
@@ -37,8 +38,9 @@ from mtl.dist import Comm, DistInfo, barrier, broadcast_object
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
-from mtl.logger import RunLogger
+from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import check_resume_config
+from mtl.runlock import LockHeld, RunLock
 from mtl.step import train_step
 
 
@@ -54,8 +56,20 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS of this process
 
 
+# what a run writes in output_dir; overwrite=true deletes these (and nothing else) before it starts
+RUN_FILES = ("checkpoints", "tokenizer", "tb", "metrics.jsonl", "final_metrics.json", "curves.png", "config.yaml")
+
+
 class Trainer:
     def __init__(self, cfg, dist: DistInfo):
+        self._lock: RunLock | None = None  # rank 0's lock on output_dir, released by close()
+        try:
+            self._setup(cfg, dist)
+        except BaseException:
+            self._release_lock()
+            raise
+
+    def _setup(self, cfg, dist: DistInfo) -> None:
         self.cfg, self.dist = cfg, dist
         self.device = dist.device
         self.tasks = list(cfg.tasks)
@@ -67,6 +81,7 @@ class Trainer:
         if dist.is_main:  # the class list, for mtl.inference (which reads a checkpoint's own copy first)
             with open(os.path.join(cfg.output_dir, "class_names.json"), "w", encoding="utf-8") as f:
                 json.dump(list(self.train_ds.class_names), f)
+        self.checkpoint_files = self._checkpoint_files()
         self.bare = build_model(cfg, self.train_ds.num_classes, self.train_ds.class_names, self.tokenizer)
         if cfg.init_from and not resume_path:  # warm start: these weights, a fresh optimizer and schedule, step 0
             weights = init_from_weights(self.bare, cfg.init_from)
@@ -106,51 +121,83 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
 
     def _prepare_output_dir(self) -> str | None:
-        """Decide what to resume from, refusing to write over another run's checkpoints.
+        """Lock output_dir, decide what to resume from, refuse to write over another run's checkpoints.
 
-        Rank 0 alone reads the folder and decides; every rank follows that one decision, so no rank's own
-        view of the file system can send it down another collective path than its peers.
+        Rank 0 alone reads the folder and decides; every rank follows that one decision (an error included),
+        so no rank's own view of the file system can send it down another collective path than its peers.
         """
-        cfg = self.cfg
         decision = self._resume_decision() if self.dist.is_main else None
-        error, path = broadcast_object(decision)
-        if error:
-            raise ConfigError(error)
+        kind, error, path, notes = broadcast_object(decision)
+        if kind:
+            self._release_lock()
+            raise CheckpointError(error) if kind == "checkpoint" else ConfigError(error)
         if self.dist.is_main:
-            os.makedirs(cfg.output_dir, exist_ok=True)
-            with open(os.path.join(cfg.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                f.write(to_yaml(cfg))
-            print(config_summary(cfg, os.path.join(cfg.output_dir, "config.yaml")), flush=True)
-            if cfg.resume == "auto":
-                print(f"resume=auto: {'resuming from ' + path if path else 'no checkpoint yet, starting fresh'}",
-                      flush=True)
-                root = ckpt.checkpoint_root(cfg.output_dir)
-                partial = sorted(n for n in os.listdir(root) if n.endswith(".tmp")) if os.path.isdir(root) else []
-                if partial:
-                    print(f"resume=auto: ignoring incomplete checkpoint(s) {', '.join(partial)} (a save was interrupted)",
-                          flush=True)
+            print(config_summary(self.cfg, os.path.join(self.cfg.output_dir, "config.yaml")), flush=True)
+            for note in notes:
+                print(note, flush=True)
         barrier()
         return path
 
-    def _resume_decision(self) -> tuple[str | None, str | None]:
-        """(error message or None, checkpoint to resume from or None), from what this process sees on disk."""
+    def _resume_decision(self) -> tuple:
+        """(error kind or None, error, checkpoint to resume from or None, notes to print), from what rank 0
+        sees on disk. Takes the run lock first, so nothing below races another run."""
         cfg = self.cfg
-        existing = ckpt.latest_checkpoint(cfg.output_dir)
-        if cfg.resume is None and existing:
-            return (f"output_dir: {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing)}) of "
-                    "another run. Set resume=auto to continue it, or choose another output_dir"), None
+        try:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            self._lock = RunLock.acquire(cfg.output_dir)
+            notes = [self._lock.note] if self._lock.note else []
+            notes += ckpt.recover(cfg.output_dir)
+            if cfg.overwrite:
+                notes += _start_over(cfg.output_dir)
+            path = self._choose_checkpoint(notes)
+            if path:
+                check_resume_config(path, cfg)
+                saved_world = ckpt.read_trainer_state(path).get("world_size")
+                if saved_world is not None and saved_world != self.dist.world_size:
+                    raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} processes, this run has "
+                                          f"{self.dist.world_size}; resume with the same world size")
+                notes += _restore_tokenizer(path, cfg.output_dir)
+            trim_metrics(cfg.output_dir, ckpt.read_trainer_state(path)["step"] if path else 0)
+            _write_atomic(os.path.join(cfg.output_dir, "config.yaml"), to_yaml(cfg).encode("utf-8"))
+        except LockHeld as e:
+            return "config", f"output_dir: {e}", None, []
+        except ConfigError as e:
+            return "config", e.errors, None, []
+        except CheckpointError as e:
+            return "checkpoint", e.message, None, []
+        except OSError as e:
+            return "config", (f"output_dir: cannot write {e.filename or cfg.output_dir!r}: {ckpt.describe_os_error(e)}."
+                              " Choose a writable output_dir with free space"), None, []
+        return None, None, path, notes
+
+    def _choose_checkpoint(self, notes: list[str]) -> str | None:
+        cfg = self.cfg
         if cfg.resume == "auto":
-            return None, existing
-        return None, cfg.resume or None
+            path, warnings = ckpt.find_resumable(cfg.output_dir)
+            notes += warnings
+            notes.append(f"resume=auto: {'resuming from ' + path if path else 'no checkpoint yet, starting fresh'}")
+            root = ckpt.checkpoint_root(cfg.output_dir)
+            partial = sorted(n for n in os.listdir(root) if n.endswith(".tmp")) if os.path.isdir(root) else []
+            if partial:
+                notes.append(f"resume=auto: ignoring incomplete checkpoint(s) {', '.join(partial)} (a save was "
+                             "interrupted)")
+            return path
+        if cfg.resume is None:
+            existing = ckpt.latest_checkpoint(cfg.output_dir)
+            if existing:
+                raise ConfigError(f"output_dir: {cfg.output_dir!r} already holds checkpoints "
+                                  f"({os.path.basename(existing)}) of another run. Set resume=auto to continue it, "
+                                  "overwrite=true to delete them and start over, or choose another output_dir")
+            return None
+        try:
+            ckpt.verify_checkpoint(cfg.resume)
+        except CheckpointError as e:
+            raise CheckpointError(f"resume={cfg.resume!r}: {e.message}. Point resume at another checkpoint") from None
+        return cfg.resume
 
     def _load(self, path: str) -> None:
-        ckpt.read_trainer_state(path)  # not ours / truncated: say so before comparing configs
-        check_resume_config(path, self.cfg)
+        """Every rank: load the checkpoint rank 0 verified (files, checksums, config, world size)."""
         state, rng = ckpt.load_checkpoint(path, self.bare, self.dist.rank)
-        saved_world = state.get("world_size")
-        if saved_world is not None and saved_world != self.dist.world_size:
-            raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} processes, this run has "
-                                  f"{self.dist.world_size}; resume with the same world size")
         try:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -159,8 +206,21 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path!r} does not fit this run's optimizer/weighting: {e}") from None
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        if rng is not None:
-            ckpt.set_rng_state(rng)
+        ckpt.set_rng_state(rng)
+
+    def _checkpoint_files(self) -> dict[str, bytes]:
+        """Small files every checkpoint carries (rank 0's are written): the class names and the run's tokenizer,
+        so a checkpoint folder alone is enough to resume, export or predict."""
+        if not self.dist.is_main:
+            return {}
+        files = {"class_names.json": json.dumps(list(self.train_ds.class_names)).encode("utf-8")}
+        run_copy = os.path.join(self.cfg.output_dir, "tokenizer")
+        for name in sorted(os.listdir(run_copy)):
+            path = os.path.join(run_copy, name)
+            if os.path.isfile(path) and not name.endswith(".tmp"):
+                with open(path, "rb") as f:
+                    files[f"tokenizer/{name}"] = f.read()
+        return files
 
     def trainer_state(self) -> dict:
         return {
@@ -172,7 +232,7 @@ class Trainer:
 
     def save(self) -> str:
         path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.bare, self.trainer_state(), to_yaml(self.cfg),
-                                    self.dist.rank, self.cfg.checkpoint.keep_last)
+                                    self.dist.rank, self.cfg.checkpoint.keep_last, self.checkpoint_files)
         self.log.info(f"step {self.step}: checkpoint {path}")
         return path
 
@@ -311,4 +371,70 @@ class Trainer:
     def close(self) -> None:
         if hasattr(self, "log"):
             self.log.close()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Write ``path`` atomically; a failed write (e.g. a full disk) leaves no partial file behind."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        e.filename = e.filename or tmp  # name the file in the message
+        raise
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _start_over(output_dir: str) -> list[str]:
+    """overwrite=true: delete what an earlier run wrote in ``output_dir`` (RUN_FILES only; other files stay)."""
+    found = [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
+    if not found:
+        return []
+    steps = [os.path.basename(p) for _, p in ckpt.list_checkpoints(output_dir)]
+    root = ckpt.checkpoint_root(output_dir)
+    if os.path.isdir(root):  # one rename: no half-deleted set of checkpoints is ever visible
+        trash = os.path.join(output_dir, ".checkpoints.deleting")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(root, trash)
+        shutil.rmtree(trash)
+    for name in found:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+    return [f"overwrite=true: deleted the earlier run's {', '.join(found)} in {output_dir}"
+            + (f" (checkpoints {', '.join(steps)})" if steps else "")]
+
+
+def _restore_tokenizer(checkpoint: str, output_dir: str) -> list[str]:
+    """Resume with the checkpoint's own tokenizer: copy it over the run's copy (which may be damaged)."""
+    src = os.path.join(checkpoint, "tokenizer")
+    if not os.path.isdir(src):
+        return []
+    dst = os.path.join(output_dir, "tokenizer")
+    os.makedirs(dst, exist_ok=True)
+    restored = []
+    for name in sorted(os.listdir(src)):
+        with open(os.path.join(src, name), "rb") as f:
+            data = f.read()
+        target = os.path.join(dst, name)
+        try:
+            with open(target, "rb") as f:
+                same = f.read() == data
+        except FileNotFoundError:
+            same = False
+        if not same:
+            _write_atomic(target, data)
+            restored.append(name)
+    return [f"tokenizer: restored {', '.join(restored)} in {dst} from the checkpoint"] if restored else []
 

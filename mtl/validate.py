@@ -73,6 +73,9 @@ def validate(cfg) -> list[str]:
     if cfg.init_from is not None and cfg.resume not in (None, "auto"):
         errors.append("init_from: a warm start begins a new run, resume=<checkpoint> continues one; set only one "
                       "(with resume=auto, init_from is used only while output_dir has no checkpoint)")
+    if cfg.overwrite and cfg.resume is not None:
+        errors.append(f"overwrite: true starts over, resume={cfg.resume} continues a run; set one of them "
+                      "(overwrite=false to resume, resume=null to start over)")
     _positive(errors, cfg, "trainer.max_steps", "data.batch_size", "data.eval_batch_size", "data.image_size",
               "data.max_caption_tokens", "trainer.log_every", "trainer.eval_every", "trainer.num_beams",
               "optim.lr", "ddp.bucket_cap_mb", "ddp.timeout_s", "tokenizer.vocab_size", "trainer.max_bad_steps")

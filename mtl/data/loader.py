@@ -212,8 +212,9 @@ def build_train_loader(
     k-th batch is the positions k*W*B + r + W*j (j < B) of that permutation: the W rank batches k
     together are exactly the permuted positions [k*W*B, (k+1)*W*B), which is the k-th batch of a
     1-process run with batch W*B. Changing the number of GPUs (at a fixed global batch) therefore
-    changes nothing about which samples are seen together, which makes runs comparable and
-    resumable across world sizes. Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
+    changes nothing about which samples are seen together, which makes runs with different world
+    sizes comparable. (A resume still needs the world size of the checkpoint: the per-rank RNG
+    states do not map onto another number of ranks, and the resume refuses it.) Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
     """
     check_train_size(len(ds), batch_size, world_size)
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
