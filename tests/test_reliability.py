@@ -196,6 +196,62 @@ def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path):
     assert proc.returncode == 4 and "Traceback" not in proc.stderr and "step_5" in proc.stderr
 
 
+def _train_in_process(args):
+    import train
+
+    assert train.main(args) == 0
+
+
+def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, capsys):
+    # both keys may change on resume (mtl/resume.py), so neither may move the dropout stream
+    base = ["--config", TINY, "trainer.max_steps=4", "model.decoder.dropout=0.1", "trainer.max_bad_steps=5"]
+    runs = {
+        "rare_eval": ["trainer.eval_every=1000"],
+        "eval_every_step": ["trainer.eval_every=1"],
+        "nan": ["trainer.eval_every=1000", "trainer.poison=2:cls:*"],
+        "nan_monitored": ["trainer.eval_every=1000", "trainer.poison=2:cls:*", "ddp.nan_monitor=true"],
+    }
+    for name, extra in runs.items():
+        _train_in_process([*base, *extra, f"output_dir={tmp_path / name}"])
+    out = capsys.readouterr().out
+    with open(tmp_path / "eval_every_step" / "metrics.jsonl") as f:
+        evals = [json.loads(line)["step"] for line in f if '"kind": "eval"' in line]
+    assert evals == [1, 2, 3, 4]  # the evaluations really ran
+    assert out.count("first non-finite gradient in") >= 1  # and so did the monitor's extra passes
+    assert model_bytes(tmp_path / "rare_eval", 4) == model_bytes(tmp_path / "eval_every_step", 4)
+    assert model_bytes(tmp_path / "nan", 4) == model_bytes(tmp_path / "nan_monitored", 4)
+    assert model_bytes(tmp_path / "rare_eval", 4) != model_bytes(tmp_path / "nan", 4)  # the NaN step was skipped
+
+
+def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
+    from mtl import dist
+    from mtl.evaluate import to_device
+    from mtl.step import train_step
+    from mtl.trainer import Trainer
+    from mtl.validate import load_run_config
+
+    cfg = load_run_config(TINY, [f"output_dir={tmp_path}", "model.backbone.norm=batch", "ddp.nan_monitor=true",
+                                 "trainer.max_bad_steps=5"])
+    trainer = Trainer(cfg, dist.init_distributed(cfg))
+    try:
+        batches = trainer.batches()
+        buffers = {n: b for n, b in trainer.bare.named_buffers() if "running_" in n or "num_batches" in n}
+        assert buffers
+        batch = to_device(next(batches)[1], trainer.device)
+        batch["image"][0, 0, 0, 0] = float("nan")  # one bad pixel
+        before = {n: b.clone() for n, b in buffers.items()}
+        result = train_step(trainer, batch)
+        trainer.step += 1
+        assert result.nonfinite and not result.stepped  # the fault happened and the step was skipped
+        trainer._after_step(result, 0.1, batch)  # with the NaN monitor's own forward passes
+        for n, b in buffers.items():
+            assert torch.equal(b, before[n]), n
+        good = train_step(trainer, to_device(next(batches)[1], trainer.device))
+        assert good.stepped and all(torch.isfinite(b.float()).all() for b in buffers.values())
+    finally:
+        trainer.close()
+
+
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     out = str(tmp_path / "run")
     run_train(["--config", TINY, "trainer.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
