@@ -3,6 +3,7 @@ SIGTERM, elastic restarts, non-finite steps, a crashing rank, and checkpoints th
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from .conftest import PY, ROOT, TINY, free_port, run_train
+from .proctree import alive, kill_tree
 
 FAST = ["trainer.eval_every=1000", "trainer.eval_max_batches=1", "trainer.log_every=1", "checkpoint.every_steps=4",
         "resume=auto"]
@@ -47,9 +49,19 @@ def wait_for_step(proc, run_dir, step, timeout=240):
         time.sleep(0.05)
 
 
-def kill_group(proc, sig=signal.SIGKILL):
-    os.killpg(proc.pid, sig)
+def kill_job(proc) -> list[int]:
+    """SIGKILL the launcher and all its workers at once, as a lost node would; return the pids, all gone."""
+    pids = kill_tree(proc.pid)
     proc.communicate(timeout=120)
+    assert not any(alive(p) for p in pids)
+    return pids
+
+
+def resumed_from(stdout: str) -> int:
+    """The step of the checkpoint a ``resume=auto`` run says it resumes from."""
+    m = re.search(r"resuming from \S*step_(\d+)", stdout)
+    assert m, stdout[-2000:]
+    return int(m.group(1))
 
 
 def model_bytes(run_dir, step):
@@ -70,9 +82,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, overrides):
     run_train([*args, f"output_dir={ref}"], nproc=nproc)
     proc = start([*args, f"output_dir={cut}"], nproc=nproc)
     wait_for_step(proc, cut, 5)  # past the step-4 checkpoint, before step 8's
-    kill_group(proc)
+    killed = kill_job(proc)
+    assert len(killed) >= 1 + (nproc if nproc > 1 else 0)  # the launcher and every worker
     resumed = run_train([*args, f"output_dir={cut}"], nproc=nproc)
-    assert "resuming from" in resumed.stdout
+    assert resumed_from(resumed.stdout) < 10  # a real resume, from before the end
     assert model_bytes(ref, 10) == model_bytes(cut, 10)  # byte for byte
 
 
@@ -86,7 +99,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
             os.path.join(out, "checkpoints", ".step_4.tmp", "trainer_state.pt")):
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
-    kill_group(proc)
+    kill_job(proc)
     assert not os.path.isdir(os.path.join(out, "checkpoints", "step_4"))  # never renamed: not complete
     # resume=auto must ignore the half-written save (and say so), start again, and finish
     done = run_train(args)
