@@ -47,17 +47,24 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def kill_tree(pid: int, timeout: float = 30.0) -> list[int]:
+def kill_tree(pid: int, timeout: float = 30.0, while_frozen=None) -> list[int]:
     """SIGKILL ``pid`` and every descendant at once; return the pids killed, all verified gone.
 
-    The tree is frozen first (SIGSTOP) so that nothing forks while it is being collected.
+    The tree is frozen first (SIGSTOP) so that nothing forks while it is being collected;
+    ``while_frozen()``, if given, runs then (e.g. to look at what the job was doing when it died).
     """
     pids = tree(pid)
     for p in pids:
         _signal(p, signal.SIGSTOP)
     pids = tree(pid)  # anything forked between the first walk and the freeze
     for p in pids:
-        _signal(p, signal.SIGKILL)
+        _signal(p, signal.SIGSTOP)
+    try:
+        if while_frozen is not None:
+            while_frozen()
+    finally:
+        for p in pids:
+            _signal(p, signal.SIGKILL)
     deadline = time.time() + timeout
     while any(alive(p) for p in pids):
         if time.time() > deadline:

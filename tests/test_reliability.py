@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from .conftest import PY, ROOT, TINY, free_port, run_train
-from .proctree import alive, kill_tree
+from .proctree import alive, children, kill_tree
 
 FAST = ["trainer.eval_every=1000", "trainer.eval_max_batches=1", "trainer.log_every=1", "checkpoint.every_steps=4",
         "resume=auto"]
@@ -125,6 +125,87 @@ def test_sigterm_checkpoints_within_a_step_and_exits_zero(tmp_path):
     assert len(saved) == 1 and seen <= saved[0] <= seen + 3  # the step in flight, plus the one that agreed
 
 
+def checkpoint_steps(run_dir) -> list[int]:
+    root = os.path.join(run_dir, "checkpoints")
+    return sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
+
+
+def wait_for_file(proc, path, timeout=240):
+    deadline = time.time() + timeout
+    while not os.path.isfile(path):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+    out = str(tmp_path / "run")
+    args = ["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=1000", f"output_dir={out}"]
+    proc = start(args)
+    wait_for_step(proc, out, 3)
+    seen = steps_logged(out)
+    os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]  # interrupted, as a shell expects ...
+    assert "Ctrl-C: finishing this step" in err and "Traceback" not in err
+    saved = checkpoint_steps(out)
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 2  # ... but nothing lost: the step in flight is saved
+    again = run_train(["--config", TINY, f"trainer.max_steps={saved[0] + 1}", *args[3:]])
+    assert resumed_from(again.stdout) == saved[0]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start(["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=1000", f"output_dir={out}"],
+                 env={"MTL_TEST_SLOW_SAVE": "60"})
+    wait_for_step(proc, out, 3)
+    os.kill(proc.pid, signal.SIGINT)
+    root = os.path.join(out, "checkpoints")
+    deadline = time.time() + 120
+    while not any(os.path.isfile(os.path.join(root, n, "trainer_state.pt"))
+                  for n in (os.listdir(root) if os.path.isdir(root) else [])):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    # the first Ctrl-C's checkpoint is being written (and takes 60 s here): a second one must not wait for it
+    tic = time.time()
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.time() - tic < 10, err[-3000:]
+    assert "second Ctrl-C: aborting at once" in err
+    assert checkpoint_steps(out) == []  # the save was abandoned; no complete checkpoint claims otherwise
+
+
+def rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
+
+
+@pytest.mark.slow
+def test_a_survivor_exits_promptly_when_torchrun_tears_the_job_down(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start(["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=2", f"output_dir={out}"],
+                 nproc=2, env={"MTL_TEST_SLOW_SAVE": "60"})
+    # rank 0 sleeps inside the step-2 save (its files written, before the barrier), rank 1 waits at the barrier
+    wait_for_file(proc, os.path.join(out, "checkpoints", ".step_2.tmp", "trainer_state.pt"))
+    workers = {rank_of(pid): pid for pid in children(proc.pid)}
+    assert sorted(workers) == [0, 1]
+    os.kill(workers[1], signal.SIGKILL)  # a worker dies: torchrun sends SIGTERM to the survivor, SIGKILL 30 s later
+    tic = time.time()
+    while alive(workers[1]):
+        assert time.time() - tic < 10
+        time.sleep(0.02)
+    while alive(workers[0]) and time.time() - tic < 60:
+        time.sleep(0.05)
+    took = time.time() - tic
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert took < 15, f"the survivor took {took:.0f} s to exit\n{err[-3000:]}"
+    assert f"rank 1 (pid {workers[1]}) is gone" in err
+
+
 @pytest.mark.slow
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
     args = ["--config", TINY, "trainer.max_steps=10", *FAST]
@@ -176,6 +257,40 @@ def test_a_crashing_rank_makes_every_rank_exit(tmp_path):
     proc = run_train(["--config", TINY, "trainer.max_steps=50", *FAST, "trainer.poison=3:crash:1", "ddp.timeout_s=30",
                       f"output_dir={tmp_path}"], nproc=2, check=False, timeout=180)
     assert proc.returncode != 0 and time.time() - tic < 120
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_reaches_the_user_in_one_line(tmp_path):
+    out = str(tmp_path / "run")
+    args = ["--config", TINY, "checkpoint.every_steps=2", "resume=auto", f"output_dir={out}"]
+    run_train([*args, "trainer.max_steps=2"], nproc=2)
+    # the same error on every rank (a config that breaks the resume): said once, not once per rank
+    same = run_train([*args, "trainer.max_steps=4", "seed=3"], nproc=2, check=False)
+    assert same.returncode == 4 and same.stderr.count("cannot resume from") == 1, same.stderr[-3000:]
+    # rank 1's own file is garbled: rank 1 says so, rank 0 says in one line that it lost its peer
+    with open(os.path.join(out, "checkpoints", "step_2", "rng_rank1.pt"), "wb") as f:
+        f.write(b"garbled")
+    proc = run_train([*args, "trainer.max_steps=4"], nproc=2, check=False)
+    err = proc.stderr
+    assert proc.returncode == 4, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    mine = [line for line in err.splitlines() if line.startswith("[rank 1] error:")]
+    assert len(mine) == 1 and "rng_rank1.pt" in mine[0], err[-3000:]
+    assert len([line for line in err.splitlines() if line.startswith("[rank 0]")]) <= 1
+    summary = [line for line in err.splitlines() if line.startswith("mtl.launch:")]
+    assert len(summary) == 1 and "rank 1 failed with exit code 4" in summary[0], err[-3000:]
+
+
+def test_the_launcher_names_the_rank_that_failed_first():
+    from types import SimpleNamespace
+
+    from mtl.launch import exit_code, summary
+
+    failures = {0: SimpleNamespace(exitcode=-15), 1: SimpleNamespace(exitcode=4)}  # rank 0 was stopped by torchrun
+    assert exit_code(failures) == 4
+    assert summary(failures).startswith("rank 1 failed with exit code 4")
+    lost = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=3)}  # rank 0 lost its peer (exit 1)
+    assert exit_code(lost) == 3 and summary(lost).startswith("rank 1 failed with exit code 3")
 
 
 def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path):
