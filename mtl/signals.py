@@ -30,6 +30,20 @@ POLL_S = 0.25
 GRACE_S = 2.0  # a peer that exits normally (after the last barrier) leaves this rank this long to finish
 
 
+_active: list = []  # the installed StopSignals of this process, if any
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) must not wake this process's watcher with its own signals:
+    Ctrl-C reaches every process of the terminal's group, and N workers would look like N more Ctrl-Cs."""
+    if _active:
+        _active.clear()
+        signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def alive(pid: int) -> bool:
     """Running or sleeping; a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -77,9 +91,12 @@ class StopSignals:
         self._previous_fd = signal.set_wakeup_fd(self._pair[1].fileno(), warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._watch, name="mtl-stop-signals", daemon=True)
         self._thread.start()
+        _active.append(self)
         return self
 
     def uninstall(self) -> None:
+        if self in _active:
+            _active.remove(self)
         self.done = True
         self._closed.set()
         if self._thread is not None:

@@ -141,11 +141,13 @@ def wait_for_file(proc, path, timeout=240):
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     out = str(tmp_path / "run")
-    args = ["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=1000", f"output_dir={out}"]
+    args = ["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=1000", "data.num_workers=2",
+            f"output_dir={out}"]
     proc = start(args)
     wait_for_step(proc, out, 3)
     seen = steps_logged(out)
-    os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+    assert len(children(proc.pid)) >= 2  # the DataLoader workers
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: to every process of the group, loader workers too
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]  # interrupted, as a shell expects ...
     assert "Ctrl-C: finishing this step" in err and "Traceback" not in err
