@@ -112,7 +112,7 @@ def wait(job: Job, condition, what: str, timeout: float = 300) -> bool:
 def trigger(job: Job, out: str, kind: str, rng: random.Random) -> bool:
     """Wait for the planned moment; False if the job finished or died before it."""
     if kind == "start-up":
-        delay = rng.uniform(0.3, 5.0)
+        delay = rng.uniform(0.3, 3.0)  # importing torch alone takes about that long
         return wait(job, lambda: time.time() - job.started > delay, "a start-up delay")
     if not wait(job, job.started_training, "the start of training"):
         return False
@@ -192,3 +192,4 @@ def test_random_kills_of_the_whole_job_then_resume_end_bitwise_identical(tmp_pat
     print(f"\nchaos: {sum(total.values())} kills, each followed by resume=auto; bitwise identical at the end. "
           f"Landed: {', '.join(f'{p} {total[p]}' for p in PHASES)} ({'; '.join(report)})")
     assert sum(total.values()) >= 10
+    assert all(total[p] for p in PHASES), total  # the triggers reached every phase
