@@ -17,8 +17,7 @@ import sys
 from mtl.errors import MTLError
 
 PEER_LOST = 1  # exit code of a rank that stopped because another rank failed first (secondary)
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted",
-             "NCCL error", "Socket Timeout", "Connection refused")
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
 
 
 def _rank() -> tuple[int, int]:
@@ -60,10 +59,10 @@ def peer_failure(error: BaseException) -> str | None:
     reason = next((p for p in PEER_GONE if p in text), None)
     if reason is None:
         try:
-            from torch.distributed import DistError
+            from torch.distributed import DistBackendError
         except ImportError:  # pragma: no cover
             return None
-        if not isinstance(error, DistError):
+        if not isinstance(error, DistBackendError):  # e.g. NCCL's watchdog after a peer died
             return None
         reason = (text.splitlines() or [type(error).__name__])[0][:120]
     return reason
@@ -85,6 +84,7 @@ def run_guarded(fn) -> int:
         reason = peer_failure(e)
         if reason is None:
             raise
-        say(f"stopped: another rank is gone ({reason}); its own error, printed above or below, is the cause")
+        say(f"stopped: a collective failed ({reason}), most likely because another rank failed; that rank's own "
+            "error, printed above or below, is the cause")
         return PEER_LOST
     return 0

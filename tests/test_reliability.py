@@ -295,6 +295,17 @@ def test_the_launcher_names_the_rank_that_failed_first():
     assert exit_code(lost) == 3 and summary(lost).startswith("rank 1 failed with exit code 3")
 
 
+def test_only_a_lost_peer_counts_as_a_secondary_failure(monkeypatch):
+    from mtl.cli import peer_failure
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert peer_failure(RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:39089")) == \
+        "Connection closed by peer"
+    assert peer_failure(RuntimeError("CUDA out of memory")) is None  # a rank's own failure keeps its traceback
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert peer_failure(RuntimeError("Connection closed by peer")) is None  # no peers, no peer to lose
+
+
 def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path):
     out = str(tmp_path / "run")
     run_train(["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=2", f"output_dir={out}"])
