@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
+
+import numpy as np
 import torch
 
 from mtl.dist import all_gather_objects
@@ -12,9 +16,35 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+@contextmanager
+def rng_untouched():
+    """Run a block (evaluation, diagnostics) without moving any random stream that training draws from.
+
+    Python's, NumPy's, torch's and the current CUDA device's generator are put back as they were, so
+    how often a run evaluates or diagnoses changes nothing about its dropout or data order.
+    """
+    py, npy = random.getstate(), np.random.get_state()
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
 @torch.no_grad()
 def evaluate(model, loader, tasks: list[str], device: torch.device, max_batches: int = 0) -> dict:
-    """``model`` is the bare MultiTaskModel. Returns {task: {metric: value}} (identical on every rank)."""
+    """``model`` is the bare MultiTaskModel. Returns {task: {metric: value}} (identical on every rank).
+
+    Draws from no random stream that training uses (making the loader's iterator would draw a seed
+    from torch's global generator), so ``trainer.eval_every`` can change on resume.
+    """
+    with rng_untouched():
+        return _evaluate(model, loader, tasks, device, max_batches)
+
+
+def _evaluate(model, loader, tasks: list[str], device: torch.device, max_batches: int) -> dict:
     was_training = model.training
     model.eval()
     parts: dict = {t: [] for t in tasks}

@@ -8,6 +8,8 @@ import torch.distributed as dist
 from mtl.diagnose import nonfinite_parameters, reach_table, task_gradients
 from mtl.dist import all_gather_objects
 from mtl.errors import TrainingError
+from mtl.evaluate import rng_untouched
+from mtl.step import restore_running_stats, snapshot_running_stats
 
 DDP_ERRORS = {
     "Expected to have finished reduction in the prior iteration": "a backward pass left some parameters without a "
@@ -73,12 +75,20 @@ def check_replicas(model: torch.nn.Module, step: int) -> None:
 
 
 def locate_nonfinite(model, batch: dict, tasks: list[str]) -> str:
-    """Per rank and task, the first parameter whose gradient is NaN/inf (recomputed on this rank's batch)."""
+    """Per rank and task, the first parameter whose gradient is NaN/inf (recomputed on this rank's batch).
+
+    Its extra forward passes draw dropout from no stream training uses and leave BatchNorm's running
+    statistics as they were, so ``ddp.nan_monitor`` can change on resume.
+    """
+    stats = snapshot_running_stats(model)
     try:
-        grads = task_gradients(model, batch, tasks)
+        with rng_untouched():
+            grads = task_gradients(model, batch, tasks)
         found = {t: nonfinite_parameters(g)[:1] for t, g in grads.items()}
     except Exception as e:
         found = {"?": [f"could not trace: {e}"]}
+    finally:
+        restore_running_stats(stats)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     reports = all_gather_objects((rank, found))
     lines = [f"  rank {r} task {t}: first non-finite gradient in {p[0]}" for r, f in reports for t, p in f.items() if p]

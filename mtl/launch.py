@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import sys
 
+from mtl.errors import MTLError
+
+# the exit codes of mtl's own errors (2-5): a rank that exits with one of these failed for a reason of its own
+EXIT_CODES = {cls.exit_code for cls in MTLError.__subclasses__()}
+
 
 def _config_args(argv: list[str]) -> tuple[str | None, list[str]]:
     if "--config" not in argv:
@@ -41,11 +46,36 @@ def main(argv: list[str] | None = None) -> int:
               "exit (resume with resume=auto)", file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        ranks = sorted(e.failures)
-        print(f"mtl.launch: worker(s) {ranks} exited with code(s) {codes}; the error is above", file=sys.stderr)
-        return next((c for c in codes if c > 0), 1)
+        print(f"mtl.launch: {summary(e.failures)}", file=sys.stderr)
+        return exit_code(e.failures)
     return 0
+
+
+def _root_causes(failures: dict) -> dict:
+    """{rank: code} of the ranks that failed for a reason of their own (an mtl error, exit 2-5).
+
+    The others stopped because of them: killed by torchrun (a negative code) or lost a peer (exit 1).
+    """
+    return {r: f.exitcode for r, f in failures.items() if f.exitcode in EXIT_CODES}
+
+
+def summary(failures: dict) -> str:
+    """One line: which rank failed and how, pointing at its error above."""
+    root = _root_causes(failures)
+    if not root:
+        codes = sorted({f.exitcode for f in failures.values()})
+        return f"worker(s) {sorted(failures)} exited with code(s) {codes}; the error is above"
+    ranks, codes = sorted(root), ", ".join(map(str, sorted(set(root.values()))))
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    return f"{who} failed with exit code {codes}; its error is above" + (
+        " (the other ranks stopped because of it)" if len(ranks) == 1 else "")
+
+
+def exit_code(failures: dict) -> int:
+    root = _root_causes(failures)
+    if root:
+        return root[min(root)]
+    return next((c for c in sorted({f.exitcode for f in failures.values()}) if c > 0), 1)
 
 
 if __name__ == "__main__":

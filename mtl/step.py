@@ -33,6 +33,7 @@ def train_step(run, batch: dict) -> StepResult:
 
     w = run.weighting
     poison(batch, run.cfg.trainer.poison, run.step + 1, run.dist.rank)
+    stats_before = snapshot_running_stats(run.bare)  # the forward updates them; a skipped step puts them back
     losses, stats = run.strategy.forward_backward(StepInputs(
         model=run.model, batch=batch, tasks=run.tasks, weigh=w.weigh, scale=run.amp.scale,
         combine=w.combine if w.level == "grad" else None, loss_scale=run.amp.loss_scale, comm=run.comm))
@@ -53,6 +54,8 @@ def train_step(run, batch: dict) -> StepResult:
     stepped, nonfinite = run.amp.step(run.optimizer, loss_finite, grad_finite)
     if stepped:
         run.scheduler.step()
+    else:
+        restore_running_stats(stats_before)
     run.optimizer.zero_grad(set_to_none=False)  # keeps DDP's bucket views (gradient_as_bucket_view)
     loss_values = dict(zip(run.tasks, loss_avg.tolist()))
     if stepped:
@@ -60,6 +63,26 @@ def train_step(run, batch: dict) -> StepResult:
     gn = float(grad_norm)
     return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=stepped,
                       nonfinite=nonfinite, stats=stats)
+
+
+def snapshot_running_stats(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, copy) for every running-stat buffer (BatchNorm's mean, var and count); empty without any.
+
+    A forward in training mode updates these buffers before anyone knows whether the step is good:
+    one NaN input would otherwise poison them for good although the optimizer step is skipped.
+    """
+    out = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            out += [(b, b.detach().clone()) for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+                    if b is not None]
+    return out
+
+
+@torch.no_grad()
+def restore_running_stats(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for buf, saved in snapshot:
+        buf.copy_(saved)
 
 
 def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:

@@ -7,7 +7,7 @@ import os
 import random
 import resource
 import shutil
-import signal
+import socket
 import time
 
 import numpy as np
@@ -34,13 +34,14 @@ from mtl.data.loader import (
     build_train_loader,
     set_epoch,
 )
-from mtl.dist import Comm, DistInfo, barrier, broadcast_object
+from mtl.dist import Comm, DistInfo, all_gather_objects, barrier, broadcast_object
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import check_resume_config
 from mtl.runlock import LockHeld, RunLock
+from mtl.signals import StopSignals
 from mtl.step import train_step
 
 
@@ -248,15 +249,26 @@ class Trainer:
             self.epoch += 1
             self.batch_in_epoch = 0
 
-    def _on_signal(self, signum, _frame) -> None:
-        self.stop_requested = True  # acted on after the current step, by every rank together
+    def _stop_signals(self) -> StopSignals:
+        """SIGTERM/SIGUSR1/SIGINT set ``stop_requested``, acted on after the current step by every rank together."""
+        peers = all_gather_objects((socket.gethostname(), os.getpid()))  # to tell a torn-down job (mtl/signals.py)
+        return StopSignals(self.dist.rank, self.dist.world_size, peers, on_request=self._request_stop,
+                           under_launcher="TORCHELASTIC_RUN_ID" in os.environ).install()
+
+    def _request_stop(self) -> None:
+        self.stop_requested = True
 
     def train(self) -> dict:
-        cfg, t = self.cfg, self.cfg.trainer
         start = time.perf_counter()
         self.bare.train()
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_signal)
+        self.signals = self._stop_signals()
+        try:
+            return self._train(start)
+        finally:
+            self.signals.uninstall()
+
+    def _train(self, start: float) -> dict:
+        cfg, t = self.cfg, self.cfg.trainer
         skipped = getattr(self.train_ds, "skipped", 0) + getattr(self.val_ds, "skipped", 0)
         if skipped:
             self.log.info(f"data.on_error=skip: skipped {skipped} bad data line(s): "
@@ -284,9 +296,12 @@ class Trainer:
                 self.run_eval()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps:
                 self.save()
-            if self.stop_agreed:  # a rank got SIGTERM/SIGUSR1: all finish this step, save, exit 0
+            if self.stop_agreed:  # a rank got SIGTERM/SIGUSR1/SIGINT: all finish this step, save, exit
                 self.log.info(f"step {self.step}: stop signal received; saving a checkpoint and exiting")
                 self.save()
+                self.signals.done = True
+                if self.signals.interrupted:  # Ctrl-C on this rank: saved, and exits 130 (mtl/signals.py)
+                    raise KeyboardInterrupt
                 return self.last_eval
         final = self.run_eval()
         self.save()

@@ -3,6 +3,7 @@ SIGTERM, elastic restarts, non-finite steps, a crashing rank, and checkpoints th
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from .conftest import PY, ROOT, TINY, free_port, run_train
+from .proctree import alive, children, kill_tree
 
 FAST = ["trainer.eval_every=1000", "trainer.eval_max_batches=1", "trainer.log_every=1", "checkpoint.every_steps=4",
         "resume=auto"]
@@ -47,9 +49,19 @@ def wait_for_step(proc, run_dir, step, timeout=240):
         time.sleep(0.05)
 
 
-def kill_group(proc, sig=signal.SIGKILL):
-    os.killpg(proc.pid, sig)
+def kill_job(proc) -> list[int]:
+    """SIGKILL the launcher and all its workers at once, as a lost node would; return the pids, all gone."""
+    pids = kill_tree(proc.pid)
     proc.communicate(timeout=120)
+    assert not any(alive(p) for p in pids)
+    return pids
+
+
+def resumed_from(stdout: str) -> int:
+    """The step of the checkpoint a ``resume=auto`` run says it resumes from."""
+    m = re.search(r"resuming from \S*step_(\d+)", stdout)
+    assert m, stdout[-2000:]
+    return int(m.group(1))
 
 
 def model_bytes(run_dir, step):
@@ -70,9 +82,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, overrides):
     run_train([*args, f"output_dir={ref}"], nproc=nproc)
     proc = start([*args, f"output_dir={cut}"], nproc=nproc)
     wait_for_step(proc, cut, 5)  # past the step-4 checkpoint, before step 8's
-    kill_group(proc)
+    killed = kill_job(proc)
+    assert len(killed) >= 1 + (nproc if nproc > 1 else 0)  # the launcher and every worker
     resumed = run_train([*args, f"output_dir={cut}"], nproc=nproc)
-    assert "resuming from" in resumed.stdout
+    assert resumed_from(resumed.stdout) < 10  # a real resume, from before the end
     assert model_bytes(ref, 10) == model_bytes(cut, 10)  # byte for byte
 
 
@@ -86,7 +99,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
             os.path.join(out, "checkpoints", ".step_4.tmp", "trainer_state.pt")):
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
-    kill_group(proc)
+    kill_job(proc)
     assert not os.path.isdir(os.path.join(out, "checkpoints", "step_4"))  # never renamed: not complete
     # resume=auto must ignore the half-written save (and say so), start again, and finish
     done = run_train(args)
@@ -110,6 +123,89 @@ def test_sigterm_checkpoints_within_a_step_and_exits_zero(tmp_path):
     assert proc.returncode == 0, err[-3000:]  # the workers exited 0, so torchrun did too
     saved = sorted(int(n.split("_")[1]) for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_"))
     assert len(saved) == 1 and seen <= saved[0] <= seen + 3  # the step in flight, plus the one that agreed
+
+
+def checkpoint_steps(run_dir) -> list[int]:
+    root = os.path.join(run_dir, "checkpoints")
+    return sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
+
+
+def wait_for_file(proc, path, timeout=240):
+    deadline = time.time() + timeout
+    while not os.path.isfile(path):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+    out = str(tmp_path / "run")
+    args = ["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=1000", "data.num_workers=2",
+            f"output_dir={out}"]
+    proc = start(args)
+    wait_for_step(proc, out, 3)
+    seen = steps_logged(out)
+    assert len(children(proc.pid)) >= 2  # the DataLoader workers
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: to every process of the group, loader workers too
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]  # interrupted, as a shell expects ...
+    assert "Ctrl-C: finishing this step" in err and "Traceback" not in err
+    saved = checkpoint_steps(out)
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 2  # ... but nothing lost: the step in flight is saved
+    again = run_train(["--config", TINY, f"trainer.max_steps={saved[0] + 1}", *args[3:]])
+    assert resumed_from(again.stdout) == saved[0]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start(["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=1000", f"output_dir={out}"],
+                 env={"MTL_TEST_SLOW_SAVE": "60"})
+    wait_for_step(proc, out, 3)
+    os.kill(proc.pid, signal.SIGINT)
+    root = os.path.join(out, "checkpoints")
+    deadline = time.time() + 120
+    while not any(os.path.isfile(os.path.join(root, n, "trainer_state.pt"))
+                  for n in (os.listdir(root) if os.path.isdir(root) else [])):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    # the first Ctrl-C's checkpoint is being written (and takes 60 s here): a second one must not wait for it
+    tic = time.time()
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.time() - tic < 10, err[-3000:]
+    assert "second Ctrl-C: aborting at once" in err
+    assert checkpoint_steps(out) == []  # the save was abandoned; no complete checkpoint claims otherwise
+
+
+def rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
+
+
+@pytest.mark.slow
+def test_a_survivor_exits_promptly_when_torchrun_tears_the_job_down(tmp_path):
+    out = str(tmp_path / "run")
+    proc = start(["--config", TINY, "trainer.max_steps=500", *FAST, "checkpoint.every_steps=2", f"output_dir={out}"],
+                 nproc=2, env={"MTL_TEST_SLOW_SAVE": "60"})
+    # rank 0 sleeps inside the step-2 save (its files written, before the barrier), rank 1 waits at the barrier
+    wait_for_file(proc, os.path.join(out, "checkpoints", ".step_2.tmp", "trainer_state.pt"))
+    workers = {rank_of(pid): pid for pid in children(proc.pid)}
+    assert sorted(workers) == [0, 1]
+    os.kill(workers[1], signal.SIGKILL)  # a worker dies: torchrun sends SIGTERM to the survivor, SIGKILL 30 s later
+    tic = time.time()
+    while alive(workers[1]):
+        assert time.time() - tic < 10
+        time.sleep(0.02)
+    while alive(workers[0]) and time.time() - tic < 60:
+        time.sleep(0.05)
+    took = time.time() - tic
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert took < 15, f"the survivor took {took:.0f} s to exit\n{err[-3000:]}"
+    assert f"rank 1 (pid {workers[1]}) is gone" in err
 
 
 @pytest.mark.slow
@@ -165,6 +261,51 @@ def test_a_crashing_rank_makes_every_rank_exit(tmp_path):
     assert proc.returncode != 0 and time.time() - tic < 120
 
 
+@pytest.mark.slow
+def test_a_failure_on_one_rank_reaches_the_user_in_one_line(tmp_path):
+    out = str(tmp_path / "run")
+    args = ["--config", TINY, "checkpoint.every_steps=2", "resume=auto", f"output_dir={out}"]
+    run_train([*args, "trainer.max_steps=2"], nproc=2)
+    # the same error on every rank (a config that breaks the resume): said once, not once per rank
+    same = run_train([*args, "trainer.max_steps=4", "seed=3"], nproc=2, check=False)
+    assert same.returncode == 4 and same.stderr.count("cannot resume from") == 1, same.stderr[-3000:]
+    # rank 1's own file is garbled: rank 1 says so, rank 0 says in one line that it lost its peer
+    with open(os.path.join(out, "checkpoints", "step_2", "rng_rank1.pt"), "wb") as f:
+        f.write(b"garbled")
+    proc = run_train([*args, "trainer.max_steps=4"], nproc=2, check=False)
+    err = proc.stderr
+    assert proc.returncode == 4, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    mine = [line for line in err.splitlines() if line.startswith("[rank 1] error:")]
+    assert len(mine) == 1 and "rng_rank1.pt" in mine[0], err[-3000:]
+    assert len([line for line in err.splitlines() if line.startswith("[rank 0]")]) <= 1
+    summary = [line for line in err.splitlines() if line.startswith("mtl.launch:")]
+    assert len(summary) == 1 and "rank 1 failed with exit code 4" in summary[0], err[-3000:]
+
+
+def test_the_launcher_names_the_rank_that_failed_first():
+    from types import SimpleNamespace
+
+    from mtl.launch import exit_code, summary
+
+    failures = {0: SimpleNamespace(exitcode=-15), 1: SimpleNamespace(exitcode=4)}  # rank 0 was stopped by torchrun
+    assert exit_code(failures) == 4
+    assert summary(failures).startswith("rank 1 failed with exit code 4")
+    lost = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=3)}  # rank 0 lost its peer (exit 1)
+    assert exit_code(lost) == 3 and summary(lost).startswith("rank 1 failed with exit code 3")
+
+
+def test_only_a_lost_peer_counts_as_a_secondary_failure(monkeypatch):
+    from mtl.cli import peer_failure
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert peer_failure(RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:39089")) == \
+        "Connection closed by peer"
+    assert peer_failure(RuntimeError("CUDA out of memory")) is None  # a rank's own failure keeps its traceback
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert peer_failure(RuntimeError("Connection closed by peer")) is None  # no peers, no peer to lose
+
+
 def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path):
     out = str(tmp_path / "run")
     run_train(["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=2", f"output_dir={out}"])
@@ -194,6 +335,62 @@ def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path):
     (bad / "config.yaml").write_text("seed: 0\n")
     proc = run_train(["--config", TINY, f"resume={bad}", f"output_dir={tmp_path / 'run'}"], check=False)
     assert proc.returncode == 4 and "Traceback" not in proc.stderr and "step_5" in proc.stderr
+
+
+def _train_in_process(args):
+    import train
+
+    assert train.main(args) == 0
+
+
+def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, capsys):
+    # both keys may change on resume (mtl/resume.py), so neither may move the dropout stream
+    base = ["--config", TINY, "trainer.max_steps=4", "model.decoder.dropout=0.1", "trainer.max_bad_steps=5"]
+    runs = {
+        "rare_eval": ["trainer.eval_every=1000"],
+        "eval_every_step": ["trainer.eval_every=1"],
+        "nan": ["trainer.eval_every=1000", "trainer.poison=2:cls:*"],
+        "nan_monitored": ["trainer.eval_every=1000", "trainer.poison=2:cls:*", "ddp.nan_monitor=true"],
+    }
+    for name, extra in runs.items():
+        _train_in_process([*base, *extra, f"output_dir={tmp_path / name}"])
+    out = capsys.readouterr().out
+    with open(tmp_path / "eval_every_step" / "metrics.jsonl") as f:
+        evals = [json.loads(line)["step"] for line in f if '"kind": "eval"' in line]
+    assert evals == [1, 2, 3, 4]  # the evaluations really ran
+    assert out.count("first non-finite gradient in") >= 1  # and so did the monitor's extra passes
+    assert model_bytes(tmp_path / "rare_eval", 4) == model_bytes(tmp_path / "eval_every_step", 4)
+    assert model_bytes(tmp_path / "nan", 4) == model_bytes(tmp_path / "nan_monitored", 4)
+    assert model_bytes(tmp_path / "rare_eval", 4) != model_bytes(tmp_path / "nan", 4)  # the NaN step was skipped
+
+
+def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
+    from mtl import dist
+    from mtl.evaluate import to_device
+    from mtl.step import train_step
+    from mtl.trainer import Trainer
+    from mtl.validate import load_run_config
+
+    cfg = load_run_config(TINY, [f"output_dir={tmp_path}", "model.backbone.norm=batch", "ddp.nan_monitor=true",
+                                 "trainer.max_bad_steps=5"])
+    trainer = Trainer(cfg, dist.init_distributed(cfg))
+    try:
+        batches = trainer.batches()
+        buffers = {n: b for n, b in trainer.bare.named_buffers() if "running_" in n or "num_batches" in n}
+        assert buffers
+        batch = to_device(next(batches)[1], trainer.device)
+        batch["image"][0, 0, 0, 0] = float("nan")  # one bad pixel
+        before = {n: b.clone() for n, b in buffers.items()}
+        result = train_step(trainer, batch)
+        trainer.step += 1
+        assert result.nonfinite and not result.stepped  # the fault happened and the step was skipped
+        trainer._after_step(result, 0.1, batch)  # with the NaN monitor's own forward passes
+        for n, b in buffers.items():
+            assert torch.equal(b, before[n]), n
+        good = train_step(trainer, to_device(next(batches)[1], trainer.device))
+        assert good.stepped and all(torch.isfinite(b.float()).all() for b in buffers.values())
+    finally:
+        trainer.close()
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

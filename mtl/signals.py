@@ -1,0 +1,178 @@
+"""Stop signals during training: SIGTERM/SIGUSR1 (Slurm, torchrun), Ctrl-C (SIGINT), and a job torn down.
+
+- The first SIGTERM, SIGUSR1 or SIGINT asks for a stop: every rank finishes the step in flight, the ranks
+  agree through the step's own collective, a checkpoint is written, and the process exits: 0 after
+  SIGTERM/SIGUSR1 (a preempted job that saved is not a failure; torchrun and Slurm's requeue rely on it),
+  130 after Ctrl-C (the usual code of an interrupted command, so ``train.py && next`` does not go on).
+- A second Ctrl-C aborts at once, without saving.
+- After a stop signal, when another worker of this job on this machine has died, or the launcher that
+  started this process is gone, the launcher is tearing the job down (torchrun sends SIGTERM to the
+  survivors when one worker fails) and no checkpoint can be agreed any more. The process then exits
+  at once instead of waiting in a collective for a peer that will never come, or for torchrun's
+  SIGKILL 30 s later.
+
+Python runs signal handlers only between bytecodes of the main thread, so a main thread blocked in a
+collective would never see them. The handler's wake-up byte goes to a watcher thread, which acts at once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+
+STOP = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+POLL_S = 0.25
+GRACE_S = 2.0  # a peer that exits normally (after the last barrier) leaves this rank this long to finish
+
+
+_active: list = []  # the installed StopSignals of this process, if any
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) must not wake this process's watcher with its own signals:
+    Ctrl-C reaches every process of the terminal's group, and N workers would look like N more Ctrl-Cs."""
+    if _active:
+        _active.clear()
+        signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def alive(pid: int) -> bool:
+    """Running or sleeping; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+class StopSignals:
+    """Installed by the trainer for the length of ``train()`` (main thread only)."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, peers: list | None = None, on_request=None,
+                 under_launcher: bool = False):
+        self.rank, self.world_size = rank, world_size
+        self.on_request = on_request  # called in the main thread when a stop is asked for
+        self.signum: int | None = None  # the first stop signal this rank got
+        self.done = False  # set once the stop checkpoint is written, or training ended: nothing left to protect
+        host = socket.gethostname()
+        self._local_peers = [(r, pid) for r, (h, pid) in enumerate(peers or []) if h == host and r != rank]
+        self._ppid = os.getppid() if under_launcher else None
+        self._sigints = 0
+        self._stop_at: float | None = None
+        self._closed = threading.Event()
+        self._previous: dict = {}
+        self._previous_fd = -1
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ main thread
+
+    def install(self) -> StopSignals:
+        self._pair = socket.socketpair()
+        for s in self._pair:
+            s.setblocking(False)
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in STOP}
+        self._previous_fd = signal.set_wakeup_fd(self._pair[1].fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="mtl-stop-signals", daemon=True)
+        self._thread.start()
+        _active.append(self)
+        return self
+
+    def uninstall(self) -> None:
+        if self in _active:
+            _active.remove(self)
+        self.done = True
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        for s in self._pair or ():
+            s.close()
+
+    def _handler(self, signum, _frame) -> None:
+        if self.on_request is not None:
+            self.on_request()
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signum == signal.SIGINT
+
+    # ------------------------------------------------------------------ watcher thread
+
+    def _watch(self) -> None:
+        reader = self._pair[0]
+        while not self._closed.is_set():
+            ready, _, _ = select.select([reader], [], [], POLL_S)
+            if ready:
+                try:
+                    data = reader.recv(64)
+                except (BlockingIOError, OSError):
+                    data = b""
+                for signum in data:
+                    self._on_signal(signum)
+            if self._stop_at is not None and not self.done:
+                gone = self._torn_down()
+                if gone:
+                    deadline = time.monotonic() + GRACE_S
+                    while not self.done and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    if not self.done:
+                        self._exit(128 + (self.signum or signal.SIGTERM),
+                                   f"{gone} while stopping: exiting now without a checkpoint; resume=auto continues "
+                                   "from the last complete one")
+
+    def _on_signal(self, signum: int) -> None:
+        if signum not in STOP:
+            return
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
+        if signum != signal.SIGINT:
+            return
+        self._sigints += 1
+        if self._sigints >= 2:
+            self._exit(130, "second Ctrl-C: aborting at once, without a checkpoint; resume=auto continues from "
+                            "the last complete one")
+        elif self.rank == 0:
+            self._say("Ctrl-C: finishing this step, then saving a checkpoint and exiting (Ctrl-C again aborts at "
+                      "once, without saving)")
+
+    def _torn_down(self) -> str | None:
+        """Why the job is being torn down (a local peer died, the launcher is gone), or None."""
+        for r, pid in self._local_peers:
+            if not alive(pid):
+                return f"rank {r} (pid {pid}) is gone"
+        if self._ppid is not None and os.getppid() != self._ppid:
+            return "the launcher is gone"
+        return None
+
+    def _say(self, message: str) -> None:
+        prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
+        print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
+    def _exit(self, code: int, message: str) -> None:
+        self._say(message)
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        os._exit(code)
