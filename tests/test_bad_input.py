@@ -45,6 +45,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # a real process per case; the same cases run in-process in the fast tier below
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_one_clear_message(tmp_path, case):
     make_args, code, needles = CASES[case]
@@ -98,6 +99,18 @@ IN_PROCESS = {
     "every config error at once": (lambda p: [TINY, "trainer.bogus=1", "data.batch_size=0", "optim.lr=-1"], 2,
                                    ["trainer.bogus", "data.batch_size", "optim.lr"]),
 }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_cases_in_process(tmp_path, capsys, case):
+    """CASES above through train.py's main in this process: the fast tier's copy of the same checks."""
+    make_args, code, needles = CASES[case]
+    got, err = main_of(make_args(tmp_path) + [f"output_dir={tmp_path / 'run'}"], capsys)
+    assert got == code, err
+    assert "Traceback" not in err and err.count("error") >= 1
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("case", list(IN_PROCESS))

@@ -306,20 +306,31 @@ def test_only_a_lost_peer_counts_as_a_secondary_failure(monkeypatch):
     assert peer_failure(RuntimeError("Connection closed by peer")) is None  # no peers, no peer to lose
 
 
-def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path):
+def train_main(args, capsys) -> tuple[int, str, str]:
+    """train.py's main in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    import train
+
+    capsys.readouterr()
+    code = train.main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path, capsys):
     out = str(tmp_path / "run")
-    run_train(["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=2", f"output_dir={out}"])
-    proc = run_train(["--config", TINY, "trainer.max_steps=4", "resume=auto", "data.batch_size=4", "seed=3",
-                      f"output_dir={out}"], check=False)
-    assert proc.returncode == 4, proc.stderr
-    assert "data.batch_size: checkpoint 8, now 4" in proc.stderr and "seed: checkpoint 0, now 3" in proc.stderr
-    assert "trainer.max_steps" not in proc.stderr.split("Keys that may change")[0]  # safe to change
-    ok = run_train(["--config", TINY, "trainer.max_steps=4", "resume=auto", "trainer.log_every=2",
-                    f"output_dir={out}"])
-    assert "resuming from" in ok.stdout
+    assert train_main(["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=2", f"output_dir={out}"],
+                      capsys)[0] == 0
+    code, _, err = train_main(["--config", TINY, "trainer.max_steps=4", "resume=auto", "data.batch_size=4", "seed=3",
+                               f"output_dir={out}"], capsys)
+    assert code == 4, err
+    assert "data.batch_size: checkpoint 8, now 4" in err and "seed: checkpoint 0, now 3" in err
+    assert "trainer.max_steps" not in err.split("Keys that may change")[0]  # safe to change
+    code, stdout, err = train_main(["--config", TINY, "trainer.max_steps=4", "resume=auto", "trainer.log_every=2",
+                                    f"output_dir={out}"], capsys)
+    assert code == 0 and "resuming from" in stdout, err
 
 
-def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path):
+def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path, capsys):
     from mtl.checkpoint import load_checkpoint
     from mtl.errors import CheckpointError
 
@@ -333,8 +344,8 @@ def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="not an mtl checkpoint"):
         load_checkpoint(str(bad), torch.nn.Linear(2, 2), 0)
     (bad / "config.yaml").write_text("seed: 0\n")
-    proc = run_train(["--config", TINY, f"resume={bad}", f"output_dir={tmp_path / 'run'}"], check=False)
-    assert proc.returncode == 4 and "Traceback" not in proc.stderr and "step_5" in proc.stderr
+    code, _, err = train_main(["--config", TINY, f"resume={bad}", f"output_dir={tmp_path / 'run'}"], capsys)
+    assert code == 4 and "Traceback" not in err and "step_5" in err
 
 
 def _train_in_process(args):
@@ -393,10 +404,10 @@ def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
         trainer.close()
 
 
-def test_keep_last_prunes_old_checkpoints(tmp_path):
+def test_keep_last_prunes_old_checkpoints(tmp_path, capsys):
     out = str(tmp_path / "run")
-    run_train(["--config", TINY, "trainer.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
-               f"output_dir={out}"])
+    assert train_main(["--config", TINY, "trainer.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+                       f"output_dir={out}"], capsys)[0] == 0
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_5", "step_6"]
 
 
