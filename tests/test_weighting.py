@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from mtl.config import Config
 from mtl.weighting import weighting_types
 from mtl.weighting.alignedmtl import alignedmtl, alignedmtl_balance, alignedmtl_weights
+from mtl.weighting.base import GramWeighting, gram_matrix
 from mtl.weighting.cagrad import cagrad, cagrad_weights
 from mtl.weighting.dwa import dwa_weights
 from mtl.weighting.famo import FAMO_EPS, famo_logit_grad
@@ -151,6 +152,96 @@ def test_weightings_run_on_cuda(method):
                 assert term.device.type == "cuda" and torch.isfinite(term)
         w.end_step({"a": 2.0 - 0.1 * step, "b": 1.0, "c": 0.5 + 0.1 * step})
         assert all(math.isfinite(v) for v in w.weights().values())
+
+
+# --------------------------------------------------------------------------------------------------
+# the Gram interface: w from (G G^T, losses, state), update w^T G
+
+# The weights each method's combine() gave at commit 294b73a (before the methods moved onto GramWeighting),
+# on the inputs of gram_case(k) over three steps of gram_case_run; d = w @ G. Kept to 12 digits.
+PREVIOUS_WEIGHTS = {
+    "pcgrad/2": [2.01920688901, 1.1580998075],
+    "pcgrad/3": [1.04284043033, 1, 3.25657698981],
+    "pcgrad/5": [1, 1.10371390616, 2.87951823582, 1.21798716191, 3.93332891964],
+    "mgda/2": [0.787116177779, 0.212883822221],
+    "mgda/3": [0.0559672806566, 0.0, 0.944032719343],
+    "mgda/5": [0.0, 0.00944535542895, 0.951091097557, 0.0, 0.0394635470141],
+    "cagrad/2": [0.831991663155, 0.431034482759],
+    "cagrad/3": [0.287356321839, 0.287356321839, 3.32324292536],
+    "cagrad/5": [0.172413793103, 0.172413793103, 0.774226268152, 0.172413793103, 0.53309697277],
+    "nashmtl/2": [0.405219976327, 0.159597227352],
+    "nashmtl/3": [0.278820705353, 0.062197266331, 2.18838449628],
+    "nashmtl/5": [0.269018310371, 0.102354826405, 1.60463091743, 0.304288485557, 0.683666154408],
+    "imtlg/2": [0.717435612243, 0.282564387757],
+    "imtlg/3": [0.145740706743, -0.0358017718224, 0.89006106508],
+    "imtlg/5": [-0.800075326983, 0.323196332231, -2.0896053029, 1.19182633168, 2.37465796597],
+    "alignedmtl/2": [1.09319813396, 0.485084027605],
+    "alignedmtl/3": [0.213011308818, -0.0366570659367, 1.05737288122],
+    "alignedmtl/5": [0.0910290806058, 0.0285013228702, 0.771557822553, 0.023178550249, 0.103267742067],
+    "upgrad/2": [1.0096034445, 0.579049903751],
+    "upgrad/3": [0.347613476777, 0.333333333333, 1.08552566327],
+    "upgrad/5": [0.2, 0.214801897828, 0.296342833555, 0.251997514266, 0.794547647477],
+    "gradnorm/2": [1.02499985695, 0.975000143051],
+    "gradnorm/3": [1.01652884483, 0.966942310333, 1.01652884483],
+    "gradnorm/5": [1.00985217094, 0.960591316223, 1.00985217094, 1.00985217094, 1.00985217094],
+}
+
+
+def gram_case(k: int) -> torch.Tensor:
+    """(K, 7) rows with a shared component and some conflicts (negative cosines) for K = 2, 3, 5."""
+    gen = torch.Generator().manual_seed(1000 + {2: 1, 3: 3, 5: 5}[k])
+    g = torch.randn(k, 7, generator=gen, dtype=torch.float64) + 0.6 * torch.randn(1, 7, generator=gen, dtype=torch.float64)
+    return g * torch.tensor([1.0, 3.0, 0.2, 1.5, 0.7][:k], dtype=torch.float64)[:, None]
+
+
+def gram_case_run(method: str, g: torch.Tensor):
+    """Three steps of ``method`` on the rows ``g`` (losses moving), returning the last update and the method."""
+    k = g.shape[0]
+    tasks = [f"t{i}" for i in range(k)]
+    w = make(method, tasks=tasks)
+    d = None
+    for step in range(3):
+        w.begin_step(step)
+        d = w.combine(g, torch.linspace(1.0, 2.0, k, dtype=torch.float64))
+        w.end_step({t: 1.0 + 0.3 * i - 0.1 * step * i for i, t in enumerate(tasks)})
+    return d, w
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("method", GRAD_METHODS)
+def test_gram_path_equals_the_previous_implementation(method, k):
+    g = gram_case(k)
+    assert float((gram(g) / gram(g).diag().sqrt()[:, None] / gram(g).diag().sqrt()).min()) < -0.3  # conflicts
+    d, _ = gram_case_run(method, g)
+    expected = torch.tensor(PREVIOUS_WEIGHTS[f"{method}/{k}"], dtype=torch.float64) @ g
+    close(d, expected, 1e-10 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("method", GRAD_METHODS)
+def test_grad_methods_see_only_the_gram_matrix(method):
+    """Rotating the rows (G -> G R, R orthogonal) keeps G G^T: the weights must not move, d must rotate."""
+    assert issubclass(weighting_types()[method], GramWeighting)
+    for k in (2, 3, 5):
+        g = gram_case(k)
+        r, _ = torch.linalg.qr(torch.randn(7, 7, generator=torch.Generator().manual_seed(k), dtype=torch.float64))
+        d, w = gram_case_run(method, g)
+        d_rot, w_rot = gram_case_run(method, g @ r)
+        # to the solvers' tolerance (CAGrad's projected gradient stops ~1e-8 from the optimum in w)
+        close(list(w_rot.weights().values()), list(w.weights().values()), 1e-7)
+        close(d_rot, d @ r, 1e-7 * float(d.abs().max()))
+        if method != "gradnorm":  # gradnorm reports the weights of the next step
+            alpha = torch.tensor(list(w.weights().values()), dtype=torch.float64)
+            close(alpha, w.weights_for_gram(gram_matrix(g), None, torch.float64), 1e-12)
+
+
+@pytest.mark.parametrize("method", GRAD_METHODS)
+def test_combine_keeps_the_grads_dtype(method):
+    g = gram_case(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        d, _ = gram_case_run(method, g.to(dtype))
+        ref, _ = gram_case_run(method, g)
+        assert d.dtype == dtype and torch.isfinite(d).all()
+        assert float((d.double() - ref).abs().max()) < 0.05 * float(ref.abs().max())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,23 +33,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 
 NASH_RIDGE = 1e-8  # added to the unit diagonal of the cosine matrix (relative error ~1e-8 in alpha)
 NASH_MAX_ITER = 500  # damped Newton steps
 NASH_TOL = 1e-20  # stop when the squared Newton decrement is below this
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
-
-
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
 
 
 def solve_nash(c: np.ndarray, max_iter: int = NASH_MAX_ITER, tol: float = NASH_TOL) -> np.ndarray:
@@ -72,9 +60,9 @@ def solve_nash(c: np.ndarray, max_iter: int = NASH_MAX_ITER, tol: float = NASH_T
 def nashmtl_weights(gram: Tensor, ridge: float = NASH_RIDGE, max_iter: int = NASH_MAX_ITER) -> Tensor:
     """(K,) alpha solving (GG^T alpha)_t = 1/alpha_t for the Gram matrix ``grads @ grads.T``."""
     k = gram.shape[0]
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.ones(k, dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.ones(k), gram)
     sq = np.diag(m).copy()
     alpha = np.zeros(k)
     active = sq > 1e-12 * max(float(sq.max()), 0.0)
@@ -83,32 +71,17 @@ def nashmtl_weights(gram: Tensor, ridge: float = NASH_RIDGE, max_iter: int = NAS
         cos = m[np.ix_(active, active)] / np.outer(norms, norms)
         cos = (cos + cos.T) / 2 + ridge * np.eye(len(norms))
         alpha[active] = solve_nash(cos, max_iter) / norms
-    return torch.as_tensor(alpha, dtype=gram.dtype, device=gram.device)
+    return like_gram(alpha, gram)
 
 
 @torch.no_grad()
 def nashmtl(grads: Tensor, losses: Tensor | None = None, *, ridge: float = NASH_RIDGE) -> Tensor:
     """(K, P) task gradients -> (P,) Nash bargaining update sum_t alpha_t g_t."""
-    return _apply(nashmtl_weights(_gram(grads), ridge), grads)
+    return apply_weights(nashmtl_weights(gram_matrix(grads), ridge), grads)
 
 
-class NashMTL(Weighting):
+class NashMTL(GramWeighting):
     name = "nashmtl"
-    level = "grad"
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = nashmtl_weights(_gram(grads))
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return nashmtl_weights(gram)

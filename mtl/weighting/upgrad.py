@@ -29,22 +29,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 
 UPGRAD_MAX_SWEEPS = 2000  # coordinate-descent sweeps per QP (K > 2)
 UPGRAD_TOL = 1e-14  # stop when no coordinate moves by more than this (relative to the largest)
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
-
-
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
 
 
 def box_qp(q: np.ndarray, lower: np.ndarray, max_sweeps: int = UPGRAD_MAX_SWEEPS, tol: float = UPGRAD_TOL):
@@ -74,12 +62,12 @@ def upgrad_projections(gram: Tensor) -> Tensor:
         v21 = torch.where((c < 0) & (a > 0), -c / torch.where(a > 0, a, 1.0), 0.0)
         one = torch.ones((), dtype=gram.dtype, device=gram.device)
         return torch.stack([torch.stack([one, v12]), torch.stack([v21, one])])
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.eye(k, dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.eye(k), gram)
     m = (m + m.T) / 2
     rows = [box_qp(m, np.eye(k)[i]) for i in range(k)]
-    return torch.as_tensor(np.stack(rows), dtype=gram.dtype, device=gram.device)
+    return like_gram(np.stack(rows), gram)
 
 
 def upgrad_weights(gram: Tensor) -> Tensor:
@@ -90,26 +78,11 @@ def upgrad_weights(gram: Tensor) -> Tensor:
 @torch.no_grad()
 def upgrad(grads: Tensor, losses: Tensor | None = None) -> Tensor:
     """(K, P) task gradients -> (P,) mean of their projections onto the dual cone of the rows."""
-    return _apply(upgrad_weights(_gram(grads)), grads)
+    return apply_weights(upgrad_weights(gram_matrix(grads)), grads)
 
 
-class UPGrad(Weighting):
+class UPGrad(GramWeighting):
     name = "upgrad"
-    level = "grad"
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = upgrad_weights(_gram(grads))
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return upgrad_weights(gram)
