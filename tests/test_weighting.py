@@ -288,6 +288,38 @@ def reference_pcgrad(g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(out).sum(0)
 
 
+def pcgrad_hard_cases(k: int):
+    """Random rows and the hard ones: nearly opposed, one row 100x, identical rows, a zero row."""
+    gen = torch.Generator().manual_seed(50 + k)
+    cases = [random_grads(k, 6, 60 + k)]
+    g = random_grads(k, 6, 70 + k)
+    g[1] = -g[0] + 1e-4 * torch.randn(6, generator=gen, dtype=torch.float64)  # nearly opposed
+    cases.append(g)
+    g = random_grads(k, 6, 80 + k)
+    g[0] *= 100.0
+    cases.append(g)
+    g = random_grads(k, 6, 90 + k)
+    g[-1] = g[0]  # identical rows
+    cases.append(g)
+    g = random_grads(k, 6, 100 + k)
+    g[1] = 0.0  # a zero row
+    cases.append(g)
+    return cases
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_pcgrad_weights_from_the_gram_matrix_equal_the_row_by_row_algorithm(k):
+    for n, g in enumerate(pcgrad_hard_cases(k)):
+        for seed in range(4):
+            d = pcgrad(g, generator=torch.Generator().manual_seed(seed))
+            ref = reference_pcgrad(g, torch.Generator().manual_seed(seed))
+            close(d, ref, 1e-9 * max(1.0, float(ref.abs().max())))
+            w = make("pcgrad", seed=seed, tasks=[f"t{i}" for i in range(k)])
+            w.begin_step(n)
+            gen = torch.Generator().manual_seed(stream_seed(seed, n)) if k > 2 else torch.Generator()
+            close(w.combine(g, None), reference_pcgrad(g, gen), 1e-9 * max(1.0, float(ref.abs().max())))
+
+
 def test_pcgrad_k3_follows_the_algorithm_and_is_reproducible():
     g = G([1.0, 0.0, 0.0], [-0.8, 1.0, 0.0], [-0.5, -0.9, 0.3])
     for seed in range(6):

@@ -8,8 +8,10 @@ For each task i, starting from ``g_i^PC = g_i``, and for every other task j (in 
 ``d = sum_i g_i^PC`` (the same scale as equal weighting, which sums the task losses).
 
 Every projected row is a linear combination of the rows, so the whole computation runs on the K x K
-Gram matrix ``G G^T``: ``pcgrad_coefficients`` returns C with ``g_i^PC = sum_k C[i, k] g_k`` and
-``d = (sum_i C[i, :]) @ G``. Nothing leaves the device (no .cpu(), no data-dependent Python branch).
+Gram matrix ``M = G G^T``. Keep ``g_i^PC = sum_k C[i, k] g_k`` (C starts as the identity); then
+``g_i^PC . g_j = sum_k C[i, k] M[k, j] = C[i] . M[:, j]``, and a projection on g_j changes only one
+coefficient: ``C[i, j] -= (C[i] . M[:, j]) / M[j, j]``. ``pcgrad_coefficients`` returns C and the
+update is ``d = w @ G`` with ``w = sum_i C[i, :]``. Nothing leaves the device (no .cpu(), no data-dependent Python branch).
 
 Order: with K = 2 there is only one other task, so the result is deterministic. With K > 2 the
 order of the other tasks is drawn independently for every task i from a ``torch.Generator`` seeded
