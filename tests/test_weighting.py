@@ -538,6 +538,47 @@ def test_upgrad_projects_onto_the_dual_cone(k):
         close(d, proj.mean(0))
 
 
+def upgrad_kkt_violation(g: torch.Tensor) -> float:
+    """Largest violation of the projection QPs' optimality conditions, relative to max ||g_t||^2 (1 + |v|).
+
+    v_i = argmin_{v >= e_i} v^T M v (M = G G^T) iff v_i >= e_i, (M v_i)_t >= 0 for every t and
+    (v_i - e_i)_t (M v_i)_t = 0 (convex QP: these are sufficient).
+    """
+    m = gram(g)
+    v = upgrad_projections(m)
+    k = g.shape[0]
+    u = v - torch.eye(k, dtype=torch.float64)
+    h = v @ m  # h[i, t] = g_t . pi(g_i)
+    unit = float(m.diag().max()) * (1.0 + float(v.abs().sum(1).max()))
+    return max(float((-u).clamp_min(0).max()), float((-h).clamp_min(0).max()) / unit,
+               float((u.clamp_min(0) * h.abs()).max()) / unit)
+
+
+def test_upgrad_nearly_opposed_k3_does_not_increase_a_loss():
+    # the case of issue 9: a fixed number of coordinate-descent sweeps returned d with g_1 . d = -1.3e-3
+    g = G([1.0, 0.0, 0.0], [-1.0, 0.01, 0.0], [0.5, -0.5, 1.0])
+    d = upgrad(g)
+    assert (g @ d >= 0).all(), (g @ d).tolist()
+    close(d, [2.6771e-5, 5.3438e-3, 0.33599], 1e-4)
+    close(g @ d, [2.6771e-5, 2.6667e-5, 1 / 3], 1e-4)
+    assert upgrad_kkt_violation(g) < 1e-12
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_upgrad_projections_meet_the_kkt_conditions_on_hard_cases(k):
+    cases = pcgrad_hard_cases(k)  # random, nearly opposed, 100x, identical rows, a zero row
+    gen = torch.Generator().manual_seed(k)
+    for _ in range(6):  # several rows nearly opposed to the first, in different directions
+        g = random_grads(k, 6, int(torch.randint(1 << 30, (1,), generator=gen)))
+        for t in range(1, k):
+            g[t] = -g[0] * (0.5 + t) + 1e-3 * g[t]
+        cases.append(g)
+    for g in cases:
+        assert upgrad_kkt_violation(g) < 1e-12
+        d = upgrad(g)
+        assert (g @ d >= -1e-12 * float(gram(g).diag().max())).all()
+
+
 # --------------------------------------------------------------------------------------------------
 # GradNorm
 
