@@ -94,8 +94,7 @@ def mgda_weights(gram: Tensor, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_
 
 
 @torch.no_grad()
-def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MAX_ITER,
-         tol: float = MGDA_TOL) -> Tensor:
+def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL) -> Tensor:
     """(K, P) task gradients -> (P,) min-norm point of their convex hull."""
     return apply_weights(mgda_weights(gram_matrix(grads), max_iter, tol), grads)
 
