@@ -9,8 +9,10 @@ produces the same next weights).
 from __future__ import annotations
 
 import io
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -25,7 +27,7 @@ from mtl.weighting.famo import FAMO_EPS, famo_logit_grad
 from mtl.weighting.gradnorm import gradnorm, gradnorm_loss, gradnorm_renormalize, gradnorm_weight_grad
 from mtl.weighting.imtlg import imtlg, imtlg_weights
 from mtl.weighting.mgda import mgda, mgda_weights
-from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, solution_exists
+from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, simplex_min, solution_exists
 from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, stream_seed
 from mtl.weighting.rlw import rlw_weights
 from mtl.weighting.upgrad import upgrad, upgrad_projections
@@ -485,6 +487,31 @@ def test_nash_tells_whether_a_solution_exists():
     for g in (G([1.0, 2.0], [-3.0, -6.0]), G([1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [-1.0, -1.0, 0.0]),
               G([1.0, 0.0, 0.0], [-1.0, 1e-9, 0.0], [0.0, 0.0, 1.0])):  # 0 in the hull (to 1e-18)
         assert not solution_exists(cos(g), NASH_EXISTS_TOL)
+
+
+def test_nash_simplex_min_equals_the_best_face():
+    """mu = min over the simplex of a^T C a, against the minimum over every face (support) of the simplex."""
+    def by_faces(c):
+        k, best = c.shape[0], math.inf
+        for r in range(1, k + 1):
+            for face in itertools.combinations(range(k), r):
+                sub = c[np.ix_(face, face)]
+                kkt = np.block([[2 * sub, np.ones((r, 1))], [np.ones((1, r)), np.zeros((1, 1))]])
+                a = np.linalg.lstsq(kkt, np.eye(r + 1)[-1], rcond=None)[0][:r]  # min on the face's plane
+                if (a >= 0).all():
+                    best = min(best, float(a @ sub @ a))
+        return best
+
+    for k in (2, 3, 5):
+        for seed in range(6):
+            g = random_grads(k, 4, 500 + 10 * k + seed)
+            if seed % 2:
+                g[1:] = -g[0] * torch.rand(k - 1, 1, generator=torch.Generator().manual_seed(seed),
+                                           dtype=torch.float64) + 1e-3 * g[1:]  # nearly opposed to g_0
+            u = g / g.norm(dim=1, keepdim=True)
+            c = (u @ u.T).numpy()
+            expected = by_faces(c)
+            assert abs(simplex_min(c) - expected) <= 1e-6 * expected + 1e-15, (simplex_min(c), expected)
 
 
 def test_nash_solves_the_equation_to_round_off_on_hard_cases():

@@ -71,10 +71,14 @@ def solution_exists(c: np.ndarray, tol: float) -> bool:
     (write a = t a' with a' in the simplex: t^2 a'^T c a' + (t - 1)^2 is least at q / (1 + q), q =
     a'^T c a', increasing in q), and at its optimum P = 1 - sum a, so mu = (1 - s) / s with s = sum a.
     """
-    k = c.shape[0]
-    ones = np.ones(k)
+    return simplex_min(c) > tol
+
+
+def simplex_min(c: np.ndarray) -> float:
+    """mu = min_{a in simplex} a^T c a for a PSD float64 c, from the NNLS problem in ``solution_exists``."""
+    ones = np.ones(c.shape[0])
     s = float(nonneg_qp(c + np.outer(ones, ones), -ones).sum())
-    return s > 0 and (1.0 - s) / s > tol
+    return (1.0 - s) / s if s > 0 else 0.0
 
 
 def solve_nash(c: np.ndarray, max_iter: int = NASH_MAX_ITER, tol: float = NASH_TOL) -> np.ndarray:
