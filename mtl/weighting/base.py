@@ -95,7 +95,8 @@ class GramWeighting(Weighting):
     matrix of the task gradients, ``losses`` the (K,) rank-averaged losses (or None), ``dtype`` the dtype
     of the rows the Gram matrix was computed from (it sets the method's rank and round-off tolerances:
     float32 rows give Gram entries with ~1e-7 relative error); it returns w (K,). Its state (learned
-    weights, RNG streams) stays on the module as for any ``Weighting``.
+    weights, RNG streams) stays on the module as for any ``Weighting``, and it may move that state
+    (GradNorm steps its weights after returning them), so it is called exactly once per step.
 
     ``combine(grads, losses)`` computes the Gram matrix once (float64 on the K x K), calls
     ``weights_from_gram`` through ``weights_for_gram`` and returns ``w^T G`` in the grads' dtype. A gradient
