@@ -9,8 +9,10 @@ produces the same next weights).
 from __future__ import annotations
 
 import io
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -18,13 +20,14 @@ from omegaconf import OmegaConf
 from mtl.config import Config
 from mtl.weighting import weighting_types
 from mtl.weighting.alignedmtl import alignedmtl, alignedmtl_balance, alignedmtl_weights
+from mtl.weighting.base import GramWeighting, gram_matrix
 from mtl.weighting.cagrad import cagrad, cagrad_weights
 from mtl.weighting.dwa import dwa_weights
 from mtl.weighting.famo import FAMO_EPS, famo_logit_grad
 from mtl.weighting.gradnorm import gradnorm, gradnorm_loss, gradnorm_renormalize, gradnorm_weight_grad
 from mtl.weighting.imtlg import imtlg, imtlg_weights
 from mtl.weighting.mgda import mgda, mgda_weights
-from mtl.weighting.nashmtl import nashmtl, nashmtl_weights
+from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, simplex_min, solution_exists
 from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, stream_seed
 from mtl.weighting.rlw import rlw_weights
 from mtl.weighting.upgrad import upgrad, upgrad_projections
@@ -154,6 +157,100 @@ def test_weightings_run_on_cuda(method):
 
 
 # --------------------------------------------------------------------------------------------------
+# the Gram interface: w from (G G^T, losses, state), update w^T G
+
+# The weights each method's combine() gave at commit 294b73a (before the methods moved onto GramWeighting),
+# on the inputs of gram_case(k) over three steps of gram_case_run; d = w @ G. Kept to 12 digits.
+PREVIOUS_WEIGHTS_TABLE = """
+pcgrad/2     2.01920688901 1.1580998075
+pcgrad/3     1.04284043033 1 3.25657698981
+pcgrad/5     1 1.10371390616 2.87951823582 1.21798716191 3.93332891964
+mgda/2       0.787116177779 0.212883822221
+mgda/3       0.0559672806566 0 0.944032719343
+mgda/5       0 0.00944535542895 0.951091097557 0 0.0394635470141
+cagrad/2     0.831991663155 0.431034482759
+cagrad/3     0.287356321839 0.287356321839 3.32324292536
+cagrad/5     0.172413793103 0.172413793103 0.774226268152 0.172413793103 0.53309697277
+nashmtl/2    0.405219976327 0.159597227352
+nashmtl/3    0.278820705353 0.062197266331 2.18838449628
+nashmtl/5    0.269018310371 0.102354826405 1.60463091743 0.304288485557 0.683666154408
+imtlg/2      0.717435612243 0.282564387757
+imtlg/3      0.145740706743 -0.0358017718224 0.89006106508
+imtlg/5      -0.800075326983 0.323196332231 -2.0896053029 1.19182633168 2.37465796597
+alignedmtl/2 1.09319813396 0.485084027605
+alignedmtl/3 0.213011308818 -0.0366570659367 1.05737288122
+alignedmtl/5 0.0910290806058 0.0285013228702 0.771557822553 0.023178550249 0.103267742067
+upgrad/2     1.0096034445 0.579049903751
+upgrad/3     0.347613476777 0.333333333333 1.08552566327
+upgrad/5     0.2 0.214801897828 0.296342833555 0.251997514266 0.794547647477
+gradnorm/2   1.02499985695 0.975000143051
+gradnorm/3   1.01652884483 0.966942310333 1.01652884483
+gradnorm/5   1.00985217094 0.960591316223 1.00985217094 1.00985217094 1.00985217094
+"""
+PREVIOUS_WEIGHTS = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in PREVIOUS_WEIGHTS_TABLE.strip().splitlines()}
+
+
+def gram_case(k: int) -> torch.Tensor:
+    """(K, 7) rows with a shared component and some conflicts (negative cosines) for K = 2, 3, 5."""
+    gen = torch.Generator().manual_seed(1000 + {2: 1, 3: 3, 5: 5}[k])
+    g = torch.randn(k, 7, generator=gen, dtype=torch.float64) + 0.6 * torch.randn(1, 7, generator=gen, dtype=torch.float64)
+    return g * torch.tensor([1.0, 3.0, 0.2, 1.5, 0.7][:k], dtype=torch.float64)[:, None]
+
+
+def gram_case_run(method: str, g: torch.Tensor):
+    """Three steps of ``method`` on the rows ``g`` (losses moving), returning the last update and the method."""
+    k = g.shape[0]
+    tasks = [f"t{i}" for i in range(k)]
+    w = make(method, tasks=tasks)
+    d = None
+    for step in range(3):
+        w.begin_step(step)
+        d = w.combine(g, torch.linspace(1.0, 2.0, k, dtype=torch.float64))
+        w.end_step({t: 1.0 + 0.3 * i - 0.1 * step * i for i, t in enumerate(tasks)})
+    return d, w
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("method", sorted({key.split("/")[0] for key in PREVIOUS_WEIGHTS}))
+def test_gram_path_equals_the_previous_implementation(method, k):
+    g = gram_case(k)
+    assert float((gram(g) / gram(g).diag().sqrt()[:, None] / gram(g).diag().sqrt()).min()) < -0.3  # conflicts
+    d, _ = gram_case_run(method, g)
+    expected = torch.tensor(PREVIOUS_WEIGHTS[f"{method}/{k}"], dtype=torch.float64) @ g
+    # Nash-MTL's previous solver added a 1e-8 ridge everywhere, which moved alpha by ~1e-8 (relative);
+    # it now solves the equation itself where a solution exists (tested to round-off below)
+    tol = 1e-7 if method == "nashmtl" else 1e-10
+    close(d, expected, tol * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("method", GRAD_METHODS)
+def test_grad_methods_see_only_the_gram_matrix(method):
+    """Rotating the rows (G -> G R, R orthogonal) keeps G G^T: the weights must not move, d must rotate."""
+    assert issubclass(weighting_types()[method], GramWeighting)
+    for k in (2, 3, 5):
+        g = gram_case(k)
+        r, _ = torch.linalg.qr(torch.randn(7, 7, generator=torch.Generator().manual_seed(k), dtype=torch.float64))
+        d, w = gram_case_run(method, g)
+        d_rot, w_rot = gram_case_run(method, g @ r)
+        # to the solvers' tolerance (CAGrad's projected gradient stops ~1e-8 from the optimum in w)
+        close(list(w_rot.weights().values()), list(w.weights().values()), 1e-7)
+        close(d_rot, d @ r, 1e-7 * float(d.abs().max()))
+        if method != "gradnorm":  # gradnorm reports the weights of the next step
+            alpha = torch.tensor(list(w.weights().values()), dtype=torch.float64)
+            close(alpha, w.weights_for_gram(gram_matrix(g), None, torch.float64), 1e-12)
+
+
+@pytest.mark.parametrize("method", GRAD_METHODS)
+def test_combine_keeps_the_grads_dtype(method):
+    g = gram_case(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        d, _ = gram_case_run(method, g.to(dtype))
+        ref, _ = gram_case_run(method, g)
+        assert d.dtype == dtype and torch.isfinite(d).all()
+        assert float((d.double() - ref).abs().max()) < 0.05 * float(ref.abs().max())
+
+
+# --------------------------------------------------------------------------------------------------
 # PCGrad
 
 
@@ -195,6 +292,38 @@ def reference_pcgrad(g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
                 gi = gi - dot / (g[j] @ g[j]) * g[j]
         out.append(gi)
     return torch.stack(out).sum(0)
+
+
+def pcgrad_hard_cases(k: int):
+    """Random rows and the hard ones: nearly opposed, one row 100x, identical rows, a zero row."""
+    gen = torch.Generator().manual_seed(50 + k)
+    cases = [random_grads(k, 6, 60 + k)]
+    g = random_grads(k, 6, 70 + k)
+    g[1] = -g[0] + 1e-4 * torch.randn(6, generator=gen, dtype=torch.float64)  # nearly opposed
+    cases.append(g)
+    g = random_grads(k, 6, 80 + k)
+    g[0] *= 100.0
+    cases.append(g)
+    g = random_grads(k, 6, 90 + k)
+    g[-1] = g[0]  # identical rows
+    cases.append(g)
+    g = random_grads(k, 6, 100 + k)
+    g[1] = 0.0  # a zero row
+    cases.append(g)
+    return cases
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_pcgrad_weights_from_the_gram_matrix_equal_the_row_by_row_algorithm(k):
+    for n, g in enumerate(pcgrad_hard_cases(k)):
+        for seed in range(4):
+            d = pcgrad(g, generator=torch.Generator().manual_seed(seed))
+            ref = reference_pcgrad(g, torch.Generator().manual_seed(seed))
+            close(d, ref, 1e-9 * max(1.0, float(ref.abs().max())))
+            w = make("pcgrad", seed=seed, tasks=[f"t{i}" for i in range(k)])
+            w.begin_step(n)
+            gen = torch.Generator().manual_seed(stream_seed(seed, n)) if k > 2 else torch.Generator()
+            close(w.combine(g, None), reference_pcgrad(g, gen), 1e-9 * max(1.0, float(ref.abs().max())))
 
 
 def test_pcgrad_k3_follows_the_algorithm_and_is_reproducible():
@@ -331,6 +460,74 @@ def test_nash_alpha_solves_the_bargaining_equation(k):
         close((m @ alpha) * alpha, torch.ones(k), 1e-6)  # (GG^T alpha)_t = 1/alpha_t
 
 
+def nash_hard_cases():
+    """Gradients with a common descent direction (the equation has a solution) that is hard to find."""
+    cases = []
+    for eps in (1e-2, 1e-3, 1e-4):  # nearly opposed: alpha ~ 1/sqrt(eps)
+        cases.append(G([1.0, 0.0], [-1.0, eps]))
+        cases.append(G([100.0, 0.0], [-1.0, eps]))  # ... and one 100x the other
+        cases.append(G([1.0, 0.0, 0.0], [-1.0, eps, 0.0], [0.5, -0.5, 1.0]))  # issue 9's K = 3 case
+        cases.append(G([1.0, 0, 0, 0, 0], [-1.0, eps, 0, 0, 0], [0, 0, 1.0, 0, 0], [0, 0, -3.0, eps, 0],
+                       [0.1, 0, 0.1, 0, 1.0]))  # K = 5, two nearly opposed pairs
+    cases.append(G([3.0, 4.0, 0.0], [3.0, 4.0, 0.0], [0.0, 1.0, 1.0]))  # identical rows
+    for k in (2, 3, 5):
+        g = random_grads(k, 6, 300 + k)
+        g[1:] = g[1:] + 1.5 * g[0]
+        cases.append(g * torch.logspace(-2, 2, k, dtype=torch.float64)[:, None])  # norms 1e-2 .. 1e2
+    return cases
+
+
+def test_nash_tells_whether_a_solution_exists():
+    def cos(g):
+        u = g / g.norm(dim=1, keepdim=True)
+        return (u @ u.T).numpy()
+
+    for g in nash_hard_cases():
+        assert solution_exists(cos(g), NASH_EXISTS_TOL)
+    for g in (G([1.0, 2.0], [-3.0, -6.0]), G([1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [-1.0, -1.0, 0.0]),
+              G([1.0, 0.0, 0.0], [-1.0, 1e-9, 0.0], [0.0, 0.0, 1.0])):  # 0 in the hull (to 1e-18)
+        assert not solution_exists(cos(g), NASH_EXISTS_TOL)
+
+
+def test_nash_simplex_min_equals_the_best_face():
+    """mu = min over the simplex of a^T C a, against the minimum over every face (support) of the simplex."""
+    def by_faces(c):
+        k, best = c.shape[0], math.inf
+        for r in range(1, k + 1):
+            for face in itertools.combinations(range(k), r):
+                sub = c[np.ix_(face, face)]
+                kkt = np.block([[2 * sub, np.ones((r, 1))], [np.ones((1, r)), np.zeros((1, 1))]])
+                a = np.linalg.lstsq(kkt, np.eye(r + 1)[-1], rcond=None)[0][:r]  # min on the face's plane
+                if (a >= 0).all():
+                    best = min(best, float(a @ sub @ a))
+        return best
+
+    for k in (2, 3, 5):
+        for seed in range(6):
+            g = random_grads(k, 4, 500 + 10 * k + seed)
+            if seed % 2:
+                g[1:] = -g[0] * torch.rand(k - 1, 1, generator=torch.Generator().manual_seed(seed),
+                                           dtype=torch.float64) + 1e-3 * g[1:]  # nearly opposed to g_0
+            u = g / g.norm(dim=1, keepdim=True)
+            c = (u @ u.T).numpy()
+            expected = by_faces(c)
+            assert abs(simplex_min(c) - expected) <= 1e-6 * expected + 1e-15, (simplex_min(c), expected)
+
+
+def test_nash_solves_the_equation_to_round_off_on_hard_cases():
+    """Where a solution exists, (GG^T alpha)_t alpha_t = 1 to round-off (the fixed 1e-8 ridge was 0.7 off)."""
+    for g in nash_hard_cases():
+        m = gram(g)
+        alpha = nashmtl_weights(m)
+        assert torch.isfinite(alpha).all() and (alpha > 0).all(), alpha
+        residual = ((m @ alpha) * alpha - 1).abs()
+        size = (m.abs() @ alpha) * alpha  # the terms of (GG^T alpha)_t alpha_t before they cancel
+        assert float((residual / (1 + size)).max()) < 1e-13, (residual.tolist(), size.tolist())
+        assert float(residual.max()) < 1e-6  # alpha ~ 1e4 here: the equation holds to 1e-7 at worst
+        d = alpha @ g
+        close((g @ d) * alpha, torch.ones(len(alpha)), 1e-12 * float(1 + size.max()))
+
+
 # --------------------------------------------------------------------------------------------------
 # IMTL-G
 
@@ -413,6 +610,47 @@ def test_upgrad_projects_onto_the_dual_cone(k):
         d = upgrad(g)
         assert (g @ d >= -1e-9).all()  # never increases a task's loss to first order
         close(d, proj.mean(0))
+
+
+def upgrad_kkt_violation(g: torch.Tensor) -> float:
+    """Largest violation of the projection QPs' optimality conditions, relative to max ||g_t||^2 (1 + |v|).
+
+    v_i = argmin_{v >= e_i} v^T M v (M = G G^T) iff v_i >= e_i, (M v_i)_t >= 0 for every t and
+    (v_i - e_i)_t (M v_i)_t = 0 (convex QP: these are sufficient).
+    """
+    m = gram(g)
+    v = upgrad_projections(m)
+    k = g.shape[0]
+    u = v - torch.eye(k, dtype=torch.float64)
+    h = v @ m  # h[i, t] = g_t . pi(g_i)
+    unit = float(m.diag().max()) * (1.0 + float(v.abs().sum(1).max()))
+    return max(float((-u).clamp_min(0).max()), float((-h).clamp_min(0).max()) / unit,
+               float((u.clamp_min(0) * h.abs()).max()) / unit)
+
+
+def test_upgrad_nearly_opposed_k3_does_not_increase_a_loss():
+    # the case of issue 9: a fixed number of coordinate-descent sweeps returned d with g_1 . d = -1.3e-3
+    g = G([1.0, 0.0, 0.0], [-1.0, 0.01, 0.0], [0.5, -0.5, 1.0])
+    d = upgrad(g)
+    assert (g @ d >= 0).all(), (g @ d).tolist()
+    close(d, [2.6771e-5, 5.3438e-3, 0.33599], 1e-4)
+    close(g @ d, [2.6771e-5, 2.6667e-5, 1 / 3], 1e-4)
+    assert upgrad_kkt_violation(g) < 1e-12
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_upgrad_projections_meet_the_kkt_conditions_on_hard_cases(k):
+    cases = pcgrad_hard_cases(k)  # random, nearly opposed, 100x, identical rows, a zero row
+    gen = torch.Generator().manual_seed(k)
+    for _ in range(6):  # several rows nearly opposed to the first, in different directions
+        g = random_grads(k, 6, int(torch.randint(1 << 30, (1,), generator=gen)))
+        for t in range(1, k):
+            g[t] = -g[0] * (0.5 + t) + 1e-3 * g[t]
+        cases.append(g)
+    for g in cases:
+        assert upgrad_kkt_violation(g) < 1e-12
+        d = upgrad(g)
+        assert (g @ d >= -1e-12 * float(gram(g).diag().max())).all()
 
 
 # --------------------------------------------------------------------------------------------------

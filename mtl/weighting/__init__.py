@@ -1,4 +1,5 @@
-"""Task-weighting methods, found by name: each module here defines one Weighting subclass."""
+"""Task-weighting methods, found by name: each method module here defines one Weighting subclass
+(``base`` holds the base classes and ``qp`` the shared K x K solvers)."""
 
 from mtl.registry import discover
 from mtl.weighting.base import Weighting

@@ -27,19 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
-
-
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 
 
 def default_rtol(k: int, dtype: torch.dtype) -> float:
@@ -51,9 +39,9 @@ def default_rtol(k: int, dtype: torch.dtype) -> float:
 def alignedmtl_balance(gram: Tensor, rtol: float | None = None) -> Tensor:
     """(K, K) B with aligned gradients ``B @ grads``, for the Gram matrix ``grads @ grads.T``."""
     k = gram.shape[0]
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.eye(k, dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.eye(k), gram)
     rtol = default_rtol(k, torch.float64) if rtol is None else rtol
     lam, vec = np.linalg.eigh((m + m.T) / 2)
     keep = lam > rtol * max(float(lam.max()), 0.0)
@@ -61,7 +49,7 @@ def alignedmtl_balance(gram: Tensor, rtol: float | None = None) -> Tensor:
         return torch.zeros(k, k, dtype=gram.dtype, device=gram.device)
     lam, vec = lam[keep], vec[:, keep]
     b = np.sqrt(lam.min()) * (vec / np.sqrt(lam)[None, :]) @ vec.T
-    return torch.as_tensor(b, dtype=gram.dtype, device=gram.device)
+    return like_gram(b, gram)
 
 
 def alignedmtl_weights(gram: Tensor, task_weights: Tensor | None = None, rtol: float | None = None) -> Tensor:
@@ -76,26 +64,11 @@ def alignedmtl(grads: Tensor, losses: Tensor | None = None, *, task_weights: Ten
                rtol: float | None = None) -> Tensor:
     """(K, P) task gradients -> (P,) sum of the aligned (orthogonal, equal-norm) gradients."""
     rtol = default_rtol(grads.shape[0], grads.dtype) if rtol is None else rtol
-    return _apply(alignedmtl_weights(_gram(grads), task_weights, rtol), grads)
+    return apply_weights(alignedmtl_weights(gram_matrix(grads), task_weights, rtol), grads)
 
 
-class AlignedMTL(Weighting):
+class AlignedMTL(GramWeighting):
     name = "alignedmtl"
-    level = "grad"
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = alignedmtl_weights(_gram(grads), rtol=default_rtol(grads.shape[0], grads.dtype))
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return alignedmtl_weights(gram, rtol=default_rtol(gram.shape[0], dtype))

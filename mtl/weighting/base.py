@@ -12,8 +12,13 @@ weights may depend on the step (``begin_step``) and on the rank-averaged losses 
 (``end_step``), but never on another task's *current* loss, which is what lets a strategy run one
 backward pass per task.
 
-Gradient-level methods (``level = "grad"``) combine the K x P matrix of each task's *rank-averaged*
-gradient of the shared parameters into one gradient: ``combine(grads, losses)``.
+Gradient-level methods (``level = "grad"``) combine the K x P matrix G of each task's *rank-averaged*
+gradient of the shared parameters into one gradient: ``combine(grads, losses)``, the entry the
+strategies call. Every method we ship returns ``w^T G`` with weights w (K,) that depend only on the
+K x K Gram matrix ``G G^T`` (plus the losses and the method's state), so they subclass
+``GramWeighting`` and define ``weights_from_gram``; see its docstring. A method that truly needs the
+rows (per-coordinate signs, as GradDrop's) subclasses ``Weighting`` with ``level = "grad"`` and
+overrides ``combine`` itself.
 
 Any state (learned weights, loss history, RNG) lives in ``state_dict()`` so that it goes into
 checkpoints: learnable weights as parameters or buffers, everything else through ``get_extra_state``.
@@ -21,8 +26,9 @@ checkpoints: learnable weights as parameters or buffers, everything else through
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 class Weighting(nn.Module):
@@ -55,3 +61,79 @@ class Weighting(nn.Module):
     def combine(self, grads: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
         """Gradient-level methods: (K, P) rank-averaged task gradients -> (P,) update direction."""
         raise NotImplementedError(f"{self.name} is a loss-level method")
+
+
+def gram_matrix(grads: Tensor) -> Tensor:
+    """The K x K Gram matrix ``grads @ grads.T`` in float64 (the product in float32 for lower precisions)."""
+    g = grads.detach()
+    g = g if g.dtype == torch.float64 else g.float()
+    return (g @ g.T).double()
+
+
+def apply_weights(alpha: Tensor, grads: Tensor) -> Tensor:
+    """``alpha @ grads`` in the grads' dtype (accumulated in float32 for lower precisions)."""
+    if grads.dtype in (torch.float32, torch.float64):
+        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
+    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+
+
+def gram_numpy(gram: Tensor) -> np.ndarray | None:
+    """The Gram matrix as a float64 numpy array for the small K x K solvers; None if an entry is not finite."""
+    m = gram.detach().cpu().double().numpy()
+    return m if np.isfinite(m).all() else None
+
+
+def like_gram(x, gram: Tensor) -> Tensor:
+    """A solver's numpy result as a tensor with the Gram matrix's dtype and device."""
+    return torch.as_tensor(np.asarray(x, dtype=np.float64), dtype=gram.dtype, device=gram.device)
+
+
+class GramWeighting(Weighting):
+    """A gradient-level method whose update is ``w^T G`` with w a function of the Gram matrix ``G G^T``.
+
+    A subclass defines ``weights_from_gram(gram, losses, dtype)``: ``gram`` is the K x K float64 Gram
+    matrix of the task gradients, ``losses`` the (K,) rank-averaged losses (or None), ``dtype`` the dtype
+    of the rows the Gram matrix was computed from (it sets the method's rank and round-off tolerances:
+    float32 rows give Gram entries with ~1e-7 relative error); it returns w (K,). Its state (learned
+    weights, RNG streams) stays on the module as for any ``Weighting``, and it may move that state
+    (GradNorm steps its weights after returning them), so it is called exactly once per step.
+
+    ``combine(grads, losses)`` computes the Gram matrix once (float64 on the K x K), calls
+    ``weights_from_gram`` through ``weights_for_gram`` and returns ``w^T G`` in the grads' dtype. A gradient
+    source that only has the Gram matrix (for example one all-reduced K x K matrix) calls
+    ``weights_for_gram`` itself and forms the update however it can. ``weights()`` reports the last w
+    (1.0 per task before the first combination), so the logged weights are the update's coefficients.
+
+    A method that needs the rows themselves (GradDrop's per-coordinate signs, for example) overrides
+    ``combine``; it then works only where the strategy hands it the rows (``task_grads``).
+    """
+
+    level = "grad"
+
+    def __init__(self, cfg, tasks: list[str]):
+        super().__init__(cfg, tasks)
+        self._alpha: Tensor | None = None
+
+    def weigh(self, task: str, loss: Tensor) -> Tensor:
+        return loss  # the combination happens on the gradients
+
+    def weights(self) -> dict[str, float]:
+        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
+        if self._alpha is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self.tasks, self._alpha.tolist()))
+
+    def weights_from_gram(self, gram: Tensor, losses: Tensor | None, dtype: torch.dtype) -> Tensor:
+        """(K, K) float64 Gram matrix -> (K,) weights w of the update ``w^T G``."""
+        raise NotImplementedError(f"{type(self).__name__} must define weights_from_gram")
+
+    @torch.no_grad()
+    def weights_for_gram(self, gram: Tensor, losses: Tensor | None = None,
+                         dtype: torch.dtype = torch.float32) -> Tensor:
+        """The method's weights for ``gram``, recorded for ``weights()``."""
+        self._alpha = self.weights_from_gram(gram, losses, dtype)
+        return self._alpha
+
+    @torch.no_grad()
+    def combine(self, grads: Tensor, losses: Tensor | None = None) -> Tensor:
+        return apply_weights(self.weights_for_gram(gram_matrix(grads), losses, grads.dtype), grads)

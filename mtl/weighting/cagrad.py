@@ -34,23 +34,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 
 CAGRAD_C = 0.4  # radius of the ball around g_0, relative to ||g_0||
 CAGRAD_RESCALE = True  # divide the update by 1 + c^2 (the authors' code, rescale=1)
 CAGRAD_MAX_ITER = 2000  # projected-gradient iterations for K > 2
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
-
-
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
 
 
 def project_simplex(v: np.ndarray) -> np.ndarray:
@@ -120,9 +108,9 @@ def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.
 def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RESCALE) -> Tensor:
     """(K,) alpha with ``cagrad(grads) == alpha @ grads`` for the Gram matrix ``grads @ grads.T``."""
     k = gram.shape[0]
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.full((k,), 1.0 / k, dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.full(k, 1.0 / k), gram)
     alpha = np.full(k, 1.0 / k)
     g0_sq = max(float(m.mean()), 0.0)
     if c > 0 and g0_sq > 0:
@@ -132,35 +120,20 @@ def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RES
             alpha = alpha + c * math.sqrt(g0_sq) / gw_norm * w
     if rescale:
         alpha = alpha / (1.0 + c * c)
-    return torch.as_tensor(alpha, dtype=gram.dtype, device=gram.device)
+    return like_gram(alpha, gram)
 
 
 @torch.no_grad()
 def cagrad(grads: Tensor, losses: Tensor | None = None, *, c: float = CAGRAD_C,
            rescale: bool = CAGRAD_RESCALE) -> Tensor:
     """(K, P) task gradients -> (P,) conflict-averse update (divided by 1 + c^2 when ``rescale``)."""
-    return _apply(cagrad_weights(_gram(grads), c, rescale), grads)
+    return apply_weights(cagrad_weights(gram_matrix(grads), c, rescale), grads)
 
 
-class CAGrad(Weighting):
+class CAGrad(GramWeighting):
     name = "cagrad"
-    level = "grad"
     C = CAGRAD_C
     RESCALE = CAGRAD_RESCALE
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = cagrad_weights(_gram(grads), self.C, self.RESCALE)
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return cagrad_weights(gram, self.C, self.RESCALE)

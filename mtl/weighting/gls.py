@@ -1,9 +1,9 @@
 """GLS, geometric loss strategy (Chennupati et al. 2019, "MultiNet++"): minimise the geometric mean.
 
 The objective is ``(prod_t L_t)^(1/K)``. Its logarithm ``(1/K) sum_t log L_t`` has the same minimiser
-(log is increasing) and is separable, so the per-task term is::
+(log is increasing) and is separable; the gradient of a task's part is::
 
-    term_t = log(L_t) / K,         d term_t = grad L_t / (K L_t)
+    grad (log(L_t) / K) = grad L_t / (K L_t)
 
 The gradient of the geometric mean itself is ``GM * sum_t grad L_t / (K L_t)`` with GM = (prod L)^(1/K):
 the same direction, scaled by the (positive) current geometric mean. We drop that common factor, which
@@ -11,10 +11,15 @@ would couple the tasks' current losses (a strategy runs one backward per task), 
 optimizer largely ignores anyway. In effect each task's gradient is divided by its own loss, so every
 task counts by its *relative* improvement.
 
-Under DDP each rank takes the log of its own batch's loss and DDP averages the gradients, so the
-objective is the rank-mean of log L_t (not the log of the rank-mean); with equal per-rank batch sizes
-this is the usual stochastic estimate. Losses are clamped at ``GLS_EPS`` before the log (the gradient is
-0 below it). ``weights()`` reports the coefficient of log L_t, 1/K. Stateless.
+The term whose backward pass the step runs is not the log itself but ``L_t / (K * Lbar_t)``, with
+``Lbar_t`` the loss value averaged over ranks (one scalar all-reduce per task, held constant): its
+gradient is ``grad L_t / (K Lbar_t)``. Under DDP each rank divides its own batch's loss by that same
+rank-averaged value and DDP averages the ranks' gradients, so with equal per-rank batch sizes the step
+follows ``grad L / (K L)`` for L the *global* batch's loss, the gradient of log of the global loss,
+exactly as one process on the global batch (a per-rank log L_r would average grad L_r / L_r instead: a
+different step for every world size). The term's value is 1/K (times L_r / Lbar on a rank), not
+log L. The divisor is clamped at ``GLS_EPS`` (a zero loss gives a finite term). ``weights()`` reports
+the coefficient of log L_t, 1/K. Stateless.
 """
 
 from __future__ import annotations

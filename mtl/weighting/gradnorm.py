@@ -14,12 +14,13 @@ at ``GRADNORM_MIN_WEIGHT``, and the paper's renormalisation ``w <- K w / sum(w)`
 ``GRADNORM_ALPHA`` = 1.5 (the paper's NYUv2 setting).
 
 Where the norms come from: the paper takes ||g_t|| on the last shared layer; here they are the norms of
-the rows of ``grads``, i.e. over whatever shared parameters the strategy hands to ``combine``. The rows
-are already averaged over ranks, so the norms (and hence w) are identical on every rank with no extra
-all-reduce. The losses: L_t(0) is the first step's rank-averaged loss and L_t is the latest
-rank-averaged loss given to ``end_step``, i.e. the ratios lag the gradients by one step (this keeps w
-identical on every rank whatever ``losses`` the caller passes to ``combine``); before the first
-``end_step`` w is not updated. Steps with non-finite norms do not update w (the trainer skips them).
+the rows of ``grads`` (the square roots of the Gram matrix's diagonal), i.e. over whatever shared
+parameters the strategy hands to ``combine``. The rows are already averaged over ranks, so the norms
+(and hence w) are identical on every rank with no extra all-reduce. The losses: L_t(0) is the first
+step's rank-averaged loss and L_t is the latest rank-averaged loss given to ``end_step``, i.e. the
+ratios lag the gradients by one step (this keeps w identical on every rank whatever ``losses`` the
+caller passes to ``combine``); before the first ``end_step`` w is not updated. Steps with non-finite
+norms do not update w (the trainer skips them).
 
 w, the Adam moments and the Adam step count are buffers; L(0) and the latest losses are extra state:
 all of it is in ``state_dict()``. w is not an nn.Parameter (it is not updated by the model's optimizer).
@@ -30,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights
 
 GRADNORM_ALPHA = 1.5  # asymmetry: how strongly slow tasks are pulled up
 GRADNORM_LR = 0.025  # Adam learning rate of the task weights
@@ -67,14 +68,11 @@ def gradnorm_renormalize(weights: Tensor, min_weight: float = GRADNORM_MIN_WEIGH
 @torch.no_grad()
 def gradnorm(grads: Tensor, weights: Tensor) -> Tensor:
     """(K, P) task gradients and (K,) task weights -> (P,) sum_t w_t g_t."""
-    if grads.dtype in (torch.float32, torch.float64):
-        return weights.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (weights.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+    return apply_weights(weights, grads)
 
 
-class GradNorm(Weighting):
+class GradNorm(GramWeighting):
     name = "gradnorm"
-    level = "grad"
     ALPHA = GRADNORM_ALPHA
     LR = GRADNORM_LR
 
@@ -88,18 +86,15 @@ class GradNorm(Weighting):
         self.initial_losses: list[float] | None = None
         self.last_losses: list[float] | None = None
 
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
     def weights(self):
         """The task weights w of the next combination (d = sum_t w_t g_t)."""
         return dict(zip(self.tasks, self.task_weights.tolist()))
 
-    @torch.no_grad()
-    def combine(self, grads, losses=None):
-        out = gradnorm(grads, self.task_weights)
+    def weights_from_gram(self, gram, losses, dtype):
+        """This step's w; then w moves using the norms ||g_t|| = sqrt(diag(gram))."""
+        out = self.task_weights.clone()
         if self.initial_losses is not None and self.last_losses is not None:
-            self._update(grads.detach().float().norm(dim=1))
+            self._update(gram.diagonal().clamp_min(0.0).sqrt().to(self.task_weights.dtype))
         return out
 
     @torch.no_grad()

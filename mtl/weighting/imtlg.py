@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 
 IMTLG_RCOND = 1e-10  # singular values of D U^T below rcond * max ||g_t|| count as zero (float64 gradients)
 IMTLG_RCOND_F32 = 1e-5  # the same for float32 (or lower) gradients: their Gram entries carry ~1e-7 noise
@@ -37,25 +37,13 @@ def default_rcond(dtype: torch.dtype) -> float:
     return IMTLG_RCOND if dtype == torch.float64 else IMTLG_RCOND_F32
 
 
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
-
-
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
-
-
 @torch.no_grad()
 def imtlg_weights(gram: Tensor, rcond: float = IMTLG_RCOND) -> Tensor:
     """(K,) alpha (summing to 1 over the non-zero rows) for the Gram matrix ``grads @ grads.T``."""
     k = gram.shape[0]
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.full((k,), 1.0 / k, dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.full(k, 1.0 / k), gram)
     sq = np.diag(m).copy()
     alpha = np.zeros(k)
     active = np.nonzero(sq > 1e-12 * max(float(sq.max()), 0.0))[0]
@@ -72,32 +60,17 @@ def imtlg_weights(gram: Tensor, rcond: float = IMTLG_RCOND) -> Tensor:
         rest = g1_u @ inv
         alpha[active[1:]] = rest
         alpha[active[0]] = 1.0 - rest.sum()
-    return torch.as_tensor(alpha, dtype=gram.dtype, device=gram.device)
+    return like_gram(alpha, gram)
 
 
 @torch.no_grad()
 def imtlg(grads: Tensor, losses: Tensor | None = None) -> Tensor:
     """(K, P) task gradients -> (P,) update with equal projections onto every unit task gradient."""
-    return _apply(imtlg_weights(_gram(grads), default_rcond(grads.dtype)), grads)
+    return apply_weights(imtlg_weights(gram_matrix(grads), default_rcond(grads.dtype)), grads)
 
 
-class IMTLG(Weighting):
+class IMTLG(GramWeighting):
     name = "imtlg"
-    level = "grad"
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = imtlg_weights(_gram(grads), default_rcond(grads.dtype))
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return imtlg_weights(gram, default_rcond(dtype))

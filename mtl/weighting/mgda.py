@@ -31,22 +31,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 
 MGDA_MAX_ITER = 1000  # Frank-Wolfe iterations (K > 2)
 MGDA_TOL = 1e-12  # stop when the duality gap is below this fraction of max_t ||g_t||^2
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
-
-
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
 
 
 def min_norm_2(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -99,36 +87,20 @@ def mgda_weights(gram: Tensor, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_
     if k == 2:
         a1 = min_norm_2(gram[0, 0], gram[1, 1], gram[0, 1])
         return torch.stack([a1, 1 - a1])
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.full((k,), 1.0 / k, dtype=gram.dtype, device=gram.device)
-    return torch.as_tensor(frank_wolfe_min_norm(m, max_iter, tol), dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.full(k, 1.0 / k), gram)
+    return like_gram(frank_wolfe_min_norm(m, max_iter, tol), gram)
 
 
 @torch.no_grad()
-def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MAX_ITER,
-         tol: float = MGDA_TOL) -> Tensor:
+def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL) -> Tensor:
     """(K, P) task gradients -> (P,) min-norm point of their convex hull."""
-    return _apply(mgda_weights(_gram(grads), max_iter, tol), grads)
+    return apply_weights(mgda_weights(gram_matrix(grads), max_iter, tol), grads)
 
 
-class MGDA(Weighting):
+class MGDA(GramWeighting):
     name = "mgda"
-    level = "grad"
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = mgda_weights(_gram(grads))
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return mgda_weights(gram)

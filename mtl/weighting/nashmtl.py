@@ -13,17 +13,29 @@ quadratically. It runs in float64 on the CPU on the K x K Gram matrix, rescaled 
 not depend on the gradients' scale. For K = 2 this is a 2 x 2 Newton solve (a handful of steps).
 
 Scale: d is invariant to rescaling any g_t (d . g_t = 1/alpha_t; for orthogonal gradients d is the
-sum of the unit gradients). The authors' code divides GG^T by its Frobenius norm before solving, which
-multiplies d by sqrt(||GG^T||_F); we keep the paper's equation (with Adam and gradient clipping the
-overall scale matters little). No cvxpy.
+sum of the unit gradients). The authors' code divides GG^T by its Frobenius norm N before solving, but
+their constraint multiplies alpha back by N (``alpha_t N (GG^T/N alpha)_t >= 1``) and their objective
+is only scaled by 1/N, so the normalisation cancels: their alpha solves the same equation (to their
+solver's accuracy). What differs is their optional clipping of the shared gradient's norm
+(``max_norm``) after the weighted backward; here clipping is the trainer's ``optim.grad_clip``. No
+cvxpy.
+
+Existence: the equation has a solution iff 0 is not in the convex hull of the unit gradients (some
+direction improves every task): ``mu = min_{a in simplex} a^T C a > 0``. ``solution_exists`` computes
+mu exactly (a small non-negative least-squares problem, see its docstring) and where mu
+exceeds ``NASH_EXISTS_TOL`` (float64 rows; ``NASH_EXISTS_TOL_F32`` for lower precisions, whose Gram
+entries carry ~1e-7 noise) the equation itself is solved, to round-off, however nearly opposed the
+gradients are (alpha ~ 1/sqrt(mu)). Newton starts from the best multiple of the ones vector, which
+keeps the damped phase short when the solution is large.
 
 Degenerate input:
 - a zero row (||g_t||^2 <= 1e-12 max_s ||g_s||^2) gets alpha_t = 0 and is left out of the system
   (the equation has no solution for it); all-zero input gives d = 0.
-- when no direction improves every task (0 in the convex hull, e.g. exactly opposed gradients) the
-  equation has no solution; a ridge ``NASH_RIDGE`` * I on the cosine matrix keeps it solvable, alpha
-  becomes large (~1/sqrt(ridge)) and d ~ 0 (0 up to rounding for opposed gradients of any norms).
-  The ridge perturbs the equation by ridge * beta_t^2 (relative), negligible unless d is nearly 0.
+- when no direction improves every task (mu <= the tolerance: 0 in the convex hull, e.g. exactly
+  opposed gradients) the equation has no solution; then, and only then, a ridge ``NASH_RIDGE`` * I on
+  the cosine matrix keeps it solvable: alpha becomes large (~1/sqrt(ridge)) and d ~ 0 (0 up to
+  rounding for opposed gradients of any norms). (A fixed ridge everywhere, as before, perturbed the
+  equation by ridge * beta_t^2, which for nearly opposed gradients left it off by up to 0.7.)
 - non-finite input gives alpha = 1 (a non-finite update: the trainer skips the step).
 """
 
@@ -33,35 +45,61 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.qp import nonneg_qp
 
-NASH_RIDGE = 1e-8  # added to the unit diagonal of the cosine matrix (relative error ~1e-8 in alpha)
-NASH_MAX_ITER = 500  # damped Newton steps
-NASH_TOL = 1e-20  # stop when the squared Newton decrement is below this
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
+NASH_RIDGE = 1e-8  # added to the unit diagonal of the cosine matrix, only where no solution exists
+NASH_EXISTS_TOL = 1e-12  # a solution exists if min over the simplex of a^T C a is above this (float64 rows)
+NASH_EXISTS_TOL_F32 = 1e-6  # the same for float32 (or lower) rows: their Gram entries carry ~1e-7 noise
+NASH_MAX_ITER = 1000  # damped Newton steps
+NASH_TOL = 1e-24  # stop when the squared Newton decrement is below this
 
 
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
+def default_exists_tol(dtype: torch.dtype) -> float:
+    return NASH_EXISTS_TOL if dtype == torch.float64 else NASH_EXISTS_TOL_F32
+
+
+def solution_exists(c: np.ndarray, tol: float) -> bool:
+    """Whether ``c beta = 1/beta`` has a solution beta > 0, for a PSD float64 c with unit diagonal.
+
+    It does iff ``f(beta) = 1/2 beta^T c beta - sum log beta`` is bounded below on beta > 0, i.e. iff
+    ``mu = min_{a in simplex} a^T c a > 0`` (0 is not in the convex hull of the unit gradients). mu comes
+    exactly from a non-negative least-squares problem (``nonneg_qp``, an active-set method)::
+
+        P = min_{a >= 0} a^T c a + (sum a - 1)^2 = mu / (1 + mu)
+
+    (write a = t a' with a' in the simplex: t^2 a'^T c a' + (t - 1)^2 is least at q / (1 + q), q =
+    a'^T c a', increasing in q), and at its optimum P = 1 - sum a, so mu = (1 - s) / s with s = sum a.
+    """
+    return simplex_min(c) > tol
+
+
+def simplex_min(c: np.ndarray) -> float:
+    """mu = min_{a in simplex} a^T c a for a PSD float64 c, from the NNLS problem in ``solution_exists``."""
+    ones = np.ones(c.shape[0])
+    s = float(nonneg_qp(c + np.outer(ones, ones), -ones).sum())
+    return (1.0 - s) / s if s > 0 else 0.0
 
 
 def solve_nash(c: np.ndarray, max_iter: int = NASH_MAX_ITER, tol: float = NASH_TOL) -> np.ndarray:
-    """beta > 0 with c @ beta = 1 / beta, for a positive definite float64 matrix c (damped Newton)."""
-    beta = np.ones(c.shape[0])
+    """beta > 0 with c @ beta = 1 / beta, for a PSD float64 matrix c where a solution exists (damped Newton).
+
+    Newton on the self-concordant f above, from the best multiple of the ones vector (f(t 1) is least at
+    t^2 = K / 1^T c 1: a good start when the solution is large, as for nearly opposed gradients). It
+    stops when the squared Newton decrement is below ``tol`` or, in the quadratic phase, stops shrinking
+    (round-off reached).
+    """
+    k = c.shape[0]
+    beta = np.full(k, np.sqrt(k / max(float(c.sum()), 1e-300)))
+    last = np.inf
     for _ in range(max_iter):
         grad = c @ beta - 1.0 / beta
         hess = c + np.diag(1.0 / beta**2)
         step = np.linalg.solve(hess, grad)
         lam2 = float(grad @ step)
-        if lam2 < tol:
+        if lam2 < tol or (lam2 < 1e-10 and lam2 > 0.25 * last):
             break
+        last = lam2
         lam = np.sqrt(max(lam2, 0.0))
         beta = beta - (step if lam < 0.25 else step / (1.0 + lam))
         beta = np.maximum(beta, 1e-300)  # in exact arithmetic the step never leaves beta > 0
@@ -69,46 +107,38 @@ def solve_nash(c: np.ndarray, max_iter: int = NASH_MAX_ITER, tol: float = NASH_T
 
 
 @torch.no_grad()
-def nashmtl_weights(gram: Tensor, ridge: float = NASH_RIDGE, max_iter: int = NASH_MAX_ITER) -> Tensor:
-    """(K,) alpha solving (GG^T alpha)_t = 1/alpha_t for the Gram matrix ``grads @ grads.T``."""
+def nashmtl_weights(gram: Tensor, ridge: float = NASH_RIDGE, max_iter: int = NASH_MAX_ITER,
+                    exists_tol: float = NASH_EXISTS_TOL) -> Tensor:
+    """(K,) alpha solving (GG^T alpha)_t = 1/alpha_t for the Gram matrix ``grads @ grads.T``.
+
+    ``ridge`` is added to the cosine matrix only where no solution exists (``solution_exists`` with
+    ``exists_tol``); where one exists the equation itself is solved, to round-off.
+    """
     k = gram.shape[0]
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.ones(k, dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.ones(k), gram)
     sq = np.diag(m).copy()
     alpha = np.zeros(k)
     active = sq > 1e-12 * max(float(sq.max()), 0.0)
     if active.any():
         norms = np.sqrt(sq[active])
         cos = m[np.ix_(active, active)] / np.outer(norms, norms)
-        cos = (cos + cos.T) / 2 + ridge * np.eye(len(norms))
+        cos = (cos + cos.T) / 2
+        if not solution_exists(cos, exists_tol):
+            cos = cos + ridge * np.eye(len(norms))
         alpha[active] = solve_nash(cos, max_iter) / norms
-    return torch.as_tensor(alpha, dtype=gram.dtype, device=gram.device)
+    return like_gram(alpha, gram)
 
 
 @torch.no_grad()
 def nashmtl(grads: Tensor, losses: Tensor | None = None, *, ridge: float = NASH_RIDGE) -> Tensor:
     """(K, P) task gradients -> (P,) Nash bargaining update sum_t alpha_t g_t."""
-    return _apply(nashmtl_weights(_gram(grads), ridge), grads)
+    return apply_weights(nashmtl_weights(gram_matrix(grads), ridge, exists_tol=default_exists_tol(grads.dtype)), grads)
 
 
-class NashMTL(Weighting):
+class NashMTL(GramWeighting):
     name = "nashmtl"
-    level = "grad"
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = nashmtl_weights(_gram(grads))
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return nashmtl_weights(gram, exists_tol=default_exists_tol(dtype))

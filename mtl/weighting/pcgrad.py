@@ -8,8 +8,10 @@ For each task i, starting from ``g_i^PC = g_i``, and for every other task j (in 
 ``d = sum_i g_i^PC`` (the same scale as equal weighting, which sums the task losses).
 
 Every projected row is a linear combination of the rows, so the whole computation runs on the K x K
-Gram matrix ``G G^T``: ``pcgrad_coefficients`` returns C with ``g_i^PC = sum_k C[i, k] g_k`` and
-``d = (sum_i C[i, :]) @ G``. Nothing leaves the device (no .cpu(), no data-dependent Python branch).
+Gram matrix ``M = G G^T``. Keep ``g_i^PC = sum_k C[i, k] g_k`` (C starts as the identity); then
+``g_i^PC . g_j = sum_k C[i, k] M[k, j] = C[i] . M[:, j]``, and a projection on g_j changes only one
+coefficient: ``C[i, j] -= (C[i] . M[:, j]) / M[j, j]``. ``pcgrad_coefficients`` returns C and the
+update is ``d = w @ G`` with ``w = sum_i C[i, :]``. Nothing leaves the device (no .cpu(), no data-dependent Python branch).
 
 Order: with K = 2 there is only one other task, so the result is deterministic. With K > 2 the
 order of the other tasks is drawn independently for every task i from a ``torch.Generator`` seeded
@@ -28,25 +30,13 @@ import hashlib
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix
 
 
 def stream_seed(seed: int, step: int, salt: str = "pcgrad") -> int:
     """A 63-bit seed for the random stream of (seed, step), the same in every process."""
     digest = hashlib.blake2b(f"{salt}:{int(seed)}:{int(step)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
-
-
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
 
 
 @torch.no_grad()
@@ -75,32 +65,21 @@ def pcgrad_weights(gram: Tensor, generator: torch.Generator | None = None) -> Te
 @torch.no_grad()
 def pcgrad(grads: Tensor, losses: Tensor | None = None, *, generator: torch.Generator | None = None) -> Tensor:
     """(K, P) task gradients -> (P,) sum of the conflict-projected gradients."""
-    return _apply(pcgrad_weights(_gram(grads), generator), grads)
+    return apply_weights(pcgrad_weights(gram_matrix(grads), generator), grads)
 
 
-class PCGrad(Weighting):
+class PCGrad(GramWeighting):
     name = "pcgrad"
-    level = "grad"
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         self.seed = int(cfg.seed)
         self.step = 0
-        self._alpha: Tensor | None = None
 
     def begin_step(self, step):
         self.step = int(step)
 
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step)) if len(self.tasks) > 2 else None
-        self._alpha = pcgrad_weights(_gram(grads), gen)
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        k = gram.shape[0]
+        gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step)) if k > 2 else None
+        return pcgrad_weights(gram, gen)

@@ -14,9 +14,15 @@ K = 2, exact (a = ||g_1||^2, b = ||g_2||^2, c = g_1 . g_2)::
     v_1 = (1, max(0, -c/b)),   v_2 = (max(0, -c/a), 1)
 
 i.e. each gradient loses its component along the other when they conflict (the same projection as
-PCGrad, so UPGrad = PCGrad / 2 for two tasks); computed with tensor ops on the device. K > 2: projected
-coordinate descent (Gauss-Seidel with clipping at the bounds) on each QP, in float64 on the CPU; it is
-exact after one sweep for K = 2 and converges linearly in general (stopped at ``UPGRAD_TOL``).
+PCGrad, so UPGrad = PCGrad / 2 for two tasks); computed with tensor ops on the device. K > 2: each QP,
+written as ``v = e_i + u`` with ``u >= 0``, is a non-negative least-squares problem in Gram form, solved
+exactly by an active-set method (Lawson & Hanson's NNLS, run on the K x K matrix: the active set grows
+by the most violated constraint, with the least-squares solve on the free set and back-tracking to stay
+feasible), in float64 on the CPU. It ends in a finite number of steps with the optimality (KKT)
+conditions met to round-off: ``v >= e_i``, ``(G G^T v)_t >= 0`` for every t (the projection is in the
+dual cone) and ``(v - e_i)_t (G G^T v)_t = 0``. (A fixed number of coordinate-descent sweeps, which
+this replaced, could stop far from the answer for nearly opposed rows and return a direction that
+increases a task's loss.)
 
 Degenerate input: a zero row imposes no constraint and projects to 0 (b = 0 above gives no
 correction); exactly opposed gradients both project to 0, so d = 0; identical gradients give d = g;
@@ -29,39 +35,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.qp import nonneg_qp
 
-UPGRAD_MAX_SWEEPS = 2000  # coordinate-descent sweeps per QP (K > 2)
-UPGRAD_TOL = 1e-14  # stop when no coordinate moves by more than this (relative to the largest)
-
-
-def _gram(grads: Tensor) -> Tensor:
-    g = grads.detach()
-    g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
+UPGRAD_TOL = 1e-12  # a constraint counts as violated below -tol * max_t ||g_t||^2 * max(1, sum |v|)
 
 
-def _apply(alpha: Tensor, grads: Tensor) -> Tensor:
-    if grads.dtype in (torch.float32, torch.float64):
-        return alpha.to(device=grads.device, dtype=grads.dtype) @ grads
-    return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
-
-
-def box_qp(q: np.ndarray, lower: np.ndarray, max_sweeps: int = UPGRAD_MAX_SWEEPS, tol: float = UPGRAD_TOL):
-    """argmin_{v >= lower} v^T q v for a PSD float64 q, by projected coordinate descent from v = lower."""
-    v = lower.astype(np.float64).copy()
-    diag = np.diag(q)
-    for _ in range(max_sweeps):
-        moved = 0.0
-        for j in range(len(v)):
-            if diag[j] <= 0:
-                continue  # a zero row: the objective does not depend on v_j; keep the bound
-            new = max(lower[j], v[j] - float(q[j] @ v) / diag[j])
-            moved = max(moved, abs(new - v[j]))
-            v[j] = new
-        if moved <= tol * max(1.0, float(np.abs(v).max())):
-            break
-    return v
+def box_qp(q: np.ndarray, lower: np.ndarray, tol: float = UPGRAD_TOL) -> np.ndarray:
+    """argmin_{v >= lower} v^T q v for a PSD float64 q: v = lower + the non-negative QP's solution."""
+    lower = lower.astype(np.float64)
+    return lower + nonneg_qp(q, q @ lower, tol)
 
 
 @torch.no_grad()
@@ -74,12 +57,12 @@ def upgrad_projections(gram: Tensor) -> Tensor:
         v21 = torch.where((c < 0) & (a > 0), -c / torch.where(a > 0, a, 1.0), 0.0)
         one = torch.ones((), dtype=gram.dtype, device=gram.device)
         return torch.stack([torch.stack([one, v12]), torch.stack([v21, one])])
-    m = gram.detach().cpu().double().numpy()
-    if not np.isfinite(m).all():
-        return torch.eye(k, dtype=gram.dtype, device=gram.device)
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(np.eye(k), gram)
     m = (m + m.T) / 2
     rows = [box_qp(m, np.eye(k)[i]) for i in range(k)]
-    return torch.as_tensor(np.stack(rows), dtype=gram.dtype, device=gram.device)
+    return like_gram(np.stack(rows), gram)
 
 
 def upgrad_weights(gram: Tensor) -> Tensor:
@@ -90,26 +73,11 @@ def upgrad_weights(gram: Tensor) -> Tensor:
 @torch.no_grad()
 def upgrad(grads: Tensor, losses: Tensor | None = None) -> Tensor:
     """(K, P) task gradients -> (P,) mean of their projections onto the dual cone of the rows."""
-    return _apply(upgrad_weights(_gram(grads)), grads)
+    return apply_weights(upgrad_weights(gram_matrix(grads)), grads)
 
 
-class UPGrad(Weighting):
+class UPGrad(GramWeighting):
     name = "upgrad"
-    level = "grad"
 
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
-
-    def combine(self, grads, losses=None):
-        self._alpha = upgrad_weights(_gram(grads))
-        return _apply(self._alpha, grads)
+    def weights_from_gram(self, gram, losses, dtype):
+        return upgrad_weights(gram)
