@@ -1,7 +1,9 @@
 """Mixed precision: autocast for bf16/fp16, and a GradScaler for fp16 only.
 
 fp16 scales each task's loss on its own (``scale(loss).backward()`` per pass), unscales once before
-clipping and updates once per step. bf16 needs no scaler. Both work on CPU and CUDA.
+clipping and updates once per step. The step itself (``optimizer.step()``, skipped on an inf/NaN
+gradient) is taken in mtl/step.py, in plain sight; the scaler only scales, unscales and updates.
+bf16 needs no scaler. Both work on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -28,24 +30,11 @@ class Amp:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer, loss_finite: bool, grad_finite: bool) -> tuple[bool, bool]:
-        """Step unless something is not finite. Returns (stepped, bad).
-
-        ``bad`` is a NaN/inf loss, or a NaN/inf gradient without a scaler. An fp16 gradient overflow
-        with finite losses is the GradScaler's business (it skips and backs off): not ``bad``.
-        """
-        if self.scaler is None:
-            ok = loss_finite and grad_finite
-            if ok:
-                optimizer.step()
-            return ok, not ok
-        if not loss_finite:
-            self.scaler.update()  # unscale_ recorded the inf: back the scale off, no step
-            return False, True
-        before = self.scaler.get_scale()
-        self.scaler.step(optimizer)  # skips by itself on inf/NaN gradients
-        self.scaler.update()
-        return self.scaler.get_scale() >= before, False
+    def update(self) -> None:
+        """After the step (taken or skipped): the GradScaler backs its scale off if ``unscale_`` found an
+        inf/NaN gradient, and grows it after a run of good steps. Nothing without a scaler."""
+        if self.scaler is not None:
+            self.scaler.update()
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler is not None else {}

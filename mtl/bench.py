@@ -75,12 +75,9 @@ def plan(cfg) -> list[dict]:
 
 
 def _run_in_process(config: str, overrides: list[str]) -> None:
-    from mtl import dist
     from mtl.trainer import Trainer
-    from mtl.validate import load_run_config
 
-    cfg = load_run_config(config, overrides)
-    trainer = Trainer(cfg, dist.init_distributed(cfg))
+    trainer = Trainer.from_config(config, overrides)
     try:
         trainer.train()
     finally:

@@ -61,14 +61,11 @@ def _setup(rank: int, world: int, port: int) -> None:
 
 
 def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
-    from mtl import dist
     from mtl.trainer import Trainer
-    from mtl.validate import load_run_config
 
     strategy, extra = VARIANTS.get(label, (label, []))
-    cfg = load_run_config(config, [*overrides, *extra, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{label}",
-                                   "trainer.progress=false", "resume=null", "ddp.replica_check_every=0"])
-    return Trainer(cfg, dist.init_distributed(cfg))
+    return Trainer.from_config(config, [*overrides, *extra, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{label}",
+                                        "trainer.progress=false", "resume=null", "ddp.replica_check_every=0"])
 
 
 def _counting(trainer, counts: dict) -> None:
@@ -85,7 +82,7 @@ def _counting(trainer, counts: dict) -> None:
             return allreduce_hook(None, bucket)
 
         trainer.model.register_comm_hook(None, hook)
-    trainer.comm = CountingComm(counts)
+    trainer.parts.comm = CountingComm(counts)
 
 
 def _sync(device) -> None:
@@ -97,7 +94,6 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
     _setup(rank, world, port)
     from mtl import dist
     from mtl.evaluate import to_device
-    from mtl.step import train_step
 
     names = strategies_to_time()
     trainers = {s: _trainer(config, overrides, s, out_dir) for s in names}
@@ -117,11 +113,10 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
                 dist.barrier()
                 _sync(t.device)
                 tic = time.perf_counter()
-                train_step(t, batch)
+                t.step_once(batch)
                 _sync(t.device)
                 if r:
                     times[s].append(time.perf_counter() - tic)
-                t.step += 1
                 per_step[s] = {k: counts[s][k] - before[k] for k in before}
     # F and B on the combined pattern (DDP forward; backward with its all-reduce)
     t = trainers["combined"]
@@ -164,7 +159,6 @@ def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_di
     _setup(rank, world, port)
     from mtl import dist
     from mtl.evaluate import to_device
-    from mtl.step import train_step
 
     t = _trainer(config, overrides, strategy, out_dir)
     batches = t.batches()
@@ -176,8 +170,7 @@ def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_di
         with open("/proc/self/statm") as f:
             base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     for _ in range(steps):
-        train_step(t, batch)
-        t.step += 1
+        t.step_once(batch)
     _sync(t.device)
     if t.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(t.device)

@@ -1,8 +1,17 @@
-"""One optimizer step: the strategy's backward passes, then clip, step, schedule, zero.
+"""One optimizer step, top to bottom: the function to read first.
 
-This is the function to read first. The strategy (mtl/strategies/) runs one backward pass per task
-and leaves the rank-averaged gradient of the weighted objective in ``.grad``; everything after that
-is the same for every strategy.
+``train_step(parts, batch, step, stop_requested) -> StepResult`` reads nothing but its arguments:
+
+1. forward and one backward pass per task, through the strategy (mtl/strategies/), which leaves the
+   rank-averaged gradient of the weighted objective in ``.grad``;
+2. unscale (fp16 scaled each task's loss);
+3. the finite check, the same decision on every rank;
+4. clip;
+5. ``optimizer.step()``;
+6. ``scheduler.step()``;
+7. zero the gradients.
+
+Everything after step 1 is the same for every strategy.
 """
 
 from __future__ import annotations
@@ -12,57 +21,93 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtl.dist import all_reduce_mean, all_reduce_sum, average_grads
-from mtl.strategies import StepInputs
+from mtl.amp import Amp
+from mtl.dist import Comm, all_reduce_mean, all_reduce_sum, average_grads
+from mtl.strategies import StepInputs, Strategy
+
+
+@dataclass
+class StepParts:
+    """Everything a step touches, built once per run (``Trainer.parts``)."""
+
+    model: torch.nn.Module  # what the strategy runs: the DDP wrapper when distributed, else ``bare``
+    bare: torch.nn.Module  # the MultiTaskModel itself (its heads, its BatchNorm buffers)
+    tasks: list[str]
+    strategy: Strategy
+    weighting: torch.nn.Module  # a mtl.weighting.Weighting
+    optimizer: torch.optim.Optimizer
+    scheduler: object  # a torch LR scheduler
+    amp: Amp
+    params: list[torch.nn.Parameter]  # everything the optimizer updates (model and learned loss weights)
+    grad_clip: float  # 0: no clipping
+    comm: Comm = field(default_factory=Comm)  # the strategy's hand-made collectives (tools count them)
 
 
 @dataclass
 class StepResult:
     losses: dict  # task -> loss averaged over ranks (NaN/inf where a rank's loss was)
     grad_norm: float  # global norm of the (unscaled, unclipped) gradient
-    stepped: bool  # False: skipped (non-finite, or an fp16 overflow)
+    stepped: bool  # False: skipped on every rank (non-finite, or an fp16 overflow)
     nonfinite: bool  # a NaN/inf loss or gradient (not an fp16 overflow)
+    stop_agreed: bool  # some rank asked to stop (SIGTERM/SIGUSR1/SIGINT): every rank saves and exits now
     stats: dict = field(default_factory=dict)
 
 
-def train_step(run, batch: dict) -> StepResult:
-    """``run`` holds model, strategy, weighting, optimizer, scheduler, amp, comm, tasks (see Trainer)."""
-    run.weighting.begin_step(run.step)
-    for head in run.heads.values():
-        head.prepare(batch, all_reduce_sum)  # e.g. the global caption-token count
+def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False) -> StepResult:
+    """One optimizer step on ``batch`` (on the device); ``step`` is the number of steps taken before it."""
+    w = p.weighting
+    w.begin_step(step)
+    for head in p.bare.heads.values():
+        head.prepare(batch, all_reduce_sum)  # collectives a loss needs first, e.g. the global caption-token count
+    running_stats = snapshot_running_stats(p.bare)  # the forward updates BatchNorm's; a skipped step puts them back
 
-    w = run.weighting
-    poison(batch, run.cfg.trainer.poison, run.step + 1, run.dist.rank)
-    stats_before = snapshot_running_stats(run.bare)  # the forward updates them; a skipped step puts them back
-    losses, stats = run.strategy.forward_backward(StepInputs(
-        model=run.model, batch=batch, tasks=run.tasks, weigh=w.weigh, scale=run.amp.scale,
-        combine=w.combine if w.level == "grad" else None, loss_scale=run.amp.loss_scale, comm=run.comm))
+    # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
+    losses, stats = p.strategy.forward_backward(StepInputs(
+        model=p.model, batch=batch, tasks=p.tasks, weigh=w.weigh, scale=p.amp.scale,
+        combine=w.combine if w.level == "grad" else None, loss_scale=p.amp.loss_scale, comm=p.comm))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
-    run.amp.unscale_(run.optimizer)
-    grads = [p.grad for p in run.params if p.grad is not None]
-    # DDP has already averaged the gradients, so this norm is the same on every rank: a NaN or inf
-    # anywhere (any task, any rank) makes every rank skip the step together.
-    grad_norm = torch.nn.utils.get_total_norm(grads)
-    # one collective for the rank-averaged losses and "does any rank want to stop" (SIGTERM/SIGUSR1)
-    stop = torch.tensor([float(run.stop_requested)], device=grad_norm.device)
-    reduced = all_reduce_mean(torch.cat([torch.stack([losses[t].float() for t in run.tasks]).to(stop.device), stop]))
-    loss_avg, run.stop_agreed = reduced[:-1], bool(reduced[-1] > 0)
-    grad_finite, loss_finite = bool(torch.isfinite(grad_norm)), bool(torch.isfinite(loss_avg).all())
-    if grad_finite and run.cfg.optim.grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(run.params, run.cfg.optim.grad_clip, grad_norm)
-    stepped, nonfinite = run.amp.step(run.optimizer, loss_finite, grad_finite)
-    if stepped:
-        run.scheduler.step()
+    # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)
+    p.amp.unscale_(p.optimizer)
+
+    # 3. the finite check. DDP has averaged the gradients, so their norm is the same on every rank; the losses
+    #    are averaged in one collective that also carries "does any rank want to stop". A NaN anywhere (any
+    #    task, any rank) therefore makes every rank skip together.
+    grad_norm = torch.nn.utils.get_total_norm([q.grad for q in p.params if q.grad is not None])
+    loss_avg, stop_agreed = average_losses_and_stop(losses, p.tasks, stop_requested, grad_norm.device)
+    grads_ok, losses_ok = bool(torch.isfinite(grad_norm)), bool(torch.isfinite(loss_avg).all())
+    ok = grads_ok and losses_ok
+
+    # 4. clip
+    if ok and p.grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(p.params, p.grad_clip, grad_norm)
+
+    # 5. the optimizer step and 6. the schedule: on every rank, or on none
+    if ok:
+        p.optimizer.step()
+        p.scheduler.step()
     else:
-        restore_running_stats(stats_before)
-    run.optimizer.zero_grad(set_to_none=False)  # keeps DDP's bucket views (gradient_as_bucket_view)
-    loss_values = dict(zip(run.tasks, loss_avg.tolist()))
-    if stepped:
-        run.weighting.end_step(loss_values)
+        restore_running_stats(running_stats)
+    p.amp.update()  # fp16: back the loss scale off after an overflow, grow it after a run of good steps
+
+    # 7. zero, keeping DDP's bucket views (gradient_as_bucket_view): never set_to_none
+    p.optimizer.zero_grad(set_to_none=False)
+
+    loss_values = dict(zip(p.tasks, loss_avg.tolist()))
+    if ok:
+        w.end_step(loss_values)
+    overflow = p.amp.scaler is not None and losses_ok and not grads_ok  # the GradScaler's business, not a bad step
     gn = float(grad_norm)
-    return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=stepped,
-                      nonfinite=nonfinite, stats=stats)
+    return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=ok,
+                      nonfinite=not ok and not overflow, stop_agreed=stop_agreed, stats=stats)
+
+
+def average_losses_and_stop(losses: dict, tasks: list[str], stop_requested: bool,
+                            device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(the losses averaged over ranks, whether any rank asked to stop), in one collective."""
+    stop = torch.tensor([float(stop_requested)], device=device)
+    reduced = all_reduce_mean(torch.cat([torch.stack([losses[t].float() for t in tasks]).to(device), stop]))
+    return reduced[:-1], bool(reduced[-1] > 0)
 
 
 def snapshot_running_stats(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,18 +128,3 @@ def snapshot_running_stats(model: torch.nn.Module) -> list[tuple[torch.Tensor, t
 def restore_running_stats(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for buf, saved in snapshot:
         buf.copy_(saved)
-
-
-def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
-    """``trainer.poison = "STEP:TASK:RANK"``: that task's loss is NaN at that step on that rank (testing).
-
-    TASK ``crash`` makes that rank raise instead. The model multiplies the named task's loss by NaN.
-    """
-    if not spec:
-        return
-    at, task, who = spec.split(":")
-    if int(at) != step or who not in ("*", str(rank)):
-        return
-    if task == "crash":  # a rank that dies mid-step: the others must not hang
-        raise RuntimeError(f"trainer.poison: rank {rank} crashes at step {step} (testing)")
-    batch["poison"] = task

@@ -34,15 +34,16 @@ from mtl.data.loader import (
     build_train_loader,
     set_epoch,
 )
-from mtl.dist import Comm, DistInfo, all_gather_objects, barrier, broadcast_object
+from mtl.dist import DistInfo, all_gather_objects, barrier, broadcast_object, init_distributed
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
+from mtl.faults import poison
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import check_resume_config
 from mtl.runlock import LockHeld, RunLock
 from mtl.signals import StopSignals
-from mtl.step import train_step
+from mtl.step import StepParts, StepResult, train_step
 
 
 def seed_everything(seed: int) -> None:
@@ -92,7 +93,6 @@ class Trainer:
         self.bare.to(self.device)
         self.heads = dict(self.bare.heads.items())
         self.strategy = build_strategy(cfg)
-        self.comm = Comm()  # the strategy's hand-made collectives; tools swap in a CountingComm
         self.weighting = build_weighting(cfg).to(self.device)
         self.amp = Amp(cfg.precision, self.device)
         self.bare.autocast_dtype = self.amp.dtype
@@ -100,6 +100,10 @@ class Trainer:
         self.params = [p for p in self.bare.parameters() if p.requires_grad] + list(self.weighting.parameters())
         self.optimizer = build_optimizer(cfg, self.bare, self.weighting)
         self.scheduler = build_scheduler(cfg, self.optimizer)
+        # what a step touches, and nothing else (tools may swap in a CountingComm as parts.comm)
+        self.parts = StepParts(model=self.model, bare=self.bare, tasks=self.tasks, strategy=self.strategy,
+                               weighting=self.weighting, optimizer=self.optimizer, scheduler=self.scheduler,
+                               amp=self.amp, params=self.params, grad_clip=cfg.optim.grad_clip)
 
         pin = self.device.type == "cuda"
         collate = CaptionCollate(self.tokenizer, cfg.data.max_caption_tokens)
@@ -249,6 +253,33 @@ class Trainer:
             self.epoch += 1
             self.batch_in_epoch = 0
 
+    @classmethod
+    def from_config(cls, config: str, overrides: list[str] | tuple = ()) -> Trainer:
+        """The public way to build a run: a config file plus ``key=value`` overrides, validated (exit-2 errors
+        as ConfigError), in the process group torchrun's environment describes (none without torchrun)."""
+        from mtl.validate import load_run_config
+
+        cfg = load_run_config(config, list(overrides))
+        return cls(cfg, init_distributed(cfg))
+
+    def step_once(self, batch: dict | None = None) -> StepResult:
+        """The public way to step a run: one optimizer step on ``batch`` (default: the run's next training
+        batch), exactly as the training loop takes it. Advances ``self.step``; returns the step's result."""
+        if batch is None:
+            if not hasattr(self, "_stream"):
+                self._stream = self.batches()
+            i, batch = next(self._stream)
+            self.batch_in_epoch = i + 1
+        poison(batch, self.cfg.trainer.poison, self.step + 1, self.dist.rank)  # testing only: a NaN or a crash
+        batch = to_device(batch, self.device)
+        try:
+            result = train_step(self.parts, batch, self.step, self.stop_requested)
+        except RuntimeError as e:
+            raise explain_ddp_error(e, self, batch) or e from None
+        self.step += 1
+        self.stop_agreed = result.stop_agreed
+        return result
+
     def _stop_signals(self) -> StopSignals:
         """SIGTERM/SIGUSR1/SIGINT set ``stop_requested``, acted on after the current step by every rank together."""
         peers = all_gather_objects((socket.gethostname(), os.getpid()))  # to tell a torn-down job (mtl/signals.py)
@@ -280,11 +311,7 @@ class Trainer:
             i, batch = next(batches)
             tic = time.perf_counter()
             batch = to_device(batch, self.device)
-            try:
-                result = train_step(self, batch)
-            except RuntimeError as e:
-                raise explain_ddp_error(e, self, batch) or e from None
-            self.step += 1
+            result = self.step_once(batch)
             self.batch_in_epoch = i + 1
             if self.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -25,17 +25,13 @@ def _worker(rank, port, out_dir):
 
     from mtl import dist
     from mtl.dist import CountingComm
-    from mtl.evaluate import to_device
-    from mtl.step import train_step
     from mtl.trainer import Trainer
-    from mtl.validate import load_run_config
 
     torch.set_num_threads(1)
     results = {}
     for name in STRATEGIES:
-        cfg = load_run_config(TINY, [f"output_dir={out_dir}/{name}", "data.batch_size=4", f"ddp.strategy={name}",
-                                     "trainer.progress=false"])
-        trainer = Trainer(cfg, dist.init_distributed(cfg))
+        trainer = Trainer.from_config(TINY, [f"output_dir={out_dir}/{name}", "data.batch_size=4",
+                                             f"ddp.strategy={name}", "trainer.progress=false"])
         counts = {"rounds": 0, "bytes": 0, "manual": 0}
 
         def hook(state, bucket):
@@ -44,13 +40,11 @@ def _worker(rank, port, out_dir):
             return allreduce_hook(None, bucket)
 
         trainer.model.register_comm_hook(None, hook)
-        trainer.comm = CountingComm(counts)
-        batches = trainer.batches()
+        trainer.parts.comm = CountingComm(counts)
         per_step = []
         for _ in range(3):
             before = dict(counts)
-            train_step(trainer, to_device(next(batches)[1], trainer.device))
-            trainer.step += 1
+            trainer.step_once()
             per_step.append({k: counts[k] - before[k] for k in counts})
         trainer.close()
         shared = sum(p.numel() for p in trainer.bare.backbone.parameters() if p.requires_grad)

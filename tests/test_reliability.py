@@ -376,15 +376,11 @@ def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, ca
 
 
 def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
-    from mtl import dist
     from mtl.evaluate import to_device
-    from mtl.step import train_step
     from mtl.trainer import Trainer
-    from mtl.validate import load_run_config
 
-    cfg = load_run_config(TINY, [f"output_dir={tmp_path}", "model.backbone.norm=batch", "ddp.nan_monitor=true",
-                                 "trainer.max_bad_steps=5"])
-    trainer = Trainer(cfg, dist.init_distributed(cfg))
+    trainer = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "model.backbone.norm=batch", "ddp.nan_monitor=true",
+                                         "trainer.max_bad_steps=5"])
     try:
         batches = trainer.batches()
         buffers = {n: b for n, b in trainer.bare.named_buffers() if "running_" in n or "num_batches" in n}
@@ -392,13 +388,12 @@ def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
         batch = to_device(next(batches)[1], trainer.device)
         batch["image"][0, 0, 0, 0] = float("nan")  # one bad pixel
         before = {n: b.clone() for n, b in buffers.items()}
-        result = train_step(trainer, batch)
-        trainer.step += 1
+        result = trainer.step_once(batch)
         assert result.nonfinite and not result.stepped  # the fault happened and the step was skipped
         trainer._after_step(result, 0.1, batch)  # with the NaN monitor's own forward passes
         for n, b in buffers.items():
             assert torch.equal(b, before[n]), n
-        good = train_step(trainer, to_device(next(batches)[1], trainer.device))
+        good = trainer.step_once(next(batches)[1])
         assert good.stepped and all(torch.isfinite(b.float()).all() for b in buffers.values())
     finally:
         trainer.close()

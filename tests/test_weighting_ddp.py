@@ -4,7 +4,7 @@ In-process, no train.py: ONE spawn of three workers. Workers 0 and 1 are a 2-ran
 worker 2 has no RANK in its environment, so ``init_distributed`` starts no process group, and runs the same
 methods on batch 2B. Each worker builds a ``Trainer`` from configs/tiny.yaml per method (every method in
 ``weighting_types()``; gradient-level ones under ``ddp.strategy=task_grads``, loss-level ones under
-``feature_leaf``) and steps it 3 times with ``train_step``. GroupNorm (rank-independent), SGD (see
+``feature_leaf``) and steps it 3 times with ``Trainer.step_once``. GroupNorm (rank-independent), SGD (see
 tests/test_strategies_ddp.py for why not Adam), rlw seeded identically (cfg.seed) in every process.
 
 Why float64 and not float32: a 2-rank run sums its gradients in another order than a 1-process run, so
@@ -70,10 +70,7 @@ def _worker(index, port, out_dir):
             os.environ.pop(key, None)
     from mtl import dist
     from mtl.dist import Comm, CountingComm
-    from mtl.evaluate import to_device
-    from mtl.step import train_step
     from mtl.trainer import Trainer
-    from mtl.validate import load_run_config
 
     torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
@@ -86,19 +83,16 @@ def _worker(index, port, out_dir):
 
     try:
         for method in METHODS:
-            cfg = load_run_config(TINY, overrides(method, os.path.join(out_dir, f"world{world}", method),
-                                                  2 * B // world))
-            trainer = Trainer(cfg, dist.init_distributed(cfg))
+            trainer = Trainer.from_config(TINY, overrides(method, os.path.join(out_dir, f"world{world}", method),
+                                                          2 * B // world))
             assert trainer.dist.world_size == world and trainer.dist.distributed == (world > 1)
-            trainer.comm = CountingComm(observe=capture) if method == CAPTURE else Comm()
+            trainer.parts.comm = CountingComm(observe=capture) if method == CAPTURE else Comm()
             batches = trainer.batches()
             trainer.bare.train()
             for _ in range(STEPS):
-                batch = to_device(next(batches)[1], trainer.device)
                 batch = {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v
-                         for k, v in batch.items()}
-                train_step(trainer, batch)
-                trainer.step += 1
+                         for k, v in next(batches)[1].items()}
+                trainer.step_once(batch)
             results[method] = {
                 "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
                 "weighting": trainer.weighting.state_dict(),
