@@ -115,8 +115,12 @@ class Trainer:
         self.bad_steps = self.overflows = 0
         self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
         self.last_eval: dict = {}
+        self._saved_step = None  # the step this run's output_dir holds a checkpoint of, as this process knows it
         if resume_path:
             self._load(resume_path)
+            own = os.path.join(ckpt.checkpoint_root(cfg.output_dir), f"step_{self.step}")
+            if os.path.abspath(resume_path) == os.path.abspath(own):
+                self._saved_step = self.step
         self.log = RunLogger(cfg.output_dir, dist.is_main, cfg.trainer.max_steps, cfg.trainer.progress, self.step)
         self.log.info(f"mtl: {dist.world_size} process(es) on {self.device} ({dist.backend or 'no process group'}), "
                       f"strategy={cfg.ddp.strategy}, weighting={cfg.weighting.method}, precision={cfg.precision}, "
@@ -236,8 +240,13 @@ class Trainer:
         }
 
     def save(self) -> str:
+        """Checkpoint this step, unless this run's output_dir already holds exactly it (a stop signal that lands
+        on a checkpoint step, a resume with nothing left to do): a second write would only rewrite the same state."""
+        if self._saved_step == self.step:
+            return os.path.join(ckpt.checkpoint_root(self.cfg.output_dir), f"step_{self.step}")
         path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.bare, self.trainer_state(), to_yaml(self.cfg),
                                     self.dist.rank, self.cfg.checkpoint.keep_last, self.checkpoint_files)
+        self._saved_step = self.step
         self.log.info(f"step {self.step}: checkpoint {path}")
         return path
 

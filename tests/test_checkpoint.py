@@ -263,6 +263,27 @@ def test_re_saving_a_step_replaces_it_and_leaves_no_copy(tmp_path):
     assert torch.equal(net[0].weight, model(99)[0].weight) and state["step"] == 3  # the new save's weights
 
 
+def test_a_resume_with_nothing_left_to_do_does_not_rewrite_its_checkpoint(tmp_path, capsys):
+    """Every re-save is a window (short, and covered by the aside copy) in which step_N is being replaced:
+    a run that already holds the step it would save (a resume with nothing left to do; a stop signal on a
+    checkpoint step) writes nothing. A resume from another folder's checkpoint still saves its own."""
+    import train
+
+    out = tmp_path / "run"
+    args = ["--config", TINY, f"output_dir={out}", "trainer.max_steps=2", "checkpoint.every_steps=2"]
+    assert train.main(args) == 0
+    model_file = out / "checkpoints" / "step_2" / "model.safetensors"
+    before = os.stat(model_file)
+    assert train.main([*args, "resume=auto"]) == 0
+    assert "nothing to do" in capsys.readouterr().out  # the resume really had nothing left to do
+    after = os.stat(model_file)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
+    other = tmp_path / "other"
+    assert train.main(["--config", TINY, f"output_dir={other}", "trainer.max_steps=2",
+                       f"resume={out / 'checkpoints' / 'step_2'}"]) == 0
+    assert (other / "checkpoints" / "step_2" / "manifest.json").is_file()  # its own copy, written
+
+
 # ------------------------------------------------------------------ full disk, read-only folder (defect 10)
 
 
