@@ -32,6 +32,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from mtl.dist import free_port
+
 # "combined+find_unused": the same single backward with find_unused_parameters=True, to isolate what
 # the flag itself costs (the seed articles claim 15-20% more memory and slower synchronisation)
 VARIANTS = {"combined+find_unused": ("combined", ["ddp.find_unused_parameters=true"])}
@@ -44,14 +46,6 @@ def strategies_to_time() -> list[str]:
     names = [n for n, cls in strategy_types().items() if not cls.unsafe and n != "combined"]
     return ["combined", *names, *VARIANTS]
 BEGIN, END = "<!-- bench-strategies:begin -->", "<!-- bench-strategies:end -->"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(rank: int, world: int, port: int) -> None:
@@ -68,7 +62,7 @@ def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
                                         "trainer.progress=false", "resume=null", "ddp.replica_check_every=0"])
 
 
-def _counting(trainer, counts: dict) -> None:
+def count_communication(trainer, counts: dict) -> None:
     """Count reduction rounds and bytes: a DDP comm hook, and the strategy's hand-made collectives
     (``counts['manual']``, through the ``CountingComm`` the step hands the strategy)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -100,7 +94,7 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
     batches = {s: t.batches() for s, t in trainers.items()}
     counts = {s: {"rounds": 0, "manual": 0, "bytes": 0} for s in names}
     for s, t in trainers.items():
-        _counting(t, counts[s])
+        count_communication(t, counts[s])
     times = {s: [] for s in names}
     per_step = {}
     for r in range(rounds + 1):  # round 0 warms every strategy up and is not timed
@@ -186,14 +180,14 @@ def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_di
 def run(config: str, overrides: list[str], nproc: int, rounds: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         res = os.path.join(tmp, "time.json")
-        mp.start_processes(_time_worker, args=(nproc, _free_port(), config, overrides, rounds, steps, tmp, res),
+        mp.start_processes(_time_worker, args=(nproc, free_port(), config, overrides, rounds, steps, tmp, res),
                            nprocs=nproc, start_method="spawn")
         with open(res) as f:
             timing = json.load(f)
         memory = {}
         for s in strategies_to_time():
             res = os.path.join(tmp, f"mem_{s}.json")
-            mp.start_processes(_memory_worker, args=(nproc, _free_port(), config, overrides, s, steps, tmp, res),
+            mp.start_processes(_memory_worker, args=(nproc, free_port(), config, overrides, s, steps, tmp, res),
                                nprocs=nproc, start_method="spawn")
             with open(res) as f:
                 memory[s] = json.load(f)["growth_bytes"]

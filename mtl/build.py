@@ -30,13 +30,26 @@ def build_tokenizer(cfg, train_captions, dist: DistInfo) -> CaptionTokenizer:
     run_copy = os.path.join(cfg.output_dir, "tokenizer")
     # a warm start (init_from) decodes with the vocabulary its weights were trained on; every rank
     # looks it up (read-only), so a missing one is the same error everywhere, not a hang
-    source = cfg.tokenizer.path or (init_from_tokenizer(cfg.init_from) if cfg.get("init_from") else None)
+    source = tokenizer_source(cfg)
     if dist.is_main and not os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
-        tok = (CaptionTokenizer.load(source) if source
-               else train_tokenizer(train_captions(), cfg.tokenizer.vocab_size))
-        tok.save(run_copy)
+        resolve_tokenizer(cfg, train_captions, source).save(run_copy)
     barrier()
     return CaptionTokenizer.load(run_copy)
+
+
+def tokenizer_source(cfg) -> str | None:
+    """The folder the run's tokenizer comes from: ``tokenizer.path``, else ``init_from``'s, else None (train one)."""
+    return cfg.tokenizer.path or (init_from_tokenizer(cfg.init_from) if cfg.get("init_from") else None)
+
+
+def resolve_tokenizer(cfg, train_captions, source: str | None = None) -> CaptionTokenizer:
+    """The run's tokenizer without writing anything: the run's own copy (``output_dir/tokenizer``) if there is
+    one, else the one from ``source`` (``tokenizer_source``), else one trained on ``train_captions()``."""
+    run_copy = os.path.join(cfg.output_dir, "tokenizer")
+    if os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
+        return CaptionTokenizer.load(run_copy)
+    source = source if source is not None else tokenizer_source(cfg)
+    return CaptionTokenizer.load(source) if source else train_tokenizer(train_captions(), cfg.tokenizer.vocab_size)
 
 
 def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTaskModel:

@@ -33,6 +33,15 @@ class DistInfo:
         return self.rank == 0
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a local process group's MASTER_PORT."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def pick_device(cfg_device: str, local_rank: int) -> torch.device:
     if cfg_device == "cuda" or (cfg_device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():

@@ -28,19 +28,6 @@ import torch
 
 from mtl.cli import run_guarded
 
-
-def _tokenizer(cfg, train_ds):
-    from mtl.data.loader import all_captions
-    from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
-
-    run_copy = os.path.join(cfg.output_dir, "tokenizer")
-    if os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
-        return CaptionTokenizer.load(run_copy)
-    if cfg.tokenizer.path:
-        return CaptionTokenizer.load(cfg.tokenizer.path)
-    return train_tokenizer(all_captions(train_ds), cfg.tokenizer.vocab_size)
-
-
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -68,8 +55,8 @@ def _timed(fn, reps: int = 3) -> float:
 
 
 def examine(cfg, batches: int = 8) -> dict:
-    from mtl.build import build_model, init_from_weights
-    from mtl.data.loader import CaptionCollate, build_datasets, build_train_loader, set_epoch
+    from mtl.build import build_model, init_from_weights, resolve_tokenizer
+    from mtl.data.loader import CaptionCollate, all_captions, build_datasets, build_train_loader, set_epoch
     from mtl.diagnose import nonfinite_parameters, reach_table, task_gradients
     from mtl.strategies import strategy_types
     from mtl.trainer import seed_everything
@@ -77,7 +64,7 @@ def examine(cfg, batches: int = 8) -> dict:
 
     seed_everything(cfg.seed)
     train_ds, _ = build_datasets(cfg)
-    tok = _tokenizer(cfg, train_ds)
+    tok = resolve_tokenizer(cfg, lambda: all_captions(train_ds))
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tok).train()
     if cfg.get("init_from"):
         init_from_weights(model, cfg.init_from)

@@ -9,6 +9,7 @@ import sys
 import time
 
 from mtl.errors import TrainingError
+from mtl.files import write_atomic
 
 
 class RunLogger:
@@ -117,16 +118,4 @@ def trim_metrics(output_dir: str, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by a crash
     if len(keep) != len(lines):
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(keep)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as e:
-            e.filename = e.filename or tmp  # name the file in the message
-            raise
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_atomic(path, "".join(keep).encode("utf-8"))

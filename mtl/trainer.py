@@ -38,6 +38,7 @@ from mtl.dist import DistInfo, all_gather_objects, barrier, broadcast_object, in
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.faults import poison
+from mtl.files import write_atomic
 from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import check_resume_config
@@ -167,7 +168,7 @@ class Trainer:
                                           f"{self.dist.world_size}; resume with the same world size")
                 notes += _restore_tokenizer(path, cfg.output_dir)
             trim_metrics(cfg.output_dir, ckpt.read_trainer_state(path)["step"] if path else 0)
-            _write_atomic(os.path.join(cfg.output_dir, "config.yaml"), to_yaml(cfg).encode("utf-8"))
+            write_atomic(os.path.join(cfg.output_dir, "config.yaml"), to_yaml(cfg).encode("utf-8"))
         except LockHeld as e:
             return "config", f"output_dir: {e}", None, []
         except ConfigError as e:
@@ -430,21 +431,6 @@ class Trainer:
             self._lock = None
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """Write ``path`` atomically; a failed write (e.g. a full disk) leaves no partial file behind."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError as e:
-        e.filename = e.filename or tmp  # name the file in the message
-        raise
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _start_over(output_dir: str) -> list[str]:
     """overwrite=true: delete what an earlier run wrote in ``output_dir`` (RUN_FILES only; other files stay)."""
     found = [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
@@ -485,7 +471,7 @@ def _restore_tokenizer(checkpoint: str, output_dir: str) -> list[str]:
         except FileNotFoundError:
             same = False
         if not same:
-            _write_atomic(target, data)
+            write_atomic(target, data)
             restored.append(name)
     return [f"tokenizer: restored {', '.join(restored)} in {dst} from the checkpoint"] if restored else []
 

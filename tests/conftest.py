@@ -1,9 +1,10 @@
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from mtl.dist import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -11,12 +12,6 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 # keep every process to one thread: the suite runs several processes on 2 cores
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | None = None,

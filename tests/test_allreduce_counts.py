@@ -21,10 +21,9 @@ def _worker(rank, port, out_dir):
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     import torch
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from mtl import dist
-    from mtl.dist import CountingComm
+    from mtl.bench_strategies import count_communication
     from mtl.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -33,14 +32,7 @@ def _worker(rank, port, out_dir):
         trainer = Trainer.from_config(TINY, [f"output_dir={out_dir}/{name}", "data.batch_size=4",
                                              f"ddp.strategy={name}", "trainer.progress=false"])
         counts = {"rounds": 0, "bytes": 0, "manual": 0}
-
-        def hook(state, bucket):
-            counts["rounds"] += bucket.index() == 0
-            counts["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-            return allreduce_hook(None, bucket)
-
-        trainer.model.register_comm_hook(None, hook)
-        trainer.parts.comm = CountingComm(counts)
+        count_communication(trainer, counts)  # a DDP comm hook, and a CountingComm for the strategy's own
         per_step = []
         for _ in range(3):
             before = dict(counts)

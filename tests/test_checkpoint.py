@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from mtl import checkpoint as ckpt
+from mtl import files as files_module
 from mtl import logger as logger_module
 from mtl import runlock
 from mtl.config import to_yaml
@@ -306,8 +307,8 @@ def test_a_full_disk_at_a_resume_leaves_metrics_as_they_were_and_no_tmp_file(tmp
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps({"step": s, "kind": "train"}) + "\n" for s in range(1, 9)))
     before = metrics.read_bytes()
-    disk = FullDisk("metrics.jsonl.tmp", room=0)
-    monkeypatch.setattr(logger_module, "open", disk, raising=False)
+    disk = FullDisk("metrics.jsonl.", room=0)  # the rewrite's temporary file (mtl/files.py write_atomic)
+    monkeypatch.setattr(files_module, "open", disk, raising=False)
     with pytest.raises(OSError) as e:
         logger_module.RunLogger(str(tmp_path), True, 10, False, start_step=4).close()
     assert disk.fired and e.value.errno == errno.ENOSPC
@@ -332,13 +333,14 @@ def test_a_full_disk_while_logging_is_one_message_naming_the_file(tmp_path, monk
 def test_a_full_disk_at_start_up_is_one_message_naming_the_path(tmp_path, monkeypatch):
     save(tmp_path, 2)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
-    disk = FullDisk("metrics.jsonl.tmp", room=0)
-    monkeypatch.setattr(logger_module, "open", disk, raising=False)
+    disk = FullDisk("metrics.jsonl.", room=0)  # the rewrite's temporary file (mtl/files.py write_atomic)
+    monkeypatch.setattr(files_module, "open", disk, raising=False)
     with pytest.raises(ConfigError) as e:
         decide(tmp_path, "resume=auto")
     assert disk.fired
     assert "no space left on device" in e.value.message and "metrics.jsonl" in e.value.message
-    assert not (tmp_path / "metrics.jsonl.tmp").exists() and not (tmp_path / runlock.LOCK_NAME).exists()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("metrics")) == ["metrics.jsonl"]  # no temporary file
+    assert not (tmp_path / runlock.LOCK_NAME).exists()
 
 
 def test_a_read_only_output_dir_is_one_message_and_the_checkpoint_stays(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -24,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mtl.dist import free_port
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # tests of torch itself: the slow tier
 
@@ -521,14 +522,8 @@ def _worker(rank, ports, outdir, data, states):
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(outdir, data, states):
-    ports = [_free_port() for _ in range(1 + SPARE_GROUPS)]  # spares: re-init after a pattern breaks the group
+    ports = [free_port() for _ in range(1 + SPARE_GROUPS)]  # spares: re-init after a pattern breaks the group
     pctx = mp.start_processes(_worker, args=(ports, str(outdir), data, states), nprocs=WORLD, join=False,
                               start_method="spawn")
     deadline = time.monotonic() + SPAWN_DEADLINE_S

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from mtl.config import Config
 from mtl.weighting import weighting_types
 from mtl.weighting.alignedmtl import alignedmtl, alignedmtl_balance, alignedmtl_weights
-from mtl.weighting.base import GramWeighting, gram_matrix
+from mtl.weighting.base import GramWeighting, gram_matrix, stream_seed
 from mtl.weighting.cagrad import cagrad, cagrad_weights
 from mtl.weighting.dwa import dwa_weights
 from mtl.weighting.famo import FAMO_EPS, famo_logit_grad
@@ -28,7 +28,7 @@ from mtl.weighting.gradnorm import gradnorm, gradnorm_loss, gradnorm_renormalize
 from mtl.weighting.imtlg import imtlg, imtlg_weights
 from mtl.weighting.mgda import mgda, mgda_weights
 from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, simplex_min, solution_exists
-from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, stream_seed
+from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients
 from mtl.weighting.rlw import rlw_weights
 from mtl.weighting.upgrad import upgrad, upgrad_projections
 
@@ -322,7 +322,7 @@ def test_pcgrad_weights_from_the_gram_matrix_equal_the_row_by_row_algorithm(k):
             close(d, ref, 1e-9 * max(1.0, float(ref.abs().max())))
             w = make("pcgrad", seed=seed, tasks=[f"t{i}" for i in range(k)])
             w.begin_step(n)
-            gen = torch.Generator().manual_seed(stream_seed(seed, n)) if k > 2 else torch.Generator()
+            gen = torch.Generator().manual_seed(stream_seed(seed, n, "pcgrad")) if k > 2 else torch.Generator()
             close(w.combine(g, None), reference_pcgrad(g, gen), 1e-9 * max(1.0, float(ref.abs().max())))
 
 
@@ -340,7 +340,9 @@ def test_pcgrad_k3_follows_the_algorithm_and_is_reproducible():
         assert torch.equal(da, db)
         outs.add(tuple(round(x, 9) for x in da.tolist()))
     assert len(outs) > 1  # the order (and here the result) changes with the step
-    assert stream_seed(0, 1) != stream_seed(0, 2) != stream_seed(1, 1)
+    seeds = {stream_seed(0, 1, "pcgrad"), stream_seed(0, 2, "pcgrad"), stream_seed(1, 1, "pcgrad"),
+             stream_seed(0, 1, "rlw")}
+    assert len(seeds) == 4  # another step, seed or method: another stream
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from mtl.errors import DataError
+from mtl.files import write_atomic
 
 PAD, BOS, EOS, UNK = "[PAD]", "[BOS]", "[EOS]", "[UNK]"
 SPECIALS = [PAD, BOS, EOS, UNK]  # in this order, so [PAD] is id 0
@@ -103,15 +104,7 @@ class CaptionTokenizer:
         """Write ``directory/tokenizer.json`` atomically: a reader sees the old file or the whole new one."""
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, FILE_NAME)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            self._tok.save(tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_atomic(path, self._tok.to_str().encode("utf-8"))
         return path
 
     @classmethod

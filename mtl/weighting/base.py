@@ -26,9 +26,18 @@ checkpoints: learnable weights as parameters or buffers, everything else through
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+
+def stream_seed(seed: int, step: int, salt: str) -> int:
+    """A 63-bit seed for the random stream of (seed, step) of one method (``salt``), the same in every process:
+    what a method that draws random numbers (rlw, pcgrad's order) seeds a ``torch.Generator`` with."""
+    digest = hashlib.blake2b(f"{salt}:{int(seed)}:{int(step)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class Weighting(nn.Module):

@@ -25,18 +25,10 @@ trainer's finite check skips the step).
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix
-
-
-def stream_seed(seed: int, step: int, salt: str = "pcgrad") -> int:
-    """A 63-bit seed for the random stream of (seed, step), the same in every process."""
-    digest = hashlib.blake2b(f"{salt}:{int(seed)}:{int(step)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, stream_seed
 
 
 @torch.no_grad()
@@ -81,5 +73,5 @@ class PCGrad(GramWeighting):
 
     def weights_from_gram(self, gram, losses, dtype):
         k = gram.shape[0]
-        gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step)) if k > 2 else None
+        gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step, "pcgrad")) if k > 2 else None
         return pcgrad_weights(gram, gen)

@@ -6,29 +6,21 @@ At every step the loss weights are drawn afresh::
 
 (the paper's default: standard-normal samples through a softmax, so sum_t w_t = 1; equal weighting
 has sum K). The draw happens once per step, in ``begin_step(step)``, from a ``torch.Generator``
-seeded with ``stream_seed(cfg.seed, step)`` (a hash of both): every rank draws the same weights with
+seeded with ``stream_seed(cfg.seed, step, "rlw")`` (a hash of the three): every rank draws the same weights with
 no communication, the weights do not depend on how many draws happened before, and a resumed run
 repeats them exactly. The seed and the current step are kept in ``state_dict()`` (extra state).
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
-from mtl.weighting.base import Weighting
-
-
-def stream_seed(seed: int, step: int, salt: str = "rlw") -> int:
-    """A 63-bit seed for the random stream of (seed, step), the same in every process."""
-    digest = hashlib.blake2b(f"{salt}:{int(seed)}:{int(step)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+from mtl.weighting.base import Weighting, stream_seed
 
 
 def rlw_weights(seed: int, step: int, k: int) -> list[float]:
     """softmax of K standard-normal samples drawn from the (seed, step) stream."""
-    gen = torch.Generator().manual_seed(stream_seed(seed, step))
+    gen = torch.Generator().manual_seed(stream_seed(seed, step, "rlw"))
     z = torch.randn(k, generator=gen, dtype=torch.float64)
     return torch.softmax(z, dim=0).tolist()
 

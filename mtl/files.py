@@ -1,0 +1,23 @@
+"""Small file-system helpers shared by the run's writers."""
+
+from __future__ import annotations
+
+import os
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``path`` atomically (a temporary file, fsync, rename): a reader sees the old file or the whole new
+    one, and a failed write (e.g. a full disk) leaves no partial file behind. An OSError names the file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        e.filename = e.filename or tmp  # name the file in the message
+        raise
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
