@@ -18,7 +18,7 @@ install: $(STAMP)
 
 # The main job: NPROC processes on this machine (gloo on CPU, nccl on GPU, chosen automatically).
 train: $(STAMP)
-	$(BIN)/python -m mtl.launch --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+	$(BIN)/python -m mtl.tools.launch --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 # The whole suite (what CI runs).
 test: $(STAMP)
@@ -35,13 +35,13 @@ tensorboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUN_DIR)/tb --host 127.0.0.1
 
 bench: $(STAMP)
-	$(BIN)/python -m mtl.bench --config configs/bench.yaml $(ARGS)
+	$(BIN)/python -m mtl.tools.bench --config configs/bench.yaml $(ARGS)
 
 bench-strategies: $(STAMP)
-	$(BIN)/python -m mtl.bench_strategies --config $(CONFIG) --write docs/strategies.md $(ARGS)
+	$(BIN)/python -m mtl.tools.bench_strategies --config $(CONFIG) --write docs/strategies.md $(ARGS)
 
 doctor: $(STAMP)
-	$(BIN)/python -m mtl.doctor --config $(CONFIG) $(ARGS)
+	$(BIN)/python -m mtl.tools.doctor --config $(CONFIG) $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtl.cli import run_guarded
+from mtl.error_report import run_guarded
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def run():
         from mtl import dist
+        from mtl.config_check import load_run_config
         from mtl.trainer import Trainer
-        from mtl.validate import load_run_config
 
         cfg = load_run_config(args.config, args.overrides)
         info = dist.init_distributed(cfg)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -18,6 +20,13 @@ from mtl.models.multitask import MultiTaskModel
 from mtl.strategies import strategy_types
 from mtl.tasks import BuildInfo, task_types
 from mtl.weighting import weighting_types
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's global generators from ``seed``: the first thing a run does."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def build_tokenizer(cfg, train_captions, dist: DistInfo) -> CaptionTokenizer:

@@ -12,7 +12,7 @@ checkpoint's) holds plain values. Files that are data, not config (a checkpoint'
 are never read through OmegaConf (``mtl.resume``).
 
 Checks that need more than the schema (known names, ranges, combinations of options) live in
-``mtl.validate`` so that this module stays free of imports from the rest of the package.
+``mtl.config_check`` so that this module stays free of imports from the rest of the package.
 """
 
 from __future__ import annotations
@@ -157,13 +157,13 @@ class CheckpointConfig:
 
 @dataclass
 class BenchConfig:
-    """``python -m mtl.bench``: which methods to compare, over which seeds (train.py ignores this)."""
+    """``python -m mtl.tools.bench``: which methods to compare, over which seeds (train.py ignores this)."""
 
     methods: list[str] = field(default_factory=lambda: ["equal", "uw", "dwa", "rlw", "gls", "famo", "pcgrad", "mgda",
                                                         "cagrad", "nashmtl", "imtlg", "alignedmtl", "upgrad",
                                                         "gradnorm"])
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    nproc: int = 1  # 1: every run in this process; more: each run under torchrun (python -m mtl.launch)
+    nproc: int = 1  # 1: every run in this process; more: each run under torchrun (python -m mtl.tools.launch)
     baselines: bool = True  # also train the single-task runs that delta-m needs
     last_k: int = 3  # the table shows the mean of the last k evaluations (and the best, in results.csv)
     loss_strategy: str = "feature_leaf"  # ddp.strategy for loss-level methods
@@ -382,7 +382,7 @@ def _read_into(path: str, overrides: list[str] | None, errors: list[str]) -> Dic
 def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
     """Load ``path`` (and its base chain) and apply ``overrides``, checking keys and types only.
 
-    Raises ConfigError listing every problem. ``mtl.validate.load_run_config`` adds the semantic checks.
+    Raises ConfigError listing every problem. ``mtl.config_check.load_run_config`` adds the semantic checks.
     """
     errors: list[str] = []
     cfg = _read_into(path, overrides, errors)

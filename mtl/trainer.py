@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import resource
 import shutil
 import socket
@@ -23,6 +22,7 @@ from mtl.build import (
     build_tokenizer,
     build_weighting,
     init_from_weights,
+    seed_everything,
     wrap_ddp,
 )
 from mtl.config import config_summary, to_yaml
@@ -39,18 +39,12 @@ from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.faults import poison
 from mtl.files import write_atomic
-from mtl.guards import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import check_resume_config
 from mtl.runlock import LockHeld, RunLock
+from mtl.runtime_checks import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.signals import StopSignals
 from mtl.step import StepParts, StepResult, train_step
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -267,7 +261,7 @@ class Trainer:
     def from_config(cls, config: str, overrides: list[str] | tuple = ()) -> Trainer:
         """The public way to build a run: a config file plus ``key=value`` overrides, validated (exit-2 errors
         as ConfigError), in the process group torchrun's environment describes (none without torchrun)."""
-        from mtl.validate import load_run_config
+        from mtl.config_check import load_run_config
 
         cfg = load_run_config(config, list(overrides))
         return cls(cfg, init_distributed(cfg))

@@ -21,7 +21,7 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | N
     if nproc == 1:
         cmd = [PY, os.path.join(ROOT, "train.py"), *args]
     else:
-        cmd = [PY, "-m", "mtl.launch", f"--nproc_per_node={nproc}", "--nnodes=1",
+        cmd = [PY, "-m", "mtl.tools.launch", f"--nproc_per_node={nproc}", "--nnodes=1",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "train.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

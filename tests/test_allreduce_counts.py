@@ -23,7 +23,7 @@ def _worker(rank, port, out_dir):
     import torch
 
     from mtl import dist
-    from mtl.bench_strategies import count_communication
+    from mtl.tools.bench_strategies import count_communication
     from mtl.trainer import Trainer
 
     torch.set_num_threads(1)

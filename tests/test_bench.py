@@ -14,7 +14,7 @@ FAST = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.log_every=1", "c
 
 
 def bench(out, *extra):
-    return subprocess.run([PY, "-m", "mtl.bench", "--config", TINY, f"output_dir={out}", *FAST, *extra], cwd=ROOT,
+    return subprocess.run([PY, "-m", "mtl.tools.bench", "--config", TINY, f"output_dir={out}", *FAST, *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

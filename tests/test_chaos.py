@@ -38,11 +38,11 @@ BANNER = re.compile(r"^mtl: \d+ process\(es\) on")
 
 
 class Job:
-    """One launch of train.py (under mtl.launch for 2 processes), its stdout collected line by line."""
+    """One launch of train.py (under mtl.tools.launch for 2 processes), its stdout collected line by line."""
 
     def __init__(self, nproc: int, out: str):
         cmd = [PY, os.path.join(ROOT, "train.py")] if nproc == 1 else [
-            PY, "-m", "mtl.launch", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            PY, "-m", "mtl.tools.launch", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
             f"--master_port={free_port()}", os.path.join(ROOT, "train.py")]
         self.started = time.time()
         self.proc = subprocess.Popen([*cmd, *ARGS, f"output_dir={out}"], cwd=ROOT, text=True,

@@ -24,10 +24,10 @@ from mtl import files as files_module
 from mtl import logger as logger_module
 from mtl import runlock
 from mtl.config import to_yaml
+from mtl.config_check import load_run_config
 from mtl.dist import DistInfo
 from mtl.errors import CheckpointError, ConfigError
 from mtl.trainer import Trainer
-from mtl.validate import load_run_config
 
 from .conftest import ROOT, TINY
 

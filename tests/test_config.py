@@ -3,8 +3,8 @@
 import pytest
 
 from mtl.config import load_config, parse_overrides
+from mtl.config_check import load_run_config
 from mtl.errors import ConfigError
-from mtl.validate import load_run_config
 
 from .conftest import TINY
 

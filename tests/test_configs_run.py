@@ -16,7 +16,7 @@ from PIL import Image
 
 import train
 from mtl.config import load_config
-from mtl.validate import load_run_config
+from mtl.config_check import load_run_config
 
 from .conftest import ROOT
 

@@ -675,7 +675,7 @@ def test_augmentation_is_off_by_default_and_reproducible_when_on(tmp_path):
 
 
 def test_augmentation_is_set_in_yaml_and_refused_for_synthetic_data(images):
-    from mtl.validate import load_run_config
+    from mtl.config_check import load_run_config
 
     from .conftest import TINY
 

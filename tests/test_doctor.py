@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mtl.doctor import main
+from mtl.tools.doctor import main
 
 from .conftest import TINY
 
@@ -53,7 +53,7 @@ def test_doctor_bad_config_is_one_message(capsys):
 
 
 def test_mean_ci95_follows_students_t():
-    from mtl.doctor import mean_ci95
+    from mtl.tools.doctor import mean_ci95
 
     mean, half = mean_ci95([1.0, 2.0, 3.0])  # sd 1, n 3, t(0.975, 2) = 4.303
     assert mean == 2.0 and half == pytest.approx(4.303 / 3**0.5)

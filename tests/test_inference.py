@@ -236,8 +236,8 @@ def test_imagefolder_runs_keep_their_class_names(tmp_path):
 
 
 def _trainer(cfg_overrides):
+    from mtl.config_check import load_run_config
     from mtl.trainer import Trainer
-    from mtl.validate import load_run_config
 
     return Trainer(load_run_config(TINY, cfg_overrides), DistInfo())
 

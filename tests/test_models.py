@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from mtl.build import build_model
+from mtl.config_check import load_run_config
 from mtl.data.tokenizer import train_tokenizer
 from mtl.errors import ConfigError
 from mtl.models.backbone import build_backbone
 from mtl.models.decoder import CaptionDecoder
-from mtl.validate import load_run_config
 
 from .conftest import TINY
 

@@ -33,7 +33,7 @@ def start(args, nproc=1, env=None):
     if nproc == 1:
         cmd = [PY, os.path.join(ROOT, "train.py"), *args]
     else:
-        cmd = [PY, "-m", "mtl.launch", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+        cmd = [PY, "-m", "mtl.tools.launch", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", os.path.join(ROOT, "train.py"), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -213,7 +213,7 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
     args = ["--config", TINY, "trainer.max_steps=10", *FAST]
     ref, el = str(tmp_path / "ref"), str(tmp_path / "elastic")
     run_train([*args, f"output_dir={ref}"], nproc=2)
-    cmd = [PY, "-m", "mtl.launch", "--nproc_per_node=2", "--max-restarts=2", "--rdzv-backend=c10d",
+    cmd = [PY, "-m", "mtl.tools.launch", "--nproc_per_node=2", "--max-restarts=2", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", os.path.join(ROOT, "train.py"), *args, f"output_dir={el}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -279,14 +279,14 @@ def test_a_failure_on_one_rank_reaches_the_user_in_one_line(tmp_path):
     mine = [line for line in err.splitlines() if line.startswith("[rank 1] error:")]
     assert len(mine) == 1 and "rng_rank1.pt" in mine[0], err[-3000:]
     assert len([line for line in err.splitlines() if line.startswith("[rank 0]")]) <= 1
-    summary = [line for line in err.splitlines() if line.startswith("mtl.launch:")]
+    summary = [line for line in err.splitlines() if line.startswith("mtl.tools.launch:")]
     assert len(summary) == 1 and "rank 1 failed with exit code 4" in summary[0], err[-3000:]
 
 
 def test_the_launcher_names_the_rank_that_failed_first():
     from types import SimpleNamespace
 
-    from mtl.launch import exit_code, summary
+    from mtl.tools.launch import exit_code, summary
 
     failures = {0: SimpleNamespace(exitcode=-15), 1: SimpleNamespace(exitcode=4)}  # rank 0 was stopped by torchrun
     assert exit_code(failures) == 4
@@ -296,7 +296,7 @@ def test_the_launcher_names_the_rank_that_failed_first():
 
 
 def test_only_a_lost_peer_counts_as_a_secondary_failure(monkeypatch):
-    from mtl.cli import peer_failure
+    from mtl.error_report import peer_failure
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert peer_failure(RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:39089")) == \

@@ -8,7 +8,7 @@ trainer then clips, steps the optimizer and zeroes the gradients; strategies nev
 A strategy describes its own costs: the class attributes (forwards, backbone backward passes,
 all-reduces per step, static_graph support) and the classmethods ``allreduce_bytes`` and
 ``extra_memory_bytes``. ``tests/test_allreduce_counts.py`` asserts the all-reduces and bytes with a
-counting comm hook; ``mtl.doctor``, ``mtl.bench`` and ``mtl.bench_strategies`` read them from the
+counting comm hook; ``mtl.tools.doctor``, ``mtl.tools.bench`` and ``mtl.tools.bench_strategies`` read them from the
 class and never key a formula by a strategy's name.
 
 Collectives a strategy runs by hand go through ``StepInputs.comm`` (a ``mtl.dist.Comm``), never a

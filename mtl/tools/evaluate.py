@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from mtl.cli import run_guarded
+from mtl.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
 

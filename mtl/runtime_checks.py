@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtl.diagnose import nonfinite_parameters, reach_table, task_gradients
 from mtl.dist import all_gather_objects
 from mtl.errors import TrainingError
 from mtl.evaluate import rng_untouched
+from mtl.gradient_reach import nonfinite_parameters, reach_table, task_gradients
 from mtl.step import restore_running_stats, snapshot_running_stats
 
 DDP_ERRORS = {

@@ -1,4 +1,4 @@
-"""``python -m mtl.launch [torchrun options] train.py --config X [key=value ...]``: torchrun, quieter on failure.
+"""``python -m mtl.tools.launch [torchrun options] train.py --config X [key=value ...]``: torchrun, quieter on failure.
 
 What ``make train`` uses. It checks the config once, before any worker starts (a config error is one
 message and exit code 2), then runs torchrun's own launcher in this process. When a worker fails it
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, overrides = _config_args(argv)
     if config is not None:
-        from mtl.cli import run_guarded
-        from mtl.validate import load_run_config
+        from mtl.config_check import load_run_config
+        from mtl.error_report import run_guarded
 
         code = run_guarded(lambda: load_run_config(config, overrides))
         if code:
@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except SignalException as e:  # the launcher itself got SIGTERM/SIGINT (e.g. from Slurm)
-        print(f"mtl.launch: got {e.sigval.name}; the workers were sent it too and save a checkpoint before they "
+        print(f"mtl.tools.launch: got {e.sigval.name}; the workers were sent it too and save a checkpoint before they "
               "exit (resume with resume=auto)", file=sys.stderr)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        print(f"mtl.launch: {summary(e.failures)}", file=sys.stderr)
+        print(f"mtl.tools.launch: {summary(e.failures)}", file=sys.stderr)
         return exit_code(e.failures)
     return 0
 

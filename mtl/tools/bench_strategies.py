@@ -1,6 +1,6 @@
 """Cost of each step strategy, measured side by side: ``make bench-strategies``.
 
-    python -m mtl.bench_strategies --config configs/default.yaml [--nproc 2] [--rounds 7] [--steps 3]
+    python -m mtl.tools.bench_strategies --config configs/default.yaml [--nproc 2] [--rounds 7] [--steps 3]
                                    [--write docs/strategies.md] [key=value ...]
 
 Time: one run of ``nproc`` gloo/nccl processes builds one trainer per strategy on the same model
@@ -130,7 +130,7 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
         f_times.append(mid - tic)
         fb_times.append(time.perf_counter() - tic)
         t.optimizer.zero_grad(set_to_none=False)
-    from mtl.guards import check_replicas
+    from mtl.runtime_checks import check_replicas
 
     check_times = []
     for _ in range(max(5, rounds)):
@@ -243,7 +243,7 @@ def write_into(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.bench_strategies", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench_strategies", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
@@ -252,13 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also save the raw numbers here")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    from mtl.validate import load_run_config
+    from mtl.config_check import load_run_config
 
     cfg = load_run_config(a.config, a.overrides)
     tic = time.time()
     result = run(a.config, a.overrides, a.nproc, a.rounds, a.steps)
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
-    meta = {"command": "make bench-strategies" if not a.overrides else f"python -m mtl.bench_strategies "
+    meta = {"command": "make bench-strategies" if not a.overrides else f"python -m mtl.tools.bench_strategies "
             f"--config {a.config} {' '.join(a.overrides)}", "machine": f"{platform.machine()} "
             f"{os.cpu_count()}-core {'GPU' if cuda else 'CPU'}", "date": time.strftime("%Y-%m-%d"),
             "nproc": a.nproc, "backend": "nccl" if cuda else "gloo", "batch": cfg.data.batch_size,

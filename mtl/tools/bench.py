@@ -1,6 +1,6 @@
 """Benchmark task-weighting methods: quality and cost in one table. ``make bench``.
 
-    python -m mtl.bench --config configs/bench.yaml [key=value ...]
+    python -m mtl.tools.bench --config configs/bench.yaml [key=value ...]
 
 Trains every method in ``bench.methods`` for every seed in ``bench.seeds``, plus one single-task
 baseline per task (``tasks=[cls]``, ``tasks=[gen]``, ...) that delta-m needs, each in
@@ -85,7 +85,7 @@ def _run_in_process(config: str, overrides: list[str]) -> None:
 
 
 def _run_torchrun(config: str, overrides: list[str], nproc: int, log_path: str) -> None:
-    cmd = [sys.executable, "-m", "mtl.launch", "--standalone", f"--nproc_per_node={nproc}", "train.py",
+    cmd = [sys.executable, "-m", "mtl.tools.launch", "--standalone", f"--nproc_per_node={nproc}", "train.py",
            "--config", config, *overrides]
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -410,15 +410,15 @@ def write_hparams(cfg, runs: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.bench", description="benchmark task-weighting methods")
+    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", description="benchmark task-weighting methods")
     p.add_argument("--config", default="configs/bench.yaml")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
 
     def go():
-        from mtl.doctor import examine
+        from mtl.config_check import load_run_config
         from mtl.errors import ConfigError
-        from mtl.validate import load_run_config
+        from mtl.tools.doctor import examine
         from mtl.weighting import weighting_types
 
         cfg = load_run_config(a.config, a.overrides)
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
 
-    from mtl.cli import run_guarded
+    from mtl.error_report import run_guarded
 
     return run_guarded(go)
 

@@ -1,6 +1,6 @@
 """The gradient doctor: one step in one process, and what each strategy would cost.
 
-    python -m mtl.doctor --config configs/tiny.yaml [--batches 8] [key=value ...] [--json]
+    python -m mtl.tools.doctor --config configs/tiny.yaml [--batches 8] [key=value ...] [--json]
 
 Prints, for the configured model (its initial weights, or a trained model's with
 ``init_from=<checkpoint>``):
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from mtl.cli import run_guarded
+from mtl.error_report import run_guarded
 
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -55,11 +55,10 @@ def _timed(fn, reps: int = 3) -> float:
 
 
 def examine(cfg, batches: int = 8) -> dict:
-    from mtl.build import build_model, init_from_weights, resolve_tokenizer
+    from mtl.build import build_model, init_from_weights, resolve_tokenizer, seed_everything
     from mtl.data.loader import CaptionCollate, all_captions, build_datasets, build_train_loader, set_epoch
-    from mtl.diagnose import nonfinite_parameters, reach_table, task_gradients
+    from mtl.gradient_reach import nonfinite_parameters, reach_table, task_gradients
     from mtl.strategies import strategy_types
-    from mtl.trainer import seed_everything
     from mtl.weighting import weighting_types
 
     seed_everything(cfg.seed)
@@ -197,7 +196,7 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mtl.doctor", description="gradient doctor (one process)")
+    parser = argparse.ArgumentParser(prog="python -m mtl.tools.doctor", description="gradient doctor (one process)")
     parser.add_argument("--config", required=True)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--batches", type=int, default=8, help="training batches to measure the gradient conflict on")
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(key, None)  # one process, always
 
     def run():
-        from mtl.validate import load_run_config
+        from mtl.config_check import load_run_config
 
         cfg = load_run_config(args.config, args.overrides)
         report = examine(cfg, max(1, args.batches))
