@@ -210,10 +210,14 @@ def test_a_survivor_exits_promptly_when_torchrun_tears_the_job_down(tmp_path):
 
 @pytest.mark.slow
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
-    args = ["--config", TINY, "trainer.max_steps=10", *FAST]
+    # torchrun's own restart sometimes fails to form the new group ("Gloo connectFullMesh failed ... Connection
+    # refused", or a wait until the process-group timeout; pytorch/pytorch#167288; seen here without mtl's code
+    # involved). That is torch's part: a short ddp.timeout_s turns a stuck attempt into a failed one, and spare
+    # restarts let torchrun try again. What this test holds mtl to is what a restarted attempt does.
+    args = ["--config", TINY, "trainer.max_steps=10", *FAST, "ddp.timeout_s=30"]
     ref, el = str(tmp_path / "ref"), str(tmp_path / "elastic")
     run_train([*args, f"output_dir={ref}"], nproc=2)
-    cmd = [PY, "-m", "mtl.tools.launch", "--nproc_per_node=2", "--max-restarts=2", "--rdzv-backend=c10d",
+    cmd = [PY, "-m", "mtl.tools.launch", "--nproc_per_node=2", "--max-restarts=4", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", os.path.join(ROOT, "train.py"), *args, f"output_dir={el}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -221,8 +225,10 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
     workers = subprocess.run(["pgrep", "-f", f"output_dir={el}"], capture_output=True, text=True).stdout.split()
     victim = max(int(p) for p in workers if int(p) != proc.pid)  # a worker, not the launcher
     os.kill(victim, signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
+    resumed = [int(m) for m in re.findall(r"resuming from \S*step_(\d+)", out)]
+    assert resumed and all(step < 10 for step in resumed), out[-2000:]  # the restart really resumed mid-run
     assert model_bytes(ref, 10) == model_bytes(el, 10)
 
 
