@@ -1,6 +1,7 @@
 """Reliability with real processes and real signals: exact resume after SIGKILL, a kill during a save,
 SIGTERM, elastic restarts, non-finite steps, a crashing rank, and checkpoints that are not ours."""
 
+import hashlib
 import json
 import os
 import re
@@ -276,8 +277,17 @@ def test_a_failure_on_one_rank_reaches_the_user_in_one_line(tmp_path):
     same = run_train([*args, "trainer.max_steps=4", "seed=3"], nproc=2, check=False)
     assert same.returncode == 4 and same.stderr.count("cannot resume from") == 1, same.stderr[-3000:]
     # rank 1's own file is garbled: rank 1 says so, rank 0 says in one line that it lost its peer
-    with open(os.path.join(out, "checkpoints", "step_2", "rng_rank1.pt"), "wb") as f:
+    step_dir = os.path.join(out, "checkpoints", "step_2")
+    with open(os.path.join(step_dir, "rng_rank1.pt"), "wb") as f:
         f.write(b"garbled")
+    # keep the checksum manifest in step with it: rank 0's verification would otherwise catch the file (and
+    # whichever rank reached the launcher's store first would print that job-wide error); only rank 1, loading
+    # its own file, may notice here
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["files"]["rng_rank1.pt"] = {"bytes": 7, "sha256": hashlib.sha256(b"garbled").hexdigest()}
+    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
     proc = run_train([*args, "trainer.max_steps=4"], nproc=2, check=False)
     err = proc.stderr
     assert proc.returncode == 4, err[-3000:]
