@@ -13,8 +13,9 @@ from mtl.error_report import run_guarded
 
 def main(argv: list[str] | None = None) -> int:
     from mtl.config import keys_help
+    from mtl.config_check import options_help
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=keys_help(),
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"{keys_help()}\n\n{options_help()}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file (may name a base: file)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100 "

@@ -33,6 +33,11 @@ from mtl.errors import ConfigError
 
 
 @dataclass
+class NoOptions:
+    """The ``Options`` of a task or weighting method that has none."""
+
+
+@dataclass
 class SyntheticConfig:
     """The built-in data set: procedurally drawn shapes, generated from the seed (no download)."""
 
@@ -123,6 +128,7 @@ class DDPConfig:
 class WeightingConfig:
     method: str = "equal"
     weights: dict[str, float] = field(default_factory=dict)  # static: task name -> weight
+    options: dict[str, Any] = field(default_factory=dict)  # the method's own options (its Options dataclass)
 
 
 @dataclass
@@ -180,6 +186,7 @@ class Config:
     init_from: str | None = None  # warm start: a NEW run (step 0, fresh optimizer) from a checkpoint/export's weights
     overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
+    task_options: dict[str, Any] = field(default_factory=dict)  # task name -> that task's options (its Options)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -395,6 +402,41 @@ def load_config_collecting(path: str, overrides: list[str] | None, errors: list[
     """Like ``load_config``, but key/type problems are appended to ``errors`` and the offending values left
     at their defaults, so that further checks can run and every problem be reported at once."""
     return _read_into(path, overrides, errors)
+
+
+def check_options(values, schema: type, key: str, errors: list[str]) -> dict:
+    """A section whose keys a class declares (a task's or a weighting method's ``Options`` dataclass).
+
+    ``values`` (a mapping from the YAML) is checked against ``schema`` like the rest of the config: each
+    unknown name (with the nearest valid one) and each wrong type is appended to ``errors``, naming
+    ``key.<name>``. Returns every option, the schema's defaults filled in, as a plain dict.
+    """
+    node = OmegaConf.structured(schema)
+    OmegaConf.set_struct(node, True)
+    if values is not None and not isinstance(values, (dict, DictConfig)):
+        errors.append(f"{key}: needs a mapping of option names to values (got {values!r})")
+        return OmegaConf.to_container(node)
+    known = [f.name for f in fields(schema)]
+    for name, value in (values or {}).items():
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+            hint = f" — did you mean {key + '.' + close[0]!r}?" if close else ""
+            errors.append(f"{key}: unknown option {name!r}{hint} (known options: {', '.join(known) or 'none'})")
+            continue
+        try:
+            OmegaConf.update(node, str(name), value, merge=False, force_add=False)
+        except OmegaConfBaseException as e:
+            errors.append(f"{key}.{name}: bad value {value!r}: {str(e).splitlines()[0]}")
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def options_of(schema: type, values, key: str):
+    """An instance of the ``Options`` dataclass ``schema`` from ``values``; ConfigError names any bad key."""
+    errors: list[str] = []
+    filled = check_options(values, schema, key, errors)
+    if errors:
+        raise ConfigError(errors)
+    return schema(**filled)
 
 
 def to_yaml(cfg: DictConfig) -> str:

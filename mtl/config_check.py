@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from mtl.config import load_config_collecting
+from mtl.config import check_options, config_keys, load_config_collecting
 from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
@@ -133,7 +133,40 @@ def validate(cfg) -> list[str]:
         if method.level == "grad" and strategy is not None and not getattr(strategy, "task_gradients", False):
             errors.append(f"weighting.method={cfg.weighting.method} needs each task's gradient, which "
                           f"ddp.strategy={cfg.ddp.strategy} does not give; use ddp.strategy=task_grads")
+    _options(errors, cfg, tasks, method)
     return errors
+
+
+def _options(errors, cfg, tasks, method) -> None:
+    """Check the task and method options against the classes' ``Options`` and fill in their defaults, so that
+    ``config.yaml`` holds every value a run used."""
+    for t in cfg.task_options:
+        if t not in cfg.tasks:
+            errors.append(f"task_options.{t}: {t!r} is not in tasks ({', '.join(cfg.tasks)}); remove it or add the task")
+    cfg.task_options = {t: check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
+                        for t in cfg.tasks if t in tasks}
+    if method is not None:
+        cfg.weighting.options = check_options(cfg.weighting.options, method.Options, "weighting.options", errors)
+
+
+def option_defaults(cfg) -> dict:
+    """The options the config's tasks and method take when none are given, shaped like the config."""
+    tasks, method = task_types(), weighting_types().get(cfg.weighting.method)
+    return {"task_options": {t: check_options({}, tasks[t].Options, "", []) for t in cfg.tasks if t in tasks},
+            "weighting": {"options": check_options({}, method.Options, "", []) if method else {}}}
+
+
+def options_help() -> str:
+    """Each task's and weighting method's own options (for ``train.py --help``)."""
+    lines = []
+    for section, types in (("task_options.<task>", task_types()), ("weighting.options (method=<name>)",
+                                                                   weighting_types())):
+        rows = [(name, config_keys(cls.Options)) for name, cls in types.items()]
+        lines.append(f"{section}:")
+        for name, keys in rows:
+            shown = ", ".join(f"{k}: {t} = {d!r}" for k, t, d, _ in keys) or "(no options)"
+            lines.append(f"  {name}: {shown}")
+    return "\n".join(lines)
 
 
 def load_run_config(path: str, overrides: list[str] | None = None):

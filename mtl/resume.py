@@ -62,9 +62,12 @@ def check_resume_config(checkpoint_dir: str, cfg) -> None:
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path!r} is not an mtl config (a mapping of keys expected)")
     from mtl.config import Config
+    from mtl.config_check import option_defaults
 
     current = OmegaConf.to_container(cfg, resolve=True)
     defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=True)
+    extra = option_defaults(cfg)  # a checkpoint from before options existed used the classes' defaults
+    defaults["task_options"], defaults["weighting"]["options"] = extra["task_options"], extra["weighting"]["options"]
     diff = differing_keys(saved, current, defaults)
     if diff:
         a, b = _flatten(saved), _flatten(current)

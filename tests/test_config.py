@@ -175,3 +175,30 @@ def test_config_summary_shows_only_what_differs(tmp_path):
     assert "runs/tiny/config.yaml" in text and "num_beams=3" in text and "batch_size=8" in text
     assert "bucket_cap_mb" not in text and "replica_check_every" not in text  # defaults are left out
     assert len(text.splitlines()) <= 10 < len(to_yaml(cfg).splitlines()) / 8
+
+
+def test_a_method_s_options_are_checked_filled_and_used(tmp_path):
+    """weighting.options is the method's own Options dataclass: defaults filled in, values typed, names checked."""
+    from mtl.build import build_weighting
+    from mtl.config import to_yaml
+
+    cfg = load_run_config(TINY, ["ddp.strategy=task_grads", "weighting.method=cagrad"])
+    assert dict(cfg.weighting.options) == {"c": 0.4, "rescale": True}  # the paper's defaults, saved in config.yaml
+    assert "c: 0.4" in to_yaml(cfg)
+    cfg = load_run_config(TINY, ["ddp.strategy=task_grads", "weighting.method=cagrad", "weighting.options.c=0.2"])
+    assert build_weighting(cfg).options.c == pytest.approx(0.2)
+    errs = errors_of(TINY, ["ddp.strategy=task_grads", "weighting.method=cagrad", "weighting.options.cc=0.2",
+                            "weighting.options.rescale=maybe", "optim.lr=-1"])
+    assert any("weighting.options: unknown option 'cc'" in e and "weighting.options.c'" in e for e in errs), errs
+    assert any(e.startswith("weighting.options.rescale: bad value 'maybe'") for e in errs), errs
+    assert any(e.startswith("optim.lr") for e in errs), errs  # reported together with the rest
+    assert any("must be >= 0" in e for e in errors_of(TINY, ["ddp.strategy=task_grads", "weighting.method=cagrad",
+                                                             "weighting.options.c=-1"]))
+
+
+def test_task_options_name_only_configured_tasks_and_declared_keys():
+    errs = errors_of(TINY, ["task_options.count.x=1", "task_options.cls.nope=1"])
+    assert any(e.startswith("task_options.count: 'count' is not in tasks") for e in errs), errs
+    assert any(e.startswith("task_options.cls: unknown option 'nope'") for e in errs), errs
+    cfg = load_run_config(TINY)
+    assert set(cfg.task_options) == set(cfg.tasks)  # every task's options, filled in

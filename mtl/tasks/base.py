@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mtl.config import NoOptions, options_of
+
 
 @dataclass
 class BuildInfo:
@@ -29,9 +31,17 @@ class BuildInfo:
 
 class TaskHead(nn.Module):
     name: str = ""  # the key of this task's loss; set by each subclass
+    # The task's own config section, ``task_options.<name>``: a dataclass whose fields are the keys, with
+    # defaults (checked like every config key; the filled values are saved in config.yaml).
+    Options: type = NoOptions
     # The quality metrics of ``eval_reduce`` that curves, the benchmark and delta-m use: name -> higher is
     # better. They are logged as ``<task>_<metric>``; other keys of ``eval_reduce`` are logged too.
     metrics: dict[str, bool] = {}
+
+    @classmethod
+    def options_from(cls, cfg):
+        """This task's ``Options`` instance from ``cfg.task_options.<name>`` (defaults where not given)."""
+        return options_of(cls.Options, cfg.get("task_options", {}).get(cls.name), f"task_options.{cls.name}")
 
     @classmethod
     def build(cls, info: BuildInfo) -> TaskHead:

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mtl.config import NoOptions, options_of
+
 
 def stream_seed(seed: int, step: int, salt: str) -> int:
     """A 63-bit seed for the random stream of (seed, step) of one method (``salt``), the same in every process:
@@ -43,10 +45,14 @@ def stream_seed(seed: int, step: int, salt: str) -> int:
 class Weighting(nn.Module):
     name: str = ""
     level: str = "loss"  # "loss" | "grad"
+    # The method's hyperparameters, ``weighting.options``: a dataclass with the paper's defaults (checked like
+    # every config key; the filled values are saved in config.yaml). ``self.options`` is its instance.
+    Options: type = NoOptions
 
     def __init__(self, cfg, tasks: list[str]):
         super().__init__()
         self.tasks = list(tasks)
+        self.options = options_of(type(self).Options, cfg.weighting.get("options"), "weighting.options")
 
     @classmethod
     def check(cls, cfg) -> list[str]:

@@ -29,6 +29,7 @@ mean of the rows (non-finite: the trainer skips the step).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -130,10 +131,20 @@ def cagrad(grads: Tensor, losses: Tensor | None = None, *, c: float = CAGRAD_C,
     return apply_weights(cagrad_weights(gram_matrix(grads), c, rescale), grads)
 
 
+@dataclass
+class CAGradOptions:
+    c: float = CAGRAD_C  # the radius of the ball around the average gradient (the paper's c; 0: equal weights)
+    rescale: bool = CAGRAD_RESCALE  # divide the update by 1 + c^2, as the authors' code does
+
+
 class CAGrad(GramWeighting):
     name = "cagrad"
-    C = CAGRAD_C
-    RESCALE = CAGRAD_RESCALE
+    Options = CAGradOptions
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        c = cfg.weighting.options.get("c", CAGRAD_C)
+        return [] if not isinstance(c, (int, float)) or c >= 0 else [f"weighting.options.c: must be >= 0 (got {c})"]
 
     def weights_from_gram(self, gram, losses, dtype):
-        return cagrad_weights(gram, self.C, self.RESCALE)
+        return cagrad_weights(gram, self.options.c, self.options.rescale)
