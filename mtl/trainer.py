@@ -110,6 +110,7 @@ class Trainer:
         self.bad_steps = self.overflows = 0
         self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
         self.last_eval: dict = {}
+        self._stream = None  # step_once's own batch stream, made on its first call without a batch
         self._saved_step = None  # the step this run's output_dir holds a checkpoint of, as this process knows it
         if resume_path:
             self._load(resume_path)
@@ -270,7 +271,7 @@ class Trainer:
         """The public way to step a run: one optimizer step on ``batch`` (default: the run's next training
         batch), exactly as the training loop takes it. Advances ``self.step``; returns the step's result."""
         if batch is None:
-            if not hasattr(self, "_stream"):
+            if self._stream is None:
                 self._stream = self.batches()
             i, batch = next(self._stream)
             self.batch_in_epoch = i + 1
