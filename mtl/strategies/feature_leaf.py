@@ -63,5 +63,5 @@ class FeatureLeaf(Strategy):
         tic = time.perf_counter()
         scale = s.loss_scale()  # fp16: the rows are scaled; the method sees the unscaled Gram matrix
         w = s.gram_weights(gram / (scale * scale), reduced[k * k:], grads.dtype)
-        stats = {**gram_stats(s.tasks, gram / (scale * scale), "feat_"), "combine_s": time.perf_counter() - tic}
+        stats = {**gram_stats(s.tasks, gram, "feat_"), "combine_s": time.perf_counter() - tic}  # the trainer unscales
         return apply_weights(w, grads), stats

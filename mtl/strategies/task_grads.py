@@ -113,5 +113,5 @@ class TaskGrads(Strategy):
                                              grads)])
         if rows.is_cuda:
             torch.cuda.synchronize(rows.device)
-        stats = {**gram_stats(s.tasks, gram / (scale * scale)), "combine_s": time.perf_counter() - tic}
+        stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
         return {t: v.detach() for t, v in losses.items()}, stats
