@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from PIL import Image
 from torch.utils.data import Dataset
@@ -22,6 +22,9 @@ from mtl.data.images import Augment, load_image
 from mtl.errors import DataError
 
 ON_ERROR = ("raise", "skip")
+# keys of a line that the readers interpret; every other key of a line reaches the tasks as a record field
+RESERVED = ("image", "label", "caption", "captions", "index")
+BASE_FIELDS = frozenset({"image", "index", "label", "captions"})
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Record:
     label: int
     captions: list[str]
     line: int
+    extra: dict = field(default_factory=dict)  # the line's other keys, passed on to the tasks as record fields
 
 
 class LineError(Exception):
@@ -90,7 +94,8 @@ def _parse_line(text: str, number: int, image_root: str, label_fn: LabelFn) -> R
     label = label_fn(obj, rel)
     path = rel if os.path.isabs(rel) else os.path.join(image_root, rel)
     _check_image(path, rel, image_root)
-    return Record(image=path, label=label, captions=captions, line=number)
+    extra = {k: v for k, v in obj.items() if k not in RESERVED}
+    return Record(image=path, label=label, captions=captions, line=number, extra=extra)
 
 
 def read_caption_lines(
@@ -152,6 +157,14 @@ class CaptionedImages(Dataset):
         self.epoch = 0
         self.class_names: list[str] = []
         self.num_classes = 0
+        # the record fields every item has: the base ones, and the extra keys that every line has
+        shared = set(records[0].extra) if records else set()
+        for r in records[1:]:
+            shared &= set(r.extra)
+        self.provides = BASE_FIELDS | frozenset(shared)
+
+    def how_to_provide(self, field: str) -> str:
+        return f"add a {field!r} key to every line of {self.source}"
 
     def __len__(self) -> int:
         return len(self.records)
@@ -171,10 +184,10 @@ class CaptionedImages(Dataset):
         caps = rec.captions
         first = (int(epoch) + index) % len(caps)
         return {
+            **rec.extra,
             "image": load_image(rec.image, self.image_size, where, self.augment, (index, int(epoch))),
             "label": rec.label,
             "captions": [caps[first]] + caps[:first] + caps[first + 1 :],
-            "count": -1,
             "index": index,
         }
 
