@@ -41,6 +41,14 @@ def test_doctor_reports_reach_norms_conflict_costs_and_a_recommendation(capsys):
     assert r["recommendation"]["strategy"] == "feature_leaf"
 
 
+def test_doctor_builds_the_run_read_only(capsys, tmp_path):
+    """The doctor builds through mtl.build.build_run_pieces (the trainer's builder) and never makes output_dir."""
+    out = tmp_path / "never"
+    code, _, err = doctor(capsys, "--json", "--batches", "1", f"output_dir={out}")
+    assert code == 0, err
+    assert not out.exists()
+
+
 def test_doctor_recommends_task_grads_for_gradient_level_weighting(capsys):
     code, out, err = doctor(capsys, "--json", "weighting.method=pcgrad", "ddp.strategy=task_grads")
     assert code == 0, err
