@@ -43,13 +43,12 @@ from mtl.build import (
 from mtl.config import load_config
 from mtl.data.images import image_normalization, normalize_images
 from mtl.data.loader import build_datasets, build_eval_loader, check_task_fields
-from mtl.data.manifest import ImageFolderCaptions, ManifestDataset, load_image
+from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
 from mtl.data.tokenizer import CaptionTokenizer
 from mtl.dist import pick_device
 from mtl.errors import CheckpointError, ConfigError, DataError
 from mtl.evaluate import evaluate
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
 EVAL_KEYS = ("data.", "seed")

@@ -25,9 +25,9 @@ from mtl.data import (
     set_epoch,
     train_tokenizer,
 )
-from mtl.tasks.captioning import IGNORE_INDEX
 from mtl.data.synthetic import COLOURS, COUNT_WORDS, POSITIONS, SHAPES, caption_text, max_count_for
 from mtl.errors import ConfigError, DataError
+from mtl.tasks.captioning import IGNORE_INDEX
 
 from .conftest import make_collate
 

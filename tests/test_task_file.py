@@ -93,6 +93,29 @@ def test_a_data_source_without_the_task_s_field_is_one_error_naming_task_field_a
     assert sorted(batch["colour_label"].tolist()) == sorted(i % 3 for i in batch["index"].tolist())
 
 
+def test_an_image_folder_without_captions_serves_classification_and_refuses_captioning(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "folder"
+    for c, name in enumerate(["cat", "dog"]):
+        (root / name).mkdir(parents=True)
+        for i in range(4):
+            Image.new("RGB", (10, 10), (250 * c, 20 * i, 90)).save(root / name / f"{i}.png")
+    (root / "dog" / "notes.txt").write_text("not an image")
+    over = ["data.source=imagefolder", f"data.train_path={root}", f"data.val_path={root}", "data.batch_size=4",
+            "data.image_size=16", f"output_dir={tmp_path / 'run'}"]
+    with pytest.raises(DataError) as e:
+        build_run_pieces(load_run_config(TINY, over))  # tasks [cls, gen]: gen reads captions
+    message = e.value.message
+    assert "task 'gen' needs the field 'captions'" in message and "no captions.jsonl" in message
+    assert f"add {root / 'captions.jsonl'} with one line per image" in message
+    run = build_run_pieces(load_run_config(TINY, [*over, "tasks=[cls]"]))
+    assert len(run.train_ds) == 8 and run.train_ds.class_names == ["cat", "dog"]
+    batch = next(iter(run.train_loader()))
+    assert sorted(batch["label"].tolist()) == sorted(run.train_ds[i]["label"] for i in batch["index"].tolist())
+    assert set(batch) == {"image", "index", "label"} and torch.isfinite(run.model(batch)["losses"]["cls"])
+
+
 def test_old_caption_keys_still_read_and_resume(tmp_path):
     """data.max_caption_tokens / trainer.num_beams moved to task_options.gen: old configs and the config.yaml of
     checkpoints written before the move are read as the new keys, so those checkpoints still resume."""
