@@ -25,6 +25,7 @@ SAFE_TO_CHANGE = (
     "trainer.max_bad_steps", "trainer.poison", "checkpoint.", "data.num_workers", "data.eval_batch_size",
     "ddp.timeout_s", "ddp.replica_check_every", "ddp.nan_monitor", "bench.",
     "init_from",  # only read at a fresh start: a resume loads its own checkpoint's weights
+    "task_modules",  # where the task files are found; the tasks and their options are compared themselves
 )
 
 
