@@ -67,7 +67,8 @@ def test_missing_and_unreadable_files(tmp_path):
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("data.batch_size=-1", "data.batch_size"),
     ("model.decoder.n_head=3", "model.decoder.n_embd"),
-    ("data.max_caption_tokens=40", "data.max_caption_tokens"),
+    ("task_options.gen.max_tokens=40", "task_options.gen.max_tokens"),
+    ("data.max_caption_tokens=40", "task_options.gen.max_tokens"),  # the old name of the key
     ("tasks=[cls, cls]", "tasks"),
     ("tasks=[cls, nope]", "tasks"),
     ("ddp.static_graph=true", "ddp.static_graph"),

@@ -14,8 +14,9 @@ that finished (their ``final_metrics.json`` exists).
 
 Metrics and their definitions:
 - quality: the mean of the last ``bench.last_k`` evaluations (the table) and the best evaluation
-  (results.csv) of each task's declared metrics (``TaskHead.metrics``: ``cls_acc``, ``gen_bleu4``,
-  ``gen_chrf`` for the default tasks, all higher is better);
+  (results.csv) of each task's declared metrics (``TaskHead.metrics``, with whether higher is better;
+  e.g. ``cls_acc``, ``gen_bleu4``, ``gen_chrf`` for the default tasks); every table, plot and delta
+  loops over the configured tasks, so a new task's metrics appear with no edit here;
 - delta-m % (Maninis et al. 2019, as in Nash-MTL and FAMO): the mean over all M metrics of
   ``(-1)^l_i (M_i - B_i) / B_i * 100`` against the single-task baselines B (l_i = 1 if lower is better);
 - delta-p % (LibMTL): the same relative change averaged within each task first, then across tasks;
@@ -40,12 +41,13 @@ import time
 import traceback
 
 
-def metric_specs(tasks) -> list[tuple[str, str, bool]]:
-    """``[(metric key, task, higher is better)]``: what each task declares (``TaskHead.metrics``)."""
+def metric_specs(cfg) -> list[tuple[str, str, bool]]:
+    """``[(metric key, task, higher is better)]``: what each of the config's tasks declares (``TaskHead.metrics``;
+    the tasks of ``task_modules`` too)."""
     from mtl.tasks import task_types
 
-    types = task_types()
-    return [(key, t, higher) for t in tasks for key, higher in types[t].metric_keys()]
+    types = task_types(cfg.get("task_modules") or ())
+    return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -194,7 +196,7 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
     from mtl.weighting import weighting_types
 
     types = weighting_types()
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     per_label: dict[str, list] = {}
     for r in runs:
         data = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
@@ -250,7 +252,7 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
 
 def write_tables(cfg, rows: list[dict], base: dict, meta: dict) -> str:
     out = cfg.output_dir
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     fields = ["method", "level", "strategy", "runs_ok", "runs"] + [k for m, _, _ in specs for k in (m, m + "_std",
                                                                                                       m + "_best")]
     fields += ["delta_m", "delta_m_std", "delta_p", "delta_p_std", "mean_rank", "time_vs_equal", "mem_vs_equal",
@@ -307,7 +309,7 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     data: dict[str, list] = {}
     for r in runs:
         d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
@@ -373,20 +375,21 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
     plt.close(fig)
     paths.append(path)
 
-    pair = f"{tasks[0]}_{tasks[1]}" if len(tasks) > 1 else None
-    if pair:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for m in labels:
-            for key, what in ((f"grad_cos/{pair}", "shared parameters"), (f"feat_grad_cos/{pair}", "features")):
-                xs, ys = train_curve(data[m], key)
-                if xs:
-                    ax.plot(xs, ys, label=f"{m} ({what})", color=colour[m], ls="-" if what.startswith("shared")
-                            else ":")
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"cosine(grad {tasks[0]}, grad {tasks[1]})")
-        ax.set_title("gradient conflict between the tasks (mean over seeds)")
-        ax.legend(fontsize=6, ncol=2)
+    pairs = [(a, b) for i, a in enumerate(tasks) for b in tasks[i + 1:]]
+    if pairs:  # one panel per pair of tasks
+        fig, axes = plt.subplots(1, len(pairs), figsize=(7 * len(pairs), 4), squeeze=False)
+        for ax, (a, b) in zip(axes[0], pairs):
+            for m in labels:
+                for key, what in ((f"grad_cos/{a}_{b}", "shared parameters"), (f"feat_grad_cos/{a}_{b}", "features")):
+                    xs, ys = train_curve(data[m], key)
+                    if xs:
+                        ax.plot(xs, ys, label=f"{m} ({what})", color=colour[m], ls="-" if what.startswith("shared")
+                                else ":")
+            ax.axhline(0, color="grey", lw=0.5)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(f"cosine(grad {a}, grad {b})")
+            ax.set_title(f"gradient conflict {a} / {b} (mean over seeds)")
+            ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
         path = os.path.join(cfg.output_dir, "gradient_cosine.png")
         fig.savefig(path, dpi=90)
@@ -398,7 +401,7 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
 def write_hparams(cfg, runs: list[dict]) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
     for r in runs:
         d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
