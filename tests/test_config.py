@@ -202,3 +202,27 @@ def test_task_options_name_only_configured_tasks_and_declared_keys():
     assert any(e.startswith("task_options.cls: unknown option 'nope'") for e in errs), errs
     cfg = load_run_config(TINY)
     assert set(cfg.task_options) == set(cfg.tasks)  # every task's options, filled in
+
+
+# every method option and a value its check refuses (the range or the choice)
+BAD_OPTION = {"cagrad": ("c", -1), "gradnorm": ("alpha", -0.5), "dwa": ("T", 0), "famo": ("lr", 0),
+              "pcgrad": ("reduction", "avg"), "nashmtl": ("update_every", 0), "mgda": ("normalization", "l1")}
+
+
+@pytest.mark.parametrize("method", sorted(BAD_OPTION))
+def test_each_method_s_options_are_checked_by_name_type_and_range(method):
+    from mtl.weighting import weighting_types
+
+    cls = weighting_types()[method]
+    base = [f"weighting.method={method}", f"ddp.strategy={'task_grads' if cls.level == 'grad' else 'feature_leaf'}"]
+    cfg = load_run_config(TINY, base)
+    defaults = dict(cfg.weighting.options)
+    assert defaults and set(defaults) == {f for f in cls.Options.__dataclass_fields__}  # all filled in
+    name, bad = BAD_OPTION[method]
+    errs = errors_of(TINY, [*base, f"weighting.options.{name}={bad}"])
+    assert len(errs) == 1 and errs[0].startswith(f"weighting.options.{name}:"), errs
+    errs = errors_of(TINY, [*base, f"weighting.options.{name}x=1"])  # unknown name, with the nearest one
+    assert any(e.startswith("weighting.options: unknown option") and f"weighting.options.{name}'" in e for e in errs), errs
+    if isinstance(defaults[name], (int, float)):  # a wrong type names the key
+        errs = errors_of(TINY, [*base, f"weighting.options.{name}=[1, 2]"])
+        assert any(e.startswith(f"weighting.options.{name}: bad value") for e in errs), errs

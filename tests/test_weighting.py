@@ -8,6 +8,7 @@ produces the same next weights).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import math
@@ -39,16 +40,17 @@ LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo"]
 GRAD_METHODS = [*GRAD_FUNCS, "gradnorm"]
 
 
-def cfg_for(method: str, seed: int = 0, tasks=TASKS):
+def cfg_for(method: str, seed: int = 0, tasks=TASKS, options=None):
     cfg = OmegaConf.structured(Config)
     cfg.weighting.method = method
     cfg.seed = seed
     cfg.tasks = list(tasks)
+    cfg.weighting.options = dict(options or {})
     return cfg
 
 
-def make(method: str, seed: int = 0, tasks=TASKS):
-    return weighting_types()[method](cfg_for(method, seed, tasks), list(tasks))
+def make(method: str, seed: int = 0, tasks=TASKS, options=None):
+    return weighting_types()[method](cfg_for(method, seed, tasks, options), list(tasks))
 
 
 def G(*rows) -> torch.Tensor:
@@ -73,7 +75,7 @@ def roundtrip(module):
     buf = io.BytesIO()
     torch.save(module.state_dict(), buf)
     buf.seek(0)
-    fresh = make(module.name, tasks=module.tasks)
+    fresh = make(module.name, tasks=module.tasks, options=dataclasses.asdict(module.options))
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     return fresh
 
@@ -838,3 +840,77 @@ def test_loss_methods_are_separable(method):
     ta = [a.weigh("cls", x), a.weigh("gen", torch.tensor(0.1))]
     tb = [b.weigh("gen", torch.tensor(5.0)), b.weigh("cls", x)]
     close(ta[0].detach(), tb[1].detach(), 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# options (weighting.options): each one changes what the method does
+
+
+def run_steps(w, steps=4):
+    """A few steps of ``w`` (gram_case rows for gradient-level methods, moving losses); the weights after each."""
+    tasks = w.tasks
+    g = gram_case(len(tasks))
+    g = g / g.norm(dim=1, keepdim=True) * torch.linspace(1.0, 1.5, len(tasks), dtype=g.dtype)[:, None]
+    seen = []
+    for step in range(steps):
+        w.begin_step(step)
+        losses = {t: 2.0 / (1 + step * (i + 1)) + 0.1 * i for i, t in enumerate(tasks)}
+        if w.level == "grad":  # the rows change from step to step
+            rows = g * (1 + 0.3 * step * torch.arange(len(tasks), dtype=g.dtype))[:, None]
+            w.combine(rows, torch.tensor([losses[t] for t in tasks], dtype=torch.float64))
+        w.end_step(losses)
+        seen.append(list(w.weights().values()))
+    return seen
+
+
+@pytest.mark.parametrize("method, options", [
+    ("cagrad", {"c": 0.2}), ("cagrad", {"rescale": False}),
+    ("gradnorm", {"alpha": 0.0}), ("gradnorm", {"lr": 0.1}),
+    ("dwa", {"T": 0.5}), ("famo", {"lr": 0.1}), ("famo", {"gamma": 0.5}),
+    ("pcgrad", {"reduction": "mean"}),
+    ("nashmtl", {"update_every": 2}), ("nashmtl", {"max_norm": 0.5}),
+    ("mgda", {"normalization": "l2"}), ("mgda", {"normalization": "loss"}), ("mgda", {"normalization": "loss+"}),
+])
+def test_each_option_changes_the_method(method, options):
+    tasks = ["a", "b", "c"]
+    default, changed = make(method, tasks=tasks), make(method, tasks=tasks, options=options)
+    for key, value in options.items():
+        assert getattr(changed.options, key) == value and getattr(default.options, key) != value
+    a, b = run_steps(default), run_steps(changed)
+    assert any(not np.allclose(x, y, rtol=1e-6, atol=0) for x, y in zip(a, b)), (a, b)
+
+
+def test_option_values_do_what_they_say():
+    g = gram_case(3)
+    m = gram(g)
+    # pcgrad mean = sum / K
+    close(make("pcgrad", options={"reduction": "mean"}).weights_for_gram(m) * 3, make("pcgrad").weights_for_gram(m), 1e-12)
+    # dwa: T is the softmax temperature
+    close(dwa_weights([1.0, 0.5], [1.0, 1.0], 0.5), (2 * torch.softmax(torch.tensor([2.0, 1.0]), 0)).tolist(), 1e-6)
+    # nashmtl: max_norm bounds ||d|| (here below the unclipped norm), update_every reuses the last solution
+    clipped = make("nashmtl", tasks=["a", "b", "c"], options={"max_norm": 0.5})
+    alpha = clipped.weights_for_gram(m)
+    free = make("nashmtl", tasks=["a", "b", "c"]).weights_for_gram(m)
+    assert float(free @ m @ free) > 0.25
+    close(float(alpha @ m @ alpha), 0.25, 1e-12)
+    close(alpha / alpha.sum(), free / free.sum(), 1e-12)  # the same direction
+    w = make("nashmtl", tasks=["a", "b", "c"], options={"update_every": 3})
+    first = []
+    for step in range(6):
+        w.begin_step(step)
+        first.append(w.weights_for_gram(m * (1 + step)))
+    close(first[1], first[0], 0)
+    close(first[2], first[0], 0)
+    close(first[3], nashmtl_weights(m * 4), 1e-12)  # solved again at step 3 ...
+    close(first[5], first[3], 0)
+    fresh = roundtrip(w)  # ... and the reused alpha survives a resume
+    for mod in (w, fresh):
+        mod.begin_step(7)
+    close(fresh.weights_for_gram(m), w.weights_for_gram(m), 0)
+    # mgda l2 is the min-norm point of the unit gradients; loss divides by the losses
+    n = m.diagonal().sqrt()
+    unit = make("mgda", tasks=["a", "b", "c"], options={"normalization": "l2"}).weights_for_gram(m, torch.ones(3))
+    close(unit * n, mgda_weights(m / torch.outer(n, n)), 1e-12)
+    losses = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    by_loss = make("mgda", tasks=["a", "b", "c"], options={"normalization": "loss"}).weights_for_gram(m, losses)
+    close(by_loss * losses, mgda_weights(m / torch.outer(losses, losses)), 1e-12)
