@@ -17,7 +17,9 @@ the stationarity condition of the strictly convex
     f(w) = 1/2 w^T M w - sum_t phi(w_t),     phi' (w) = w^(-1/alpha)     (phi = log for alpha = 1)
 
 over w > 0 (M = G G^T is PSD and phi concave), so damped Newton with a backtracking line search that
-keeps w > 0 converges to it (quadratically at the end; it stops at round-off). The Gram matrix is first
+keeps w > 0 converges to it (quadratically at the end; it stops at round-off). The line search
+compares f's change computed from differences: for nearly opposed rows w ~ 1e5 and f itself carries
+round-off far above the decrease it has to confirm. The Gram matrix is first
 divided by its largest diagonal entry s (the iteration does not depend on the gradients' scale); the
 solution for M follows as ``w = w_s * s^(-alpha / (alpha + 1))``. Newton starts from the best multiple
 of the ones vector.
@@ -49,45 +51,42 @@ FAIRGRAD_RIDGE = 1e-8  # added to the scaled Gram matrix's diagonal, only where 
 FAIRGRAD_MAX_ITER = 500
 
 
-def _phi(w: np.ndarray, alpha: float) -> np.ndarray:
+def _phi_change(w: np.ndarray, d: np.ndarray, alpha: float) -> float:
+    """sum_t phi(w_t + d_t) - phi(w_t), computed without cancellation (log1p / expm1)."""
+    r = np.log1p(d / w)
     if alpha == 1.0:
-        return np.log(w)
+        return float(r.sum())
     p = 1.0 - 1.0 / alpha
-    return w**p / p
+    return float((w**p * np.expm1(p * r) / p).sum())
 
 
 def solve_fair(m: np.ndarray, alpha: float, max_iter: int = FAIRGRAD_MAX_ITER) -> np.ndarray:
-    """w > 0 with m @ w = w^(-1/alpha), for a PSD float64 m (K x K) where a solution exists."""
+    """w > 0 with m @ w = w^(-1/alpha), for a PSD float64 m (K x K) where a solution exists.
+
+    Damped Newton on f; the line search compares f's *change*, computed from the differences (for
+    nearly opposed rows w ~ 1e5 and f itself carries round-off far above the decrease to be checked)."""
     k = m.shape[0]
     total = max(float(m.sum()), 1e-300)
     w = np.full(k, (k / total) ** (alpha / (alpha + 1.0)))
-
-    def f(v):
-        return 0.5 * float(v @ m @ v) - float(_phi(v, alpha).sum())
-
-    fw, last = f(w), np.inf
+    last = np.inf
     for _ in range(max_iter):
-        grad = m @ w - w ** (-1.0 / alpha)
+        mw = m @ w
+        grad = mw - w ** (-1.0 / alpha)
         hess = m + np.diag(w ** (-1.0 / alpha - 1.0) / alpha)
         step = np.linalg.solve(hess, grad)
         lam2 = float(grad @ step)  # squared Newton decrement
-        if not lam2 > 1e-28 or (lam2 < 1e-16 and lam2 > 0.25 * last):
+        # stop at 0, or in the quadratic phase once it stops shrinking fast (round-off reached)
+        if not lam2 > 1e-30 or (lam2 < 1e-10 and lam2 > 0.25 * last):
             break
         last = lam2
-        t = 1.0
-        while True:
-            new = w - t * step
-            if (new > 0).all():
-                fn = f(new)
-                if fn <= fw - 0.25 * t * lam2 or t < 1e-12:
+        t, curv, slope = 1.0, float(step @ m @ step), float(mw @ step)
+        while t > 1e-12:
+            if (w - t * step > 0).all():
+                change = -t * slope + 0.5 * t * t * curv - _phi_change(w, -t * step, alpha)  # f(w - t step) - f(w)
+                if change <= -0.25 * t * lam2 or lam2 < 1e-10:
                     break
             t *= 0.5
-            if t < 1e-300:
-                new, fn = w, fw
-                break
-        if new is w:
-            break
-        w, fw = new, fn
+        w = w - t * step
     return w
 
 
