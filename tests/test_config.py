@@ -207,7 +207,8 @@ def test_task_options_name_only_configured_tasks_and_declared_keys():
 # every method option and a value its check refuses (the range or the choice)
 BAD_OPTION = {"cagrad": ("c", -1), "gradnorm": ("alpha", -0.5), "dwa": ("T", 0), "famo": ("lr", 0),
               "pcgrad": ("reduction", "avg"), "nashmtl": ("update_every", 0), "mgda": ("normalization", "l1"),
-              "gradvac": ("beta", 1.5), "fairgrad": ("alpha", 0), "graddrop": ("leak", -0.1)}
+              "gradvac": ("beta", 1.5), "fairgrad": ("alpha", 0), "graddrop": ("leak", -0.1), "dbmtl": ("beta", 1.0),
+              "excessmtl": ("eta", -1.0), "stch": ("mu", 0)}
 
 
 @pytest.mark.parametrize("method", sorted(BAD_OPTION))

@@ -24,8 +24,10 @@ from mtl.weighting.alignedmtl import alignedmtl, alignedmtl_balance, alignedmtl_
 from mtl.weighting.base import GramWeighting, gram_matrix, stream_seed
 from mtl.weighting.cagrad import cagrad, cagrad_weights
 from mtl.weighting.conflictfree import config, config_weights
+from mtl.weighting.dbmtl import dbmtl_average, dbmtl_scales
 from mtl.weighting.dualproj import dualproj, dualproj_weights
 from mtl.weighting.dwa import dwa_weights
+from mtl.weighting.excessmtl import excess_risks
 from mtl.weighting.fairgrad import fairgrad, fairgrad_weights
 from mtl.weighting.famo import FAMO_EPS, famo_logit_grad
 from mtl.weighting.graddrop import graddrop, graddrop_mask, sign_purity
@@ -36,15 +38,16 @@ from mtl.weighting.mgda import mgda, mgda_weights
 from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, simplex_min, solution_exists
 from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, pcgrad_weights
 from mtl.weighting.rlw import rlw_weights
+from mtl.weighting.stch import stch_weights
 from mtl.weighting.upgrad import upgrad, upgrad_projections
 
 TASKS = ["cls", "gen"]
 GRAD_FUNCS = {"pcgrad": pcgrad, "mgda": mgda, "cagrad": cagrad, "nashmtl": nashmtl, "imtlg": imtlg,
               "alignedmtl": alignedmtl, "upgrad": upgrad, "dualproj": dualproj, "config": config, "fairgrad": fairgrad}
-LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo"]
+LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo", "stch"]
 GRAD_METHODS = [*GRAD_FUNCS, "gradnorm", "gradvac"]  # weights from the Gram matrix (GramWeighting)
 STATEFUL_GRAM = ("gradnorm", "gradvac")  # their state moves every time the weights are computed
-ROW_METHODS = ["graddrop"]  # gradient-level, but they need the rows (per-coordinate signs)
+ROW_METHODS = ["graddrop", "dbmtl", "excessmtl"]  # gradient-level, but they need the rows (signs, K x P state)
 
 
 def cfg_for(method: str, seed: int = 0, tasks=TASKS, options=None):
@@ -879,6 +882,8 @@ def run_steps(w, steps=4):
     ("nashmtl", {"update_every": 2}), ("nashmtl", {"max_norm": 0.5}),
     ("mgda", {"normalization": "l2"}), ("mgda", {"normalization": "loss"}), ("mgda", {"normalization": "loss+"}),
     ("gradvac", {"beta": 0.1}), ("fairgrad", {"alpha": 2.0}), ("graddrop", {"leak": 0.5}),
+    ("dbmtl", {"beta": 0.5}), ("dbmtl", {"sigma": 0.5}), ("excessmtl", {"eta": 0.5}),
+    ("stch", {"warmup_steps": 1, "nadir_steps": 1}),
 ])
 def test_each_option_changes_the_method(method, options):
     tasks = ["a", "b", "c"]
@@ -1155,3 +1160,109 @@ def test_fairgrad_cases_and_alpha():
     close(w, [0.0, 5 ** -0.5])  # a zero row gets 0; the other: 5 w = 1/w
     d = fairgrad(G([1.0, 2.0], [-2.0, -4.0]))  # opposed: no solution, the ridge gives d ~ 0
     assert torch.isfinite(d).all() and float(d.norm()) < 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# DB-MTL
+
+
+def test_dbmtl_hand_worked_and_balanced():
+    w = make("dbmtl")
+    g = G([3.0, 0.0], [0.0, 1.0])
+    losses = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    # h = 0.1 * g / L = (0.3, 0), (0, 0.2): both rescaled to the larger norm 0.3
+    close(w.combine(g, losses), [0.3, 0.3])
+    close(list(w.weights().values()), [0.1, 1.5 * 0.1 / 0.5])
+    # h = 0.9 h + 0.1 g / L = 0.19 (3, 0), 0.19 (0, 2)
+    close(w.combine(g, losses), [0.57, 0.57])
+    fresh = make("dbmtl")
+    fresh.load_state_dict(w.state_dict())
+    close(fresh.combine(g, losses), w.combine(g, losses), 0)
+    for k in (2, 3, 5):
+        for rows in pcgrad_hard_cases(k):
+            m = make("dbmtl", tasks=[f"t{i}" for i in range(k)])
+            for _ in range(3):
+                d = m.combine(rows, torch.linspace(0.5, 3.0, k, dtype=torch.float64))
+            h = m.average
+            scaled = dbmtl_scales(h)[:, None] * h  # every non-zero average row at the largest norm
+            norms = scaled.norm(dim=1)[h.norm(dim=1) > 0]
+            close(norms, torch.full_like(norms, float(h.norm(dim=1).max())), 1e-12)
+            close(d, scaled.sum(0), 1e-12)
+    # the log-loss gradient is scale-free: g_t and L_t both x 100 leave everything unchanged
+    a, b = make("dbmtl"), make("dbmtl")
+    close(a.combine(g, losses), b.combine(g * torch.tensor([[100.0], [1.0]], dtype=torch.float64),
+                                          losses * torch.tensor([100.0, 1.0], dtype=torch.float64)), 1e-12)
+    # sigma: the rate at step k is beta / k^sigma
+    h1 = dbmtl_average(None, g, losses, 0.9)
+    s = make("dbmtl", options={"sigma": 1.0})
+    s.combine(g, losses)
+    s.combine(2 * g, losses)
+    close(s.average, dbmtl_average(h1, 2 * g, losses, 0.9 / 2))
+    before = s.average.clone()
+    s.combine(G([float("nan"), 0.0], [0.0, 1.0]), losses)
+    close(s.average, before, 0)  # a non-finite step does not poison the average
+
+
+# --------------------------------------------------------------------------------------------------
+# ExcessMTL
+
+
+def test_excessmtl_follows_the_exponentiated_update():
+    w = make("excessmtl", options={"eta": 0.5})
+    g1, g2 = G([3.0, 0.0], [0.0, 1.0]), G([1.0, 0.0], [0.0, 1.0])
+    close(w.combine(g1), [3.0, 1.0])  # first step: w = 1, e(1) recorded
+    s = g1 * g1
+    e1 = excess_risks(s, g1)
+    close(e1, [9.0 / math.sqrt(9.0 + 1e-7), 1.0 / math.sqrt(1.0 + 1e-7)])
+    d = w.combine(g2)
+    s = s + g2 * g2
+    e2 = excess_risks(s, g2)
+    raw = torch.exp(0.5 * e2 / e1)
+    expected = 2 * raw / raw.sum()
+    close(list(w.weights().values()), expected, 1e-12)
+    close(d, expected @ g2, 1e-12)
+    # task 1's gradient shrank against its history (its excess risk fell), task 2's did not: task 2 gains weight
+    assert w.weights()["gen"] > 1 > w.weights()["cls"]
+    fresh = make("excessmtl", options={"eta": 0.5})
+    fresh.load_state_dict(w.state_dict())
+    close(fresh.combine(g2), w.combine(g2), 0)
+    assert fresh.weights() == w.weights()
+    for k in (2, 3, 5):
+        for rows in pcgrad_hard_cases(k):
+            m = make("excessmtl", tasks=[f"t{i}" for i in range(k)])
+            for _ in range(3):
+                d = m.combine(rows)
+            assert torch.isfinite(d).all() and abs(sum(m.weights().values()) - k) < 1e-9
+    before = w.weights()
+    w.combine(G([float("nan"), 0.0], [0.0, 1.0]))
+    assert w.weights() == before
+
+
+# --------------------------------------------------------------------------------------------------
+# STCH
+
+
+def test_stch_warms_up_measures_the_nadir_then_weights_the_worst_task():
+    w = make("stch", options={"warmup_steps": 3, "nadir_steps": 2, "mu": 0.5})
+    x = torch.tensor(2.0, requires_grad=True)
+    (gx,) = torch.autograd.grad(w.weigh("cls", x**2), x)
+    close(gx, 2 * 2.0 / 4.0, 1e-6)  # warm-up: the gradient of log L
+    for losses in ({"cls": 9.0, "gen": 9.0}, {"cls": 2.0, "gen": 4.0}, {"cls": 4.0, "gen": 2.0}):
+        w.end_step(losses)
+        assert w.weights() == {"cls": 1.0, "gen": 1.0}
+    close(w.nadir(), [3.0, 3.0])  # the mean over the last 2 warm-up steps
+    w.end_step({"cls": 1.5, "gen": 0.75})  # cls is further from its nadir (relative): it gets more weight
+    expected = stch_weights([1.5, 0.75], [3.0, 3.0], 0.5)
+    close(list(w.weights().values()), expected, 1e-12)
+    close(expected, (2 * torch.softmax(torch.log(torch.tensor([0.5, 0.25], dtype=torch.float64)) / 0.5, 0)).tolist(), 1e-12)
+    assert w.weights()["cls"] > 1 > w.weights()["gen"]
+    x = torch.tensor(1.2, requires_grad=True)
+    (gx,) = torch.autograd.grad(w.weigh("gen", x**2), x)
+    close(gx, expected[1] * 2 / 1.2, 1e-6)  # w_t * d log L / dx
+    fresh = roundtrip(w)
+    assert fresh.weights() == w.weights()
+    for m in (w, fresh):
+        m.end_step({"cls": 1.0, "gen": 1.0})
+    assert fresh.weights() == w.weights()
+    sharp = stch_weights([1.5, 0.75], [3.0, 3.0], 1e-3)  # mu -> 0: the Tchebycheff max (the worst task only)
+    close(sharp, [2.0, 0.0], 1e-12)
