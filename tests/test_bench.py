@@ -22,16 +22,20 @@ def bench(out, *extra):
 def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path):
     out = tmp_path / "bench"
     # static without weighting.weights is a config error for that run only: recorded, the sweep goes on
-    proc = bench(out, "bench.methods=[equal,pcgrad,static]")
+    # a method twice, once with an option: its own row and folder, labelled as written
+    proc = bench(out, "bench.methods=[equal,pcgrad,'pcgrad(reduction=mean)',static]")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[1/5] equal seed 0: training" in proc.stdout and "FAILED" in proc.stdout
+    assert "[1/6] equal seed 0: training" in proc.stdout and "FAILED" in proc.stdout
     with open(out / "runs.jsonl") as f:
         status = {(r["label"], r["seed"]): r for r in map(json.loads, f)}
     assert status[("static", 0)]["status"] == "failed" and "weighting.weights" in status[("static", 0)]["error"]
     assert all(status[(m, 0)]["status"] == "ok" for m in ("equal", "pcgrad", "single_cls", "single_gen"))
     with open(out / "results.csv") as f:
         rows = {r["method"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"equal", "pcgrad", "static"}
+    assert set(rows) == {"equal", "pcgrad", "pcgrad(reduction=mean)", "static"}
+    assert rows["pcgrad(reduction=mean)"]["runs_ok"] == "1" and rows["pcgrad(reduction=mean)"]["level"] == "grad"
+    assert (out / "runs" / "pcgrad_reduction=mean" / "seed0" / "final_metrics.json").is_file()
+    assert "reduction: mean" in (out / "runs" / "pcgrad_reduction=mean" / "seed0" / "config.yaml").read_text()
     assert rows["static"]["runs_ok"] == "0"
     for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "delta_p", "mean_rank", "time_vs_equal"):
         assert rows["equal"][key] not in ("", "nan"), key
@@ -41,8 +45,9 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
     for png in ("metrics_vs_step.png", "metrics_vs_wall.png", "task_weights.png", "gradient_cosine.png"):
         assert (out / png).stat().st_size > 10_000
     assert "| `equal` |" in (out / "results.md").read_text()
+    assert "| `pcgrad(reduction=mean)` |" in (out / "results.md").read_text()
     assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(out / "tb") for f in fs)
-    again = bench(out, "bench.methods=[equal,pcgrad,static]")
+    again = bench(out, "bench.methods=[equal,pcgrad,'pcgrad(reduction=mean)',static]")
     assert "equal seed 0: finished before, skipped" in again.stdout and "pcgrad seed 0: finished before" in again.stdout
 
 
