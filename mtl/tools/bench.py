@@ -34,6 +34,7 @@ import csv
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,79 @@ def metric_specs(cfg) -> list[tuple[str, str, bool]]:
 
     types = task_types(cfg.get("task_modules") or ())
     return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
+
+
+# ---------------------------------------------------------------------------------------------- methods
+
+_ENTRY = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$")
+
+
+def parse_method(entry: str) -> tuple[str, dict]:
+    """``"cagrad(c=0.2, rescale=false)"`` -> ``("cagrad", {"c": 0.2, "rescale": False})``; values are YAML.
+    A plain name has no options. Raises ValueError for anything else."""
+    import yaml
+
+    m = _ENTRY.match(str(entry))
+    if not m:
+        raise ValueError("needs a method name, optionally with options: name(key=value, ...)")
+    options = {}
+    for part in (m.group(2) or "").split(","):
+        if not part.strip():
+            continue
+        key, eq, raw = part.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ValueError(f"{part.strip()!r} is not key=value")
+        try:
+            options[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            options[key.strip()] = raw.strip()
+    return m.group(1), options
+
+
+def method_errors(cfg) -> list[str]:
+    """Every problem of ``bench.methods``, each naming the entry: unknown or repeated entries, and the
+    options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
+    by the method's ``check``)."""
+    import copy
+
+    from mtl.config import check_options
+    from mtl.weighting import weighting_types
+
+    types, errors, seen = weighting_types(), [], set()
+    for i, entry in enumerate(cfg.bench.methods):
+        where = f"bench.methods[{i}] {entry!r}"
+        try:
+            name, options = parse_method(entry)
+        except ValueError as e:
+            errors.append(f"{where}: {e}")
+            continue
+        if name not in types:
+            errors.append(f"{where}: unknown method {name!r} (known: {', '.join(types)})")
+            continue
+        if entry in seen:
+            errors.append(f"{where}: listed twice")
+        seen.add(entry)
+        found: list[str] = []
+        check_options(options, types[name].Options, "weighting.options", found)
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.weighting.method, run_cfg.weighting.options = name, options
+        found += [e for e in types[name].check(run_cfg) if e.startswith("weighting.options")]
+        errors += [f"{where}: {e}" for e in found]
+    return errors
+
+
+def method_overrides(entry: str) -> list[str]:
+    """The run overrides of one ``bench.methods`` entry: the method and each of its options."""
+    import yaml
+
+    name, options = parse_method(entry)
+    shown = {k: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip() for k, v in options.items()}
+    return [f"weighting.method={name}", *(f"weighting.options.{k}={v}" for k, v in shown.items())]
+
+
+def run_folder(label: str) -> str:
+    """A folder name for a label: ``cagrad(c=0.2)`` -> ``cagrad_c=0.2``."""
+    return re.sub(r"[^\w.=+-]+", "_", label).strip("_")
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -66,10 +140,10 @@ def plan(cfg) -> list[dict]:
                 task = label.split("_", 1)[1]
                 over = [f"tasks=[{task}]", "weighting.method=equal", f"ddp.strategy={cfg.bench.loss_strategy}"]
             else:
-                level = types[label].level
+                level = types[parse_method(label)[0]].level
                 strategy = cfg.bench.grad_strategy if level == "grad" else cfg.bench.loss_strategy
-                over = [f"weighting.method={label}", f"ddp.strategy={strategy}"]
-            out = os.path.join(cfg.output_dir, "runs", label, f"seed{seed}")
+                over = [*method_overrides(label), f"ddp.strategy={strategy}"]
+            out = os.path.join(cfg.output_dir, "runs", run_folder(label), f"seed{seed}")
             runs.append({"label": label, "seed": seed, "dir": out,
                          "overrides": [*over, f"seed={seed}", f"output_dir={out}", "trainer.progress=false",
                                        "resume=null"]})
@@ -209,7 +283,7 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
     for label in cfg.bench.methods:
         pairs = per_label.get(label, [])
         ok = [d for _, d in pairs if d]
-        row = {"method": label, "level": types[label].level, "runs_ok": len(ok), "runs": len(pairs),
+        row = {"method": label, "level": types[parse_method(label)[0]].level, "runs_ok": len(ok), "runs": len(pairs),
                "failed": [f"seed {r['seed']}: {r.get('error')}" for r, d in pairs if not d]}
         for key, _, _ in specs:
             row[key], row[key + "_std"] = _mean_std([d.get(key) for d in ok])
@@ -422,13 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         from mtl.config_check import load_run_config
         from mtl.errors import ConfigError
         from mtl.tools.doctor import examine
-        from mtl.weighting import weighting_types
 
         cfg = load_run_config(a.config, a.overrides)
-        unknown = [m for m in cfg.bench.methods if m not in weighting_types()]
-        if unknown:
-            raise ConfigError(f"bench.methods: unknown method(s) {', '.join(unknown)} "
-                              f"(known: {', '.join(weighting_types())})")
+        errors = method_errors(cfg)
+        if errors:
+            raise ConfigError(errors)
         tic = time.time()
         runs = run_all(cfg, a.config, a.overrides)
         rows, base = summarize(cfg, runs)
