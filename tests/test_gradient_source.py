@@ -27,9 +27,20 @@ def errors_of(*overrides) -> str:
     return str(e.value)
 
 
-def test_every_shipped_gradient_level_method_is_gram_only():
-    for name, cls in weighting_types().items():
-        assert cls.gram_only() == (cls.level == "grad"), name
+def test_gram_only_is_read_from_the_class():
+    from mtl.weighting.base import Weighting
+
+    for name, cls in weighting_types().items():  # a Gram method that does not override combine, and only that
+        gram = issubclass(cls, GramWeighting) and cls.combine is GramWeighting.combine
+        assert cls.gram_only() == gram, name
+        assert cls.level == "grad" or not gram, name
+    assert not Weighting.gram_only()
+
+
+def test_the_shipped_rows_methods_are_refused_with_features():
+    rows = [n for n, cls in weighting_types().items() if cls.level == "grad" and not cls.gram_only()]
+    for name in rows:
+        assert "needs the rows of G themselves" in errors_of(f"weighting.method={name}", "weighting.source=features")
 
 
 def test_bad_combinations_are_refused_with_the_fix():
