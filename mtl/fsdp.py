@@ -80,12 +80,14 @@ def _has_params(m: nn.Module) -> bool:
 
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules sharded on their own, in forward order: each backbone stage (the children of a
-    ``Sequential`` child of the backbone, e.g. ResNet's layer1..layerN or a ``.features`` CNN's
-    blocks; any other child with parameters as a whole), then each head. The root comes last."""
+    """The modules sharded on their own, in forward order: each backbone stage, then each head; the root
+    comes last (``shard_model``). A backbone stage: each child of a ``Sequential`` child of the backbone
+    whose children are containers themselves (ResNet's layer1..layerN, a ``.features`` CNN's blocks); any
+    other child with parameters as a whole (ResNet's stem: conv, norm, relu, pool)."""
     units = []
     for name, child in model.backbone.named_children():
-        parts = child.named_children() if isinstance(child, nn.Sequential) else [("", child)]
+        split = isinstance(child, nn.Sequential) and any(any(True for _ in c.children()) for c in child.children())
+        parts = child.named_children() if split else [("", child)]
         for sub, m in parts:
             if _has_params(m):
                 units.append((f"backbone.{name}" + (f".{sub}" if sub else ""), m))
