@@ -102,7 +102,7 @@ def _worker(index, port, out_dir):
             with mode:
                 r = trainer.step_once(batch)
             steps.append({"counts": dict(mode.counts), "grad_norm": r.grad_norm, "losses": r.losses,
-                          "stepped": r.stepped})
+                          "stepped": r.stepped, "stats": {k: float(v) for k, v in r.stats.items()}})
             if world > 1:
                 check_replicas(trainer.bare, trainer.step)
         results[key] = {"steps": steps, "params": _full_params(trainer)}
@@ -136,15 +136,19 @@ def _resume_exactly(out_dir, world):
 
     torch.set_default_dtype(torch.float32)
 
+    # 33 validation images in batches of 8: rank 0 evaluates 3 batches, rank 1 2 (a collective per batch would hang)
     args = [f"output_dir={out_dir}/resume", f"data.batch_size={B}", "trainer.progress=false", "ddp.engine=fsdp2",
-            "ddp.timeout_s=60", "optim.name=adamw", "checkpoint.every_steps=0"]
+            "ddp.timeout_s=60", "optim.name=adamw", "checkpoint.every_steps=0", "data.synthetic.val_size=33",
+            "data.eval_batch_size=8", "trainer.eval_max_batches=0", "trainer.num_samples=0"]
     a = Trainer.from_config(TINY, args)
     a.step_once()
     a.step_once()
     path = a.save()
+    evaluated = a.run_eval()  # draws no training randomness: the run below stays bitwise comparable
     a.step_once()
     a.step_once()
     end_a = _full_params(a)
+    replica = _replica_check_sees_a_buffer(a, world)
     a.close()
     b = Trainer.from_config(TINY, [*args, "resume=auto"])
     resumed_at = b.step
@@ -154,8 +158,27 @@ def _resume_exactly(out_dir, world):
     b.close()
     saved = load_file(os.path.join(path, "model.safetensors"))
     same = all(torch.equal(end_a[k], end_b[k]) for k in end_a) if end_a else None
-    return {"resumed_at": resumed_at, "bitwise": same, "keys": sorted(saved), "dtypes": sorted({str(v.dtype)
-            for v in saved.values()})}
+    return {"resumed_at": resumed_at, "bitwise": same, "eval": evaluated, "replica": replica,
+            "keys": sorted(saved)}
+
+
+def _replica_check_sees_a_buffer(trainer, world):
+    """Under FSDP2 every tiny.yaml parameter is sharded and it has no buffer: nothing replicated to compare. Give
+    the backbone a float buffer, equal on both ranks (the check passes), then different (it names the buffer)."""
+    from mtl.errors import TrainingError
+    from mtl.runtime_checks import check_replicas, replicated
+
+    before = [n for n, _ in replicated(trainer.bare)]
+    trainer.bare.backbone.register_buffer("probe", torch.ones(3))
+    check_replicas(trainer.bare, trainer.step)
+    trainer.bare.backbone.probe.fill_(float(int(os.environ["RANK"])))
+    try:
+        check_replicas(trainer.bare, trainer.step)
+        caught = None
+    except TrainingError as e:
+        caught = str(e)
+    del trainer.bare.backbone.probe
+    return {"before": before, "caught": caught}
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +228,10 @@ def test_fsdp2_equals_ddp_on_the_same_run(runs, strategy, method):
     assert max_rel_diff(b["params"], a["params"]) <= 1e-12
     for x, y in zip(a["steps"], b["steps"]):
         assert x["losses"] == pytest.approx(y["losses"], rel=1e-12)
+        assert x["stats"] == pytest.approx(y["stats"], rel=1e-12)  # feature_leaf's per-task feature-gradient norms
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-12)
+    if strategy == "feature_leaf":
+        assert {"feat_grad_norm/cls", "feat_grad_norm/gen"} <= set(a["steps"][0]["stats"])
 
 
 # per step on tiny.yaml (3 backbone units: stem, layer1, layer2; 2 heads; U = 5). All-gathers: one per unit for
@@ -213,6 +240,9 @@ def test_fsdp2_equals_ddp_on_the_same_run(runs, strategy, method):
 # FSDP2 gathers the last backbone stage again for that pass; most likely its backward prefetch, resharded at
 # the end of the head pass). Reduce-scatters: one per unit per backward pass that reduces it.
 ALL_GATHERS = {"combined": 10, "feature_leaf": 11, "detach": 11, "accumulate": 16, "find_unused": 16}
+# the DDP run's all-reduces beyond the small ones: its gradient bucket (tiny.yaml fits one), and for accumulate
+# (find_unused_parameters=True) the map of the parameters used in the step
+DDP_EXTRA = {"feature_leaf": 1, "accumulate": 2}
 REDUCE_SCATTERS = {"combined": 5, "feature_leaf": 5, "detach": 5, "accumulate": 5, "find_unused": 8}
 
 
@@ -237,13 +267,14 @@ def test_collectives_per_step(runs, strategy, method):
         assert c.get("c10d.allreduce_", 0) == small, (strategy, c)
         if f"ddp/{strategy}/{method}" in runs["rank0"]:
             d = runs["rank0"][f"ddp/{strategy}/{method}"]["steps"][i]["counts"]
-            assert d.get("c10d.allreduce_", 0) == small + 1 and "c10d._reduce_scatter_base_" not in d, d
+            assert d.get("c10d.allreduce_", 0) == small + DDP_EXTRA[strategy] and "c10d._reduce_scatter_base_" not in d, d
 
 
 @pytest.mark.slow
-def test_fsdp2_save_and_resume_is_bitwise_exact_and_the_model_file_is_full(runs):
+def test_fsdp2_save_and_resume_is_bitwise_exact_the_model_file_is_full_and_eval_runs_on_unequal_shards(runs):
     r = runs["rank0"]["resume"]
     assert r["resumed_at"] == 2 and r["bitwise"] is True
+    assert 0.0 <= r["eval"]["cls_acc"] <= 1.0 and r["eval"] == runs["rank1"]["resume"]["eval"]  # unequal shards
     from mtl.build import build_model
     from mtl.config_check import load_run_config
     from mtl.data.tokenizer import train_tokenizer
@@ -251,6 +282,13 @@ def test_fsdp2_save_and_resume_is_bitwise_exact_and_the_model_file_is_full(runs)
     cfg = load_run_config(TINY, [])
     model = build_model(cfg, 4, list("abcd"), train_tokenizer(["a b c"], 64))
     assert r["keys"] == sorted(model.state_dict())  # every key, unsharded (the shapes are checked on resume)
+
+
+@pytest.mark.slow
+def test_the_replica_check_under_fsdp2_compares_what_the_ranks_replicate(runs):
+    r = runs["rank0"]["resume"]["replica"]
+    assert r["before"] == []  # tiny.yaml: every parameter sharded, no buffer
+    assert r["caught"] and "'backbone.probe'" in r["caught"], r
 
 
 @pytest.mark.slow
