@@ -1,9 +1,11 @@
-"""Build a run's pieces from its config: tokenizer, model, strategy, weighting, optimizer, scheduler."""
+"""Build a run's pieces from its config: data, tokenizer, model, collate (``build_run_pieces``, read-only),
+strategy, weighting, optimizer, scheduler."""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mtl import checkpoint as ckpt
+from mtl.data.loader import BatchCollate, all_captions, build_datasets, build_train_loader, check_task_fields, set_epoch
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
 from mtl.dist import DistInfo, barrier
@@ -18,7 +21,7 @@ from mtl.errors import CheckpointError
 from mtl.models.backbone import build_backbone
 from mtl.models.multitask import MultiTaskModel
 from mtl.strategies import strategy_types
-from mtl.tasks import BuildInfo, task_types
+from mtl.tasks import BuildInfo, DataInfo, task_types
 from mtl.weighting import weighting_types
 
 
@@ -71,8 +74,55 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
         backbone.train(was)
     info = BuildInfo(cfg=cfg, feature_channels=fmap.shape[1], feature_hw=tuple(fmap.shape[2:]),
                      num_classes=num_classes, class_names=class_names, tokenizer=tokenizer)
-    types = task_types()
+    types = run_task_types(cfg)
     return MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks})
+
+
+def run_task_types(cfg) -> dict[str, type]:
+    """The classes of the run's tasks (``cfg.tasks``), from mtl/tasks/ and the config's ``task_modules``."""
+    types = task_types(cfg.get("task_modules") or ())
+    return {t: types[t] for t in cfg.tasks}
+
+
+def build_collate(cfg, num_classes: int, class_names: list, tokenizer) -> BatchCollate:
+    """The loaders' collate: ``image``, ``index`` and each of the run's tasks' own batch fields."""
+    return BatchCollate(run_task_types(cfg), DataInfo(cfg=cfg, num_classes=num_classes, class_names=list(class_names),
+                                                      tokenizer=tokenizer))
+
+
+@dataclass
+class RunPieces:
+    """The read-only part of a run (``build_run_pieces``): data, tokenizer, model and collate."""
+
+    cfg: object
+    train_ds: object
+    val_ds: object
+    tokenizer: CaptionTokenizer
+    model: MultiTaskModel  # the bare model, on the CPU, in train mode, with its initial weights
+    collate: BatchCollate
+
+    def train_loader(self, rank: int = 0, world_size: int = 1, batch_size: int | None = None):
+        """The run's training loader (epoch 0) for ``rank`` of ``world_size``."""
+        loader = build_train_loader(self.train_ds, self.collate, batch_size or self.cfg.data.batch_size, rank,
+                                    world_size, self.cfg.seed)
+        set_epoch(loader, 0)
+        return loader
+
+
+def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
+    """Seed, then build a run's data sets, tokenizer, model and collate from a checked config: the public builder
+    for tools (the doctor) and the trainer alike. Read-only by default: it creates, locks and writes nothing (the
+    tokenizer is ``output_dir``'s copy if there is one, else ``tokenizer.path``/``init_from``'s, else trained in
+    memory). ``tokenizer_for(captions)`` replaces that (the trainer's writes the run's copy). A task whose
+    required record field the data does not have is refused here (DataError naming the task, field and fix)."""
+    seed_everything(cfg.seed)
+    train_ds, val_ds = build_datasets(cfg)
+    check_task_fields(run_task_types(cfg), {"training": train_ds, "validation": val_ds})
+    captions = lambda: all_captions(train_ds)  # noqa: E731
+    tokenizer = tokenizer_for(captions) if tokenizer_for else resolve_tokenizer(cfg, captions)
+    model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
+    collate = build_collate(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
+    return RunPieces(cfg, train_ds, val_ds, tokenizer, model, collate)
 
 
 def build_strategy(cfg):

@@ -68,7 +68,6 @@ class DataConfig:
     eval_batch_size: int = 64
     num_workers: int = 0
     image_size: int = 64
-    max_caption_tokens: int = 16  # tokens after BOS, EOS included; longer captions are cut
     on_error: str = "raise"  # raise | skip
     normalize: str = "auto"  # auto (the pretrained weights' mean/std; none without weights) | imagenet | none
     augment: AugmentConfig = field(default_factory=AugmentConfig)
@@ -150,7 +149,6 @@ class TrainerConfig:
     eval_every: int = 250  # and always at the end
     eval_max_batches: int = 0  # 0: the whole val split
     num_samples: int = 4  # greedy sample captions shown at each eval
-    num_beams: int = 1  # beam width for the eval captions (1: greedy)
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps
     poison: str | None = None  # testing: "STEP:TASK:RANK" makes TASK's loss NaN at STEP on RANK (RANK * = all)
     progress: bool = True  # progress bar with ETA on rank 0
@@ -188,6 +186,7 @@ class Config:
     overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     task_options: dict[str, Any] = field(default_factory=dict)  # task name -> that task's options (its Options)
+    task_modules: list[str] = field(default_factory=list)  # more task files: dotted module names or .py paths (from the working directory)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -201,6 +200,49 @@ class Config:
 
 # ---------------------------------------------------------------------------------------------
 # loading
+
+# Keys that moved into a task's own options (``task_options.<task>``): old key -> new key. A config (file or
+# command line) or a checkpoint's config.yaml that uses the old key keeps working: its value is read as the new
+# key's, in the same place of the precedence order. Giving both, with different values, in one file is an error.
+MOVED_KEYS = {
+    "data.max_caption_tokens": "task_options.gen.max_tokens",
+    "trainer.num_beams": "task_options.gen.num_beams",
+}
+
+
+def move_keys(data: dict, source: str, errors: list[str]) -> set[str]:
+    """Rewrite the ``MOVED_KEYS`` of one plain nested mapping (a YAML file, the overrides, a saved config) to their
+    new place, in place. Returns the tasks whose options received a moved value."""
+    tasks = set()
+    for old, new in MOVED_KEYS.items():
+        *parents, leaf = old.split(".")
+        node = data
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        *new_parents, new_leaf = new.split(".")
+        target = data
+        for p in new_parents:
+            if not isinstance(target.get(p), dict):
+                target[p] = {}
+            target = target[p]
+        if new_leaf in target and target[new_leaf] != value:
+            errors.append(f"{source}: {old} (the old name) and {new} are both set, to {value!r} and "
+                          f"{target[new_leaf]!r}; keep only {new}")
+            continue
+        target.setdefault(new_leaf, value)
+        tasks.add(new_parents[1])
+    return tasks
+
+
+def drop_moved_options(data: dict, moved: set[str], tasks) -> None:
+    """A moved key of a task the run does not train was ignored before it moved: drop it again (in place)."""
+    options = data.get("task_options") or {}
+    for t in moved:
+        if t not in list(tasks or []) and t in options:
+            del options[t]
 
 
 def _read_yaml(path: str, seen: tuple = (), named_by: str | None = None) -> list[tuple[dict, str]]:
@@ -294,10 +336,20 @@ def _merge_into(cfg: DictConfig, data: dict, source: str, prefix: list[str], err
         if sub is not None and isinstance(value, dict):
             _merge_into(cfg, value, source, path, errors)
             continue
-        try:
-            OmegaConf.update(cfg, dotted, value, merge=False, force_add=False)
-        except OmegaConfBaseException as e:
-            errors.append(f"{source}: {dotted}: {_explain(e, dotted, value)}")
+        if path == ["task_options"] and isinstance(value, dict):  # one task's options do not wipe another's
+            for task, options in value.items():
+                _update(cfg, f"task_options.{task}", options, source, errors, merge=isinstance(options, dict),
+                        add=True)  # task names and their options are checked against the task classes later
+            continue
+        _update(cfg, dotted, value, source, errors)
+
+
+def _update(cfg: DictConfig, dotted: str, value: Any, source: str, errors: list[str], merge: bool = False,
+            add: bool = False) -> None:
+    try:
+        OmegaConf.update(cfg, dotted, value, merge=merge, force_add=add)
+    except OmegaConfBaseException as e:
+        errors.append(f"{source}: {dotted}: {_explain(e, dotted, value)}")
 
 
 def _explain(e: Exception, dotted: str, value: Any) -> str:
@@ -379,11 +431,18 @@ def _read_into(path: str, overrides: list[str] | None, errors: list[str]) -> Dic
     """The config with every mergeable value applied; each key or type problem is appended to ``errors``."""
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
+    moved: set[str] = set()
     for data, source in _read_yaml(path):
+        moved |= move_keys(data, source, errors)
         _merge_into(cfg, data, source, [], errors)
     over, over_errors = parse_overrides(list(overrides or []))
     errors += over_errors
+    moved |= move_keys(over, "command line", errors)
     _merge_into(cfg, over, "command line", [], errors)
+    if moved:
+        options = OmegaConf.to_container(cfg.task_options)
+        drop_moved_options({"task_options": options}, moved, cfg.tasks)
+        cfg.task_options = options
     return cfg
 
 

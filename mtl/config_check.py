@@ -80,8 +80,8 @@ def validate(cfg) -> list[str]:
         errors.append(f"overwrite: true starts over, resume={cfg.resume} continues a run; set one of them "
                       "(overwrite=false to resume, resume=null to start over)")
     _positive(errors, cfg, "trainer.max_steps", "data.batch_size", "data.eval_batch_size", "data.image_size",
-              "data.max_caption_tokens", "trainer.log_every", "trainer.eval_every", "trainer.num_beams",
-              "optim.lr", "ddp.bucket_cap_mb", "ddp.timeout_s", "tokenizer.vocab_size", "trainer.max_bad_steps")
+              "trainer.log_every", "trainer.eval_every", "optim.lr", "ddp.bucket_cap_mb", "ddp.timeout_s",
+              "tokenizer.vocab_size", "trainer.max_bad_steps")
     _positive(errors, cfg, "ddp.replica_check_every", "data.num_workers", "optim.warmup_steps", "optim.grad_clip", "optim.weight_decay",
               "checkpoint.every_steps", "checkpoint.keep_last", "trainer.eval_max_batches", "trainer.num_samples",
               "data.synthetic.noise", "data.synthetic.clutter", allow_zero=True)
@@ -98,9 +98,6 @@ def validate(cfg) -> list[str]:
     if cfg.model.decoder.n_embd % max(1, cfg.model.decoder.n_head):
         errors.append(f"model.decoder.n_embd: {cfg.model.decoder.n_embd} must be divisible by model.decoder.n_head "
                       f"({cfg.model.decoder.n_head})")
-    if cfg.data.max_caption_tokens + 1 > cfg.model.decoder.max_positions:
-        errors.append(f"data.max_caption_tokens: {cfg.data.max_caption_tokens} + 1 (BOS) exceeds "
-                      f"model.decoder.max_positions ({cfg.model.decoder.max_positions}); raise max_positions")
     if cfg.model.decoder.pretrained and not cfg.tokenizer.path:
         errors.append("tokenizer.path: a pretrained decoder (model.decoder.pretrained) needs its own tokenizer; "
                       "set tokenizer.path to its directory")
@@ -112,7 +109,11 @@ def validate(cfg) -> list[str]:
     if len(cfg.optim.betas) != 2:
         errors.append(f"optim.betas: needs two values (got {list(cfg.optim.betas)})")
 
-    tasks = task_types()
+    try:
+        tasks = task_types(cfg.task_modules)
+    except ConfigError as e:
+        errors += e.errors
+        tasks = task_types()
     unknown = [t for t in cfg.tasks if t not in tasks]
     if unknown:
         errors.append(f"tasks: unknown task {', '.join(map(repr, unknown))} (known: {', '.join(tasks)})")
@@ -141,6 +142,13 @@ def validate(cfg) -> list[str]:
     return errors
 
 
+def _task_checks(errors, cfg, tasks) -> None:
+    """Each configured task's own ``check`` (after its options were checked: a task reads them)."""
+    for t in cfg.tasks:
+        if t in tasks and not any(e.startswith(f"task_options.{t}") for e in errors):
+            errors += tasks[t].check(cfg)
+
+
 def _options(errors, cfg, tasks, method) -> None:
     """Check the task and method options against the classes' ``Options`` and fill in their defaults, so that
     ``config.yaml`` holds every value a run used."""
@@ -149,13 +157,14 @@ def _options(errors, cfg, tasks, method) -> None:
             errors.append(f"task_options.{t}: {t!r} is not in tasks ({', '.join(cfg.tasks)}); remove it or add the task")
     cfg.task_options = {t: check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
                         for t in cfg.tasks if t in tasks}
+    _task_checks(errors, cfg, tasks)
     if method is not None:
         cfg.weighting.options = check_options(cfg.weighting.options, method.Options, "weighting.options", errors)
 
 
 def option_defaults(cfg) -> dict:
     """The options the config's tasks and method take when none are given, shaped like the config."""
-    tasks, method = task_types(), weighting_types().get(cfg.weighting.method)
+    tasks, method = task_types(cfg.get("task_modules") or ()), weighting_types().get(cfg.weighting.method)
     return {"task_options": {t: check_options({}, tasks[t].Options, "", []) for t in cfg.tasks if t in tasks},
             "weighting": {"options": check_options({}, method.Options, "", []) if method else {}}}
 

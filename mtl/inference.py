@@ -33,21 +33,22 @@ from mtl.build import (
     CLASS_NAMES_FILE,
     MODEL_FILE,
     ModelFiles,
+    build_collate,
     build_model,
     find_model_files,
     load_model_weights,
     read_model_weights,
+    run_task_types,
 )
 from mtl.config import load_config
 from mtl.data.images import image_normalization, normalize_images
-from mtl.data.loader import CaptionCollate, build_datasets, build_eval_loader
-from mtl.data.manifest import ImageFolderCaptions, ManifestDataset, load_image
+from mtl.data.loader import build_datasets, build_eval_loader, check_task_fields
+from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
 from mtl.data.tokenizer import CaptionTokenizer
 from mtl.dist import pick_device
 from mtl.errors import CheckpointError, ConfigError, DataError
 from mtl.evaluate import evaluate
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
 EVAL_KEYS = ("data.", "seed")
@@ -95,23 +96,12 @@ class Predictor:
         return out
 
     def _predict_batch(self, x: torch.Tensor, num_beams: int) -> list[dict]:
-        model, heads = self.model, self.model.heads
         rows: list[dict] = [{} for _ in range(x.shape[0])]
-        with model.autocast(self.device.type):
-            features = model.backbone(x)
-            if "cls" in heads:
-                probs = heads["cls"].logits(features).float().softmax(-1)
-                prob, index = probs.max(-1)
-                for row, p, i in zip(rows, prob.tolist(), index.tolist()):
-                    row.update({"class": self.class_names[i], "class_index": i, "prob": p})
-            if "gen" in heads:
-                head = heads["gen"]
-                ids = head.decoder.generate(head.memory(features), head.max_new_tokens, num_beams)
-                for row, seq in zip(rows, ids):
-                    row["caption"] = self.tokenizer.decode(seq)
-            if "count" in heads:
-                for row, c in zip(rows, heads["count"].logits(features).argmax(-1).tolist()):
-                    row["count"] = c + 1
+        with self.model.autocast(self.device.type):
+            features = self.model.backbone(x)
+            for head in self.model.heads.values():  # each task says what it predicts (TaskHead.predict)
+                for row, part in zip(rows, head.predict(features, num_beams=num_beams)):
+                    row.update(part)
         return rows
 
 
@@ -250,17 +240,17 @@ def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: i
     """Flat metrics (``cls_acc``, ``gen_bleu4`` ...; as in the run's ``final_metrics.json``) on the eval split
     of ``cfg`` (see ``eval_config``), with the project's own evaluation code, in this one process."""
     ds = eval_dataset(cfg, predictor.class_names)
-    collate = CaptionCollate(predictor.tokenizer, cfg.data.max_caption_tokens)
+    check_task_fields(run_task_types(cfg), {"evaluation": ds})
+    collate = build_collate(cfg, len(predictor.class_names), predictor.class_names, predictor.tokenizer)
     loader = build_eval_loader(ds, collate, cfg.data.eval_batch_size, 0, 1, cfg.data.num_workers)
-    gen = predictor.model.heads["gen"] if "gen" in predictor.model.heads else None
-    beams = gen.num_beams if gen is not None else None
+    beamed = {h: h.num_beams for h in predictor.model.heads.values() if hasattr(h, "num_beams")}  # e.g. gen's
     try:
-        if gen is not None and num_beams:
-            gen.num_beams = int(num_beams)
+        for head in beamed:
+            head.num_beams = int(num_beams or beamed[head])
         metrics = evaluate(predictor.model, loader, predictor.tasks, predictor.device, max_batches)
     finally:
-        if gen is not None:
-            gen.num_beams = beams
+        for head, beams in beamed.items():
+            head.num_beams = beams
     flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
     evaluated = len(ds) if not max_batches else min(len(ds), max_batches * cfg.data.eval_batch_size)
     # NaN (e.g. counting on data without counts) is not JSON: null

@@ -29,12 +29,15 @@ def plot_curves(metrics_path: str, out_path: str, metric_keys: list[str]) -> Non
     ax1.set_yscale("log")
     ax1.set_title("training losses")
     ax1.legend()
-    for key in metric_keys:
+    values = []
+    for key in metric_keys:  # every task's declared metrics (TaskHead.metric_keys), whatever the tasks are
         pts = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+        values += [p[1] for p in pts]
         ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
     ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("validation metric (0-1)")
-    ax2.set_ylim(0, 1.02)
+    ax2.set_ylabel("validation metric")
+    if values and all(0.0 <= v <= 1.0 for v in values):
+        ax2.set_ylim(0, 1.02)
     ax2.set_title("validation")
     ax2.legend()
     fig.tight_layout()

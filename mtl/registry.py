@@ -7,6 +7,8 @@ non-empty ``name``. Adding a piece means adding a file; nothing else needs to be
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import pkgutil
 
 
@@ -19,3 +21,55 @@ def discover(package: str, base: type) -> dict[str, type]:
             if isinstance(obj, type) and issubclass(obj, base) and obj.name and obj.__module__ == module.__name__:
                 found[obj.name] = obj
     return dict(sorted(found.items()))
+
+
+def _import(spec: str):
+    """A module by dotted name, or a ``.py`` file by path (imported once per absolute path, kept in sys.modules
+    under ``mtl_plugins.<stem>_<n>`` so that its classes pickle in forked loader workers)."""
+    import sys
+
+    if not spec.endswith(".py"):
+        return importlib.import_module(spec)
+    path = os.path.abspath(spec)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == path and module.__name__.startswith("mtl_plugins."):
+            return module
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no file {spec!r} (from the current directory {os.getcwd()!r})")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = f"mtl_plugins.{stem}_{sum(1 for m in sys.modules if m.startswith('mtl_plugins.'))}"
+    loader = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[name] = module
+    try:
+        loader.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
+    """The ``base`` subclasses with a ``name`` defined in each module of ``specs`` (dotted names or .py paths).
+
+    ConfigError (all problems at once) names ``key``, the module and why it cannot be used."""
+    from mtl.errors import ConfigError
+
+    found: dict[str, type] = {}
+    errors = []
+    for spec in specs:
+        try:
+            module = _import(str(spec))
+        except Exception as e:  # an import error in a user's file: say which file and what went wrong
+            errors.append(f"{key}: cannot import {spec!r}: {type(e).__name__}: {e} — give a dotted module name "
+                          "importable here, or a path to a .py file")
+            continue
+        classes = [obj for obj in vars(module).values() if isinstance(obj, type) and issubclass(obj, base)
+                   and obj.name and obj.__module__ == module.__name__]
+        if not classes:
+            errors.append(f"{key}: {spec!r} defines no {base.__name__} subclass with a name")
+        for obj in classes:
+            found[obj.name] = obj
+    if errors:
+        raise ConfigError(errors)
+    return found

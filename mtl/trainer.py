@@ -15,25 +15,17 @@ import torch
 from mtl import checkpoint as ckpt
 from mtl.amp import Amp
 from mtl.build import (
-    build_model,
     build_optimizer,
+    build_run_pieces,
     build_scheduler,
     build_strategy,
     build_tokenizer,
     build_weighting,
     init_from_weights,
-    seed_everything,
     wrap_model,
 )
 from mtl.config import config_summary, to_yaml
-from mtl.data.loader import (
-    CaptionCollate,
-    all_captions,
-    build_datasets,
-    build_eval_loader,
-    build_train_loader,
-    set_epoch,
-)
+from mtl.data.loader import build_eval_loader, build_train_loader, set_epoch
 from mtl.dist import DistInfo, all_gather_objects, barrier, broadcast_object, init_distributed
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
@@ -72,15 +64,14 @@ class Trainer:
         self.device = dist.device
         self.tasks = list(cfg.tasks)
         resume_path = self._prepare_output_dir()
-        seed_everything(cfg.seed)
-
-        self.train_ds, self.val_ds = build_datasets(cfg)
-        self.tokenizer = build_tokenizer(cfg, lambda: all_captions(self.train_ds), dist)
+        # seed, data, the run's own tokenizer (written to output_dir), model and collate: the same builder as the tools'
+        pieces = build_run_pieces(cfg, lambda captions: build_tokenizer(cfg, captions, dist))
+        self.train_ds, self.val_ds, self.tokenizer = pieces.train_ds, pieces.val_ds, pieces.tokenizer
         if dist.is_main:  # the class list, for mtl.inference (which reads a checkpoint's own copy first)
             with open(os.path.join(cfg.output_dir, "class_names.json"), "w", encoding="utf-8") as f:
                 json.dump(list(self.train_ds.class_names), f)
         self.checkpoint_files = self._checkpoint_files()
-        self.bare = build_model(cfg, self.train_ds.num_classes, self.train_ds.class_names, self.tokenizer)
+        self.bare = pieces.model
         if cfg.init_from and not resume_path:  # warm start: these weights, a fresh optimizer and schedule, step 0
             weights = init_from_weights(self.bare, cfg.init_from)
         if cfg.init_from and dist.is_main:
@@ -103,7 +94,7 @@ class Trainer:
                                amp=self.amp, params=self.params, grad_clip=cfg.optim.grad_clip)
 
         pin = self.device.type == "cuda"
-        collate = CaptionCollate(self.tokenizer, cfg.data.max_caption_tokens)
+        collate = pieces.collate
         self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
                                                dist.world_size, cfg.seed, cfg.data.num_workers, pin)
         self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,

@@ -33,3 +33,16 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | N
 @pytest.fixture
 def tiny():
     return TINY
+
+
+def make_collate(tok, max_tokens: int = 16, tasks=("cls", "gen", "count")):
+    """The loaders' collate for ``tasks`` (each task makes its own batch fields), captions cut at ``max_tokens``."""
+    from omegaconf import OmegaConf
+
+    from mtl.build import build_collate
+    from mtl.config import Config
+
+    cfg = OmegaConf.structured(Config)
+    cfg.tasks = list(tasks)
+    cfg.task_options = {"gen": {"max_tokens": max_tokens}} if "gen" in tasks else {}
+    return build_collate(cfg, 4, ["a", "b", "c", "d"], tok)

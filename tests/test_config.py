@@ -67,7 +67,8 @@ def test_missing_and_unreadable_files(tmp_path):
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("data.batch_size=-1", "data.batch_size"),
     ("model.decoder.n_head=3", "model.decoder.n_embd"),
-    ("data.max_caption_tokens=40", "data.max_caption_tokens"),
+    ("task_options.gen.max_tokens=40", "task_options.gen.max_tokens"),
+    ("data.max_caption_tokens=40", "task_options.gen.max_tokens"),  # the old name of the key
     ("tasks=[cls, cls]", "tasks"),
     ("tasks=[cls, nope]", "tasks"),
     ("ddp.static_graph=true", "ddp.static_graph"),
@@ -202,3 +203,48 @@ def test_task_options_name_only_configured_tasks_and_declared_keys():
     assert any(e.startswith("task_options.cls: unknown option 'nope'") for e in errs), errs
     cfg = load_run_config(TINY)
     assert set(cfg.task_options) == set(cfg.tasks)  # every task's options, filled in
+
+
+# every method option and a value its check refuses (the range or the choice)
+BAD_OPTION = {"cagrad": ("c", -1), "gradnorm": ("alpha", -0.5), "dwa": ("T", 0), "famo": ("lr", 0),
+              "pcgrad": ("reduction", "avg"), "nashmtl": ("update_every", 0), "mgda": ("normalization", "l1"),
+              "gradvac": ("beta", 1.5), "fairgrad": ("alpha", 0), "graddrop": ("leak", -0.1), "dbmtl": ("beta", 1.0),
+              "excessmtl": ("eta", -1.0), "stch": ("mu", 0)}
+
+
+def test_each_method_s_options_are_checked_by_name_type_and_range():
+    """For every method with options, what load_run_config runs on weighting.options (``check_options`` for names
+    and types, the method's ``check`` for ranges), on the structured config without reading files; then the
+    whole path once per kind of error, with exit code 2."""
+    from omegaconf import OmegaConf
+
+    from mtl.config import Config, check_options
+    from mtl.weighting import weighting_types
+
+    cfg = OmegaConf.structured(Config)  # one config, its method and options set per case
+
+    def errors_for(method, options):
+        cfg.weighting.method, cfg.weighting.options = method, options
+        found: list[str] = []
+        filled = check_options(options, weighting_types()[method].Options, "weighting.options", found)
+        return found + weighting_types()[method].check(cfg), filled
+
+    with_options = {m for m, cls in weighting_types().items() if cls.Options.__dataclass_fields__}
+    assert with_options == set(BAD_OPTION), with_options ^ set(BAD_OPTION)  # every method with options is listed
+    for method, (name, bad) in BAD_OPTION.items():
+        errs, defaults = errors_for(method, {})
+        assert errs == [] and set(defaults) == set(weighting_types()[method].Options.__dataclass_fields__), method
+        errs, _ = errors_for(method, {name: bad})
+        assert len(errs) == 1 and errs[0].startswith(f"weighting.options.{name}:"), (method, errs)
+        errs, _ = errors_for(method, {name + "x": 1})  # an unknown name, with the nearest one
+        assert len(errs) == 1 and errs[0].startswith("weighting.options: unknown option") and \
+            f"weighting.options.{name}'" in errs[0], (method, errs)
+        if isinstance(defaults[name], (int, float)):  # a wrong type names the key
+            errs, _ = errors_for(method, {name: [1, 2]})
+            assert len(errs) == 1 and errs[0].startswith(f"weighting.options.{name}: bad value"), (method, errs)
+    # through load_run_config: exit code 2, every error at once
+    errs = errors_of(TINY, ["ddp.strategy=task_grads", "weighting.method=fairgrad", "weighting.options.alpha=0"])
+    assert errs == ["weighting.options.alpha: must be > 0 (got 0)"], errs
+    errs = errors_of(TINY, ["weighting.method=stch", "weighting.options.mu=fast", "weighting.options.warmup=3"])
+    assert any(e.startswith("weighting.options.mu: bad value 'fast'") for e in errs), errs
+    assert any("unknown option 'warmup'" in e and "weighting.options.warmup_steps'" in e for e in errs), errs

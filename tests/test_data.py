@@ -14,7 +14,6 @@ from PIL import Image
 
 from mtl.config import Config
 from mtl.data import (
-    CaptionCollate,
     CaptionTokenizer,
     ImageFolderCaptions,
     ManifestDataset,
@@ -26,9 +25,11 @@ from mtl.data import (
     set_epoch,
     train_tokenizer,
 )
-from mtl.data.loader import IGNORE_INDEX
 from mtl.data.synthetic import COLOURS, COUNT_WORDS, POSITIONS, SHAPES, caption_text, max_count_for
 from mtl.errors import ConfigError, DataError
+from mtl.tasks.captioning import IGNORE_INDEX
+
+from .conftest import make_collate
 
 
 def shapes(**kw) -> SyntheticShapes:
@@ -59,11 +60,23 @@ def test_synthetic_item_format_and_label_range():
     labels, counts = set(), set()
     for i in range(0, 200, 10):
         item = ds[i]
-        assert set(item) == {"image", "label", "captions", "count", "index"}
+        # the raw record: the image, its index, and the scene it was drawn from (for any task to take targets from)
+        assert set(item) == set(ds.provides) == {"image", "index", "label", "shape", "captions", "count", "size",
+                                                 "colour", "position", "centres", "radius", "background"}
         img = item["image"]
         assert img.dtype == torch.float32 and img.shape == (3, 40, 40)
         assert 0.0 <= img.min() and img.max() <= 1.0
         assert item["index"] == i and len(item["captions"]) == 1
+        a = ds.attributes(i)  # the fast path draws the same scene
+        assert {k: item[k] for k in a} == a and item["shape"] == SHAPES[item["label"]]
+        assert item["colour"] in COLOURS and item["position"] in POSITIONS and len(item["background"]) == 3
+        assert len(item["centres"]) == item["count"] and item["radius"] > 0
+        # the centres are where the shape's colour was painted (next to them: a ring is hollow)
+        colour = torch.tensor(COLOURS[item["colour"]])[:, None, None]
+        for x, y in item["centres"]:
+            x0, y0 = int(x), int(y)
+            near = img[:, max(0, y0 - 3):y0 + 4, max(0, x0 - 3):x0 + 4]
+            assert ((near - colour).abs().amax(0) < 0.2).any(), (i, x, y)
     for i in range(200):
         a = ds.attributes(i)
         labels.add(a["label"])
@@ -230,7 +243,7 @@ def _item(caption: str, index: int = 0) -> dict:
 
 
 def test_collate_shapes_and_target_shift(tok):
-    collate = CaptionCollate(tok, max_tokens=16)
+    collate = make_collate(tok, 16)
     caps = ["one large blue object in the centre", "two small red objects", "three objects"]
     batch = collate([_item(c, i) for i, c in enumerate(caps)])
     lengths = [len(tok.encode(c)) + 2 for c in caps]
@@ -251,7 +264,7 @@ def test_collate_shapes_and_target_shift(tok):
 
 
 def test_collate_truncates_but_keeps_eos(tok):
-    batch = CaptionCollate(tok, max_tokens=3)([_item("one large blue object in the centre")])
+    batch = make_collate(tok, 3)([_item("one large blue object in the centre")])
     ids = batch["input_ids"][0].tolist()
     assert ids == [tok.bos_id] + tok.encode("one large")[:2] + [tok.eos_id]
     assert batch["target_ids"][0].tolist() == ids[1:] + [IGNORE_INDEX]
@@ -260,7 +273,7 @@ def test_collate_truncates_but_keeps_eos(tok):
 def test_train_batches_do_not_depend_on_world_size(tok):
     """W ranks with batch B see, batch by batch, exactly the samples of 1 process with batch W*B."""
     ds = shapes(size=37, image_size=16, max_count=1, clutter=0)
-    collate = CaptionCollate(tok, max_tokens=8)
+    collate = make_collate(tok, 8)
     world, per_rank = 2, 4
     ranks = [build_train_loader(ds, collate, per_rank, r, world, seed=3) for r in range(world)]
     single = build_train_loader(ds, collate, per_rank * world, 0, 1, seed=3)
@@ -281,7 +294,7 @@ def test_train_batches_do_not_depend_on_world_size(tok):
 
 def test_eval_loader_covers_every_index_once(tok):
     ds = shapes(size=11, image_size=16, max_count=1, clutter=0)
-    collate = CaptionCollate(tok, max_tokens=8)
+    collate = make_collate(tok, 8)
     seen = []
     for r in range(3):
         idx = [i for b in build_eval_loader(ds, collate, 2, r, 3) for i in b["index"].tolist()]
@@ -328,7 +341,8 @@ def test_manifest_good(images):
     item = ds[0]
     assert item["image"].shape == (3, 8, 8) and item["image"].dtype == torch.float32
     assert torch.allclose(item["image"][:, 4, 4], torch.tensor([200, 30, 30]) / 255.0)
-    assert (item["label"], item["count"], item["index"], item["captions"]) == (0, -1, 0, ["a red square"])
+    assert (item["label"], item["index"], item["captions"]) == (0, 0, ["a red square"])
+    assert "count" not in item and ds.provides == {"image", "index", "label", "captions"}  # no count in this file
     assert ds[1]["image"][2].min() == 1.0  # blue channel of the blue image
     assert sorted(all_captions(ds)) == sorted(["a red square", "a blue square", "blue", "a square", "g"])
     # explicit image_root: paths resolve against it, not the manifest's folder
@@ -355,7 +369,7 @@ def test_caption_choice_reaches_persistent_workers(tok, images):
     """A train loader with a persistent worker still uses each epoch's caption (set on the sampler)."""
     lines = [{"image": "img/a.png", "label": 0, "captions": ["red", "blue"]}] * 4
     ds = ManifestDataset(_write_lines(images / "m.jsonl", lines), image_size=8)
-    loader = build_train_loader(ds, CaptionCollate(tok, 4), 4, 0, 1, seed=0, num_workers=1)
+    loader = build_train_loader(ds, make_collate(tok, 4), 4, 0, 1, seed=0, num_workers=1)
     assert loader.persistent_workers
     for epoch in (0, 1, 2):
         set_epoch(loader, epoch)
@@ -522,17 +536,17 @@ def test_training_set_smaller_than_the_global_batch_is_refused(tok):
     ds = shapes(size=12)
     for rank in (0, 1):
         with pytest.raises(DataError) as err:
-            build_train_loader(ds, CaptionCollate(tok, 8), 8, rank, 2, seed=0)
+            build_train_loader(ds, make_collate(tok, 8), 8, rank, 2, seed=0)
         msg = str(err.value)
         assert "data.batch_size=8" in msg and "2 process(es)" in msg and "12 item(s)" in msg
-    assert len(build_train_loader(ds, CaptionCollate(tok, 8), 6, 0, 2, seed=0)) == 1  # 12 = 6 x 2 fills one
+    assert len(build_train_loader(ds, make_collate(tok, 8), 6, 0, 2, seed=0)) == 1  # 12 = 6 x 2 fills one
 
 
 def test_a_60_image_manifest_at_the_default_batch_on_two_processes_is_refused(tok, images):
     path = _write_lines(images / "m.jsonl", [{"image": "img/a.png", "label": 0, "caption": "x"}] * 60)
     ds = ManifestDataset(path)
     with pytest.raises(DataError, match=r"60 item\(s\).*data.batch_size=32 x 2 process\(es\) = 64"):
-        build_train_loader(ds, CaptionCollate(tok, 8), 32, 1, 2, seed=0)
+        build_train_loader(ds, make_collate(tok, 8), 32, 1, 2, seed=0)
 
 
 def test_a_train_loader_never_spins_on_an_empty_epoch(tok):
@@ -540,11 +554,11 @@ def test_a_train_loader_never_spins_on_an_empty_epoch(tok):
 
     ds = shapes(size=4)
     sampler = ResumableDistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
-    loader = TrainLoader(ds, batch_size=8, sampler=sampler, collate_fn=CaptionCollate(tok, 8), drop_last=True)
+    loader = TrainLoader(ds, batch_size=8, sampler=sampler, collate_fn=make_collate(tok, 8), drop_last=True)
     with pytest.raises(DataError, match="no full batch"):
         iter(loader)
     # a resumed run that starts at the very end of an epoch legitimately has nothing left of it
-    full = build_train_loader(shapes(size=16), CaptionCollate(tok, 8), 8, 0, 1, seed=0)
+    full = build_train_loader(shapes(size=16), make_collate(tok, 8), 8, 0, 1, seed=0)
     full.sampler.set_start(16)
     assert list(full) == []
 
@@ -702,7 +716,7 @@ def test_pretrained_weights_bring_their_normalisation(tok):
     assert image_normalization(cfg) is None  # from scratch: the [0, 1] images as they are
     train, _ = build_datasets(cfg)
     raw = torch.stack([train[i]["image"] for i in range(4)])
-    assert torch.equal(next(iter(build_eval_loader(train, CaptionCollate(tok, 8), 4, 0, 1)))["image"], raw)
+    assert torch.equal(next(iter(build_eval_loader(train, make_collate(tok, 8), 4, 0, 1)))["image"], raw)
 
     cfg.model.backbone.name, cfg.model.backbone.weights = "efficientnet_b0", "IMAGENET1K_V1"
     t = torchvision.models.get_model_weights("efficientnet_b0")["IMAGENET1K_V1"].transforms()
@@ -710,8 +724,8 @@ def test_pretrained_weights_bring_their_normalisation(tok):
     assert mean == pytest.approx(t.mean) and std == pytest.approx(t.std)
     train, val = build_datasets(cfg)
     expect = (raw - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
-    assert torch.allclose(next(iter(build_eval_loader(train, CaptionCollate(tok, 8), 4, 0, 1)))["image"], expect)
-    batch = next(iter(build_train_loader(train, CaptionCollate(tok, 8), 4, 0, 1, seed=0)))
+    assert torch.allclose(next(iter(build_eval_loader(train, make_collate(tok, 8), 4, 0, 1)))["image"], expect)
+    batch = next(iter(build_train_loader(train, make_collate(tok, 8), 4, 0, 1, seed=0)))
     items = torch.stack([train[i]["image"] for i in batch["index"].tolist()])
     assert torch.allclose(batch["image"], (items - expect.new_tensor(mean).view(1, 3, 1, 1))
                           / expect.new_tensor(std).view(1, 3, 1, 1))

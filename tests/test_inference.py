@@ -186,15 +186,16 @@ def test_predict_a_folder_as_training_and_eval_see_it(run, tmp_path, beams):
 
 
 def _collate(predictor):
-    from mtl.data.loader import CaptionCollate
+    from mtl.build import build_collate
 
-    return CaptionCollate(predictor.tokenizer, predictor.cfg.data.max_caption_tokens)
+    return build_collate(predictor.cfg, len(predictor.class_names), predictor.class_names, predictor.tokenizer)
 
 
 def test_beam_search_is_used_when_asked(run):
     predictor = load_model(run)
     images = torch.stack([synthetic_val(16)[i]["image"] for i in range(16)])
-    head, n = predictor.model.heads["gen"], predictor.cfg.data.max_caption_tokens
+    head = predictor.model.heads["gen"]
+    n = head.max_new_tokens
     with torch.no_grad():
         memory = head.memory(predictor.model.backbone(images))
         expected = {beams: [predictor.tokenizer.decode(t) for t in head.decoder.generate(memory, n, beams)]
@@ -393,14 +394,14 @@ def test_a_normalising_run_is_normalised_at_inference_too(tmp_path):
     """With ``data.normalize`` on (pretrained weights bring their mean/std), the training loaders normalise the
     batches; predict and evaluate must feed the model the same numbers, not the raw [0, 1] images."""
     from mtl.data.images import image_normalization
-    from mtl.data.loader import CaptionCollate, build_datasets, build_eval_loader
+    from mtl.data.loader import build_datasets, build_eval_loader
     from mtl.inference import eval_dataset
 
     run_dir = train(tmp_path / "run", "data.normalize=imagenet")
     predictor = load_model(run_dir)
     assert predictor.normalization == image_normalization(predictor.cfg) is not None
     _, val = build_datasets(predictor.cfg)
-    loader = build_eval_loader(val, CaptionCollate(predictor.tokenizer, 16), 8, 0, 1, 0)
+    loader = build_eval_loader(val, _collate(predictor), 8, 0, 1, 0)
     batch = next(iter(loader))  # what the run's own evaluation fed the model
     model = predictor.model
     with torch.no_grad():

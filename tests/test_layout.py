@@ -62,3 +62,16 @@ def test_the_rule_checker_sees_imports():
     found = dict(modules())
     assert ("mtl.trainer", ["Trainer"]) in found[os.path.join("mtl", "tools", "bench.py")]
     assert any(mod == "mtl.step" for mod, _ in found[os.path.join("mtl", "trainer.py")])
+
+
+def test_the_data_code_names_no_task():
+    """Data sets give raw records and the collate asks the tasks (TaskHead.item_fields / collate_fields): nothing in
+    mtl/data imports a task or model, or spells a field that only a task makes."""
+    task_made = {"input_ids", "attention_mask", "target_ids", "references", "colour_label"}
+    bad = []
+    for path, found in modules(os.path.join(PACKAGE, "data")):
+        bad += [(path, mod) for mod, _ in found if mod.startswith(("mtl.tasks", "mtl.models", "mtl.build"))]
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        bad += [(path, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in task_made]
+    assert not bad, bad

@@ -94,11 +94,11 @@ def test_multitask_forward_modes():
     cfg = load_run_config(TINY)
     tok = train_tokenizer(["one small red object in the centre", "two large blue objects"], 64)
     model = build_model(cfg, 4, ["a", "b", "c", "d"], tok)
-    from mtl.data.loader import CaptionCollate
+    from .conftest import make_collate
 
     items = [{"image": torch.rand(3, 32, 32), "label": i % 4, "captions": ["two large blue objects"], "count": 2,
               "index": i} for i in range(3)]
-    batch = CaptionCollate(tok, 10)(items)
+    batch = make_collate(tok, 10, tasks=cfg.tasks)(items)
     out = model(batch)
     assert set(out["losses"]) == {"cls", "gen"} and all(v.ndim == 0 for v in out["losses"].values())
     assert out["features"].shape[:2] == (3, 128) and out["leaf"] is None

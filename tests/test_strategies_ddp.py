@@ -72,9 +72,9 @@ def test_feature_leaf_step_matches_an_independently_computed_gradient(tmp_path):
 
     import torch.nn.functional as F
 
-    from mtl.build import build_model, seed_everything
+    from mtl.build import build_collate, build_model, seed_everything
     from mtl.config_check import load_run_config
-    from mtl.data.loader import CaptionCollate, build_datasets, build_train_loader, set_epoch
+    from mtl.data.loader import build_datasets, build_train_loader, set_epoch
     from mtl.data.tokenizer import CaptionTokenizer
 
     cfg = load_run_config(TINY, [f"output_dir={tmp_path}", f"data.batch_size={2 * B}"])
@@ -82,7 +82,7 @@ def test_feature_leaf_step_matches_an_independently_computed_gradient(tmp_path):
     train_ds, _ = build_datasets(cfg)
     tok = CaptionTokenizer.load(os.path.join(str(tmp_path), "tokenizer"))
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tok)
-    loader = build_train_loader(train_ds, CaptionCollate(tok, cfg.data.max_caption_tokens), 2 * B, 0, 1, cfg.seed)
+    loader = build_train_loader(train_ds, build_collate(cfg, train_ds.num_classes, train_ds.class_names, tok), 2 * B, 0, 1, cfg.seed)
     set_epoch(loader, 0)
     batch = next(iter(loader))
     feats = model.backbone(batch["image"])

@@ -8,6 +8,7 @@ produces the same next weights).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import math
@@ -22,33 +23,50 @@ from mtl.weighting import weighting_types
 from mtl.weighting.alignedmtl import alignedmtl, alignedmtl_balance, alignedmtl_weights
 from mtl.weighting.base import GramWeighting, gram_matrix, stream_seed
 from mtl.weighting.cagrad import cagrad, cagrad_weights
+from mtl.weighting.conflictfree import config, config_weights
+from mtl.weighting.dbmtl import dbmtl_average, dbmtl_scales
+from mtl.weighting.dualproj import dualproj, dualproj_weights
 from mtl.weighting.dwa import dwa_weights
+from mtl.weighting.excessmtl import excess_risks
+from mtl.weighting.fairgrad import fairgrad, fairgrad_weights
 from mtl.weighting.famo import FAMO_EPS, famo_logit_grad
+from mtl.weighting.graddrop import graddrop, graddrop_mask, sign_purity
 from mtl.weighting.gradnorm import gradnorm, gradnorm_loss, gradnorm_renormalize, gradnorm_weight_grad
+from mtl.weighting.gradvac import gradvac, gradvac_coefficients, gradvac_weights
 from mtl.weighting.imtlg import imtlg, imtlg_weights
 from mtl.weighting.mgda import mgda, mgda_weights
 from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, simplex_min, solution_exists
-from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients
+from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, pcgrad_weights
 from mtl.weighting.rlw import rlw_weights
+from mtl.weighting.stch import stch_weights
 from mtl.weighting.upgrad import upgrad, upgrad_projections
 
 TASKS = ["cls", "gen"]
 GRAD_FUNCS = {"pcgrad": pcgrad, "mgda": mgda, "cagrad": cagrad, "nashmtl": nashmtl, "imtlg": imtlg,
-              "alignedmtl": alignedmtl, "upgrad": upgrad}
-LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo"]
-GRAD_METHODS = [*GRAD_FUNCS, "gradnorm"]
+              "alignedmtl": alignedmtl, "upgrad": upgrad, "dualproj": dualproj, "config": config, "fairgrad": fairgrad}
+LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo", "stch"]
+GRAD_METHODS = [*GRAD_FUNCS, "gradnorm", "gradvac"]  # weights from the Gram matrix (GramWeighting)
+STATEFUL_GRAM = ("gradnorm", "gradvac")  # their state moves every time the weights are computed
+ROW_METHODS = ["graddrop", "dbmtl", "excessmtl"]  # gradient-level, but they need the rows (signs, K x P state)
 
 
-def cfg_for(method: str, seed: int = 0, tasks=TASKS):
+def cfg_for(method: str, seed: int = 0, tasks=TASKS, options=None):
     cfg = OmegaConf.structured(Config)
     cfg.weighting.method = method
     cfg.seed = seed
     cfg.tasks = list(tasks)
+    cfg.weighting.options = dict(options or {})
     return cfg
 
 
-def make(method: str, seed: int = 0, tasks=TASKS):
-    return weighting_types()[method](cfg_for(method, seed, tasks), list(tasks))
+_CFGS: dict = {}  # building a structured Config takes ~0.1 s; the methods only read it
+
+
+def make(method: str, seed: int = 0, tasks=TASKS, options=None):
+    key = (method, seed, tuple(tasks), repr(sorted((options or {}).items())))
+    if key not in _CFGS:
+        _CFGS[key] = cfg_for(method, seed, tasks, options)
+    return weighting_types()[method](_CFGS[key], list(tasks))
 
 
 def G(*rows) -> torch.Tensor:
@@ -73,7 +91,7 @@ def roundtrip(module):
     buf = io.BytesIO()
     torch.save(module.state_dict(), buf)
     buf.seek(0)
-    fresh = make(module.name, tasks=module.tasks)
+    fresh = make(module.name, tasks=module.tasks, options=dataclasses.asdict(module.options))
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     return fresh
 
@@ -86,9 +104,10 @@ def test_every_method_is_discovered_with_its_level():
     types = weighting_types()
     for m in LOSS_METHODS:
         assert types[m].level == "loss", m
-    for m in GRAD_METHODS:
+    for m in GRAD_METHODS + ROW_METHODS:
         assert types[m].level == "grad", m
-    for m in LOSS_METHODS + GRAD_METHODS:
+    assert set(types) == {*LOSS_METHODS, *GRAD_METHODS, *ROW_METHODS, "equal", "static"}  # every method is tested here
+    for m in LOSS_METHODS + GRAD_METHODS + ROW_METHODS:
         assert types[m].check(cfg_for(m)) == []
         roundtrip(make(m))  # every state_dict loads (strictly) into a fresh instance
 
@@ -139,7 +158,7 @@ def test_cuda_matches_cpu(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("method", LOSS_METHODS + GRAD_METHODS)
+@pytest.mark.parametrize("method", LOSS_METHODS + GRAD_METHODS + ROW_METHODS)
 def test_weightings_run_on_cuda(method):
     w = make(method, tasks=["a", "b", "c"]).to("cuda")
     for step in range(3):
@@ -235,7 +254,7 @@ def test_grad_methods_see_only_the_gram_matrix(method):
         # to the solvers' tolerance (CAGrad's projected gradient stops ~1e-8 from the optimum in w)
         close(list(w_rot.weights().values()), list(w.weights().values()), 1e-7)
         close(d_rot, d @ r, 1e-7 * float(d.abs().max()))
-        if method != "gradnorm":  # gradnorm reports the weights of the next step
+        if method not in STATEFUL_GRAM:  # computing the weights again would move their state
             alpha = torch.tensor(list(w.weights().values()), dtype=torch.float64)
             close(alpha, w.weights_for_gram(gram_matrix(g), None, torch.float64), 1e-12)
 
@@ -838,3 +857,418 @@ def test_loss_methods_are_separable(method):
     ta = [a.weigh("cls", x), a.weigh("gen", torch.tensor(0.1))]
     tb = [b.weigh("gen", torch.tensor(5.0)), b.weigh("cls", x)]
     close(ta[0].detach(), tb[1].detach(), 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# options (weighting.options): each one changes what the method does
+
+
+def run_steps(w, steps=4):
+    """A few steps of ``w`` (gram_case rows for gradient-level methods, moving losses); the weights after each."""
+    tasks = w.tasks
+    g = gram_case(len(tasks))
+    g = g / g.norm(dim=1, keepdim=True) * torch.linspace(1.0, 1.5, len(tasks), dtype=g.dtype)[:, None]
+    seen = []
+    for step in range(steps):
+        w.begin_step(step)
+        losses = {t: 2.0 / (1 + step * (i + 1)) + 0.1 * i for i, t in enumerate(tasks)}
+        if w.level == "grad":  # the rows change from step to step
+            rows = g * (1 + 0.3 * step * torch.arange(len(tasks), dtype=g.dtype))[:, None]
+            w.combine(rows, torch.tensor([losses[t] for t in tasks], dtype=torch.float64))
+        w.end_step(losses)
+        seen.append(list(w.weights().values()))
+    return seen
+
+
+@pytest.mark.parametrize("method, options", [
+    ("cagrad", {"c": 0.2}), ("cagrad", {"rescale": False}),
+    ("gradnorm", {"alpha": 0.0}), ("gradnorm", {"lr": 0.1}),
+    ("dwa", {"T": 0.5}), ("famo", {"lr": 0.1}), ("famo", {"gamma": 0.5}),
+    ("pcgrad", {"reduction": "mean"}),
+    ("nashmtl", {"update_every": 2}), ("nashmtl", {"max_norm": 0.5}),
+    ("mgda", {"normalization": "l2"}), ("mgda", {"normalization": "loss"}), ("mgda", {"normalization": "loss+"}),
+    ("gradvac", {"beta": 0.1}), ("fairgrad", {"alpha": 2.0}), ("graddrop", {"leak": 0.5}),
+    ("dbmtl", {"beta": 0.5}), ("dbmtl", {"sigma": 0.5}), ("excessmtl", {"eta": 0.5}),
+    ("stch", {"warmup_steps": 1, "nadir_steps": 1}),
+])
+def test_each_option_changes_the_method(method, options):
+    tasks = ["a", "b", "c"]
+    default, changed = make(method, tasks=tasks), make(method, tasks=tasks, options=options)
+    for key, value in options.items():
+        assert getattr(changed.options, key) == value and getattr(default.options, key) != value
+    a, b = run_steps(default), run_steps(changed)
+    assert any(not np.allclose(x, y, rtol=1e-6, atol=0) for x, y in zip(a, b)), (a, b)
+
+
+def test_option_values_do_what_they_say():
+    g = gram_case(3)
+    m = gram(g)
+    # pcgrad mean = sum / K
+    close(make("pcgrad", options={"reduction": "mean"}).weights_for_gram(m) * 3, make("pcgrad").weights_for_gram(m), 1e-12)
+    # dwa: T is the softmax temperature
+    close(dwa_weights([1.0, 0.5], [1.0, 1.0], 0.5), (2 * torch.softmax(torch.tensor([2.0, 1.0]), 0)).tolist(), 1e-6)
+    # nashmtl: max_norm bounds ||d|| (here below the unclipped norm), update_every reuses the last solution
+    clipped = make("nashmtl", tasks=["a", "b", "c"], options={"max_norm": 0.5})
+    alpha = clipped.weights_for_gram(m)
+    free = make("nashmtl", tasks=["a", "b", "c"]).weights_for_gram(m)
+    assert float(free @ m @ free) > 0.25
+    close(float(alpha @ m @ alpha), 0.25, 1e-12)
+    close(alpha / alpha.sum(), free / free.sum(), 1e-12)  # the same direction
+    w = make("nashmtl", tasks=["a", "b", "c"], options={"update_every": 3})
+    first = []
+    for step in range(6):
+        w.begin_step(step)
+        first.append(w.weights_for_gram(m * (1 + step)))
+    close(first[1], first[0], 0)
+    close(first[2], first[0], 0)
+    close(first[3], nashmtl_weights(m * 4), 1e-12)  # solved again at step 3 ...
+    close(first[5], first[3], 0)
+    fresh = roundtrip(w)  # ... and the reused alpha survives a resume
+    for mod in (w, fresh):
+        mod.begin_step(7)
+    close(fresh.weights_for_gram(m), w.weights_for_gram(m), 0)
+    # mgda l2 is the min-norm point of the unit gradients; loss divides by the losses
+    n = m.diagonal().sqrt()
+    unit = make("mgda", tasks=["a", "b", "c"], options={"normalization": "l2"}).weights_for_gram(m, torch.ones(3))
+    close(unit * n, mgda_weights(m / torch.outer(n, n)), 1e-12)
+    losses = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    by_loss = make("mgda", tasks=["a", "b", "c"], options={"normalization": "loss"}).weights_for_gram(m, losses)
+    close(by_loss * losses, mgda_weights(m / torch.outer(losses, losses)), 1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# GradDrop
+
+
+def test_graddrop_hand_worked_case():
+    g = G([1.0, -2.0, 3.0, 0.0, 1.0], [2.0, 1.0, -1.0, 0.0, 0.0])
+    close(sign_purity(g), [1.0, 1 / 3, 0.75, 0.5, 1.0])
+    # coordinate 0: both positive (P = 1) -> both kept; 1: P = 1/3 < u = 0.5 -> the negative sign; 2: P = 0.75 <
+    # u = 0.9 -> the negative sign; 3: nothing; 4: only task 0, positive (P = 1) -> kept
+    u = torch.tensor([0.3, 0.5, 0.9, 0.1, 0.99])
+    d, kept = graddrop(g, u)
+    close(d, [3.0, -2.0, -1.0, 0.0, 1.0])
+    close(kept, [(1 + 4 + 1) / 15, (4 + 1) / 6])  # the kept share of each task's squared norm
+    d, _ = graddrop(g, torch.tensor([0.3, 0.2, 0.5, 0.1, 0.99]))  # u below P: the positive signs win
+    close(d, [3.0, 1.0, 3.0, 0.0, 1.0])
+    close(graddrop(g, u, leak=1.0)[0], g.sum(0))  # leak 1: the plain sum
+    close(graddrop(g, u, leak=0.25)[0], [3.0, -2.0 + 0.25, -1.0 + 0.75, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_graddrop_keeps_one_sign_per_coordinate_chosen_with_probability_p(k):
+    for g in pcgrad_hard_cases(k):  # random, nearly opposed, 100x, identical rows, a zero row
+        for seed in range(3):
+            u = torch.rand(g.shape[1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            mask = graddrop_mask(g, u)
+            kept = torch.where(mask, g, 0.0)
+            assert not ((kept > 0).any(0) & (kept < 0).any(0)).any()  # one sign per coordinate
+            p = sign_purity(g)
+            both = (g > 0).any(0) & (g < 0).any(0)
+            assert torch.equal((kept > 0).any(0)[both], (u < p)[both])  # + exactly where u < P
+            agree = ~both  # no conflict: every component kept
+            assert torch.equal(mask[:, agree], (g != 0)[:, agree])
+            d, frac = graddrop(g, u)
+            close(d, kept.sum(0))
+            assert ((frac >= -1e-12) & (frac <= 1 + 1e-12)).all()
+    g = random_grads(1, 6, 5).repeat(k, 1)  # identical rows: nothing conflicts, the sum
+    close(graddrop(g, torch.rand(6))[0], k * g[0])
+    # the positive sign wins with probability P: 20000 draws at a coordinate with P = 0.75
+    g = G([3.0], [-1.0]).repeat(1, 20000)  # 20000 copies of one coordinate, one draw each
+    draws = torch.rand(20000, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    wins = float((graddrop(g, draws)[0] > 0).double().mean())
+    assert abs(wins - 0.75) < 0.015  # 5 standard deviations
+
+
+def test_graddrop_draws_are_shared_by_seed_and_step():
+    g = random_grads(3, 500, 1)
+    g[1] = -g[0] + 0.3 * g[1]  # conflicts everywhere
+    a, b, other = make("graddrop", seed=3, tasks=["a", "b", "c"]), make("graddrop", seed=3, tasks=["a", "b", "c"]), \
+        make("graddrop", seed=4, tasks=["a", "b", "c"])
+    for m in (a, b, other):
+        m.begin_step(7)
+    da, db, do = a.combine(g), b.combine(g), other.combine(g)
+    assert torch.equal(da, db)  # same seed and step: the same draws (every rank)
+    assert not torch.equal(da, do)
+    a.begin_step(8)
+    assert not torch.equal(a.combine(g), da)  # a new draw every step
+    fresh = make("graddrop", seed=3, tasks=["a", "b", "c"])  # a resumed run: same config, the step from the trainer
+    fresh.load_state_dict(a.state_dict())
+    fresh.begin_step(7)
+    assert torch.equal(fresh.combine(g), da)
+    assert all(0 <= v <= 1 for v in a.weights().values())
+    assert make("graddrop").weights() == {"cls": 1.0, "gen": 1.0}
+    d32 = b.combine(g.float())
+    assert d32.dtype == torch.float32 and torch.isfinite(d32).all()
+    for rows in ([[0.0, 0.0], [0.0, 0.0]], [[1.0, float("nan")], [1.0, 1.0]]):
+        d = a.combine(G(*rows))
+        assert d.shape == (2,)
+    close(a.combine(G([0.0, 0.0], [0.0, 0.0])), [0.0, 0.0], 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# GradVac
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def test_gradvac_with_beta_zero_is_pcgrad():
+    for k in (2, 3, 5):
+        for g in pcgrad_hard_cases(k):
+            gens = [torch.Generator().manual_seed(9) for _ in range(2)]
+            w, targets = gradvac_weights(gram(g), np.zeros((k, k)), 0.0, gens[0])
+            close(w, pcgrad_weights(gram(g), gens[1]), 1e-12)
+            assert (targets == 0).all()
+
+
+@pytest.mark.parametrize("rows", [
+    [[1.0, 0.0, 0.0], [0.3, 1.0, 0.0]],  # mild agreement, below a target of 0.5
+    [[1.0, 0.0, 0.0], [-0.999, 0.0447, 0.0]],  # nearly opposed
+    [[100.0, 0.0, 1.0], [-1.0, 2.0, 0.0]],  # one row 100x
+])
+def test_gradvac_reaches_the_target_cosine(rows):
+    """The paper's Eq. 2: where cos(g_1, g_2) is below the target, g_1' = g_1 + c g_2 has cosine exactly the target."""
+    g = G(*rows)
+    for target in (0.5, 0.0, -0.3, 0.9):
+        phi = cosine(g[0], g[1])
+        targets = np.full((2, 2), target)
+        coef = gradvac_weights(gram(g), targets, 0.0)[0]  # beta = 0: the targets stay
+        c, _ = gradvac_coefficients(gram(g).numpy(), targets, 0.0, [[1], [0]])  # the corrected rows are C @ g
+        new = [g[0] + c[0, 1] * g[1], g[1] + c[1, 0] * g[0]]
+        close(coef, c.sum(0), 1e-12)
+        for i, j in ((0, 1), (1, 0)):
+            if phi < target:
+                close(cosine(new[i], g[j]), target, 1e-9)
+            else:
+                close(new[i], g[i], 0)  # at or above the target: untouched
+
+
+def test_gradvac_targets_follow_the_ema_and_survive_a_resume():
+    w = make("gradvac", options={"beta": 0.3})
+    g1, g2 = G([1.0, 0.0], [0.6, 0.8]), G([1.0, 0.0], [-0.6, 0.8])
+    w.begin_step(0)
+    close(w.combine(g1), g1.sum(0))  # cos 0.6 > target 0: nothing to correct
+    close(w.targets, [[0.0, 0.3 * 0.6], [0.3 * 0.6, 0.0]])
+    w.begin_step(1)
+    w.combine(g2)  # cos -0.6 < target 0.18: corrected
+    t = 0.7 * 0.18 + 0.3 * -0.6
+    close(w.targets, [[0.0, t], [t, 0.0]])
+    fresh = roundtrip(w)
+    close(fresh.targets, w.targets, 0)
+    for step in (2, 3):
+        for m in (w, fresh):
+            m.begin_step(step)
+        close(fresh.combine(g2), w.combine(g2), 0)
+    assert fresh.weights() == w.weights()
+    zero = make("gradvac")  # a zero row: no cosine, nothing corrected, its targets stay
+    close(zero.combine(G([0.0, 0.0], [1.0, 1.0])), [1.0, 1.0])
+    close(zero.targets, torch.zeros(2, 2), 0)
+    d, targets = gradvac(G([1.0, 2.0], [1.0, 2.0]), np.zeros((2, 2)))  # identical rows: the sum, targets rise
+    close(d, [2.0, 4.0])
+    close(targets, [[0.0, 0.5], [0.5, 0.0]])
+
+
+# --------------------------------------------------------------------------------------------------
+# DualProj
+
+
+def dualproj_kkt_violation(g: torch.Tensor) -> float:
+    """v = argmin_{v >= 1/K} v^T M v iff v >= 1/K, (M v)_t >= 0 and (v - 1/K)_t (M v)_t = 0 (relative)."""
+    m = gram(g)
+    v = dualproj_weights(m)
+    u = v - 1.0 / g.shape[0]
+    h = m @ v
+    unit = float(m.diag().max()) * (1.0 + float(v.abs().sum()))
+    return max(float((-u).clamp_min(0).max()), float((-h).clamp_min(0).max()) / unit,
+               float((u.clamp_min(0) * h.abs()).max()) / unit)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_dualproj_is_the_projection_of_the_mean_onto_the_dual_cone(k):
+    cases = pcgrad_hard_cases(k)
+    for seed in range(4):
+        g = random_grads(k, 6, 500 + 10 * k + seed)
+        for t in range(1, k):
+            g[t] = -g[0] * (0.5 + t) + 1e-3 * g[t]
+        cases.append(g)
+    for g in cases:
+        assert dualproj_kkt_violation(g) < 1e-12
+        d = dualproj(g)
+        assert (g @ d >= -1e-12 * float(gram(g).diag().max())).all()
+        # the projection is no farther from the mean than any other point of the cone we know (0, and upgrad's)
+        mean = g.mean(0)
+        assert float((d - mean).norm()) <= float(mean.norm()) + 1e-12
+        assert float((d - mean).norm()) <= float((upgrad(g) - mean).norm()) + 1e-9
+    g = G([1.0, 0.0], [0.5, 1.0])  # no conflict with the mean: d is the mean
+    close(dualproj(g), g.mean(0))
+    close(dualproj(G([1.0, 2.0], [-2.0, -4.0])), [0.0, 0.0])  # opposed
+    # TorchJD's docstring example; TorchJD adds a 1e-4 ridge to a normalised Gram matrix, hence the tolerance
+    close(dualproj(G([-4.0, 1.0, 1.0], [6.0, 1.0, 1.0])), [0.5563, 1.1109, 1.1109], 1e-3)
+
+
+# --------------------------------------------------------------------------------------------------
+# ConFIG
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_config_has_equal_positive_cosines_and_the_summed_projections_as_length(k):
+    for seed in range(4):
+        g = random_grads(k, 8, 700 + 10 * k + seed) * torch.logspace(-1, 1, k, dtype=torch.float64)[:, None]
+        if seed == 1:
+            g[1] = -g[0] + 1e-3 * g[1]  # nearly opposed
+        if seed == 2:
+            g[0] *= 100.0
+        d = config(g)
+        cos = (g @ d) / (g.norm(dim=1) * d.norm())
+        close(cos, torch.full((k,), float(cos[0]), dtype=torch.float64), 1e-10)  # the same cosine with every task ...
+        assert float(cos.min()) > 0  # ... and it is positive
+        unit = d / d.norm()
+        close(d.norm(), (g @ unit).sum(), 1e-9 * float(d.norm()))  # |d| = sum of the projections on d
+
+
+def test_config_two_task_cases():
+    close(config(G([3.0, 0.0], [0.0, 4.0])), [3.5, 3.5])  # orthogonal: the bisector, length 3/sqrt2 + 4/sqrt2
+    close(config(G([1.0, 2.0], [-2.0, -4.0])), [0.0, 0.0])  # opposed: no direction helps both
+    close(config(G([1.0, 2.0], [1.0, 2.0])), [2.0, 4.0])  # identical: the sum
+    close(config(G([0.0, 0.0], [1.0, 2.0])), [1.0, 2.0])  # a zero row is left out
+    close(config(G([-4.0, 1.0, 1.0], [6.0, 1.0, 1.0])), [0.1588, 2.0706, 2.0706], 1e-4)  # TorchJD's example
+    close(config_weights(gram(G([1.0, 0.0], [0.0, 100.0]))) * torch.tensor([1.0, 100.0], dtype=torch.float64),
+          [50.5, 50.5], 1e-9)  # 100x: equal angles, length (1 + 100)/sqrt2
+
+
+# --------------------------------------------------------------------------------------------------
+# FairGrad
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0, 5.0])
+def test_fairgrad_solves_the_alpha_fair_equation(alpha):
+    for g in nash_hard_cases():
+        m = gram(g)
+        w = fairgrad_weights(m, alpha)
+        assert (w > 0).all()
+        lhs, rhs = m @ w, w ** (-1.0 / alpha)  # (GG^T w)_t = w_t^(-1/alpha) ...
+        size = m.abs() @ w + rhs  # ... to round-off in the terms of (GG^T w)_t, which cancel when w ~ 1e5
+        assert float(((lhs - rhs).abs() / size).max()) < 1e-13, ((lhs - rhs).tolist(), size.tolist())
+        if alpha == 1.0:  # proportional fairness is Nash-MTL's equation
+            close(w, nashmtl_weights(m), 1e-7 * float(w.max()))
+
+
+def test_fairgrad_cases_and_alpha():
+    close(fairgrad_weights(gram(G([2.0, 0.0], [0.0, 1.0])), 2.0), [4 ** (-2 / 3), 1.0])  # orthogonal: ||g_t||^2 w_t = w_t^(-1/a)
+    g = G([1.0, 0.0], [0.3, 1.0]) * torch.tensor([[1.0], [10.0]], dtype=torch.float64)
+    improvement = {a: (g @ fairgrad(g, alpha=a)) for a in (0.5, 1.0, 4.0)}
+    # larger alpha favours the worse-off task more: the ratio of the improvements moves towards 1
+    ratios = [float(v.min() / v.max()) for v in improvement.values()]
+    assert ratios[0] < ratios[1] < ratios[2], ratios
+    w = fairgrad_weights(gram(G([0.0, 0.0], [1.0, 2.0])))
+    close(w, [0.0, 5 ** -0.5])  # a zero row gets 0; the other: 5 w = 1/w
+    d = fairgrad(G([1.0, 2.0], [-2.0, -4.0]))  # opposed: no solution, the ridge gives d ~ 0
+    assert torch.isfinite(d).all() and float(d.norm()) < 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# DB-MTL
+
+
+def test_dbmtl_hand_worked_and_balanced():
+    w = make("dbmtl")
+    g = G([3.0, 0.0], [0.0, 1.0])
+    losses = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    # h = 0.1 * g / L = (0.3, 0), (0, 0.2): both rescaled to the larger norm 0.3
+    close(w.combine(g, losses), [0.3, 0.3])
+    close(list(w.weights().values()), [0.1, 1.5 * 0.1 / 0.5])
+    # h = 0.9 h + 0.1 g / L = 0.19 (3, 0), 0.19 (0, 2)
+    close(w.combine(g, losses), [0.57, 0.57])
+    fresh = make("dbmtl")
+    fresh.load_state_dict(w.state_dict())
+    close(fresh.combine(g, losses), w.combine(g, losses), 0)
+    for k in (2, 3, 5):
+        for rows in pcgrad_hard_cases(k):
+            m = make("dbmtl", tasks=[f"t{i}" for i in range(k)])
+            for _ in range(3):
+                d = m.combine(rows, torch.linspace(0.5, 3.0, k, dtype=torch.float64))
+            h = m.average
+            scaled = dbmtl_scales(h)[:, None] * h  # every non-zero average row at the largest norm
+            norms = scaled.norm(dim=1)[h.norm(dim=1) > 0]
+            close(norms, torch.full_like(norms, float(h.norm(dim=1).max())), 1e-12)
+            close(d, scaled.sum(0), 1e-12)
+    # the log-loss gradient is scale-free: g_t and L_t both x 100 leave everything unchanged
+    a, b = make("dbmtl"), make("dbmtl")
+    close(a.combine(g, losses), b.combine(g * torch.tensor([[100.0], [1.0]], dtype=torch.float64),
+                                          losses * torch.tensor([100.0, 1.0], dtype=torch.float64)), 1e-12)
+    # sigma: the rate at step k is beta / k^sigma
+    h1 = dbmtl_average(None, g, losses, 0.9)
+    s = make("dbmtl", options={"sigma": 1.0})
+    s.combine(g, losses)
+    s.combine(2 * g, losses)
+    close(s.average, dbmtl_average(h1, 2 * g, losses, 0.9 / 2))
+    before = s.average.clone()
+    s.combine(G([float("nan"), 0.0], [0.0, 1.0]), losses)
+    close(s.average, before, 0)  # a non-finite step does not poison the average
+
+
+# --------------------------------------------------------------------------------------------------
+# ExcessMTL
+
+
+def test_excessmtl_follows_the_exponentiated_update():
+    w = make("excessmtl", options={"eta": 0.5})
+    g1, g2 = G([3.0, 0.0], [0.0, 1.0]), G([1.0, 0.0], [0.0, 1.0])
+    close(w.combine(g1), [3.0, 1.0])  # first step: w = 1, e(1) recorded
+    s = g1 * g1
+    e1 = excess_risks(s, g1)
+    close(e1, [9.0 / math.sqrt(9.0 + 1e-7), 1.0 / math.sqrt(1.0 + 1e-7)])
+    d = w.combine(g2)
+    s = s + g2 * g2
+    e2 = excess_risks(s, g2)
+    raw = torch.exp(0.5 * e2 / e1)
+    expected = 2 * raw / raw.sum()
+    close(list(w.weights().values()), expected, 1e-12)
+    close(d, expected @ g2, 1e-12)
+    # task 1's gradient shrank against its history (its excess risk fell), task 2's did not: task 2 gains weight
+    assert w.weights()["gen"] > 1 > w.weights()["cls"]
+    fresh = make("excessmtl", options={"eta": 0.5})
+    fresh.load_state_dict(w.state_dict())
+    close(fresh.combine(g2), w.combine(g2), 0)
+    assert fresh.weights() == w.weights()
+    for k in (2, 3, 5):
+        for rows in pcgrad_hard_cases(k):
+            m = make("excessmtl", tasks=[f"t{i}" for i in range(k)])
+            for _ in range(3):
+                d = m.combine(rows)
+            assert torch.isfinite(d).all() and abs(sum(m.weights().values()) - k) < 1e-9
+    before = w.weights()
+    w.combine(G([float("nan"), 0.0], [0.0, 1.0]))
+    assert w.weights() == before
+
+
+# --------------------------------------------------------------------------------------------------
+# STCH
+
+
+def test_stch_warms_up_measures_the_nadir_then_weights_the_worst_task():
+    w = make("stch", options={"warmup_steps": 3, "nadir_steps": 2, "mu": 0.5})
+    x = torch.tensor(2.0, requires_grad=True)
+    (gx,) = torch.autograd.grad(w.weigh("cls", x**2), x)
+    close(gx, 2 * 2.0 / 4.0, 1e-6)  # warm-up: the gradient of log L
+    for losses in ({"cls": 9.0, "gen": 9.0}, {"cls": 2.0, "gen": 4.0}, {"cls": 4.0, "gen": 2.0}):
+        w.end_step(losses)
+        assert w.weights() == {"cls": 1.0, "gen": 1.0}
+    close(w.nadir(), [3.0, 3.0])  # the mean over the last 2 warm-up steps
+    w.end_step({"cls": 1.5, "gen": 0.75})  # cls is further from its nadir (relative): it gets more weight
+    expected = stch_weights([1.5, 0.75], [3.0, 3.0], 0.5)
+    close(list(w.weights().values()), expected, 1e-12)
+    close(expected, (2 * torch.softmax(torch.log(torch.tensor([0.5, 0.25], dtype=torch.float64)) / 0.5, 0)).tolist(), 1e-12)
+    assert w.weights()["cls"] > 1 > w.weights()["gen"]
+    x = torch.tensor(1.2, requires_grad=True)
+    (gx,) = torch.autograd.grad(w.weigh("gen", x**2), x)
+    close(gx, expected[1] * 2 / 1.2, 1e-6)  # w_t * d log L / dx
+    fresh = roundtrip(w)
+    assert fresh.weights() == w.weights()
+    for m in (w, fresh):
+        m.end_step({"cls": 1.0, "gen": 1.0})
+    assert fresh.weights() == w.weights()
+    sharp = stch_weights([1.5, 0.75], [3.0, 3.0], 1e-3)  # mu -> 0: the Tchebycheff max (the worst task only)
+    close(sharp, [2.0, 0.0], 1e-12)

@@ -42,7 +42,11 @@ TOL = 1e-5  # parameters and reported weights, max over tensors of max|a - b| / 
 # rank-averaged losses, whose rounding (~6e-8) is divided by that small difference (~6e-6 seen).
 STATE_TOL = 1e-4
 DTYPE = torch.float64  # see the module docstring
-EXTRA = {"static": ["weighting.weights.cls=1.0", "weighting.weights.gen=0.5"]}
+EXTRA = {"static": ["weighting.weights.cls=1.0", "weighting.weights.gen=0.5"],
+         # the scalarization itself within the 3 steps (after a 1-step warm-up that measures the nadir)
+         "stch": ["weighting.options.warmup_steps=1", "weighting.options.nadir_steps=1"],
+         # solve at steps 0 and 2, reuse at step 1, and clip: both options under DDP
+         "nashmtl": ["weighting.options.update_every=2", "weighting.options.max_norm=0.5"]}
 CAPTURE = "pcgrad"  # the method whose step-0 task-gradient matrices are kept for the negative control
 DEADLINE_S = 300  # the workers are killed after this; a stuck collective times out after 60 s anyway
 METHODS = sorted(weighting_types())

@@ -1,4 +1,4 @@
-"""Data sets from the config, the caption collate function and the DDP-aware data loaders."""
+"""Data sets from the config, the batch collate (each task makes its own fields) and the DDP-aware data loaders."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from mtl.data.images import Augment, Normalized, image_normalization
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
 from mtl.data.synthetic import SyntheticShapes
-from mtl.data.tokenizer import CaptionTokenizer
 from mtl.errors import ConfigError, DataError
 
-IGNORE_INDEX = -100  # target id that cross-entropy skips (torch's default ignore_index)
 SOURCES = ("synthetic", "manifest", "imagefolder")
 
 
@@ -80,47 +78,52 @@ def all_captions(ds: Dataset) -> list[str]:
     return [c for i in range(len(ds)) for c in ds[i]["captions"]]
 
 
-class CaptionCollate:
-    """Items -> a batch dict; the caption used for ``input_ids`` is each item's ``captions[0]``.
+class BatchCollate:
+    """Raw records -> a batch. Every batch has ``image`` (B, 3, S, S) and ``index`` (B,); the rest is what each
+    task makes of the records (``TaskHead.item_fields`` per record, then ``TaskHead.collate_fields``): the data
+    sets and this collate name no task. ``tasks`` maps task names to their classes, ``info`` is the
+    ``mtl.tasks.DataInfo`` they read (the tokenizer, the config, the class names)."""
 
-    ``input_ids`` = [BOS] tokens [EOS], padded with ``pad_id``; at most ``max_tokens`` ids follow
-    BOS, and a cut caption keeps its EOS (so the model still learns to stop). ``target_ids[t]`` is
-    ``input_ids[t + 1]``, and IGNORE_INDEX where there is no next token (at EOS and padding): the
-    model is fed ``input_ids`` and its loss is CE(logits[:, t], target_ids[:, t]).
-    """
+    def __init__(self, tasks: dict[str, type], info):
+        self.tasks, self.info = dict(tasks), info
 
-    def __init__(self, tokenizer: CaptionTokenizer, max_tokens: int):
-        if max_tokens < 1:
-            raise ConfigError(f"data.max_caption_tokens={max_tokens}: must be at least 1 (room for EOS)")
-        self.tokenizer = tokenizer
-        self.max_tokens = int(max_tokens)
+    def __call__(self, records: list[dict]) -> dict:
+        batch = {"image": torch.stack([r["image"] for r in records]),
+                 "index": torch.tensor([int(r["index"]) for r in records], dtype=torch.long)}
+        owner = dict.fromkeys(batch, "the loader")
+        for name, task in self.tasks.items():
+            fields = task.collate_fields([task.item_fields(r, self.info) for r in records], self.info) if records else {}
+            for key, value in fields.items():
+                if key in owner:
+                    raise ConfigError(f"tasks: {name!r} and {owner[key]!r} both make the batch field {key!r}; rename "
+                                      f"it in one of them (prefix it with the task name, e.g. '{name}_{key}')")
+                owner[key] = name
+                batch[key] = value
+        return batch
 
-    def encode(self, caption: str) -> list[int]:
-        tok = self.tokenizer
-        ids = tok.encode(caption)[: self.max_tokens - 1]
-        return [tok.bos_id] + ids + [tok.eos_id]
 
-    def __call__(self, items: list[dict]) -> dict:
-        seqs = [self.encode(it["captions"][0]) for it in items]
-        b, t = len(seqs), max(len(s) for s in seqs)
-        input_ids = torch.full((b, t), self.tokenizer.pad_id, dtype=torch.long)
-        target_ids = torch.full((b, t), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((b, t), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            row = torch.tensor(s, dtype=torch.long)
-            input_ids[i, : len(s)] = row
-            target_ids[i, : len(s) - 1] = row[1:]
-            mask[i, : len(s)] = 1
-        return {
-            "image": torch.stack([it["image"] for it in items]),
-            "label": torch.tensor([it["label"] for it in items], dtype=torch.long),
-            "count": torch.tensor([it["count"] for it in items], dtype=torch.long),
-            "index": torch.tensor([it["index"] for it in items], dtype=torch.long),
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "target_ids": target_ids,
-            "references": [list(it["captions"]) for it in items],
-        }
+def provided_fields(ds: Dataset) -> frozenset:
+    """The raw record fields every item of ``ds`` has (``ds.provides``; else read from its first item)."""
+    provides = getattr(ds, "provides", None)
+    if provides is None:
+        provides = frozenset(ds[0]) if len(ds) else frozenset()
+    return frozenset(provides)
+
+
+def check_task_fields(tasks: dict[str, type], datasets: dict[str, Dataset]) -> None:
+    """Every task's ``requires`` must be in every split's records: one error naming each task, field and fix."""
+    errors = []
+    for name, task in tasks.items():
+        for split, ds in datasets.items():
+            have = provided_fields(ds)
+            for field in task.requires:
+                if field not in have:
+                    fix = getattr(ds, "how_to_provide", lambda f: f"use a data source whose items have {f!r}")(field)
+                    errors.append(f"task {name!r} needs the field {field!r} in every {split} item, which "
+                                  f"{getattr(ds, 'source', type(ds).__name__)} does not provide (its items have: "
+                                  f"{', '.join(sorted(have))}) — {fix}, or remove {name!r} from tasks")
+    if errors:
+        raise DataError(errors[0] if len(errors) == 1 else "; ".join(errors))
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -197,7 +200,7 @@ def _loader_kwargs(num_workers: int, pin_memory: bool) -> dict:
 
 def build_train_loader(
     ds: Dataset,
-    collate: CaptionCollate,
+    collate: BatchCollate,
     batch_size: int,
     rank: int,
     world_size: int,
@@ -235,7 +238,7 @@ def build_train_loader(
 
 def build_eval_loader(
     ds: Dataset,
-    collate: CaptionCollate,
+    collate: BatchCollate,
     batch_size: int,
     rank: int,
     world_size: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from PIL import Image
 from torch.utils.data import Dataset
@@ -22,6 +22,9 @@ from mtl.data.images import Augment, load_image
 from mtl.errors import DataError
 
 ON_ERROR = ("raise", "skip")
+# keys of a line that the readers interpret; every other key of a line reaches the tasks as a record field
+RESERVED = ("image", "label", "caption", "captions", "index")
+BASE_FIELDS = frozenset({"image", "index", "label", "captions"})
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Record:
     label: int
     captions: list[str]
     line: int
+    extra: dict = field(default_factory=dict)  # the line's other keys, passed on to the tasks as record fields
 
 
 class LineError(Exception):
@@ -90,7 +94,8 @@ def _parse_line(text: str, number: int, image_root: str, label_fn: LabelFn) -> R
     label = label_fn(obj, rel)
     path = rel if os.path.isabs(rel) else os.path.join(image_root, rel)
     _check_image(path, rel, image_root)
-    return Record(image=path, label=label, captions=captions, line=number)
+    extra = {k: v for k, v in obj.items() if k not in RESERVED}
+    return Record(image=path, label=label, captions=captions, line=number, extra=extra)
 
 
 def read_caption_lines(
@@ -152,6 +157,16 @@ class CaptionedImages(Dataset):
         self.epoch = 0
         self.class_names: list[str] = []
         self.num_classes = 0
+        # the record fields every item has: the base ones, and the extra keys that every line has
+        shared = set(records[0].extra) if records else set()
+        for r in records[1:]:
+            shared &= set(r.extra)
+        self.provides = BASE_FIELDS | frozenset(shared)
+        if not all(r.captions for r in records):
+            self.provides -= {"captions"}
+
+    def how_to_provide(self, field: str) -> str:
+        return f"add a {field!r} key to every line of {self.source}"
 
     def __len__(self) -> int:
         return len(self.records)
@@ -167,16 +182,18 @@ class CaptionedImages(Dataset):
         index, epoch = key if isinstance(key, tuple) else (key, self.epoch)
         index = int(index)
         rec = self.records[index]
-        where = f" ({self.source} line {rec.line})"
+        where = f" ({self.source} line {rec.line})" if rec.line else f" ({self.source})"
         caps = rec.captions
-        first = (int(epoch) + index) % len(caps)
-        return {
+        first = (int(epoch) + index) % max(1, len(caps))
+        item = {
+            **rec.extra,
             "image": load_image(rec.image, self.image_size, where, self.augment, (index, int(epoch))),
             "label": rec.label,
-            "captions": [caps[first]] + caps[:first] + caps[first + 1 :],
-            "count": -1,
             "index": index,
         }
+        if caps:  # an ImageFolder without a captions file has none
+            item["captions"] = [caps[first]] + caps[:first] + caps[first + 1 :]
+        return item
 
 
 def _int_label(obj: dict, rel: str) -> int:
@@ -255,8 +272,11 @@ class ImageFolderCaptions(CaptionedImages):
     (default ``root/captions.jsonl``) with ``{"image": "<class>/<file>", "caption": ...}`` lines.
 
     The label is the index of the class folder among the sorted folder names (or among
-    ``class_names`` when given, so a val split uses the train split's classes). Only images listed
-    in the captions file are used: the captioning task needs a caption for every image.
+    ``class_names`` when given, so a val split uses the train split's classes). With a captions file,
+    only the images it lists are used (other keys of its lines reach the tasks as record fields).
+    Without one (no ``captions_file`` given and no ``root/captions.jsonl``), every image file under the
+    class folders is used and the items have no ``captions``: fine for classification, and a task that
+    requires captions is refused before training with the fix.
     """
 
     def __init__(
@@ -286,9 +306,48 @@ class ImageFolderCaptions(CaptionedImages):
                 )
             return index[parts[0]]
 
-        captions_file = captions_file or os.path.join(root, "captions.jsonl")
-        records, reasons = read_caption_lines(captions_file, root, label_fn, on_error, kind="captions file")
-        super().__init__(records, reasons, image_size, f"captions file {captions_file}", augment)
+        default = os.path.join(root, "captions.jsonl")
+        if captions_file is None and not os.path.isfile(default):
+            records, reasons = _scan_class_folders(root, class_names, on_error)
+            source = f"image folder {root} (no captions.jsonl)"
+        else:
+            captions_file = captions_file or default
+            records, reasons = read_caption_lines(captions_file, root, label_fn, on_error, kind="captions file")
+            source = f"captions file {captions_file}"
+        super().__init__(records, reasons, image_size, source, augment)
         self.root = root
+        self.captions_file = captions_file
         self.class_names = list(class_names)
         self.num_classes = len(class_names)
+
+    def how_to_provide(self, field: str) -> str:
+        if self.captions_file is None:
+            return (f"add {os.path.join(self.root, 'captions.jsonl')} with one line per image, "
+                    f'{{"image": "<class>/<file>", "caption": "..."{", " + repr(field) + ": ..." if field != "captions" else ""}}}')
+        return super().how_to_provide(field)
+
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+def _scan_class_folders(root: str, class_names: list[str], on_error: str) -> tuple[list[Record], list[str]]:
+    """Every image file under ``root/<class>/`` (sorted), each fully decoded once, with no captions."""
+    records, reasons = [], []
+    for label, name in enumerate(class_names):
+        for dirpath, dirs, files in os.walk(os.path.join(root, name)):
+            dirs.sort()
+            for f in sorted(files):
+                if not f.lower().endswith(IMAGE_EXTENSIONS):
+                    continue
+                path = os.path.join(dirpath, f)
+                try:
+                    _check_image(path, os.path.relpath(path, root), root)
+                except LineError as e:
+                    if on_error == "raise":
+                        raise DataError(f"image folder {root}: {e} — {e.fix} or set data.on_error=skip") from None
+                    reasons.append(f"image folder {root}: {e}")
+                    continue
+                records.append(Record(image=os.path.abspath(path), label=label, captions=[], line=0))
+    if not records:
+        raise DataError(f"image folder {root!r} has no images in its class folders ({', '.join(IMAGE_EXTENSIONS)})")
+    return records, reasons

@@ -270,7 +270,8 @@ class SyntheticShapes(Dataset):
         return caption_text(a["count"], a["size"], a["colour"], a["position"])
 
     def render(self, index: int) -> tuple[np.ndarray, dict]:
-        """The image (3, S, S) float32 in [0, 1] and its attributes."""
+        """The image (3, S, S) float32 in [0, 1] and its attributes, with where the shapes were drawn:
+        ``centres`` ([[x, y], ...] in pixels), ``radius`` (pixels) and ``background`` (its RGB)."""
         rng = self._rng(index)
         a = self._attributes(rng)
         s = self.image_size
@@ -278,6 +279,7 @@ class SyntheticShapes(Dataset):
         bg = rng.uniform(0.05, 0.3) + rng.uniform(-0.04, 0.04, size=3)
         img = np.empty((3, s, s), dtype=np.float32)
         img[:] = bg.astype(np.float32)[:, None, None]
+        a["background"] = [float(v) for v in bg]
         # clutter: tiny blobs, well below the small shape size so they do not look like one more shape
         side = max(1, round(0.04 * s))
         for _ in range(self.clutter):
@@ -297,6 +299,7 @@ class SyntheticShapes(Dataset):
         rgb = _COLOUR_RGB[COLOUR_NAMES.index(a["colour"])]
         for cx, cy in pts:
             _stamp(img, kind, cx, cy, r, rgb)
+        a["centres"], a["radius"] = [[float(x), float(y)] for x, y in pts], float(r)
         if self.noise > 0:
             img += self._noise(rng)
         np.clip(img, 0.0, 1.0, out=img)
@@ -319,14 +322,27 @@ class SyntheticShapes(Dataset):
         window = self._bank[start : start + n].reshape(3, self.image_size, self.image_size)
         return window if rng.integers(2) else -window
 
+    # The raw record of every item: the image, its index, and everything the scene was drawn from, so that a new
+    # task can take its targets from here (``TaskHead.item_fields``) without editing this file.
+    provides = frozenset({"image", "index", "label", "shape", "captions", "count", "size", "colour", "position",
+                          "centres", "radius", "background"})
+    source = "the synthetic shapes (data.source=synthetic)"
+
+    def how_to_provide(self, field: str) -> str:
+        return (f"the synthetic scenes have no {field!r}; derive the task's targets from the fields they have, or use "
+                f"data.source=manifest with a {field!r} key on every line")
+
     def __getitem__(self, key) -> dict:
+        """The raw record: ``image`` (3, S, S) float32 in [0, 1], ``index``, ``label`` (the shape's class),
+        ``shape`` (its name), ``captions`` ([the caption]), ``count``, ``size``, ``colour``, ``position`` (the
+        caption's words), ``centres`` ([[x, y], ...] pixels), ``radius`` (pixels), ``background`` (RGB)."""
         # the train sampler passes (index, epoch); see mtl.data.loader.EpochDistributedSampler
         index = int(key[0] if isinstance(key, tuple) else key)
         img, a = self.render(index)
         return {
+            **a,
             "image": torch.from_numpy(img),
-            "label": a["label"],
-            "captions": [caption_text(a["count"], a["size"], a["colour"], a["position"])],
-            "count": a["count"],
             "index": index,
+            "shape": SHAPES[a["label"]],
+            "captions": [caption_text(a["count"], a["size"], a["colour"], a["position"])],
         }

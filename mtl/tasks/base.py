@@ -1,20 +1,59 @@
 """What a task is: a head that turns the shared feature map and a batch into a loss, and evaluates.
 
 Tasks are data, not special cases. The model returns ``{task name: loss}``; the step, the weighting
-and the logging loop over those names, so adding a task means adding one file in ``mtl/tasks/``
-with a ``TaskHead`` subclass that sets ``name`` (see docs/extending.md).
+and the logging loop over those names, so adding a task means adding one file in ``mtl/tasks/`` (or
+anywhere, named in the config's ``task_modules``) with a ``TaskHead`` subclass that sets ``name``
+(see docs/extending.md). A task also says what it needs from the data: the raw record fields it
+``requires``, and how its batch fields are made from a record (``item_fields``) and batched
+(``collate_fields``). The data sets and the loaders name no task.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from mtl.config import NoOptions, options_of
+
+
+@dataclass
+class DataInfo:
+    """What a task's ``item_fields`` / ``collate_fields`` may use (picklable: it travels to loader workers)."""
+
+    cfg: Any  # the full run config (DictConfig)
+    num_classes: int
+    class_names: list
+    tokenizer: Any  # mtl.data.tokenizer.CaptionTokenizer
+    _options: dict = field(default_factory=dict, repr=False)
+
+    def options(self, task: type) -> Any:
+        """``task.options_from(cfg)``, made once per task (the collate runs per batch)."""
+        if task.name not in self._options:
+            self._options[task.name] = task.options_from(self.cfg)
+        return self._options[task.name]
+
+
+def default_collate(items: list[dict]) -> dict:
+    """Per key: ints -> a long tensor, floats -> a float tensor, bools -> a bool tensor, tensors -> stacked;
+    anything else stays a list (one entry per item)."""
+    out = {}
+    for key in items[0]:
+        values = [it[key] for it in items]
+        if all(isinstance(v, bool) for v in values):
+            out[key] = torch.tensor(values, dtype=torch.bool)
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            out[key] = torch.tensor(values, dtype=torch.long)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = torch.tensor(values, dtype=torch.float32)
+        elif all(torch.is_tensor(v) for v in values):
+            out[key] = torch.stack(values)
+        else:
+            out[key] = values
+    return out
 
 
 @dataclass
@@ -37,6 +76,28 @@ class TaskHead(nn.Module):
     # The quality metrics of ``eval_reduce`` that curves, the benchmark and delta-m use: name -> higher is
     # better. They are logged as ``<task>_<metric>``; other keys of ``eval_reduce`` are logged too.
     metrics: dict[str, bool] = {}
+    # The raw record fields (what a data set's items hold: "image", "label", "captions", "count", the synthetic
+    # scene's "colour" ...) this task cannot do without. A data source without one of them is refused before
+    # training, naming the task, the field and the fix.
+    requires: tuple[str, ...] = ()
+    # Options (field names) that may change when a run is resumed (they do not touch the maths: eval settings).
+    resume_safe: tuple[str, ...] = ()
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        """Config errors of this task (one message per problem, naming the key and the fix). Default: none."""
+        return []
+
+    @classmethod
+    def item_fields(cls, record: dict, info: DataInfo) -> dict:
+        """This task's batch fields of one raw record (runs in the loader, per item). Default: none."""
+        return {}
+
+    @classmethod
+    def collate_fields(cls, items: list[dict], info: DataInfo) -> dict:
+        """The batch from every item's ``item_fields``. Default: ``default_collate`` (ints and floats become
+        tensors, tensors are stacked, anything else stays a list)."""
+        return default_collate(items)
 
     @classmethod
     def options_from(cls, cfg):
@@ -53,6 +114,12 @@ class TaskHead(nn.Module):
     def forward(self, features: torch.Tensor, batch: dict) -> torch.Tensor:
         """The task's loss (a scalar) from the feature map (B, C, h, w)."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def predict(self, features: torch.Tensor, **options) -> list[dict]:
+        """Per image, what ``mtl.inference`` reports for this task (JSON-able keys; ``options``: e.g. ``num_beams``).
+        Default: nothing."""
+        return [{} for _ in range(features.shape[0])]
 
     @torch.no_grad()
     def eval_batch(self, features: torch.Tensor, batch: dict) -> dict:

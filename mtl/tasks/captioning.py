@@ -1,20 +1,77 @@
-"""Caption generation: a GPT-2 decoder cross-attending to the projected backbone feature map."""
+"""Caption generation: a GPT-2 decoder cross-attending to the projected backbone feature map.
+
+Its batch fields come from each record's ``captions`` (the first is trained on; all are the references):
+``input_ids`` = [BOS] tokens [EOS], padded with ``pad_id``; at most ``max_tokens`` ids follow BOS, and a
+cut caption keeps its EOS (so the model still learns to stop). ``target_ids[t]`` is ``input_ids[t + 1]``,
+and IGNORE_INDEX where there is no next token (at EOS and padding): the model is fed ``input_ids`` and its
+loss is CE(logits[:, t], target_ids[:, t]).
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mtl.models.decoder import CaptionDecoder
-from mtl.tasks.base import BuildInfo, TaskHead
+from mtl.tasks.base import BuildInfo, DataInfo, TaskHead
+
+IGNORE_INDEX = -100  # target id that cross-entropy skips (torch's default ignore_index)
+
+
+@dataclass
+class CaptionOptions:
+    max_tokens: int = 16  # tokens after BOS, EOS included; longer captions are cut (was data.max_caption_tokens)
+    num_beams: int = 1  # beam width for the eval captions, 1: greedy (was trainer.num_beams; may change on resume)
+
+
+def encode_caption(tokenizer, caption: str, max_tokens: int) -> list[int]:
+    """[BOS] + at most ``max_tokens - 1`` caption ids + [EOS]."""
+    return [tokenizer.bos_id] + tokenizer.encode(caption)[: max_tokens - 1] + [tokenizer.eos_id]
 
 
 class CaptioningHead(TaskHead):
     name = "gen"
     metrics = {"bleu4": True, "chrf": True}
+    requires = ("captions",)
+    Options = CaptionOptions
+    resume_safe = ("num_beams",)
+
+    @classmethod
+    def check(cls, cfg):
+        errors = []
+        o = cls.options_from(cfg)
+        if o.max_tokens < 1:
+            errors.append(f"task_options.gen.max_tokens: must be at least 1, room for EOS (got {o.max_tokens})")
+        if o.num_beams < 1:
+            errors.append(f"task_options.gen.num_beams: must be at least 1 (got {o.num_beams})")
+        if o.max_tokens + 1 > cfg.model.decoder.max_positions:
+            errors.append(f"task_options.gen.max_tokens: {o.max_tokens} + 1 (BOS) exceeds model.decoder.max_positions "
+                          f"({cfg.model.decoder.max_positions}); raise max_positions")
+        return errors
+
+    @classmethod
+    def item_fields(cls, record: dict, info: DataInfo) -> dict:
+        caps = list(record["captions"])
+        return {"ids": encode_caption(info.tokenizer, caps[0], info.options(cls).max_tokens), "references": caps}
+
+    @classmethod
+    def collate_fields(cls, items: list[dict], info: DataInfo) -> dict:
+        seqs = [it["ids"] for it in items]
+        b, t = len(seqs), max(len(s) for s in seqs)
+        input_ids = torch.full((b, t), info.tokenizer.pad_id, dtype=torch.long)
+        target_ids = torch.full((b, t), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((b, t), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            row = torch.tensor(s, dtype=torch.long)
+            input_ids[i, : len(s)] = row
+            target_ids[i, : len(s) - 1] = row[1:]
+            mask[i, : len(s)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "target_ids": target_ids,
+                "references": [it["references"] for it in items]}
 
     def __init__(self, info: BuildInfo):
         super().__init__()
@@ -29,8 +86,9 @@ class CaptioningHead(TaskHead):
         self.pos = nn.Parameter(torch.zeros(h * w, self.decoder.width))
         nn.init.normal_(self.pos, std=0.02)
         self.tokenizer = tok
-        self.max_new_tokens = int(info.cfg.data.max_caption_tokens)
-        self.num_beams = int(info.cfg.trainer.num_beams)
+        options = self.options_from(info.cfg)
+        self.max_new_tokens = int(options.max_tokens)
+        self.num_beams = int(options.num_beams)
 
     def memory(self, features: torch.Tensor) -> torch.Tensor:
         """(B, C, h, w) -> (B, h*w, width): one cross-attention token per feature-map cell."""
@@ -40,26 +98,31 @@ class CaptioningHead(TaskHead):
     def prepare(self, batch, reduce_sum):
         # The caption loss is the mean over the GLOBAL batch's tokens. DDP averages gradients over
         # ranks, so each rank's loss is its token-NLL sum * world / global token count.
-        local = torch.stack([(batch["target_ids"] != -100).sum(), torch.ones((), dtype=torch.long,
+        local = torch.stack([(batch["target_ids"] != IGNORE_INDEX).sum(), torch.ones((), dtype=torch.long,
                                                                          device=batch["target_ids"].device)])
         batch["gen_tokens_global"], batch["gen_world"] = reduce_sum(local.to(torch.float64)).unbind()
 
     def token_nll_sum(self, features, batch) -> torch.Tensor:
         logits = self.decoder(batch["input_ids"], batch["attention_mask"], self.memory(features))
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["target_ids"].flatten(), ignore_index=-100,
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["target_ids"].flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
 
     def forward(self, features, batch):
         nll = self.token_nll_sum(features, batch)
         if "gen_tokens_global" not in batch:  # used outside the trainer: a plain local mean
-            return nll / (batch["target_ids"] != -100).sum().clamp(min=1)
+            return nll / (batch["target_ids"] != IGNORE_INDEX).sum().clamp(min=1)
         scale = batch["gen_world"] / batch["gen_tokens_global"].clamp(min=1)
         return nll * scale.to(nll.dtype)
 
     @torch.no_grad()
+    def predict(self, features, num_beams: int = 1, **options):
+        ids = self.decoder.generate(self.memory(features), self.max_new_tokens, num_beams)
+        return [{"caption": self.tokenizer.decode(seq)} for seq in ids]
+
+    @torch.no_grad()
     def eval_batch(self, features, batch):
         nll = float(self.token_nll_sum(features, batch))
-        tokens = int((batch["target_ids"] != -100).sum())
+        tokens = int((batch["target_ids"] != IGNORE_INDEX).sum())
         ids = self.decoder.generate(self.memory(features), self.max_new_tokens, self.num_beams)
         hyps = [self.tokenizer.decode(t) for t in ids]
         return {"nll": nll, "tokens": tokens, "hyps": hyps, "refs": [list(r) for r in batch["references"]],

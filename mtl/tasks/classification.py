@@ -12,10 +12,16 @@ from mtl.tasks.base import BuildInfo, TaskHead
 class ClassificationHead(TaskHead):
     name = "cls"
     metrics = {"acc": True}
+    requires = ("label",)
+
+    @classmethod
+    def item_fields(cls, record, info):
+        return {"label": int(record["label"])}
 
     def __init__(self, info: BuildInfo):
         super().__init__()
         self.fc = nn.Linear(info.feature_channels, info.num_classes)
+        self.class_names = list(info.class_names)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.fc(features.mean(dim=(2, 3)))
@@ -24,6 +30,11 @@ class ClassificationHead(TaskHead):
         # A mean over the local batch: every rank holds the same number of samples (drop_last), so
         # DDP's average over ranks is the mean over the global batch.
         return F.cross_entropy(self.logits(features).float(), batch["label"])
+
+    @torch.no_grad()
+    def predict(self, features, **options):
+        prob, index = self.logits(features).float().softmax(-1).max(-1)
+        return [{"class": self.class_names[i], "class_index": i, "prob": p} for p, i in zip(prob.tolist(), index.tolist())]
 
     @torch.no_grad()
     def eval_batch(self, features, batch):

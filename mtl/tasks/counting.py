@@ -3,9 +3,10 @@
 A third head and the worked example of docs/extending.md. Not in the default ``tasks: [cls, gen]``;
 enable it with ``tasks=[cls,gen,count]``.
 
-The batch's ``count`` is (B,) long: 1..max_count for the built-in synthetic images, -1 (unknown)
-for user data. Unknown counts, and any value outside 1..max_count, are ignored by the loss and by
-the evaluation. The head predicts ``count - 1`` with a Linear layer on the mean-pooled feature map.
+The batch's ``count`` is (B,) long: the record's ``count`` (1..max_count for the synthetic
+images; a manifest line may carry one), -1 (unknown) where the record has none. Unknown counts, and
+any value outside 1..max_count, are ignored by the loss and by the evaluation. The head predicts
+``count - 1`` with a Linear layer on the mean-pooled feature map.
 
 The loss is the mean cross-entropy over the GLOBAL batch's known counts, as ``captioning.py`` does
 for tokens: ``prepare`` all-reduces the number of known counts, and each rank's loss is its sum of
@@ -32,6 +33,12 @@ IGNORE = -1  # the target of an unknown count
 class CountingHead(TaskHead):
     name = "count"
     metrics = {"acc": True}
+
+    @classmethod
+    def item_fields(cls, record, info):
+        # the synthetic scenes have a count; other data sets may (a "count" key in a manifest line), or not: -1
+        count = record.get("count")
+        return {"count": int(count) if isinstance(count, int) and not isinstance(count, bool) else IGNORE}
 
     def __init__(self, info: BuildInfo):
         super().__init__()
@@ -70,6 +77,10 @@ class CountingHead(TaskHead):
             return nll / self.known(batch).sum().clamp(min=1)
         scale = batch["count_world"] / batch["count_known_global"].clamp(min=1)
         return nll * scale.to(nll.dtype)
+
+    @torch.no_grad()
+    def predict(self, features, **options):
+        return [{"count": c + 1} for c in self.logits(features).argmax(-1).tolist()]
 
     @torch.no_grad()
     def eval_batch(self, features, batch):

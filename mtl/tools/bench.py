@@ -14,8 +14,9 @@ that finished (their ``final_metrics.json`` exists).
 
 Metrics and their definitions:
 - quality: the mean of the last ``bench.last_k`` evaluations (the table) and the best evaluation
-  (results.csv) of each task's declared metrics (``TaskHead.metrics``: ``cls_acc``, ``gen_bleu4``,
-  ``gen_chrf`` for the default tasks, all higher is better);
+  (results.csv) of each task's declared metrics (``TaskHead.metrics``, with whether higher is better;
+  e.g. ``cls_acc``, ``gen_bleu4``, ``gen_chrf`` for the default tasks); every table, plot and delta
+  loops over the configured tasks, so a new task's metrics appear with no edit here;
 - delta-m % (Maninis et al. 2019, as in Nash-MTL and FAMO): the mean over all M metrics of
   ``(-1)^l_i (M_i - B_i) / B_i * 100`` against the single-task baselines B (l_i = 1 if lower is better);
 - delta-p % (LibMTL): the same relative change averaged within each task first, then across tasks;
@@ -33,6 +34,7 @@ import csv
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,12 +42,86 @@ import time
 import traceback
 
 
-def metric_specs(tasks) -> list[tuple[str, str, bool]]:
-    """``[(metric key, task, higher is better)]``: what each task declares (``TaskHead.metrics``)."""
+def metric_specs(cfg) -> list[tuple[str, str, bool]]:
+    """``[(metric key, task, higher is better)]``: what each of the config's tasks declares (``TaskHead.metrics``;
+    the tasks of ``task_modules`` too)."""
     from mtl.tasks import task_types
 
-    types = task_types()
-    return [(key, t, higher) for t in tasks for key, higher in types[t].metric_keys()]
+    types = task_types(cfg.get("task_modules") or ())
+    return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
+
+
+# ---------------------------------------------------------------------------------------------- methods
+
+_ENTRY = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$")
+
+
+def parse_method(entry: str) -> tuple[str, dict]:
+    """``"cagrad(c=0.2, rescale=false)"`` -> ``("cagrad", {"c": 0.2, "rescale": False})``; values are YAML.
+    A plain name has no options. Raises ValueError for anything else."""
+    import yaml
+
+    m = _ENTRY.match(str(entry))
+    if not m:
+        raise ValueError("needs a method name, optionally with options: name(key=value, ...)")
+    options = {}
+    for part in (m.group(2) or "").split(","):
+        if not part.strip():
+            continue
+        key, eq, raw = part.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ValueError(f"{part.strip()!r} is not key=value")
+        try:
+            options[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            options[key.strip()] = raw.strip()
+    return m.group(1), options
+
+
+def method_errors(cfg) -> list[str]:
+    """Every problem of ``bench.methods``, each naming the entry: unknown or repeated entries, and the
+    options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
+    by the method's ``check``)."""
+    import copy
+
+    from mtl.config import check_options
+    from mtl.weighting import weighting_types
+
+    types, errors, seen = weighting_types(), [], set()
+    for i, entry in enumerate(cfg.bench.methods):
+        where = f"bench.methods[{i}] {entry!r}"
+        try:
+            name, options = parse_method(entry)
+        except ValueError as e:
+            errors.append(f"{where}: {e}")
+            continue
+        if name not in types:
+            errors.append(f"{where}: unknown method {name!r} (known: {', '.join(types)})")
+            continue
+        if entry in seen:
+            errors.append(f"{where}: listed twice")
+        seen.add(entry)
+        found: list[str] = []
+        check_options(options, types[name].Options, "weighting.options", found)
+        run_cfg = copy.deepcopy(cfg)
+        run_cfg.weighting.method, run_cfg.weighting.options = name, options
+        found += [e for e in types[name].check(run_cfg) if e.startswith("weighting.options")]
+        errors += [f"{where}: {e}" for e in found]
+    return errors
+
+
+def method_overrides(entry: str) -> list[str]:
+    """The run overrides of one ``bench.methods`` entry: the method and each of its options."""
+    import yaml
+
+    name, options = parse_method(entry)
+    shown = {k: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip() for k, v in options.items()}
+    return [f"weighting.method={name}", *(f"weighting.options.{k}={v}" for k, v in shown.items())]
+
+
+def run_folder(label: str) -> str:
+    """A folder name for a label: ``cagrad(c=0.2)`` -> ``cagrad_c=0.2``."""
+    return re.sub(r"[^\w.=+-]+", "_", label).strip("_")
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -64,10 +140,10 @@ def plan(cfg) -> list[dict]:
                 task = label.split("_", 1)[1]
                 over = [f"tasks=[{task}]", "weighting.method=equal", f"ddp.strategy={cfg.bench.loss_strategy}"]
             else:
-                level = types[label].level
+                level = types[parse_method(label)[0]].level
                 strategy = cfg.bench.grad_strategy if level == "grad" else cfg.bench.loss_strategy
-                over = [f"weighting.method={label}", f"ddp.strategy={strategy}"]
-            out = os.path.join(cfg.output_dir, "runs", label, f"seed{seed}")
+                over = [*method_overrides(label), f"ddp.strategy={strategy}"]
+            out = os.path.join(cfg.output_dir, "runs", run_folder(label), f"seed{seed}")
             runs.append({"label": label, "seed": seed, "dir": out,
                          "overrides": [*over, f"seed={seed}", f"output_dir={out}", "trainer.progress=false",
                                        "resume=null"]})
@@ -194,7 +270,7 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
     from mtl.weighting import weighting_types
 
     types = weighting_types()
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     per_label: dict[str, list] = {}
     for r in runs:
         data = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
@@ -207,7 +283,7 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
     for label in cfg.bench.methods:
         pairs = per_label.get(label, [])
         ok = [d for _, d in pairs if d]
-        row = {"method": label, "level": types[label].level, "runs_ok": len(ok), "runs": len(pairs),
+        row = {"method": label, "level": types[parse_method(label)[0]].level, "runs_ok": len(ok), "runs": len(pairs),
                "failed": [f"seed {r['seed']}: {r.get('error')}" for r, d in pairs if not d]}
         for key, _, _ in specs:
             row[key], row[key + "_std"] = _mean_std([d.get(key) for d in ok])
@@ -250,7 +326,7 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
 
 def write_tables(cfg, rows: list[dict], base: dict, meta: dict) -> str:
     out = cfg.output_dir
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     fields = ["method", "level", "strategy", "runs_ok", "runs"] + [k for m, _, _ in specs for k in (m, m + "_std",
                                                                                                       m + "_best")]
     fields += ["delta_m", "delta_m_std", "delta_p", "delta_p_std", "mean_rank", "time_vs_equal", "mem_vs_equal",
@@ -307,7 +383,7 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     data: dict[str, list] = {}
     for r in runs:
         d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
@@ -373,20 +449,21 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
     plt.close(fig)
     paths.append(path)
 
-    pair = f"{tasks[0]}_{tasks[1]}" if len(tasks) > 1 else None
-    if pair:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for m in labels:
-            for key, what in ((f"grad_cos/{pair}", "shared parameters"), (f"feat_grad_cos/{pair}", "features")):
-                xs, ys = train_curve(data[m], key)
-                if xs:
-                    ax.plot(xs, ys, label=f"{m} ({what})", color=colour[m], ls="-" if what.startswith("shared")
-                            else ":")
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"cosine(grad {tasks[0]}, grad {tasks[1]})")
-        ax.set_title("gradient conflict between the tasks (mean over seeds)")
-        ax.legend(fontsize=6, ncol=2)
+    pairs = [(a, b) for i, a in enumerate(tasks) for b in tasks[i + 1:]]
+    if pairs:  # one panel per pair of tasks
+        fig, axes = plt.subplots(1, len(pairs), figsize=(7 * len(pairs), 4), squeeze=False)
+        for ax, (a, b) in zip(axes[0], pairs):
+            for m in labels:
+                for key, what in ((f"grad_cos/{a}_{b}", "shared parameters"), (f"feat_grad_cos/{a}_{b}", "features")):
+                    xs, ys = train_curve(data[m], key)
+                    if xs:
+                        ax.plot(xs, ys, label=f"{m} ({what})", color=colour[m], ls="-" if what.startswith("shared")
+                                else ":")
+            ax.axhline(0, color="grey", lw=0.5)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(f"cosine(grad {a}, grad {b})")
+            ax.set_title(f"gradient conflict {a} / {b} (mean over seeds)")
+            ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
         path = os.path.join(cfg.output_dir, "gradient_cosine.png")
         fig.savefig(path, dpi=90)
@@ -398,7 +475,7 @@ def write_plots(cfg, runs: list[dict]) -> list[str]:
 def write_hparams(cfg, runs: list[dict]) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    specs = metric_specs(cfg.tasks)
+    specs = metric_specs(cfg)
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
     for r in runs:
         d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
@@ -419,13 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         from mtl.config_check import load_run_config
         from mtl.errors import ConfigError
         from mtl.tools.doctor import examine
-        from mtl.weighting import weighting_types
 
         cfg = load_run_config(a.config, a.overrides)
-        unknown = [m for m in cfg.bench.methods if m not in weighting_types()]
-        if unknown:
-            raise ConfigError(f"bench.methods: unknown method(s) {', '.join(unknown)} "
-                              f"(known: {', '.join(weighting_types())})")
+        errors = method_errors(cfg)
+        if errors:
+            raise ConfigError(errors)
         tic = time.time()
         runs = run_all(cfg, a.config, a.overrides)
         rows, base = summarize(cfg, runs)

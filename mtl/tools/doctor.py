@@ -13,7 +13,8 @@ Prints, for the configured model (its initial weights, or a trained model's with
   forward/backward times;
 - a recommendation for this model, with the reason. It suggests a gradient-level method only when
   the conflict is significant (the whole confidence interval below zero), and says what it costs.
-It never starts a process group and writes nothing.
+It never starts a process group and writes nothing: it builds the run with ``mtl.build.build_run_pieces``,
+the trainer's own builder, which creates no output_dir, lock or checkpoint.
 """
 
 from __future__ import annotations
@@ -55,22 +56,16 @@ def _timed(fn, reps: int = 3) -> float:
 
 
 def examine(cfg, batches: int = 8) -> dict:
-    from mtl.build import build_model, init_from_weights, resolve_tokenizer, seed_everything
-    from mtl.data.loader import CaptionCollate, all_captions, build_datasets, build_train_loader, set_epoch
+    from mtl.build import build_run_pieces, init_from_weights
     from mtl.gradient_reach import nonfinite_parameters, reach_table, task_gradients
     from mtl.strategies import strategy_types
     from mtl.weighting import weighting_types
 
-    seed_everything(cfg.seed)
-    train_ds, _ = build_datasets(cfg)
-    tok = resolve_tokenizer(cfg, lambda: all_captions(train_ds))
-    model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tok).train()
+    run = build_run_pieces(cfg)  # the run's own data, tokenizer, model and collate; read-only (no output_dir)
+    model = run.model.train()
     if cfg.get("init_from"):
         init_from_weights(model, cfg.init_from)
-    loader = build_train_loader(train_ds, CaptionCollate(tok, cfg.data.max_caption_tokens), cfg.data.batch_size,
-                                0, 1, cfg.seed)
-    set_epoch(loader, 0)
-    stream = iter(loader)
+    stream = iter(run.train_loader())
     batch = next(stream)
     tasks = list(cfg.tasks)
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the metrics here as JSON (they are printed in any case)")
     parser.add_argument("--max-batches", type=int, default=0, help="evaluate only this many batches (0: all)")
     parser.add_argument("--beams", type=int, default=None,
-                        help="beam width for the captions (default: the checkpoint's trainer.num_beams)")
+                        help="beam width for the captions (default: the checkpoint's task_options.gen.num_beams)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     args = parser.parse_args(argv)
 

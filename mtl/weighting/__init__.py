@@ -1,5 +1,6 @@
 """Task-weighting methods, found by name: each method module here defines one Weighting subclass
-(``base`` holds the base classes and ``qp`` the shared K x K solvers)."""
+(``base`` holds the base classes, ``qp`` the shared K x K solvers and ``checks`` the range checks of
+the methods' options)."""
 
 from mtl.registry import discover
 from mtl.weighting.base import Weighting

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.checks import option_range_errors
 
 CAGRAD_C = 0.4  # radius of the ball around g_0, relative to ||g_0||
 CAGRAD_RESCALE = True  # divide the update by 1 + c^2 (the authors' code, rescale=1)
@@ -143,8 +144,7 @@ class CAGrad(GramWeighting):
 
     @classmethod
     def check(cls, cfg) -> list[str]:
-        c = cfg.weighting.options.get("c", CAGRAD_C)
-        return [] if not isinstance(c, (int, float)) or c >= 0 else [f"weighting.options.c: must be >= 0 (got {c})"]
+        return option_range_errors(cfg, {"c": (lambda v: v >= 0, "must be >= 0")})
 
     def weights_from_gram(self, gram, losses, dtype):
         return cagrad_weights(gram, self.options.c, self.options.rescale)

@@ -4,7 +4,7 @@ The weight of a task grows when its loss falls more slowly than the others'::
 
     r_t(k-1) = L_t(k-1) / L_t(k-2),      w_t(k) = K * softmax_t( r_t(k-1) / T ),      term_t = w_t(k) * L_t
 
-with T = ``DWA_T`` = 2.0 (the paper's temperature) and w_t = 1 for the first two steps. Here k counts
+with T = ``weighting.options.T`` = 2.0 (the paper's temperature) and w_t = 1 for the first two steps. Here k counts
 optimizer steps and L_t(k) is the rank-averaged loss of step k as given to ``end_step`` (identical on
 every rank). The paper and LibMTL use epoch-average losses (k = epoch); per-step losses react faster
 but are noisier (the ratio of two single-batch losses). The last two loss vectors are kept in
@@ -15,8 +15,10 @@ previous loss is clamped at 1e-12 and the ratio at ``DWA_MAX_RATIO`` so the soft
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from mtl.weighting.base import Weighting
+from mtl.weighting.checks import option_range_errors
 
 DWA_T = 2.0
 DWA_MAX_RATIO = 1e6
@@ -31,9 +33,18 @@ def dwa_weights(prev: list[float], prev2: list[float], temperature: float = DWA_
     return [len(e) * x / total for x in e]
 
 
+@dataclass
+class DWAOptions:
+    T: float = DWA_T  # softmax temperature: larger T gives more even weights (the paper's T = 2)
+
+
 class DWA(Weighting):
     name = "dwa"
-    T = DWA_T
+    Options = DWAOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_range_errors(cfg, {"T": (lambda v: v > 0, "must be > 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
@@ -44,7 +55,7 @@ class DWA(Weighting):
         if len(self.history) < 2:
             self._w = {t: 1.0 for t in self.tasks}
         else:
-            self._w = dict(zip(self.tasks, dwa_weights(self.history[-1], self.history[-2], self.T)))
+            self._w = dict(zip(self.tasks, dwa_weights(self.history[-1], self.history[-2], self.options.T)))
 
     def weigh(self, task, loss):
         return loss * self._w[task]

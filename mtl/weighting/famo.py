@@ -17,8 +17,8 @@ After the step, xi moves so that tasks whose log-loss fell *less* gain weight::
     delta_t = log L_t(before) - log L_t(after)
     xi <- Adam step on  J_softmax(xi)^T delta + gamma xi      (J^T delta = z * (delta - z . delta))
 
-with lr ``FAMO_LR`` = 0.025 and weight decay (L2 on xi) gamma = ``FAMO_GAMMA`` = 1e-3, Adam betas
-(0.9, 0.999), as in the paper and its code. Approximation: the paper evaluates L(after) with an extra
+with ``weighting.options.lr`` = 0.025 and weight decay (L2 on xi) ``weighting.options.gamma`` = 1e-3,
+Adam betas (0.9, 0.999), as in the paper and its code. Approximation: the paper evaluates L(after) with an extra
 forward pass on the same batch after the update; we run none. "before" is step k-1's loss and "after"
 is step k's loss (next batch, updated parameters), both rank-averaged as given to ``end_step``; so the
 xi update is delayed by one step and sees batch-to-batch noise, at the cost of zero extra forwards.
@@ -32,10 +32,13 @@ xi), the Adam step count and the previous losses are extra state; all are in ``s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mtl.dist import all_reduce_mean
 from mtl.weighting.base import Weighting
+from mtl.weighting.checks import option_range_errors
 
 FAMO_LR = 0.025  # step size of the task logits
 FAMO_GAMMA = 1e-3  # weight decay on the task logits
@@ -54,9 +57,20 @@ def famo_scale(z: torch.Tensor, losses: torch.Tensor, eps: float = FAMO_EPS) -> 
     return 1.0 / (z / (losses + eps)).sum()
 
 
+@dataclass
+class FAMOOptions:
+    gamma: float = FAMO_GAMMA  # weight decay (L2) on the task logits (the paper's gamma)
+    lr: float = FAMO_LR  # Adam learning rate of the task logits (the paper's beta)
+
+
 class FAMO(Weighting):
     name = "famo"
-    LR, GAMMA = FAMO_LR, FAMO_GAMMA
+    Options = FAMOOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_range_errors(cfg, {"gamma": (lambda v: v >= 0, "must be >= 0"),
+                                         "lr": (lambda v: v > 0, "must be > 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
@@ -99,14 +113,14 @@ class FAMO(Weighting):
             before = torch.tensor(self.prev_losses, device=dev)
             after = torch.tensor(current, device=dev)
             delta = torch.log(before + FAMO_EPS) - torch.log(after + FAMO_EPS)
-            g = famo_logit_grad(self.logits, delta) + self.GAMMA * self.logits
+            g = famo_logit_grad(self.logits, delta) + self.options.gamma * self.logits
             b1, b2 = _BETAS
             self.adam_t += 1
             self.adam_m.mul_(b1).add_(g, alpha=1 - b1)
             self.adam_v.mul_(b2).addcmul_(g, g, value=1 - b2)
             m_hat = self.adam_m / (1 - b1**self.adam_t)
             v_hat = self.adam_v / (1 - b2**self.adam_t)
-            self.logits.sub_(self.LR * m_hat / (v_hat.sqrt() + _ADAM_EPS))
+            self.logits.sub_(self.options.lr * m_hat / (v_hat.sqrt() + _ADAM_EPS))
         self.prev_losses = current
         self._coef = None
 

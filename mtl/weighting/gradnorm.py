@@ -9,9 +9,9 @@ norms::
     L_grad  = sum_t | G_t - mean(G) * r_t^alpha |       (the target mean(G) r_t^alpha held constant)
     dL_grad/dw_t = sign(G_t - target_t) * ||g_t||        (taken with torch.autograd.grad)
 
-then one Adam step on w (lr ``GRADNORM_LR``, betas (0.9, 0.999), as the paper's optimiser), clamping
-at ``GRADNORM_MIN_WEIGHT``, and the paper's renormalisation ``w <- K w / sum(w)``. alpha =
-``GRADNORM_ALPHA`` = 1.5 (the paper's NYUv2 setting).
+then one Adam step on w (learning rate ``weighting.options.lr`` = 0.025, betas (0.9, 0.999), as the
+paper's optimiser), clamping at ``GRADNORM_MIN_WEIGHT``, and the paper's renormalisation
+``w <- K w / sum(w)``. ``weighting.options.alpha`` = 1.5 (the paper's NYUv2 setting).
 
 Where the norms come from: the paper takes ||g_t|| on the last shared layer; here they are the norms of
 the rows of ``grads`` (the square roots of the Gram matrix's diagonal), i.e. over whatever shared
@@ -28,10 +28,13 @@ all of it is in ``state_dict()``. w is not an nn.Parameter (it is not updated by
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights
+from mtl.weighting.checks import option_range_errors
 
 GRADNORM_ALPHA = 1.5  # asymmetry: how strongly slow tasks are pulled up
 GRADNORM_LR = 0.025  # Adam learning rate of the task weights
@@ -71,10 +74,20 @@ def gradnorm(grads: Tensor, weights: Tensor) -> Tensor:
     return apply_weights(weights, grads)
 
 
+@dataclass
+class GradNormOptions:
+    alpha: float = GRADNORM_ALPHA  # asymmetry: how strongly tasks that train slower are pulled up (the paper's alpha; 0: equal norms)
+    lr: float = GRADNORM_LR  # Adam learning rate of the task weights
+
+
 class GradNorm(GramWeighting):
     name = "gradnorm"
-    ALPHA = GRADNORM_ALPHA
-    LR = GRADNORM_LR
+    Options = GradNormOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_range_errors(cfg, {"alpha": (lambda v: v >= 0, "must be >= 0"),
+                                         "lr": (lambda v: v > 0, "must be > 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
@@ -103,14 +116,14 @@ class GradNorm(GramWeighting):
         norms = norms.to(dev)
         l0 = torch.tensor(self.initial_losses, device=dev).clamp_min(1e-12)
         lt = torch.tensor(self.last_losses, device=dev).clamp_min(1e-12)
-        _, grad = gradnorm_weight_grad(self.task_weights, norms, l0, lt, self.ALPHA)
+        _, grad = gradnorm_weight_grad(self.task_weights, norms, l0, lt, self.options.alpha)
         ok = torch.isfinite(norms).all() & torch.isfinite(grad).all()  # no host sync: applied by torch.where
         grad = torch.where(ok, grad, 0.0)
         b1, b2 = _BETAS
         t = self.adam_t + 1
         m = b1 * self.adam_m + (1 - b1) * grad
         v = b2 * self.adam_v + (1 - b2) * grad * grad
-        step = self.LR * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + _EPS)
+        step = self.options.lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + _EPS)
         w = gradnorm_renormalize(self.task_weights - step)
         self.task_weights.copy_(torch.where(ok, w, self.task_weights))
         self.adam_m.copy_(torch.where(ok, m, self.adam_m))

@@ -17,8 +17,13 @@ Algorithm 2: move towards the vertex e_t with the smallest (G G^T alpha)_t, exac
 segment), with away steps added for linear convergence, in float64 on the CPU (a K x K system),
 until the duality gap is below ``MGDA_TOL`` * max_t ||g_t||^2.
 
-Variant: plain gradients, no normalisation (the paper's "MGDA-UB" upper bound on the shared
-representation and its gradient normalisations "l2"/"loss"/"loss+" are not used).
+Normalisation (``weighting.options.normalization``, the authors' code's ``normalization_type``):
+``none`` (the default: plain gradients, the paper's definition), ``l2`` (each g_t divided by ||g_t||),
+``loss`` (by L_t) or ``loss+`` (by L_t ||g_t||). The min-norm point is found for the normalised rows
+g_t / n_t and the update is that combination of them, ``d = sum_t alpha*_t g_t / n_t``: the weights on
+the raw rows are ``alpha*_t / n_t``. The losses are the rank-averaged ones handed to ``combine``. A zero
+norm or loss divides by 1 (the row stays as it is). The paper's "MGDA-UB" (the bound on the shared
+representation) is not used.
 
 Degenerate input: a zero row makes the min-norm point the origin, so d = 0 (the zero task is already
 stationary; nothing improves every task); all-zero input gives d = 0; identical rows give d = g.
@@ -27,14 +32,18 @@ Non-finite input gives the mean of the rows (non-finite, so the trainer skips th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.checks import option_choice_errors
 
 MGDA_MAX_ITER = 1000  # Frank-Wolfe iterations (K > 2)
 MGDA_TOL = 1e-12  # stop when the duality gap is below this fraction of max_t ||g_t||^2
+MGDA_NORMALIZATIONS = ("none", "l2", "loss", "loss+")
 
 
 def min_norm_2(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -99,8 +108,38 @@ def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MA
     return apply_weights(mgda_weights(gram_matrix(grads), max_iter, tol), grads)
 
 
+def mgda_normalizers(gram: Tensor, losses: Tensor | None, normalization: str) -> Tensor:
+    """(K,) n_t, the divisor of each row: 1 (none), ||g_t|| (l2), L_t (loss), L_t ||g_t|| (loss+); 0 becomes 1."""
+    ones = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    if normalization == "none":
+        return ones
+    if normalization in ("loss", "loss+") and losses is None:
+        raise ValueError(f"MGDA with normalization={normalization} needs the task losses")
+    norms = gram.diagonal().clamp_min(0.0).sqrt()
+    loss = losses.to(gram) if losses is not None else ones
+    n = {"l2": norms, "loss": loss, "loss+": loss * norms}[normalization]
+    return torch.where(n > 0, n, 1.0)
+
+
+@torch.no_grad()
+def mgda_normalized_weights(gram: Tensor, losses: Tensor | None = None, normalization: str = "none") -> Tensor:
+    """(K,) weights on the raw rows: the min-norm point of the rows g_t / n_t, divided by n_t."""
+    n = mgda_normalizers(gram, losses, normalization)
+    return mgda_weights(gram / (n[:, None] * n[None, :])) / n
+
+
+@dataclass
+class MGDAOptions:
+    normalization: str = "none"  # none | l2 | loss | loss+: divide each gradient by 1, its norm, its loss or both first
+
+
 class MGDA(GramWeighting):
     name = "mgda"
+    Options = MGDAOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_choice_errors(cfg, "normalization", MGDA_NORMALIZATIONS)
 
     def weights_from_gram(self, gram, losses, dtype):
-        return mgda_weights(gram)
+        return mgda_normalized_weights(gram, losses, self.options.normalization)

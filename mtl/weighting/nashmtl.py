@@ -16,9 +16,17 @@ Scale: d is invariant to rescaling any g_t (d . g_t = 1/alpha_t; for orthogonal 
 sum of the unit gradients). The authors' code divides GG^T by its Frobenius norm N before solving, but
 their constraint multiplies alpha back by N (``alpha_t N (GG^T/N alpha)_t >= 1``) and their objective
 is only scaled by 1/N, so the normalisation cancels: their alpha solves the same equation (to their
-solver's accuracy). What differs is their optional clipping of the shared gradient's norm
-(``max_norm``) after the weighted backward; here clipping is the trainer's ``optim.grad_clip``. No
-cvxpy.
+solver's accuracy). No cvxpy.
+
+Options (``weighting.options``, the authors' code's arguments):
+- ``update_every`` (1): solve for alpha only at steps that are multiples of it and reuse the last alpha in
+  between (the authors' ``update_weights_every``; the paper's speed-up experiments solve every few steps).
+  The reused alpha is kept in ``state_dict()`` (extra state), so a resumed run continues with it.
+- ``max_norm`` (0: off): the authors' clip of the shared gradient's norm after the weighted backward
+  (their code's default is 1.0): when ``||d|| = sqrt(alpha^T GG^T alpha)`` exceeds it, alpha is scaled down
+  so that ||d|| = max_norm. It applies to the shared parameters' direction only; the trainer's
+  ``optim.grad_clip`` clips the whole gradient after it. Off by default: ``optim.grad_clip`` already bounds
+  the step.
 
 Existence: the equation has a solution iff 0 is not in the convex hull of the unit gradients (some
 direction improves every task): ``mu = min_{a in simplex} a^T C a > 0``. ``solution_exists`` computes
@@ -41,11 +49,14 @@ Degenerate input:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.checks import option_range_errors
 from mtl.weighting.qp import nonneg_qp
 
 NASH_RIDGE = 1e-8  # added to the unit diagonal of the cosine matrix, only where no solution exists
@@ -137,8 +148,46 @@ def nashmtl(grads: Tensor, losses: Tensor | None = None, *, ridge: float = NASH_
     return apply_weights(nashmtl_weights(gram_matrix(grads), ridge, exists_tol=default_exists_tol(grads.dtype)), grads)
 
 
+def clip_weights(alpha: Tensor, gram: Tensor, max_norm: float) -> Tensor:
+    """alpha scaled so that ``||alpha @ grads|| <= max_norm`` (0: unchanged), from the Gram matrix."""
+    if max_norm <= 0:
+        return alpha
+    norm = (alpha @ gram @ alpha).clamp_min(0.0).sqrt()
+    return alpha * torch.where(norm > max_norm, max_norm / torch.where(norm > 0, norm, 1.0), 1.0)
+
+
+@dataclass
+class NashMTLOptions:
+    update_every: int = 1  # solve for alpha every this many steps, reuse it in between (the authors' update_weights_every)
+    max_norm: float = 0.0  # clip the shared-parameter update to this norm (the authors' max_norm, 1.0 in their code); 0: off
+
+
 class NashMTL(GramWeighting):
     name = "nashmtl"
+    Options = NashMTLOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_range_errors(cfg, {"update_every": (lambda v: v >= 1, "must be >= 1"),
+                                         "max_norm": (lambda v: v >= 0, "must be >= 0 (0: no clip)")})
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self.step = 0
+        self.cached: list[float] | None = None  # the last solved alpha (reused while step % update_every != 0)
+
+    def begin_step(self, step):
+        self.step = int(step)
 
     def weights_from_gram(self, gram, losses, dtype):
-        return nashmtl_weights(gram, exists_tol=default_exists_tol(dtype))
+        if self.cached is None or len(self.cached) != gram.shape[0] or self.step % self.options.update_every == 0:
+            self.cached = nashmtl_weights(gram, exists_tol=default_exists_tol(dtype)).tolist()
+        alpha = torch.tensor(self.cached, dtype=gram.dtype, device=gram.device)
+        return clip_weights(alpha, gram, self.options.max_norm)
+
+    def get_extra_state(self):
+        return {"step": self.step, "cached": self.cached}
+
+    def set_extra_state(self, state):
+        self.step = int(state["step"])
+        self.cached = None if state["cached"] is None else [float(x) for x in state["cached"]]

@@ -5,7 +5,9 @@ For each task i, starting from ``g_i^PC = g_i``, and for every other task j (in 
     if g_i^PC . g_j < 0:   g_i^PC <- g_i^PC - (g_i^PC . g_j) / ||g_j||^2 * g_j
 
 (the projection is onto the normal plane of the *original* g_j), and the update is the **sum**
-``d = sum_i g_i^PC`` (the same scale as equal weighting, which sums the task losses).
+``d = sum_i g_i^PC`` (the paper's Algorithm 1; the same scale as equal weighting, which sums the task
+losses), or with ``weighting.options.reduction=mean`` the mean (the default of the widely used PyTorch
+port, Pytorch-PCGrad): the same direction, 1/K the length.
 
 Every projected row is a linear combination of the rows, so the whole computation runs on the K x K
 Gram matrix ``M = G G^T``. Keep ``g_i^PC = sum_k C[i, k] g_k`` (C starts as the identity); then
@@ -25,10 +27,15 @@ trainer's finite check skips the step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, stream_seed
+from mtl.weighting.checks import option_choice_errors
+
+PCGRAD_REDUCTIONS = ("sum", "mean")
 
 
 @torch.no_grad()
@@ -49,19 +56,31 @@ def pcgrad_coefficients(gram: Tensor, generator: torch.Generator | None = None) 
     return coef
 
 
-def pcgrad_weights(gram: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """(K,) alpha with ``pcgrad(grads) == alpha @ grads``."""
-    return pcgrad_coefficients(gram, generator).sum(0)
+def pcgrad_weights(gram: Tensor, generator: torch.Generator | None = None, reduction: str = "sum") -> Tensor:
+    """(K,) alpha with ``pcgrad(grads) == alpha @ grads`` (``reduction``: sum or mean of the projected rows)."""
+    coef = pcgrad_coefficients(gram, generator)
+    return coef.sum(0) if reduction == "sum" else coef.mean(0)
 
 
 @torch.no_grad()
-def pcgrad(grads: Tensor, losses: Tensor | None = None, *, generator: torch.Generator | None = None) -> Tensor:
-    """(K, P) task gradients -> (P,) sum of the conflict-projected gradients."""
-    return apply_weights(pcgrad_weights(gram_matrix(grads), generator), grads)
+def pcgrad(grads: Tensor, losses: Tensor | None = None, *, generator: torch.Generator | None = None,
+           reduction: str = "sum") -> Tensor:
+    """(K, P) task gradients -> (P,) sum (or mean) of the conflict-projected gradients."""
+    return apply_weights(pcgrad_weights(gram_matrix(grads), generator, reduction), grads)
+
+
+@dataclass
+class PCGradOptions:
+    reduction: str = "sum"  # sum | mean of the projected gradients (the paper sums: the scale of equal weighting)
 
 
 class PCGrad(GramWeighting):
     name = "pcgrad"
+    Options = PCGradOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_choice_errors(cfg, "reduction", PCGRAD_REDUCTIONS)
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
@@ -74,4 +93,4 @@ class PCGrad(GramWeighting):
     def weights_from_gram(self, gram, losses, dtype):
         k = gram.shape[0]
         gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step, "pcgrad")) if k > 2 else None
-        return pcgrad_weights(gram, gen)
+        return pcgrad_weights(gram, gen, self.options.reduction)

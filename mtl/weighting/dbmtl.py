@@ -1,0 +1,106 @@
+"""DB-MTL, dual-balancing multi-task learning (Lin et al. 2023, "Dual-Balancing for Multi-Task Learning").
+
+Two balances. Loss scale: each task contributes the gradient of its log-loss, ``g_t / L_t`` (scale-free
+in the loss). Gradient magnitude: an exponential moving average of those gradients is kept per task and
+every task's average is rescaled to the largest one's norm::
+
+    h_t(k)  = beta_k h_t(k-1) + (1 - beta_k) g_t(k) / L_t(k),      beta_k = beta / k^sigma,   h_t(0) = 0
+    d(k)    = sum_t (max_s ||h_s(k)|| / ||h_t(k)||) h_t(k)
+
+(as LibMTL's implementation, the paper's reference: no bias correction of the average, so its norm
+builds up over the first ~1/(1 - beta) steps). ``weighting.options``: ``beta`` = 0.9 and ``sigma`` = 0
+(a constant beta), LibMTL's defaults.
+
+DDP: the rows g_t and the losses L_t that ``combine`` receives are the rank-averaged ones (the global
+batch's gradient and loss), so ``g_t / L_t`` is the gradient of log L_t of the global batch, exactly as
+one process on the global batch; every rank keeps the same averages.
+
+It needs the rows (the average h is a K x P matrix, not a function of this step's Gram matrix), so it
+subclasses ``Weighting`` and overrides ``combine``. **Cost:** the K x P average is kept between steps,
+as much memory again as the task-gradient matrix G, and it is part of ``state_dict()`` (extra state),
+so checkpoints grow by K x P numbers; a K x P update per step, no solver.
+
+``weights()`` reports ``max_s ||h_s|| / (||h_t|| L_t)``, the factor on this step's g_t inside the update's
+newest term (1.0 before the first step). Degenerate input: a zero average row gets factor 0 (nothing to
+rescale); a loss at or below 1e-8 divides by 1e-8 (LibMTL adds 1e-8 inside the log). Non-finite rows
+or losses leave the average unchanged and give a non-finite update (the trainer skips the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mtl.weighting.base import Weighting
+from mtl.weighting.checks import option_range_errors
+
+DBMTL_EPS = 1e-8
+
+
+@torch.no_grad()
+def dbmtl_average(average: Tensor | None, grads: Tensor, losses: Tensor, beta: float) -> Tensor:
+    """The new (K, P) average ``beta h + (1 - beta) g / L`` (h = 0 when ``average`` is None)."""
+    log_grads = grads / losses.to(grads.dtype).clamp_min(DBMTL_EPS)[:, None]
+    if average is None:
+        return (1.0 - beta) * log_grads
+    return beta * average + (1.0 - beta) * log_grads
+
+
+@torch.no_grad()
+def dbmtl_scales(average: Tensor) -> Tensor:
+    """(K,) max_s ||h_s|| / ||h_t|| (0 for a zero row)."""
+    norms = average.norm(dim=1)
+    return torch.where(norms > 0, norms.max() / torch.where(norms > 0, norms, 1.0), 0.0)
+
+
+@dataclass
+class DBMTLOptions:
+    beta: float = 0.9  # EMA rate of the log-loss gradients (LibMTL's DB_beta)
+    sigma: float = 0.0  # the rate at step k is beta / k^sigma (LibMTL's DB_beta_sigma; 0: constant)
+
+
+class DBMTL(Weighting):
+    name = "dbmtl"
+    level = "grad"
+    Options = DBMTLOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_range_errors(cfg, {"beta": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+                                         "sigma": (lambda v: v >= 0, "must be >= 0")})
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self.updates = 0  # combinations so far (k - 1)
+        self.average: Tensor | None = None  # (K, P) h, created at the first combination
+        self._factor: Tensor | None = None
+
+    def weigh(self, task, loss):
+        return loss  # the combination happens on the gradients
+
+    def weights(self):
+        return dict(zip(self.tasks, [1.0] * len(self.tasks) if self._factor is None else self._factor.tolist()))
+
+    @torch.no_grad()
+    def combine(self, grads, losses=None):
+        if losses is None:
+            raise ValueError("dbmtl needs the task losses (the gradient of log L_t is g_t / L_t)")
+        work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
+        beta = self.options.beta / (self.updates + 1) ** self.options.sigma
+        prev = None if self.average is None else self.average.to(device=work.device, dtype=work.dtype)
+        new = dbmtl_average(prev, work, losses.to(work.device), beta)
+        ok = bool(torch.isfinite(new).all())
+        if ok:  # a skipped step must not poison the average
+            self.average, self.updates = new, self.updates + 1
+        scales = dbmtl_scales(new)
+        self._factor = scales * (1.0 - beta) / losses.to(work.device, work.dtype).clamp_min(DBMTL_EPS)
+        return (scales @ new).to(grads.dtype)
+
+    def get_extra_state(self):
+        return {"updates": self.updates, "average": self.average}
+
+    def set_extra_state(self, state):
+        self.updates = int(state["updates"])
+        self.average = state["average"]

@@ -1,0 +1,113 @@
+"""GradDrop, gradient sign dropout (Chen et al. 2020, "Just Pick a Sign: Optimizing Deep Multitask Models
+with Gradient Sign Dropout").
+
+Per coordinate p of the K task gradients (the rows of G), the gradient positive sign purity::
+
+    P_p = 1/2 (1 + sum_t G[t, p] / sum_t |G[t, p]|)                      in [0, 1]
+
+(1 when every task pushes coordinate p up, 0 when every task pushes it down, 1/2 when they cancel).
+With one uniform draw U_p ~ U[0, 1) per coordinate, shared by the tasks, the kept sign is + where
+P_p > U_p and - where P_p < U_p, and each task keeps only its components of that sign::
+
+    M[t, p] = [P_p > U_p] [G[t, p] > 0]  +  [P_p < U_p] [G[t, p] < 0]
+    d_p     = sum_t (leak_t + (1 - leak_t) M[t, p]) G[t, p]               (leak = 0: the paper's default)
+
+So at every coordinate the kept contributions share one sign, chosen positive with probability P_p:
+a sign backed by most of the gradient mass usually wins, and a coordinate where all tasks agree is
+never touched (P = 1 keeps every positive component, P = 0 every negative one), which makes d the
+plain sum when no coordinate conflicts. ``weighting.options.leak`` (0..1, one value for every task)
+keeps that fraction of the dropped components; leak = 1 is the plain sum.
+
+Where it is applied: the paper inserts GradDrop at a layer of activations (and sums the sign over the
+batch); here it acts on the coordinates of the shared parameters' gradients, the rows that
+``ddp.strategy=task_grads`` hands to ``combine``. It needs the rows themselves (per-coordinate signs),
+so it is not a function of the Gram matrix: it subclasses ``Weighting`` and overrides ``combine``, and
+a gradient source that offers only the Gram matrix cannot run it.
+
+Randomness: U is drawn from a ``torch.Generator`` on the rows' device seeded with ``stream_seed(seed,
+step, "graddrop")``; the rows are already averaged over ranks, so every rank draws the same U and
+computes the same d, and a resumed run repeats the draws (the step comes from ``begin_step``).
+
+``weights()`` reports, per task, the fraction of its squared norm that survived:
+``(kept_t . g_t) / ||g_t||^2`` (1 for a task nothing was dropped from; 1.0 before the first step and
+for a zero row). d is not a combination ``w^T G`` of the rows, so these are not its coefficients.
+
+Degenerate input: zero rows contribute nothing; all-zero input gives d = 0; identical rows are
+never in conflict (d = K g); exactly opposed rows have P = 1/2 everywhere, so each coordinate keeps
+one task's component, at random. Non-finite input propagates (the trainer skips the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mtl.weighting.base import Weighting, stream_seed
+from mtl.weighting.checks import option_range_errors
+
+
+def sign_purity(grads: Tensor) -> Tensor:
+    """(P,) P = 1/2 (1 + sum_t g_t / sum_t |g_t|) per coordinate (1/2 where every row is 0)."""
+    total, mass = grads.sum(0), grads.abs().sum(0)
+    return 0.5 * (1.0 + total / torch.where(mass > 0, mass, 1.0))
+
+
+def graddrop_mask(grads: Tensor, uniform: Tensor) -> Tensor:
+    """(K, P) bool: the components kept, given one uniform draw per coordinate."""
+    purity = sign_purity(grads)
+    return ((purity > uniform) & (grads > 0)) | ((purity < uniform) & (grads < 0))
+
+
+@torch.no_grad()
+def graddrop(grads: Tensor, uniform: Tensor, leak: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(K, P) task gradients and (P,) uniform draws -> ((P,) direction, (K,) kept fraction of each squared norm)."""
+    g = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
+    factor = leak + (1.0 - leak) * graddrop_mask(g, uniform.to(g.dtype)).to(g.dtype)
+    kept = factor * g
+    sq = (g * g).sum(1)
+    fraction = torch.where(sq > 0, (kept * g).sum(1) / torch.where(sq > 0, sq, 1.0), 1.0)
+    return kept.sum(0).to(grads.dtype), fraction
+
+
+@dataclass
+class GradDropOptions:
+    leak: float = 0.0  # fraction of each dropped component kept anyway (the paper's leak; 0: pure sign dropout, 1: the sum)
+
+
+class GradDrop(Weighting):
+    name = "graddrop"
+    level = "grad"
+    Options = GradDropOptions
+
+    @classmethod
+    def check(cls, cfg):
+        return option_range_errors(cfg, {"leak": (lambda v: 0 <= v <= 1, "must be in [0, 1]")})
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self.seed = int(cfg.seed)
+        self.step = 0
+        self._kept: Tensor | None = None
+
+    def begin_step(self, step):
+        self.step = int(step)
+
+    def weigh(self, task, loss):
+        return loss  # the combination happens on the gradients
+
+    def weights(self):
+        """The fraction of each task's squared gradient norm kept at the last step (1.0 before the first)."""
+        return dict(zip(self.tasks, [1.0] * len(self.tasks) if self._kept is None else self._kept.tolist()))
+
+    def uniform(self, n: int, device) -> Tensor:
+        """This step's (n,) uniform draws, the same on every rank."""
+        gen = torch.Generator(device=device).manual_seed(stream_seed(self.seed, self.step, "graddrop"))
+        return torch.rand(n, generator=gen, device=device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def combine(self, grads, losses=None):
+        d, kept = graddrop(grads, self.uniform(grads.shape[1], grads.device), self.options.leak)
+        self._kept = kept
+        return d

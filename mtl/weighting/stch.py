@@ -1,0 +1,115 @@
+"""STCH, smooth Tchebycheff scalarization (Lin et al. 2024, "Smooth Tchebycheff Scalarization for
+Multi-Objective Optimization").
+
+The Tchebycheff scalarization ``max_t lambda_t (f_t - z*_t)`` optimises the worst objective; its smooth
+version is ``g_mu = mu log sum_t exp(lambda_t (f_t - z*_t) / mu)``, which tends to the max as mu -> 0.
+Its gradient is a softmax-weighted sum::
+
+    grad g_mu = sum_t softmax_t(lambda (f - z*) / mu) lambda_t grad f_t
+
+For multi-task learning (the authors' code, as in LibMTL): lambda = 1, the objectives are the
+log-losses normalised by a *nadir* point, ``f_t = log(L_t / nadir_t)`` (so z* = 0 in that space and
+every task starts near 0 whatever its loss scale), and the objective is K g_mu. Before that, a warm-up
+minimises ``sum_t log L_t`` and measures the nadir: the mean rank-averaged loss of each task over the
+last ``nadir_steps`` of the ``warmup_steps`` warm-up steps (the authors use epochs: 4 warm-up epochs
+and the nadir from the 5th). After the warm-up, task t's term has the gradient
+
+    K softmax_t( log(L / nadir) / mu ) * grad log L_t
+
+Separability: the softmax couples the tasks' *current* losses, which a per-task term may not read (a
+strategy runs one backward pass per task). Here the softmax is computed from the previous step's
+rank-averaged losses (as FAMO's c): a one-step lag in the weights, while each term's gradient is still
+that of log L_t with the current loss. The log's gradient uses the rank-averaged current loss (one scalar
+all-reduce per task, as ``gls``), so 2 processes equal 1 process on the global batch.
+
+``weighting.options``: ``mu`` = 1.0 (the authors' and LibMTL's default), ``warmup_steps`` = 100,
+``nadir_steps`` = 20. State (extra state, all in ``state_dict()``): the step count, the nadir (or the
+running sum while it is measured) and the previous losses. ``weights()`` reports the coefficient of
+log L_t (1 during the warm-up). Losses at or below 1e-20 are clamped (the authors add 1e-20 in the log).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mtl.dist import all_reduce_mean
+from mtl.weighting.base import Weighting
+from mtl.weighting.checks import option_range_errors
+
+STCH_EPS = 1e-20
+
+
+def stch_weights(losses: list[float], nadir: list[float], mu: float) -> list[float]:
+    """K softmax_t(log(L_t / nadir_t) / mu): the coefficients of log L_t in K * smooth Tchebycheff."""
+    f = [math.log(max(a, STCH_EPS) / max(b, STCH_EPS)) / mu for a, b in zip(losses, nadir)]
+    top = max(f)
+    e = [math.exp(x - top) for x in f]
+    total = sum(e)
+    return [len(e) * x / total for x in e]
+
+
+@dataclass
+class STCHOptions:
+    mu: float = 1.0  # smoothing: the softmax temperature (-> 0: the worst task only, the Tchebycheff max)
+    warmup_steps: int = 100  # steps of plain sum of log-losses before the scalarization starts
+    nadir_steps: int = 20  # the last this many warm-up steps give the nadir point (the mean of each task's loss)
+
+
+class STCH(Weighting):
+    name = "stch"
+    Options = STCHOptions
+
+    @classmethod
+    def check(cls, cfg):
+        errors = option_range_errors(cfg, {"mu": (lambda v: v > 0, "must be > 0"),
+                                           "warmup_steps": (lambda v: v >= 1, "must be >= 1 (the nadir is measured there)"),
+                                           "nadir_steps": (lambda v: v >= 1, "must be >= 1")})
+        given = cfg.weighting.get("options") or {}
+        warm, nadir = given.get("warmup_steps", STCHOptions.warmup_steps), given.get("nadir_steps", STCHOptions.nadir_steps)
+        if isinstance(warm, int) and isinstance(nadir, int) and 1 <= warm < nadir:
+            errors.append(f"weighting.options.nadir_steps: {nadir} is more than weighting.options.warmup_steps ({warm})")
+        return errors
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        self.steps = 0  # finished steps (end_step calls)
+        self.nadir_sum = [0.0] * len(self.tasks)
+        self.prev: list[float] | None = None
+        self._index = {t: i for i, t in enumerate(self.tasks)}
+        self._w = [1.0] * len(self.tasks)
+
+    def _refresh(self):
+        o = self.options
+        if self.steps <= o.warmup_steps or self.prev is None:
+            self._w = [1.0] * len(self.tasks)
+        else:
+            self._w = stch_weights(self.prev, self.nadir(), o.mu)
+
+    def nadir(self) -> list[float]:
+        return [s / self.options.nadir_steps for s in self.nadir_sum]
+
+    def weigh(self, task, loss):
+        # the gradient of w_t log(L_t) of the global batch: the rank's loss over the rank-averaged value (see gls.py)
+        return self._w[self._index[task]] * loss / all_reduce_mean(loss.detach()).clamp_min(STCH_EPS)
+
+    def weights(self):
+        return dict(zip(self.tasks, self._w))
+
+    def end_step(self, losses):
+        current = [float(losses[t]) for t in self.tasks]
+        self.steps += 1
+        o = self.options
+        if o.warmup_steps - o.nadir_steps < self.steps <= o.warmup_steps:
+            self.nadir_sum = [s + v for s, v in zip(self.nadir_sum, current)]
+        self.prev = current
+        self._refresh()
+
+    def get_extra_state(self):
+        return {"steps": self.steps, "nadir_sum": list(self.nadir_sum), "prev": self.prev}
+
+    def set_extra_state(self, state):
+        self.steps = int(state["steps"])
+        self.nadir_sum = [float(x) for x in state["nadir_sum"]]
+        self.prev = None if state["prev"] is None else [float(x) for x in state["prev"]]
+        self._refresh()
