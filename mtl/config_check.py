@@ -14,6 +14,8 @@ from mtl.config import check_options, config_keys, load_config_collecting
 from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
+from mtl.fsdp import ENGINES
+from mtl.fsdp import check as fsdp_check
 from mtl.models.backbone import NORMS, SUPPORTED
 from mtl.strategies import strategy_types
 from mtl.tasks import task_types
@@ -55,6 +57,7 @@ def validate(cfg) -> list[str]:
     _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
     _augment(errors, cfg)
     _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
+    _choice(errors, "ddp.engine", cfg.ddp.engine, ENGINES)
     _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
     _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant"))
     _choice(errors, "model.backbone.norm", cfg.model.backbone.norm, NORMS)
@@ -124,6 +127,7 @@ def validate(cfg) -> list[str]:
     else:
         if not cfg.ddp.unsafe:  # unsafe: the user asked to reproduce a known failure
             errors += strategy.check(cfg)
+    errors += fsdp_check(cfg, strategy)
 
     methods = weighting_types()
     method = methods.get(cfg.weighting.method)
