@@ -6,6 +6,7 @@ together as one ConfigError (exit code 2).
 
 from __future__ import annotations
 
+import difflib
 import os
 
 import torch
@@ -151,10 +152,15 @@ def _task_checks(errors, cfg, tasks) -> None:
 
 def _options(errors, cfg, tasks, method) -> None:
     """Check the task and method options against the classes' ``Options`` and fill in their defaults, so that
-    ``config.yaml`` holds every value a run used."""
+    ``config.yaml`` holds every value a run used. Options of a known task this run does not train are checked, then dropped
+    (a base config's caption options stay harmless under ``tasks=[cls]``); an unknown task name is an error."""
     for t in cfg.task_options:
-        if t not in cfg.tasks:
-            errors.append(f"task_options.{t}: {t!r} is not in tasks ({', '.join(cfg.tasks)}); remove it or add the task")
+        if t not in tasks:
+            close = difflib.get_close_matches(str(t), list(tasks), n=1, cutoff=0.6)
+            errors.append(f"task_options.{t}: {t!r} is not a task" + (f" — did you mean {close[0]!r}?" if close else "")
+                          + f" (known: {', '.join(tasks)}; a task file outside mtl/tasks goes in task_modules)")
+        elif t not in cfg.tasks:  # checked all the same, so that a typo there is not silently dropped
+            check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
     cfg.task_options = {t: check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
                         for t in cfg.tasks if t in tasks}
     _task_checks(errors, cfg, tasks)
