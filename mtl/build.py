@@ -140,6 +140,16 @@ def wrap_ddp(model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Modul
     return DistributedDataParallel(model, device_ids=ids, **strategy.ddp_kwargs())
 
 
+def wrap_model(cfg, model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Module:
+    """The engine (``ddp.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
+    become DTensor shards, so the optimizer is built after this). One process: ``model`` itself."""
+    if cfg.ddp.engine == "fsdp2" and dist.distributed:
+        from mtl.fsdp import shard_model
+
+        return shard_model(model, cfg.precision, dist)
+    return wrap_ddp(model, strategy, dist)
+
+
 def build_optimizer(cfg, model: torch.nn.Module, weighting: torch.nn.Module) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for module in (model, weighting):

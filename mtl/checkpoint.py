@@ -120,9 +120,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def bare_state_dict(model: torch.nn.Module) -> dict:
+def bare_state_dict(model: torch.nn.Module | dict) -> dict:
+    """The model's state dict (or an already gathered one: FSDP2's full state, mtl/fsdp.py) as CPU copies."""
+    state = model if isinstance(model, dict) else model.state_dict()
     # safetensors refuses tensors that share memory (GPT-2 ties lm_head to wte): save copies
-    return {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+    return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,10 +214,11 @@ def _check_extra_name(name: str) -> str:
     return norm
 
 
-def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module, trainer_state: dict, config_yaml: str,
+def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, trainer_state: dict, config_yaml: str,
                     rank: int, keep_last: int = 0, extra_files: dict[str, bytes] | None = None) -> str:
     """Every rank calls this (collective); returns the final path.
 
+    ``model``: the bare model, or its state dict already gathered (FSDP2; only rank 0's is written).
     ``extra_files`` (rank 0's are used): small files to store too, ``{relative name: bytes}``, e.g.
     ``{"class_names.json": b"[...]"}``; sub-folders are allowed (``tokenizer/tokenizer.json``).
     """
@@ -396,7 +399,15 @@ def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict,
         weights = load_file(model_file)
     except Exception as e:
         raise CheckpointError(f"checkpoint {model_file!r} cannot be read ({e}); it is truncated or corrupt") from None
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    from mtl.fsdp import is_sharded, load_full_model_state
+
+    own = model.state_dict().keys()
+    missing, unexpected = [k for k in own if k not in weights], [k for k in weights if k not in own]
+    if not (missing or unexpected):
+        if is_sharded(model):  # FSDP2: every rank reads the full file and keeps its shard
+            load_full_model_state(model, weights)
+        else:
+            model.load_state_dict(weights)
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {model_file!r} does not fit this model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}. Was it written with another model config?")

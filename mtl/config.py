@@ -112,6 +112,7 @@ class ModelConfig:
 @dataclass
 class DDPConfig:
     strategy: str = "feature_leaf"  # see docs/strategies.md
+    engine: str = "ddp"  # ddp (DistributedDataParallel) | fsdp2 (fully_shard: sharded parameters, see docs/fsdp.md)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     find_unused_parameters: bool | None = None  # null: what the strategy needs; set it only to override
     static_graph: bool = False

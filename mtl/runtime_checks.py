@@ -50,23 +50,42 @@ def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingErro
     return TrainingError("\n".join(lines))
 
 
-def parameter_checksums(model: torch.nn.Module) -> torch.Tensor:
-    """Two float64 numbers per parameter tensor: its sum and its sum of squares."""
-    params = [p.detach() for p in model.parameters()]
+def replicated(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for what every rank should hold an identical copy of. DDP: every parameter. FSDP2
+    (DTensor parameters): each element of a sharded parameter lives on one rank only, so there is nothing to
+    compare; what the ranks do replicate is compared instead: parameters that are not sharded (all-Replicate
+    DTensors, or plain tensors) and the buffers, which FSDP2, unlike DDP, never synchronises."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    named = list(model.named_parameters())
+    if not any(isinstance(p, DTensor) for _, p in named):
+        return [(n, p.detach()) for n, p in named]
+    out = [(n, p.to_local().detach() if isinstance(p, DTensor) else p.detach()) for n, p in named
+           if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)]
+    return out + [(n, b.detach()) for n, b in model.named_buffers() if b.is_floating_point()]
+
+
+def parameter_checksums(model: torch.nn.Module, tensors: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Two float64 numbers per parameter tensor (or per tensor of ``tensors``): its sum and its sum of squares."""
+    params = [p.detach() for p in model.parameters()] if tensors is None else tensors
     sums = torch.stack([p.double().sum() for p in params])
     norms = torch.stack(torch._foreach_norm([p.double() for p in params]))
     return torch.cat([sums, norms])
 
 
 def check_replicas(model: torch.nn.Module, step: int) -> None:
-    """Fail loudly, naming the first diverging parameter, if the ranks' parameters are not identical."""
-    local = parameter_checksums(model)
+    """Fail loudly, naming the first diverging parameter, if the ranks' parameters are not identical
+    (under FSDP2: the tensors the ranks replicate, see ``replicated``)."""
+    named = replicated(model)
+    if not named:  # FSDP2 with every parameter sharded and no buffer: the same (empty) list on every rank
+        return
+    local = parameter_checksums(model, [t for _, t in named])
     both = torch.cat([local, -local])
     dist.all_reduce(both, op=dist.ReduceOp.MAX)  # one collective: the max and (minus) the min of each
     n = local.numel()
     spread = both[:n] + both[n:]  # max - min per checksum; exactly 0 when every rank agrees
     if bool((spread != 0).any()):
-        names = [name for name, _ in model.named_parameters()]
+        names = [name for name, _ in named]
         first = int((spread.view(2, -1) != 0).any(0).nonzero()[0])
         raise TrainingError(
             f"replica check at step {step}: the ranks' parameters differ, first at {names[first]!r} "

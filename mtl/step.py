@@ -23,6 +23,8 @@ import torch
 
 from mtl.amp import Amp
 from mtl.dist import Comm, all_reduce_mean, all_reduce_sum, average_grads
+from mtl.fsdp import clip_ as clip_grads_
+from mtl.fsdp import grad_norm as total_grad_norm
 from mtl.strategies import StepInputs, Strategy
 
 
@@ -72,17 +74,18 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)
     p.amp.unscale_(p.optimizer)
 
-    # 3. the finite check. DDP has averaged the gradients, so their norm is the same on every rank; the losses
+    # 3. the finite check. DDP has averaged the gradients (FSDP2: the norm is taken over every rank's shard), so
+    #    their norm is the same on every rank; the losses
     #    are averaged in one collective that also carries "does any rank want to stop". A NaN anywhere (any
     #    task, any rank) therefore makes every rank skip together.
-    grad_norm = torch.nn.utils.get_total_norm([q.grad for q in p.params if q.grad is not None])
+    grad_norm = total_grad_norm([q.grad for q in p.params if q.grad is not None])  # over every rank's shard (FSDP2)
     loss_avg, stop_agreed = average_losses_and_stop(losses, p.tasks, stop_requested, grad_norm.device)
     grads_ok, losses_ok = bool(torch.isfinite(grad_norm)), bool(torch.isfinite(loss_avg).all())
     ok = grads_ok and losses_ok
 
     # 4. clip
     if ok and p.grad_clip > 0:
-        torch.nn.utils.clip_grads_with_norm_(p.params, p.grad_clip, grad_norm)
+        clip_grads_(p.params, p.grad_clip, grad_norm)
 
     # 5. the optimizer step and 6. the schedule: on every rank, or on none
     if ok:

@@ -22,7 +22,7 @@ from mtl.build import (
     build_tokenizer,
     build_weighting,
     init_from_weights,
-    wrap_ddp,
+    wrap_model,
 )
 from mtl.config import config_summary, to_yaml
 from mtl.data.loader import build_eval_loader, build_train_loader, set_epoch
@@ -31,6 +31,7 @@ from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.faults import poison
 from mtl.files import write_atomic
+from mtl.fsdp import full_model_state, full_optimizer_state, gathered, is_sharded, load_full_optimizer_state
 from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import check_resume_config
 from mtl.runlock import LockHeld, RunLock
@@ -82,7 +83,8 @@ class Trainer:
         self.weighting = build_weighting(cfg).to(self.device)
         self.amp = Amp(cfg.precision, self.device)
         self.bare.autocast_dtype = self.amp.dtype
-        self.model = wrap_ddp(self.bare, self.strategy, dist)
+        self.model = wrap_model(cfg, self.bare, self.strategy, dist)
+        self.sharded = is_sharded(self.bare)  # ddp.engine=fsdp2 with a process group
         self.params = [p for p in self.bare.parameters() if p.requires_grad] + list(self.weighting.parameters())
         self.optimizer = build_optimizer(cfg, self.bare, self.weighting)
         self.scheduler = build_scheduler(cfg, self.optimizer)
@@ -195,7 +197,10 @@ class Trainer:
         """Every rank: load the checkpoint rank 0 verified (files, checksums, config, world size)."""
         state, rng = ckpt.load_checkpoint(path, self.bare, self.dist.rank)
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:  # a full, name-keyed optimizer state (mtl/fsdp.py): each rank keeps its shard
+                load_full_optimizer_state(self.bare, self.weighting, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.amp.load_state_dict(state["scaler"])
             self.weighting.load_state_dict(state["weighting"])
@@ -221,7 +226,9 @@ class Trainer:
     def trainer_state(self) -> dict:
         return {
             "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "world_size": self.dist.world_size, "optimizer": self.optimizer.state_dict(),
+            "world_size": self.dist.world_size, "engine": "fsdp2" if self.sharded else "ddp",
+            "optimizer": (full_optimizer_state(self.bare, self.weighting, self.optimizer) if self.sharded
+                          else self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(), "scaler": self.amp.state_dict(),
             "weighting": self.weighting.state_dict(),
         }
@@ -231,7 +238,8 @@ class Trainer:
         on a checkpoint step, a resume with nothing left to do): a second write would only rewrite the same state."""
         if self._saved_step == self.step:
             return os.path.join(ckpt.checkpoint_root(self.cfg.output_dir), f"step_{self.step}")
-        path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, self.bare, self.trainer_state(), to_yaml(self.cfg),
+        model = full_model_state(self.bare) if self.sharded else self.bare  # FSDP2: gathered on rank 0 (collective)
+        path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, model, self.trainer_state(), to_yaml(self.cfg),
                                     self.dist.rank, self.cfg.checkpoint.keep_last, self.checkpoint_files)
         self._saved_step = self.step
         self.log.info(f"step {self.step}: checkpoint {path}")
@@ -367,7 +375,8 @@ class Trainer:
             self.log.progress(self.step, {f"loss_{k}": v for k, v in r.losses.items()})
 
     def run_eval(self) -> dict:
-        metrics = evaluate(self.bare, self.val_loader, self.tasks, self.device, self.cfg.trainer.eval_max_batches)
+        with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
+            metrics = evaluate(self.bare, self.val_loader, self.tasks, self.device, self.cfg.trainer.eval_max_batches)
         flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
         self.last_eval = flat
         self.log.record(self.step, flat, kind="eval")

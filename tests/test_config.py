@@ -198,11 +198,15 @@ def test_a_method_s_options_are_checked_filled_and_used(tmp_path):
 
 
 def test_task_options_name_only_configured_tasks_and_declared_keys():
-    errs = errors_of(TINY, ["task_options.count.x=1", "task_options.cls.nope=1"])
-    assert any(e.startswith("task_options.count: 'count' is not in tasks") for e in errs), errs
+    errs = errors_of(TINY, ["task_options.gne.max_tokens=1", "task_options.cls.nope=1"])
+    assert any(e.startswith("task_options.gne: 'gne' is not a task — did you mean 'gen'?") for e in errs), errs
     assert any(e.startswith("task_options.cls: unknown option 'nope'") for e in errs), errs
     cfg = load_run_config(TINY)
     assert set(cfg.task_options) == set(cfg.tasks)  # every task's options, filled in
+    cfg = load_run_config(TINY, ["tasks=[cls]", "task_options.gen.max_tokens=5"])  # a single-task run of a 2-task config
+    assert set(cfg.task_options) == {"cls"}  # options of known tasks it does not train are dropped ...
+    errs = errors_of(TINY, ["tasks=[cls]", "task_options.gen.max_tokns=5"])  # ... after their check
+    assert any(e.startswith("task_options.gen: unknown option 'max_tokns'") for e in errs), errs
 
 
 # every method option and a value its check refuses (the range or the choice)

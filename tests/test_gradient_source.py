@@ -53,6 +53,8 @@ def test_bad_combinations_are_refused_with_the_fix():
     msg = errors_of("weighting.method=equal", "weighting.source=features")
     assert "weighting.source: features applies to gradient-level methods only" in msg
     assert "is not one of parameters, features" in errors_of("weighting.method=mgda", "weighting.source=feature")
+    assert "not yet tested under ddp.engine=fsdp2" in errors_of("weighting.method=mgda", "weighting.source=features",
+                                                                "ddp.engine=fsdp2")
     load_run_config(TINY, ["weighting.method=mgda", "weighting.source=features"])  # the right ones pass
     load_run_config(TINY, ["weighting.method=mgda", "ddp.strategy=task_grads"])
 

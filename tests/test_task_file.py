@@ -126,7 +126,7 @@ def test_old_caption_keys_still_read_and_resume(tmp_path):
     from mtl.resume import check_resume_config
 
     cfg = load_run_config(TINY, [f"output_dir={tmp_path}"])
-    assert cfg.task_options.gen == {"max_tokens": 10, "num_beams": 1}  # tiny.yaml still says max_caption_tokens: 10
+    assert cfg.task_options.gen == {"max_tokens": 10, "num_beams": 1}  # tiny.yaml: task_options.gen.max_tokens 10
     old = yaml.safe_load(to_yaml(cfg))  # what a checkpoint written before the move holds
     gen = old["task_options"].pop("gen")
     old["data"]["max_caption_tokens"], old["trainer"]["num_beams"] = gen["max_tokens"], 3

@@ -56,6 +56,8 @@ class Strategy:
     # the weighting.source values it serves a gradient-level method: "parameters" (each task's gradient of the
     # shared parameters) and/or "features" (of the shared features, through their Gram matrix)
     gradient_sources: tuple[str, ...] = ()
+    # ddp.engine=fsdp2: None if the strategy runs under FSDP2 (and is in its parity test), else why it does not
+    fsdp2_refusal: str | None = None
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -77,9 +79,22 @@ class Strategy:
         return 0
 
     @classmethod
+    def fsdp2_problem(cls) -> str | None:
+        """Why this strategy does not run under ``ddp.engine=fsdp2``, or None. Strategies that give each
+        task's gradient (gradient-level weighting) are not yet ported to sharded gradients."""
+        if cls.fsdp2_refusal:
+            return cls.fsdp2_refusal
+        if cls.task_gradients:
+            return ("per-task gradients under FSDP2 (each rank's shard of each task's gradient, a K x K Gram "
+                    "all-reduce) are not yet supported, so neither are gradient-level weighting methods")
+        return None
+
+    @classmethod
     def check(cls, cfg) -> list[str]:
         """Refuse DDP flags and options that are known to fail or desync with this strategy."""
         errors = []
+        if cfg.ddp.engine == "fsdp2":  # no DDP flags apply; mtl.fsdp.check refuses them and the strategy
+            return errors
         fu = cfg.ddp.find_unused_parameters
         if fu is not None and fu != cls.find_unused_parameters and not cls.tolerates_find_unused(fu):
             errors.append(cls.find_unused_reason(fu))
@@ -118,8 +133,13 @@ class Strategy:
 
 
 def no_sync(model: torch.nn.Module):
-    """``model.no_sync()`` under DDP; nothing in a single process."""
-    return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+    """``model.no_sync()`` under DDP, ``set_requires_gradient_sync(False)`` under FSDP2; nothing in a single
+    process. (DDP decides at the forward, FSDP2 at the backward: wrap both.)"""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    from mtl.fsdp import is_sharded, no_gradient_sync
+
+    return no_gradient_sync(model) if is_sharded(model) else contextlib.nullcontext()
 
 
 def detached(losses: dict) -> dict:

@@ -35,6 +35,9 @@ class Placeholder(Strategy):
     forwards = "K"
     backbone_backwards = "K"
     allreduces = "K"
+    fsdp2_refusal = ("it exists only for DDP's reducer (every parameter must get a gradient in every pass); under "
+                     "FSDP2 the parameters outside a forward are DTensor shards, which a loss term cannot add, and "
+                     "FSDP2 needs no placeholder: find_unused or accumulate do the same per-task passes")
 
     def __init__(self, cfg):
         super().__init__(cfg)

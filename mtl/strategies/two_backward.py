@@ -15,6 +15,7 @@ class TwoBackward(Strategy):
     backbone_backwards = "K"
     allreduces = 0  # it never completes one
     unsafe = True
+    fsdp2_refusal = "it is kept only to reproduce a DDP failure (ddp.unsafe=true) and is not ported to FSDP2"
 
     @classmethod
     def check(cls, cfg):

@@ -1,0 +1,228 @@
+"""The FSDP2 engine (``ddp.engine: fsdp2``): ``fully_shard`` per backbone stage and per head, then the root.
+
+DDP (``ddp.engine: ddp``, the default) keeps a full copy of the parameters, gradients and optimizer
+state on every rank and all-reduces the gradients. FSDP2 (``torch.distributed.fsdp.fully_shard``,
+DTensor-based) keeps 1/W of each on every rank: a group's parameters are all-gathered for its forward
+and again for its backward, and its gradients are reduce-scattered when its backward is done, so each
+rank ends the backward passes holding its shard of the rank-averaged gradient (a DTensor).
+
+What that changes for a step (docs/fsdp.md):
+
+- FSDP2 decides at the *backward* (not at the forward, as DDP does) whether a group's gradients are
+  reduced, and at the end of every backward pass it reduce-scatters what each group has accumulated.
+  So a strategy that runs several backward passes per step is correct as long as each parameter's
+  gradient is reduced once per pass that produced it: ``combined``, ``feature_leaf`` and ``detach``
+  run as they are; ``accumulate`` turns gradient sync off for all but the last pass
+  (``set_requires_gradient_sync(False)``, through ``mtl.strategies.base.no_sync``).
+- A strategy declares whether it runs under FSDP2 on its class (``Strategy.fsdp2_refusal``); a
+  refused one is one config error naming the reason (``check``).
+- The gradient norm (finite check, clipping) is the global norm over the shards (``grad_norm``).
+- Checkpoints hold full (unsharded) state: the model gathered to rank 0 for ``model.safetensors``,
+  the optimizer state gathered to rank 0 for ``trainer_state.pt`` (``full_model_state`` ...).
+
+Nothing here runs without a process group: a 1-process run is the bare model under either engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+ENGINES = ("ddp", "fsdp2")
+
+
+def check(cfg, strategy) -> list[str]:
+    """Config-time refusals for ``ddp.engine: fsdp2`` (``strategy``: the strategy class, or None)."""
+    if cfg.ddp.engine != "fsdp2":
+        return []
+    errors = []
+    why = strategy.fsdp2_problem() if strategy is not None else None
+    if why:
+        errors.append(f"ddp.strategy: {cfg.ddp.strategy} does not run with ddp.engine=fsdp2: {why}. "
+                      "Use ddp.strategy=feature_leaf (or combined, detach, accumulate), or ddp.engine=ddp")
+    if cfg.precision == "fp16":
+        errors.append("precision: fp16 is not supported with ddp.engine=fsdp2: the GradScaler's overflow check "
+                      "(unscale_) sees only this rank's gradient shards, so the ranks could back the loss scale off "
+                      "differently, and mtl has no sharded GradScaler proven equal to the DDP run yet. "
+                      "Use precision=bf16 (bf16 parameters, fp32 gradient reduction; no scaler needed) or fp32")
+    for key, value, default in (("find_unused_parameters", cfg.ddp.find_unused_parameters, None),
+                                ("static_graph", cfg.ddp.static_graph, False)):
+        if value != default:
+            errors.append(f"ddp.{key}: a DistributedDataParallel option, meaningless with ddp.engine=fsdp2 "
+                          "(FSDP2 has no reducer); remove the key")
+    if cfg.ddp.nan_monitor:
+        errors.append("ddp.nan_monitor: not supported with ddp.engine=fsdp2 (it recomputes each task's gradient "
+                      "with autograd.grad on the parameters, which FSDP2 holds as shards); non-finite steps are "
+                      "still skipped on every rank. Set ddp.nan_monitor=false, or ddp.engine=ddp to locate a NaN")
+    if cfg.model.backbone.norm == "batch":
+        errors.append("model.backbone.norm: batch keeps per-rank running statistics, which DDP copies from rank 0 at "
+                      "every forward and FSDP2 does not (each rank would evaluate with its own); use "
+                      "model.backbone.norm=group or frozen (rank-independent) or sync (CUDA), or ddp.engine=ddp")
+    return errors
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def fsdp_modules(model: nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules sharded on their own, in forward order: each backbone stage, then each head; the root
+    comes last (``shard_model``). A backbone stage: each child of a ``Sequential`` child of the backbone
+    whose children are containers themselves (ResNet's layer1..layerN, a ``.features`` CNN's blocks); any
+    other child with parameters as a whole (ResNet's stem: conv, norm, relu, pool)."""
+    units = []
+    for name, child in model.backbone.named_children():
+        split = isinstance(child, nn.Sequential) and any(any(True for _ in c.children()) for c in child.children())
+        parts = child.named_children() if split else [("", child)]
+        for sub, m in parts:
+            if _has_params(m):
+                units.append((f"backbone.{name}" + (f".{sub}" if sub else ""), m))
+    for name, head in model.heads.items():
+        units.append((f"heads.{name}", head))
+    return units
+
+
+def mixed_precision(precision: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16":  # bf16 compute and all-gathers, fp32 sharded parameters and gradient reduction
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # fp32 throughout
+
+
+def shard_model(model: nn.Module, precision: str, dist) -> nn.Module:
+    """``fully_shard`` every unit of ``shard_units`` and then the root, on a 1-D mesh of all ranks.
+    The parameters become DTensors: build the optimizer after this."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    mp = mixed_precision(precision)
+    for _, unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module):
+    """FSDP2's ``no_sync``: backward passes inside keep their (unsharded) gradients local and accumulate them;
+    the next backward pass with sync on reduce-scatters the sum (FSDP2 decides at the backward)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """Every group's full parameters on every rank for a block (evaluation): all-gathered once, on entry,
+    with no collective inside, so ranks may run different numbers of batches; resharded on exit."""
+    mods = fsdp_modules(model)
+    inner = [m for m in mods if m is not model]  # the root keeps FSDP2's own setting (no reshard after forward)
+    for m in mods:
+        m.unshard()
+    for m in inner:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in inner:
+            m.set_reshard_after_forward(True, recurse=False)
+        for m in mods:
+            m.reshard()
+
+
+# ------------------------------------------------------------------ gradient norm over shards
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of ``grads``. Without DTensors: ``torch.nn.utils.get_total_norm`` as it is. With
+    FSDP2's DTensor shards (and plain gradients beside them, e.g. learned loss weights): get_total_norm of the
+    shards is a DTensor whose ``full_tensor()`` is the norm over every rank's shard (one all-reduce; tested
+    against a single process in tests/test_fsdp.py), combined with the plain part's norm."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if not sharded:
+        return torch.nn.utils.get_total_norm(plain)
+    total = torch.nn.utils.get_total_norm(sharded)
+    total = total.full_tensor() if isinstance(total, DTensor) else total
+    if plain:
+        total = torch.linalg.vector_norm(torch.stack([total, torch.nn.utils.get_total_norm(plain).to(total)]))
+    return total
+
+
+def clip_(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """``clip_grads_with_norm_``: every gradient times min(1, max_norm / (total + 1e-6)); shards too (the
+    coefficient is one number, the same on every rank, since ``total`` is the global norm)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for g in grads:
+        g.mul_(coef)
+
+
+# ------------------------------------------------------------------ checkpoints: full state, gathered on rank 0
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """Collective: the full, unsharded state dict on CPU on rank 0 (empty elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+
+def load_full_model_state(model: nn.Module, state: dict) -> None:
+    """Every rank holds the full ``state`` (read from model.safetensors): each keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options(strict=True))
+
+
+class _Owner(nn.Module):
+    """The modules whose parameters the optimizer holds (the model, and learned loss weights), so that
+    optimizer state is keyed by their names (``model.backbone...``, ``weighting...``)."""
+
+    def __init__(self, model: nn.Module, weighting: nn.Module):
+        super().__init__()
+        self.model, self.weighting = model, weighting
+
+
+def full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer) -> dict:
+    """Collective: the optimizer's full state keyed by parameter name, on CPU on rank 0 (empty elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(_Owner(model, weighting), optimizer, options=_options(cpu_offload=True))
+
+
+def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(_Owner(model, weighting), optimizer, state, options=_options())
