@@ -129,6 +129,7 @@ class WeightingConfig:
     method: str = "equal"
     weights: dict[str, float] = field(default_factory=dict)  # static: task name -> weight
     options: dict[str, Any] = field(default_factory=dict)  # the method's own options (its Options dataclass)
+    source: str = "parameters"  # gradient-level methods: parameters (task_grads) | features (feature_leaf; a surrogate)
 
 
 @dataclass

@@ -136,10 +136,42 @@ def validate(cfg) -> list[str]:
         errors.append(f"weighting.method: unknown method {cfg.weighting.method!r} (known: {', '.join(methods)})")
     else:
         errors += method.check(cfg)
-        if method.level == "grad" and strategy is not None and not getattr(strategy, "task_gradients", False):
-            errors.append(f"weighting.method={cfg.weighting.method} needs each task's gradient, which "
-                          f"ddp.strategy={cfg.ddp.strategy} does not give; use ddp.strategy=task_grads")
+        errors += gradient_source_errors(cfg, strategy, method, strategies)
     _options(errors, cfg, tasks, method)
+    return errors
+
+
+SOURCES = ("parameters", "features")
+
+
+def gradient_source_errors(cfg, strategy, method, strategies: dict) -> list[str]:
+    """weighting.source against the method (gradient-level? Gram-only?) and the strategy (which sources it serves:
+    ``Strategy.gradient_sources``)."""
+    source, name = cfg.weighting.source, cfg.weighting.method
+    if source not in SOURCES:
+        return [f"weighting.source: {source!r} is not one of {', '.join(SOURCES)}"]
+    if method.level != "grad":
+        if source == "features":
+            return [f"weighting.source: features applies to gradient-level methods only, and weighting.method={name} is "
+                    "loss-level (it weighs the losses, the backward passes do the rest); remove weighting.source"]
+        return []
+    errors = []
+    if source == "features" and cfg.ddp.get("engine", "ddp") == "fsdp2":
+        errors.append("weighting.source: features is not yet tested under ddp.engine=fsdp2 (its K x K Gram all-reduce "
+                      "and weighted backbone backward have a parity test under DDP only); use ddp.engine=ddp")
+    if source == "features" and not method.gram_only():
+        errors.append(f"weighting.source: features gives a method only the K x K Gram matrix of the tasks' feature "
+                      f"gradients, and weighting.method={name} needs the rows of G themselves (it overrides combine); "
+                      "use weighting.source=parameters with ddp.strategy=task_grads")
+    if strategy is not None and source not in strategy.gradient_sources:
+        serving = [n for n, cls in strategies.items() if source in cls.gradient_sources and not cls.unsafe]
+        other = "features" if source == "parameters" else "parameters"
+        alt = [n for n, cls in strategies.items() if other in cls.gradient_sources and not cls.unsafe]
+        hint = (f", or weighting.source=features with ddp.strategy={' or '.join(alt)} (the cheaper feature-level "
+                "surrogate, see docs/strategies.md)" if other == "features" and alt and method.gram_only() else "")
+        errors.append(f"weighting.method={name} needs each task's gradient of the shared {source} "
+                      f"(weighting.source={source}), which ddp.strategy={cfg.ddp.strategy} does not give; use "
+                      f"ddp.strategy={' or '.join(serving)}{hint}")
     return errors
 
 

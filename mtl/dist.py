@@ -105,25 +105,54 @@ class Comm:
     instead of patching a module.
     """
 
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
     def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_mean(t)
 
+    def start_all_reduce_mean_(self, t: torch.Tensor) -> Pending:
+        """Start averaging ``t`` over the ranks IN PLACE, asynchronously; ``.wait()`` on the result finishes it.
+
+        For a strategy that overlaps a reduction with the rest of its backward passes; ``t`` must not be
+        read or written until the wait."""
+        work = None
+        if dist.is_available() and dist.is_initialized():
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+        return Pending(work, t, self.world_size())
+
+
+class Pending:
+    """An in-place all-reduce under way (``Comm.start_all_reduce_mean_``)."""
+
+    def __init__(self, work, t: torch.Tensor, world: int):
+        self.work, self.t, self.world = work, t, world
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.t.div_(self.world)
+            self.work = None
+        return self.t
+
 
 class CountingComm(Comm):
-    """A ``Comm`` that counts its reductions and their bytes into ``counts['manual']`` / ``counts['bytes']``,
-    and can hand each (local, reduced) pair to ``observe(local, reduced)`` (to look at a step's buffers)."""
+    """A ``Comm`` that counts its reductions and their bytes into ``counts['manual']`` / ``counts['bytes']``."""
 
-    def __init__(self, counts: dict | None = None, observe=None):
+    def __init__(self, counts: dict | None = None):
         self.counts = counts if counts is not None else {}
-        self.observe = observe
 
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+    def _count(self, t: torch.Tensor) -> None:
         self.counts["manual"] = self.counts.get("manual", 0) + 1
         self.counts["bytes"] = self.counts.get("bytes", 0) + t.numel() * t.element_size()
-        out = super().all_reduce_mean(t)
-        if self.observe is not None:
-            self.observe(t, out)
-        return out
+
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
+        return super().all_reduce_mean(t)
+
+    def start_all_reduce_mean_(self, t: torch.Tensor) -> Pending:
+        self._count(t)
+        return super().start_all_reduce_mean_(t)
 
 
 def all_gather_objects(obj) -> list:

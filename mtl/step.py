@@ -66,7 +66,9 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
     losses, stats = p.strategy.forward_backward(StepInputs(
         model=p.model, batch=batch, tasks=p.tasks, weigh=w.weigh, scale=p.amp.scale,
-        combine=w.combine if w.level == "grad" else None, loss_scale=p.amp.loss_scale, comm=p.comm))
+        combine=w.combine if w.level == "grad" else None,
+        gram_weights=w.weights_for_gram if w.level == "grad" and w.gram_only() else None,
+        loss_scale=p.amp.loss_scale, comm=p.comm))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)

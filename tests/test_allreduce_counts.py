@@ -13,8 +13,14 @@ from mtl.strategies import strategy_types
 from .conftest import TINY, free_port
 
 STRATEGIES = [n for n, cls in strategy_types().items() if not cls.unsafe]
+# runs with a gradient-level method: (strategy, weighting.source); the method is MGDA
+GRAD_RUNS = {"task_grads+mgda": ("task_grads", "parameters"), "feature_leaf+mgda@features": ("feature_leaf", "features")}
+RUNS = STRATEGIES + list(GRAD_RUNS)
 EXPECTED = {"combined": 1, "feature_leaf": 1, "detach": 1, "accumulate": 1, "find_unused": 2, "placeholder": 2,
-            "task_grads": 1}
+            "task_grads": 2, "task_grads+mgda": 2, "feature_leaf+mgda@features": 2}
+# of which by hand (StepInputs.comm): task_grads all-reduces K - 1 = 1 row (with the losses) itself, DDP the last row
+# and the heads; the features source all-reduces one K x K Gram matrix (with the losses) itself
+MANUAL = {"task_grads": 1, "task_grads+mgda": 1, "feature_leaf+mgda@features": 1}
 
 
 def _worker(rank, port, out_dir):
@@ -28,9 +34,11 @@ def _worker(rank, port, out_dir):
 
     torch.set_num_threads(1)
     results = {}
-    for name in STRATEGIES:
+    for name in RUNS:
+        strategy, source = GRAD_RUNS.get(name, (name, None))
+        grad = [] if source is None else ["weighting.method=mgda", f"weighting.source={source}"]
         trainer = Trainer.from_config(TINY, [f"output_dir={out_dir}/{name}", "data.batch_size=4",
-                                             f"ddp.strategy={name}", "trainer.progress=false"])
+                                             f"ddp.strategy={strategy}", "trainer.progress=false", *grad])
         counts = {"rounds": 0, "bytes": 0, "manual": 0}
         count_communication(trainer, counts)  # a DDP comm hook, and a CountingComm for the strategy's own
         per_step = []
@@ -58,14 +66,13 @@ def counts(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", RUNS)
 def test_allreduces_per_step(counts, strategy):
     for step in counts[strategy]["steps"]:  # every step, including the first (before DDP rebuilds its buckets)
         assert step["rounds"] + step["manual"] == EXPECTED[strategy], (strategy, step)
-    if strategy == "task_grads":  # all by hand, in one coalesced collective; DDP reduces nothing itself
-        assert all(s["rounds"] == 0 and s["manual"] == 1 for s in counts[strategy]["steps"])
-    else:
-        assert all(s["manual"] == 0 for s in counts[strategy]["steps"])
+        assert step["manual"] == MANUAL.get(strategy, 0), (strategy, step)
+    if strategy in STRATEGIES:  # the class states its rounds: DDP's and its own together
+        assert strategy_types()[strategy].cost(counts[strategy]["tasks"])["allreduces"] == EXPECTED[strategy]
 
 
 @pytest.mark.slow
@@ -75,11 +82,13 @@ def test_bytes_per_step_follow_the_rounds(counts):
     assert counts["find_unused"]["steps"][-1]["bytes"] == 2 * one
     assert counts["placeholder"]["steps"][-1]["bytes"] == 2 * one
     assert counts["task_grads"]["steps"][-1]["bytes"] > one  # K rows of the shared gradient + the heads
+    k = counts["combined"]["tasks"]  # features source: one K x K Gram matrix and the K losses, in float64
+    assert counts["feature_leaf+mgda@features"]["steps"][-1]["bytes"] == one + (k * k + k) * 8
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "task_grads+mgda"])
 def test_each_strategy_states_the_bytes_it_all_reduces(counts, strategy):
     c = counts[strategy]
-    stated = strategy_types()[strategy].allreduce_bytes(c["tasks"], c["shared"], c["heads"])
+    stated = strategy_types()[GRAD_RUNS.get(strategy, (strategy,))[0]].allreduce_bytes(c["tasks"], c["shared"], c["heads"])
     assert c["steps"][-1]["bytes"] == stated, (strategy, c["steps"][-1]["bytes"], stated)

@@ -20,6 +20,11 @@ here the bar measures the order of averaging and combining, not which side of a 
 The parity holds only if each task's gradient is averaged over the ranks *before* the method combines them;
 ``test_combining_before_averaging_misses_the_bar`` shows the bar catches the opposite order, on the two
 ranks' LOCAL task-gradient matrices of a real 2-rank step.
+
+The same spawn also runs every Gram-only gradient-level method with ``weighting.source=features``
+(``ddp.strategy=feature_leaf``): the weights come from the Gram matrix of the tasks' gradients w.r.t. the
+shared features, which must be that of the GLOBAL batch (the sum of the ranks' Gram matrices, / W^2).
+``test_feature_gram_is_the_global_batchs`` checks that sum against the single process's Gram matrix.
 """
 
 from __future__ import annotations
@@ -48,18 +53,40 @@ EXTRA = {"static": ["weighting.weights.cls=1.0", "weighting.weights.gen=0.5"],
          # solve at steps 0 and 2, reuse at step 1, and clip: both options under DDP
          "nashmtl": ["weighting.options.update_every=2", "weighting.options.max_norm=0.5"]}
 CAPTURE = "pcgrad"  # the method whose step-0 task-gradient matrices are kept for the negative control
+CAPTURE_FEATURES = "nashmtl"  # features source: its step-0 (local, reduced) Gram buffers are kept
 DEADLINE_S = 300  # the workers are killed after this; a stuck collective times out after 60 s anyway
 METHODS = sorted(weighting_types())
+FEATURE_METHODS = sorted(m for m, cls in weighting_types().items() if cls.level == "grad" and cls.gram_only())
+RUNS = [(m, "parameters") for m in METHODS] + [(m, "features") for m in FEATURE_METHODS]
 # Methods that miss the bar for a known reason (strict: a fix makes the test fail until this entry goes).
 KNOWN_FAILURES: dict = {}  # method -> reason; a method listed here is expected to fail parity
 
 
-def overrides(method: str, out_dir: str, batch: int) -> list[str]:
+def label(method: str, source: str) -> str:
+    return method if source == "parameters" else f"{method}@features"
+
+
+def overrides(method: str, source: str, out_dir: str, batch: int) -> list[str]:
     level = weighting_types()[method].level
+    strategy = "task_grads" if level == "grad" and source == "parameters" else "feature_leaf"
     return [f"output_dir={out_dir}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
             "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.progress=false", "ddp.timeout_s=60",
-            f"ddp.strategy={'task_grads' if level == 'grad' else 'feature_leaf'}", f"weighting.method={method}",
+            f"ddp.strategy={strategy}", f"weighting.method={method}", f"weighting.source={source}",
             *EXTRA.get(method, [])]
+
+
+def local_task_gradients(trainer, batch) -> torch.Tensor:
+    """(K, P) this process's own gradient of each task's loss w.r.t. the backbone, by plain autograd on ``batch``
+    (the losses normalised as in a step: each head's ``prepare`` runs its collective first)."""
+    from mtl.dist import all_reduce_sum
+
+    batch = dict(batch)
+    for head in trainer.bare.heads.values():
+        head.prepare(batch, all_reduce_sum)
+    losses = trainer.bare(batch)["losses"]
+    shared = [p for p in trainer.bare.backbone.parameters() if p.requires_grad]
+    return torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        losses[t], shared, retain_graph=True, materialize_grads=True)]) for t in trainer.tasks])
 
 
 def _worker(index, port, out_dir):
@@ -73,38 +100,43 @@ def _worker(index, port, out_dir):
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             os.environ.pop(key, None)
     from mtl import dist
-    from mtl.dist import Comm, CountingComm
+    from mtl.dist import Comm
     from mtl.trainer import Trainer
+
+    class Capture(Comm):  # keeps the first (local, reduced) pair a strategy all-reduces by hand
+        def all_reduce_mean(self, t):
+            out = super().all_reduce_mean(t)
+            captured.setdefault("gram_local", t.detach().clone())
+            captured.setdefault("gram_reduced", out.detach().clone())
+            return out
 
     torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
-    label = f"rank{index}" if world > 1 else "single"
+    who = f"rank{index}" if world > 1 else "single"
     results, captured = {}, {}
-
-    def capture(buf, out):  # buf = [G (K x P, this rank's own rows), head gradients, losses]; out: its average
-        captured.setdefault("local", buf.detach().clone())
-        captured.setdefault("averaged", out.detach().clone())
-
     try:
-        for method in METHODS:
-            trainer = Trainer.from_config(TINY, overrides(method, os.path.join(out_dir, f"world{world}", method),
+        for method, source in RUNS:
+            name = label(method, source)
+            trainer = Trainer.from_config(TINY, overrides(method, source, os.path.join(out_dir, f"world{world}", name),
                                                           2 * B // world))
             assert trainer.dist.world_size == world and trainer.dist.distributed == (world > 1)
-            trainer.parts.comm = CountingComm(observe=capture) if method == CAPTURE else Comm()
+            trainer.parts.comm = Capture() if name == f"{CAPTURE_FEATURES}@features" else Comm()
             batches = trainer.batches()
             trainer.bare.train()
-            for _ in range(STEPS):
+            for step in range(STEPS):
                 batch = {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v
                          for k, v in next(batches)[1].items()}
+                if step == 0 and name == CAPTURE:
+                    captured["local"] = local_task_gradients(trainer, batch).detach()
                 trainer.step_once(batch)
-            results[method] = {
+            results[name] = {
                 "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
                 "weighting": trainer.weighting.state_dict(),
                 "weights": trainer.weighting.weights(),
                 "shared": sum(p.numel() for p in trainer.bare.backbone.parameters() if p.requires_grad),
             }
             trainer.close()
-        torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{label}.pt"))
+        torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{who}.pt"))
     finally:
         dist.destroy()
 
@@ -124,7 +156,7 @@ def runs(tmp_path_factory):
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    return {label: torch.load(out / f"{label}.pt", weights_only=False) for label in ("rank0", "rank1", "single")}
+    return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
 
 
 def _leaves(obj, prefix=""):
@@ -162,30 +194,59 @@ def bitwise_equal(a, b) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[m], strict=True))
-                                    if m in KNOWN_FAILURES else m for m in METHODS])
-def test_two_processes_equal_one_process_on_the_global_batch(runs, method):
-    r0, r1, single = (runs[k]["results"][method] for k in ("rank0", "rank1", "single"))
+@pytest.mark.parametrize("method,source", [
+    pytest.param(m, src, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[m], strict=True)) if m in KNOWN_FAILURES
+    else (m, src) for m, src in RUNS])
+def test_two_processes_equal_one_process_on_the_global_batch(runs, method, source):
+    name = label(method, source)
+    r0, r1, single = (runs[k]["results"][name] for k in ("rank0", "rank1", "single"))
     for part in ("model", "weighting", "weights"):  # the two ranks are replicas, bit for bit
-        assert bitwise_equal(r0[part], r1[part]), (method, part)
+        assert bitwise_equal(r0[part], r1[part]), (name, part)
     assert next(iter(r0["model"].values())).dtype == DTYPE
     model = max_rel_diff(single["model"], r0["model"])
     weights = max_rel_diff(single["weights"], r0["weights"])
     state = max_rel_diff(single["weighting"], r0["weighting"])
-    print(f"{method}: parameters {model:.1e}, weights {weights:.1e}, weighting state {state:.1e}")
-    assert model <= TOL and weights <= TOL and state <= STATE_TOL, (method, model, weights, state)
+    print(f"{name}: parameters {model:.1e}, weights {weights:.1e}, weighting state {state:.1e}")
+    assert model <= TOL and weights <= TOL and state <= STATE_TOL, (name, model, weights, state)
+
+
+@pytest.mark.slow
+def test_the_sources_differ(runs):
+    """The features source is another objective (a surrogate): its run must not coincide with the parameters one,
+    or the features rows above would test nothing new."""
+    single = runs["single"]["results"]
+    assert max_rel_diff(single[CAPTURE_FEATURES]["weights"], single[f"{CAPTURE_FEATURES}@features"]["weights"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_feature_gram_is_the_global_batchs(runs):
+    """features source: the K x K Gram matrix every rank computes its weights from is the single process's (the global
+    batch's); a rank's own Gram matrix is not, and neither is the plain mean of the ranks' (the loss normalisation:
+    a rank's loss is W times its share of the global mean, so the sum of the ranks' Gram matrices is divided by W^2)."""
+    k, world = 2, 2
+    local = [runs[r]["captured"]["gram_local"][: k * k].view(k, k) for r in ("rank0", "rank1")]
+    single = runs["single"]["captured"]["gram_local"][: k * k].view(k, k)  # no process group: the global batch's
+    reduced = runs["rank0"]["captured"]["gram_reduced"][: k * k].view(k, k)
+
+    def rel(a, b):
+        return float((a - b).abs().max() / a.abs().max())
+
+    print(f"global Gram vs rank 0's own {rel(single, local[0]):.1e}, vs the ranks' mean {rel(single, reduced):.1e}")
+    assert rel(single, (local[0] + local[1]) / world**2) <= TOL
+    assert rel(single, reduced / world) <= TOL  # what the strategy divides the reduced buffer by
+    assert rel(single, local[0]) > 1e3 * TOL and rel(single, reduced) > 1e3 * TOL
 
 
 @pytest.mark.slow
 def test_combining_before_averaging_misses_the_bar(runs):
-    """PCGrad of the rank-averaged task gradients (what task_grads does) matches the 1-process run; the mean of
-    each rank's PCGrad of its LOCAL task gradients (combine first, average after) misses the bar by far."""
+    """PCGrad of the rank-averaged task gradients matches the 1-process run's; the mean of each rank's PCGrad of its
+    LOCAL task gradients (combine first, average after) misses the bar by far. The matrices are each process's own
+    task gradients at step 0, by plain autograd on that step's batch (``local_task_gradients``)."""
     from mtl.weighting.pcgrad import pcgrad
 
-    k, n = 2, runs["single"]["results"][CAPTURE]["shared"]
-    local = [runs[r]["captured"]["local"][: k * n].view(k, n) for r in ("rank0", "rank1")]
-    averaged = runs["rank0"]["captured"]["averaged"][: k * n].view(k, n)
-    reference = runs["single"]["captured"]["local"][: k * n].view(k, n)  # no process group: the global batch's
+    local = [runs[r]["captured"]["local"] for r in ("rank0", "rank1")]
+    averaged = (local[0] + local[1]) / 2
+    reference = runs["single"]["captured"]["local"]  # no process group: the global batch's
 
     def rel(a, b):
         return float((a - b).abs().max() / a.abs().max())

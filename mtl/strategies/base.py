@@ -35,6 +35,8 @@ class StepInputs:
     weigh: Callable[[str, torch.Tensor], torch.Tensor]  # the weighting method's per-task term
     scale: Callable[[torch.Tensor], torch.Tensor]  # AMP loss scaling (identity unless fp16)
     combine: Callable | None = None  # a gradient-level method's combine(grads, losses), else None
+    # a Gram-only gradient-level method's weights_for_gram(gram, losses, dtype) -> w (K,), else None
+    gram_weights: Callable | None = None
     loss_scale: Callable[[], float] = lambda: 1.0  # the current fp16 loss scale
     comm: Comm = field(default_factory=Comm)  # the collectives a strategy runs by hand
 
@@ -51,6 +53,9 @@ class Strategy:
     allreduces: int | str = 1  # reductions of every gradient bucket
     changes_objective: bool = False
     task_gradients: bool = False  # gives gradient-level weighting methods each task's gradient
+    # the weighting.source values it serves a gradient-level method: "parameters" (each task's gradient of the
+    # shared parameters) and/or "features" (of the shared features, through their Gram matrix)
+    gradient_sources: tuple[str, ...] = ()
     # ddp.engine=fsdp2: None if the strategy runs under FSDP2 (and is in its parity test), else why it does not
     fsdp2_refusal: str | None = None
 
@@ -146,7 +151,18 @@ def gradient_stats(tasks: list, rows: torch.Tensor, prefix: str = "") -> dict:
     norms = rows.norm(dim=1)
     stats = {f"{prefix}grad_norm/{t}": norms[i] for i, t in enumerate(tasks)}
     unit = rows / norms.clamp(min=1e-30)[:, None]
-    cos = unit @ unit.T
+    return _add_cosines(stats, tasks, unit @ unit.T, prefix)
+
+
+def gram_stats(tasks: list, gram: torch.Tensor, prefix: str = "") -> dict:
+    """``gradient_stats`` of the rows whose Gram matrix is ``gram`` (K, K)."""
+    norms = gram.diagonal().clamp(min=0).sqrt()
+    stats = {f"{prefix}grad_norm/{t}": norms[i] for i, t in enumerate(tasks)}
+    inv = 1 / norms.clamp(min=1e-30)
+    return _add_cosines(stats, tasks, gram * inv[:, None] * inv[None, :], prefix)
+
+
+def _add_cosines(stats: dict, tasks: list, cos: torch.Tensor, prefix: str) -> dict:
     for i, a in enumerate(tasks):
         for j in range(i + 1, len(tasks)):
             stats[f"{prefix}grad_cos/{a}_{tasks[j]}"] = cos[i, j]

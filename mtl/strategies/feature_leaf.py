@@ -1,33 +1,67 @@
 """``feature_leaf``: one backbone forward, one independent backward per head, one backbone backward.
 
 Every head reads a leaf ``leaf = features.detach().requires_grad_()``. Each task's backward pass
-runs through its head only and accumulates d(loss_t)/d(features) into ``leaf.grad``; then one
-backward from the features, ``features.backward(leaf.grad)``, carries the sum through the backbone.
-A backward pass is linear in its incoming gradient, so this is exactly the gradient of the weighted
+runs through its head only and leaves d(loss_t)/d(features) in ``leaf.grad``; then one backward
+from the features, ``features.backward(sum_t g_t)``, carries the sum through the backbone. A
+backward pass is linear in its incoming gradient, so this is exactly the gradient of the weighted
 sum, with one all-reduce (DDP with find_unused_parameters=False sees every parameter get exactly one
-gradient). The per-task feature gradients are available on their own, between the head passes.
+gradient). The per-task feature gradients g_t are available on their own, between the head passes.
+
+``weighting.source: features`` (a Gram-only gradient-level method: MGDA, PCGrad, ..., the MGDA-UB /
+LibMTL ``rep_grad`` surrogate): the method's weights w come from the K x K Gram matrix of the g_t over
+the GLOBAL batch, and the backbone backward carries ``sum_t w_t g_t`` instead of the plain sum. The
+global Gram matrix is one all-reduce of K x K numbers: rank r's features are its own samples, so the
+global Gram matrix is the sum over ranks of the local ones, once each g_t is put on the global loss's
+scale. Rank r's loss is W times its share of the global mean (DDP averages the ranks' gradients;
+the caption head scales its token sum by W / global tokens for the same reason), so its g_t is W times
+the global loss's gradient at its samples, and ``gram = sum_r G_r G_r^T / W^2``. Every rank then
+computes the same w from the same numbers, and DDP reduces the one backbone backward as usual.
+Each head gets its own task's gradient, unweighted (the method's w weighs the tasks' pulls on the
+SHARED parameters; a head is pulled by one task only), as ``task_grads`` does.
 """
+
+import time
 
 import torch
 
-from mtl.strategies.base import Strategy, detached, gradient_stats
+from mtl.strategies.base import Strategy, detached, gradient_stats, gram_stats
+from mtl.weighting.base import apply_weights, gram_matrix
 
 
 class FeatureLeaf(Strategy):
     name = "feature_leaf"
     summary = "one backbone forward and backward; per-task head backward into a feature leaf"
+    gradient_sources = ("features",)
 
     @classmethod
     def extra_memory_bytes(cls, num_tasks, shared_params, feature_numel, elem=4):
-        return 2 * feature_numel * elem  # the leaf and its accumulated gradient
+        return (2 * num_tasks + 1) * feature_numel * elem  # each task's gradient of the leaf, stacked, and the sum
 
     def forward_backward(self, s):
         out = s.model(s.batch, feature_leaf=True)
         leaf, losses = out["leaf"], out["losses"]
-        per_task, before = [], 0.0
+        rows = []
         for t in s.tasks:  # one backward pass per task; each stops at the leaf
+            leaf.grad = None
             s.scale(s.weigh(t, losses[t])).backward()
-            per_task.append((leaf.grad - before).detach().float().flatten())
-            before = leaf.grad.clone()
-        out["features"].backward(leaf.grad)  # the one backbone backward, for the weighted sum
-        return detached(losses), gradient_stats(s.tasks, torch.stack(per_task), "feat_")
+            rows.append(leaf.grad.reshape(-1))
+        grads = torch.stack(rows)  # (K, feature map numel): small next to the parameters
+        if s.gram_weights is None:
+            total, stats = grads.sum(0), gradient_stats(s.tasks, grads.detach().float(), "feat_")
+        else:
+            total, stats = self._weighted(s, grads, losses)
+        out["features"].backward(total.view_as(leaf))  # the one backbone backward
+        return detached(losses), stats
+
+    @staticmethod
+    def _weighted(s, grads: torch.Tensor, losses: dict) -> tuple[torch.Tensor, dict]:
+        """(sum_t w_t g_t, stats): w from the global batch's Gram matrix of the feature gradients."""
+        k, world = grads.shape[0], s.comm.world_size()
+        loss_vec = torch.stack([losses[t].detach() for t in s.tasks]).to(torch.float64)
+        reduced = s.comm.all_reduce_mean(torch.cat([gram_matrix(grads).reshape(-1), loss_vec]))  # ONE collective
+        gram = reduced[: k * k].view(k, k) / world  # (sum_r G_r G_r^T) / W^2, see the module docstring
+        tic = time.perf_counter()
+        scale = s.loss_scale()  # fp16: the rows are scaled; the method sees the unscaled Gram matrix
+        w = s.gram_weights(gram / (scale * scale), reduced[k * k:], grads.dtype)
+        stats = {**gram_stats(s.tasks, gram, "feat_"), "combine_s": time.perf_counter() - tic}  # the trainer unscales
+        return apply_weights(w, grads), stats

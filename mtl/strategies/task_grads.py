@@ -1,16 +1,25 @@
 """``task_grads``: each task's rank-averaged gradient of the shared parameters, for gradient-level weighting.
 
-One backbone forward (the ``feature_leaf`` graph, run under ``no_sync()`` so DDP reduces nothing by
-itself). For each task: its head backward pass into the feature leaf, then one backbone backward
-with ``torch.autograd.grad(features, shared, leaf_grad_t)``, which fills row t of the K x P matrix
-G without touching ``.grad``. Then ONE all-reduce, by hand, of [G, head gradients, losses], so that
-every row is averaged over ranks *before* the weighting method combines the rows. Combining first
-and averaging after would give a different, rank-count-dependent answer for every nonlinear
-method (PCGrad, MGDA, CAGrad, Nash-MTL, ...).
+One backbone forward (the ``feature_leaf`` graph, through DDP as usual). For each task t but the last:
+its head backward pass into the feature leaf, then ``torch.autograd.grad(features, shared, g_t)``,
+which gives row t of the K x P matrix G without touching ``.grad`` (so DDP's hooks do not fire); the
+row is written into a preallocated buffer and its all-reduce starts at once, asynchronously, so that
+it runs while the next tasks' backward passes compute. The LAST task's backbone backward is an
+ordinary ``features.backward(g_K)`` through DDP: every parameter (the heads, from their passes, and
+the backbone, from this one) gets exactly one gradient, so DDP reduces the last row and the heads'
+gradients in its usual buckets, overlapped with that backward. Then every row is averaged over ranks
+*before* the weighting method sees them. Combining first and averaging after would give a different,
+rank-count-dependent answer for every nonlinear method (PCGrad, MGDA, CAGrad, Nash-MTL, ...).
 
-Cost: one backbone forward, K backbone backward passes, one all-reduce of K*P_shared + P_heads
-numbers, and G held in memory (K * P_shared floats). With a loss-level method the rows are summed,
-which reproduces ``combined`` (the parity tests check it).
+Then: the last row is copied from ``.grad`` into the buffer (the only copy of a row), the K x K Gram
+matrix of the buffer gives a Gram-only method its weights w (``StepInputs.gram_weights``), and the
+update ``sum_t w_t g_t`` is formed in place in ``.grad`` (a method that needs the rows gets the K x P
+buffer through ``combine``). With a loss-level method w = 1: the rows are summed, which reproduces
+``combined`` (the parity tests check it).
+
+Cost: one backbone forward, K backbone backward passes; K all-reduces (K - 1 rows by hand, the first
+carrying the K losses; DDP's bucketed one for the last row and the heads), K*P_shared + P_heads + K
+numbers in all; the K x P buffer held between steps.
 """
 
 from __future__ import annotations
@@ -20,67 +29,89 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mtl.strategies.base import Strategy, gradient_stats, no_sync
-
-
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _write_grads(params: list, flat: torch.Tensor) -> None:
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    pieces = torch.split(flat, [p.numel() for p in params])
-    torch._foreach_copy_([p.grad for p in params], [v.view_as(p) for v, p in zip(pieces, params)])
+from mtl.strategies.base import Strategy, gram_stats
+from mtl.weighting.base import gram_matrix
 
 
 class TaskGrads(Strategy):
     name = "task_grads"
     summary = "one backbone forward, a backbone backward per task, per-task rank-averaged shared gradients"
     task_gradients = True
+    gradient_sources = ("parameters",)
     backbone_backwards = "K"  # one per task
-    allreduces = 1  # by hand, coalesced
+    allreduces = "K"  # K - 1 rows by hand, each started as soon as it is computed; the last row and the heads by DDP
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self._buf: torch.Tensor | None = None  # [K losses, G (K x P)], kept between steps
 
     @classmethod
     def allreduce_bytes(cls, num_tasks, shared_params, head_params, elem=4):
-        return (num_tasks * shared_params + head_params + num_tasks) * elem  # [G, head gradients, losses]
+        return (num_tasks * shared_params + head_params + num_tasks) * elem  # G, the heads' gradients, the losses
 
     @classmethod
     def extra_memory_bytes(cls, num_tasks, shared_params, feature_numel, elem=4):
-        return num_tasks * shared_params * elem + 2 * feature_numel * elem  # G, and the leaf with its gradient
+        # the K x P buffer, one row's autograd output before it is copied in, the leaf and its per-task gradients
+        return (num_tasks + 1) * shared_params * elem + 3 * feature_numel * elem
+
+    def _buffer(self, k: int, n: int, like: torch.Tensor) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() != k + k * n or self._buf.dtype != like.dtype \
+                or self._buf.device != like.device:
+            self._buf = torch.empty(k + k * n, dtype=like.dtype, device=like.device)
+        return self._buf
 
     def forward_backward(self, s):
         bare = s.model.module if isinstance(s.model, DistributedDataParallel) else s.model
         shared = [p for p in bare.backbone.parameters() if p.requires_grad]
-        heads = [p for p in bare.heads.parameters() if p.requires_grad]
-        with no_sync(s.model):
-            out = s.model(s.batch, feature_leaf=True)
+        out = s.model(s.batch, feature_leaf=True)
         leaf, features, losses = out["leaf"], out["features"], out["losses"]
-        rows, before = [], 0.0
+        k, n = len(s.tasks), sum(p.numel() for p in shared)
+        buf = self._buffer(k, n, shared[0])
+        loss_vec, rows = buf[:k], buf[k:].view(k, n)
+        loss_vec.copy_(torch.stack([losses[t].detach() for t in s.tasks]))
+        pending = []
         for i, t in enumerate(s.tasks):
-            s.scale(s.weigh(t, losses[t])).backward()  # head t's pass; stops at the leaf
-            g_feat, before = leaf.grad - before, leaf.grad.clone()
-            g = torch.autograd.grad(features, shared, grad_outputs=g_feat, retain_graph=i < len(s.tasks) - 1,
-                                    allow_unused=True)
-            rows.append(_flat(torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, shared)))
-        for p in heads:
-            if p.grad is None:
+            leaf.grad = None
+            s.scale(s.weigh(t, losses[t])).backward()  # head t's pass (DDP marks head t ready); stops at the leaf
+            if i == k - 1:
+                features.backward(leaf.grad)  # through DDP: the last row and the heads, in its buckets
+                break
+            g = torch.autograd.grad(features, shared, grad_outputs=leaf.grad, retain_graph=True,
+                                    materialize_grads=True)
+            torch.cat([x.reshape(-1) for x in g], out=rows[i])
+            del g
+            # row i starts its all-reduce now (row 0 with the losses: one collective) and runs under the next passes
+            pending.append(s.comm.start_all_reduce_mean_(buf[: k + n] if i == 0 else rows[i]))
+        if k == 1:
+            pending.append(s.comm.start_all_reduce_mean_(loss_vec))
+        for p in shared:
+            if p.grad is None:  # one process, a parameter the features do not depend on
                 p.grad = torch.zeros_like(p)
-        grads = torch.stack(rows)
-        k, n = grads.shape
-        loss_vec = torch.stack([losses[t].detach().float() for t in s.tasks]).to(grads.dtype)
-        buf = s.comm.all_reduce_mean(torch.cat([grads.reshape(-1), _flat(p.grad for p in heads), loss_vec]))
-        grads = buf[: k * n].view(k, n)
-        _write_grads(heads, buf[k * n: -k])
+        grads = [p.grad for p in shared]
+        torch._foreach_copy_(list(torch.split(rows[k - 1], [p.numel() for p in shared])),
+                             [x.reshape(-1) for x in grads])
+        for p in pending:
+            p.wait()
         tic = time.perf_counter()
-        if s.combine is None:  # loss-level weighting: the weighted rows just add up
-            direction = grads.sum(0)
-        else:  # gradient-level: the method sees unscaled, rank-averaged rows
-            scale = s.loss_scale()
-            direction = s.combine(grads / scale, buf[-k:]) * scale
-        if direction.is_cuda:
-            torch.cuda.synchronize(direction.device)
-        stats = {**gradient_stats(s.tasks, grads), "combine_s": time.perf_counter() - tic}  # the method's own maths
-        _write_grads(shared, direction.to(shared[0].dtype))
+        scale = s.loss_scale()  # fp16: the rows are scaled; a method sees them unscaled
+        gram = gram_matrix(rows)
+        if s.gram_weights is not None:
+            w = s.gram_weights(gram / (scale * scale), loss_vec, rows.dtype).tolist()
+        elif s.combine is None:  # loss-level weighting: the weighted rows just add up
+            w = [1.0] * k
+        else:  # a method that needs the rows
+            w = None
+            direction = s.combine(rows / scale, loss_vec) * scale
+        if w is not None:  # sum_t w_t g_t, in place in .grad (which holds the last row)
+            views = [list(torch.split(rows[i], [p.numel() for p in shared])) for i in range(k)]
+            torch._foreach_mul_(grads, w[k - 1])
+            for i in range(k - 1):
+                torch._foreach_add_(grads, [v.view_as(x) for v, x in zip(views[i], grads)], alpha=w[i])
+        else:
+            torch._foreach_copy_(grads, [v.view_as(x) for v, x in
+                                         zip(torch.split(direction.to(grads[0].dtype), [p.numel() for p in shared]),
+                                             grads)])
+        if rows.is_cuda:
+            torch.cuda.synchronize(rows.device)
+        stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
         return {t: v.detach() for t, v in losses.items()}, stats

@@ -34,17 +34,27 @@ import torch.multiprocessing as mp
 
 from mtl.dist import free_port
 
+# label -> (strategy, overrides, how the table names it).
 # "combined+find_unused": the same single backward with find_unused_parameters=True, to isolate what
-# the flag itself costs (the seed articles claim 15-20% more memory and slower synchronisation)
-VARIANTS = {"combined+find_unused": ("combined", ["ddp.find_unused_parameters=true"])}
+# the flag itself costs (the seed articles claim 15-20% more memory and slower synchronisation).
+# The two gradient sources, each with one gradient-level method (MGDA): what such a method costs.
+VARIANTS = {
+    "combined+find_unused": ("combined", ["ddp.find_unused_parameters=true"],
+                             "`combined` + find_unused_parameters=True"),
+    "task_grads+mgda": ("task_grads", ["weighting.method=mgda", "weighting.source=parameters"],
+                        "`task_grads` + MGDA (source: parameters)"),
+    "feature_leaf+mgda": ("feature_leaf", ["weighting.method=mgda", "weighting.source=features"],
+                          "`feature_leaf` + MGDA (source: features)"),
+}
 
 
-def strategies_to_time() -> list[str]:
-    """Every registered strategy but the unsafe ones, ``combined`` (the baseline) first, then the variants."""
+def strategies_to_time(only: list[str] | None = None) -> list[str]:
+    """Every registered strategy but the unsafe ones, ``combined`` (the baseline) first, then the variants
+    (or only those in ``only``, ``combined`` always)."""
     from mtl.strategies import strategy_types
 
     names = [n for n, cls in strategy_types().items() if not cls.unsafe and n != "combined"]
-    return ["combined", *names, *VARIANTS]
+    return [n for n in ["combined", *names, *VARIANTS] if only is None or n == "combined" or n in only]
 BEGIN, END = "<!-- bench-strategies:begin -->", "<!-- bench-strategies:end -->"
 
 
@@ -57,7 +67,7 @@ def _setup(rank: int, world: int, port: int) -> None:
 def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
     from mtl.trainer import Trainer
 
-    strategy, extra = VARIANTS.get(label, (label, []))
+    strategy, extra, _ = VARIANTS.get(label, (label, [], ""))
     return Trainer.from_config(config, [*overrides, *extra, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{label}",
                                         "trainer.progress=false", "resume=null", "ddp.replica_check_every=0"])
 
@@ -84,12 +94,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, result_file):
+def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, result_file, only=None):
     _setup(rank, world, port)
     from mtl import dist
     from mtl.evaluate import to_device
 
-    names = strategies_to_time()
+    names = strategies_to_time(only)
     trainers = {s: _trainer(config, overrides, s, out_dir) for s in names}
     batches = {s: t.batches() for s, t in trainers.items()}
     counts = {s: {"rounds": 0, "manual": 0, "bytes": 0} for s in names}
@@ -177,15 +187,15 @@ def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_di
     dist.destroy()
 
 
-def run(config: str, overrides: list[str], nproc: int, rounds: int, steps: int) -> dict:
+def run(config: str, overrides: list[str], nproc: int, rounds: int, steps: int, only: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         res = os.path.join(tmp, "time.json")
-        mp.start_processes(_time_worker, args=(nproc, free_port(), config, overrides, rounds, steps, tmp, res),
+        mp.start_processes(_time_worker, args=(nproc, free_port(), config, overrides, rounds, steps, tmp, res, only),
                            nprocs=nproc, start_method="spawn")
         with open(res) as f:
             timing = json.load(f)
         memory = {}
-        for s in strategies_to_time():
+        for s in strategies_to_time(only):
             res = os.path.join(tmp, f"mem_{s}.json")
             mp.start_processes(_memory_worker, args=(nproc, free_port(), config, overrides, s, steps, tmp, res),
                                nprocs=nproc, start_method="spawn")
@@ -217,7 +227,7 @@ def table(result: dict, meta: dict) -> str:
     for s in t["times"]:
         c = types[VARIANTS.get(s, (s,))[0]]
         ps = t["per_step"][s]
-        label = "`combined` + find_unused_parameters=True" if s in VARIANTS else f"`{s}`"
+        label = VARIANTS[s][2] if s in VARIANTS else f"`{s}`"
         k = c.cost(meta["tasks"])
         rounds = ps["rounds"] + ps.get("manual", 0)  # DDP's bucket rounds + the strategy's hand-made ones
         lines.append(f"| {label} | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {rounds} "
@@ -250,16 +260,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--write", default=None, help="a markdown file whose bench-strategies section to replace")
     p.add_argument("--json", default=None, help="also save the raw numbers here")
+    p.add_argument("--only", default=None, help="comma-separated strategies/variants to time (combined always)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     from mtl.config_check import load_run_config
 
     cfg = load_run_config(a.config, a.overrides)
     tic = time.time()
-    result = run(a.config, a.overrides, a.nproc, a.rounds, a.steps)
+    only = a.only.split(",") if a.only else None
+    unknown = sorted(set(only or []) - set(strategies_to_time()))
+    if unknown:
+        raise SystemExit(f"--only: unknown {', '.join(unknown)} (known: {', '.join(strategies_to_time())})")
+    result = run(a.config, a.overrides, a.nproc, a.rounds, a.steps, only)
     cuda = torch.cuda.is_available() and cfg.device != "cpu"
-    meta = {"command": "make bench-strategies" if not a.overrides else f"python -m mtl.tools.bench_strategies "
-            f"--config {a.config} {' '.join(a.overrides)}", "machine": f"{platform.machine()} "
+    default = not a.overrides and not a.only and (a.rounds, a.steps, a.nproc) == (7, 3, 2)
+    args = [f"--config {a.config}", f"--nproc {a.nproc}", f"--rounds {a.rounds}", f"--steps {a.steps}",
+            *([f"--only {a.only}"] if a.only else []), *a.overrides]
+    meta = {"command": "make bench-strategies" if default else f"python -m mtl.tools.bench_strategies {' '.join(args)}",
+            "machine": f"{platform.machine()} "
             f"{os.cpu_count()}-core {'GPU' if cuda else 'CPU'}", "date": time.strftime("%Y-%m-%d"),
             "nproc": a.nproc, "backend": "nccl" if cuda else "gloo", "batch": cfg.data.batch_size,
             "rounds": a.rounds, "steps": a.steps, "tasks": len(cfg.tasks),

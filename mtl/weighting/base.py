@@ -77,6 +77,12 @@ class Weighting(nn.Module):
         """Gradient-level methods: (K, P) rank-averaged task gradients -> (P,) update direction."""
         raise NotImplementedError(f"{self.name} is a loss-level method")
 
+    @classmethod
+    def gram_only(cls) -> bool:
+        """A gradient-level method that needs only the K x K Gram matrix (``weights_for_gram``), not the rows of G.
+        Only such a method works with ``weighting.source: features``, which never forms the rows' update."""
+        return False
+
 
 def gram_matrix(grads: Tensor) -> Tensor:
     """The K x K Gram matrix ``grads @ grads.T`` in float64 (the product in float32 for lower precisions)."""
@@ -120,7 +126,9 @@ class GramWeighting(Weighting):
     (1.0 per task before the first combination), so the logged weights are the update's coefficients.
 
     A method that needs the rows themselves (GradDrop's per-coordinate signs, for example) overrides
-    ``combine``; it then works only where the strategy hands it the rows (``task_grads``).
+    ``combine``; it then works only where the strategy hands it the rows (``task_grads``): ``gram_only()``
+    says so from the class (it is False once ``combine`` is overridden), and the config check refuses such a
+    method with ``weighting.source: features``.
     """
 
     level = "grad"
@@ -148,6 +156,10 @@ class GramWeighting(Weighting):
         """The method's weights for ``gram``, recorded for ``weights()``."""
         self._alpha = self.weights_from_gram(gram, losses, dtype)
         return self._alpha
+
+    @classmethod
+    def gram_only(cls) -> bool:
+        return cls.combine is GramWeighting.combine
 
     @torch.no_grad()
     def combine(self, grads: Tensor, losses: Tensor | None = None) -> Tensor:
