@@ -144,7 +144,9 @@ def examine(cfg, batches: int = 8) -> dict:
             rec = (rec[0], rec[1] + f"; the tasks' shared gradients conflict significantly ({measured}), so a "
                    "gradient-level method (pcgrad, mgda, cagrad, nashmtl ...) with ddp.strategy=task_grads may be "
                    f"worth a try: its step costs about {extra:.2f}x this one here (estimated from the measured F and "
-                   "B, before the method's own maths); whether it pays off in quality is what `make bench` measures")
+                   "B, before the method's own maths), or with weighting.source=features on feature_leaf at about "
+                   "this step's cost (a surrogate: the gradients of the shared features); whether either pays off "
+                   "in quality is what `make bench` measures")
         else:
             rec = (rec[0], rec[1] + f"; no significant gradient conflict ({measured}): nothing here argues for a "
                    "gradient-level method")
