@@ -24,9 +24,10 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The fast tier for forkers: in-process tests only (no multi-process runs, no tests of torch itself).
+# The fast tier for forkers: in-process tests only (no multi-process runs, no tests of torch itself),
+# spread over 2 workers (pytest-xdist).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mtl tests train.py

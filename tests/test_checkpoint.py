@@ -264,6 +264,7 @@ def test_re_saving_a_step_replaces_it_and_leaves_no_copy(tmp_path):
     assert torch.equal(net[0].weight, model(99)[0].weight) and state["step"] == 3  # the new save's weights
 
 
+@pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
 def test_a_resume_with_nothing_left_to_do_does_not_rewrite_its_checkpoint(tmp_path, capsys):
     """Every re-save is a window (short, and covered by the aside copy) in which step_N is being replaced:
     a run that already holds the step it would save (a resume with nothing left to do; a stop signal on a

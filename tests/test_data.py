@@ -594,6 +594,7 @@ def test_a_non_utf8_byte_costs_one_line_not_the_file(images):
     assert [r.line for r in ds.records] == [1, 3]
 
 
+@pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
 def test_tokenizer_training_prints_no_progress_bar():
     """The tokenizers library draws its bar only on a terminal, so run the training under a pseudo-terminal."""
     import pty

@@ -72,8 +72,7 @@ def model_bytes(run_dir, step):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, overrides", [
-    (1, ["ddp.strategy=feature_leaf"]),
-    (2, ["ddp.strategy=feature_leaf"]),  # one shared forward
+    # feature_leaf (one shared forward) at 1 and 2 processes: tests/test_chaos.py kills those 10 times
     (2, ["ddp.strategy=find_unused"]),  # per-task forwards
     (2, ["ddp.strategy=task_grads", "weighting.method=pcgrad"]),  # a gradient-level method
 ])
@@ -332,6 +331,7 @@ def train_main(args, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
 def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train_main(["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=2", f"output_dir={out}"],
@@ -370,6 +370,7 @@ def _train_in_process(args):
     assert train.main(args) == 0
 
 
+@pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
 def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, capsys):
     # both keys may change on resume (mtl/resume.py), so neither may move the dropout stream
     base = ["--config", TINY, "trainer.max_steps=4", "model.decoder.dropout=0.1", "trainer.max_bad_steps=5"]
