@@ -14,6 +14,20 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def spawn_env(index: int, port: int) -> int:
+    """For a spawned parity worker: index 0 and 1 become the two ranks of a process group (torchrun's
+    variables), index 2 the single process (no process group). Returns the world size."""
+    world = 2 if index < 2 else 1
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if world > 1:
+        os.environ.update({"RANK": str(index), "WORLD_SIZE": "2", "LOCAL_RANK": str(index),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    else:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(key, None)
+    return world
+
+
 def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
     """Run the real train.py, in one process or under torchrun with gloo (no fixed ports)."""

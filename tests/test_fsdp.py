@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from mtl.errors import ConfigError
 from mtl.strategies import strategy_types
 
-from .conftest import TINY, free_port
+from .conftest import TINY, free_port, spawn_env
 
 B = 4
 STEPS = 3
@@ -74,14 +74,7 @@ def _full_params(trainer) -> dict:
 
 
 def _worker(index, port, out_dir):
-    world = 2 if index < 2 else 1
-    os.environ["OMP_NUM_THREADS"] = "1"
-    if world > 1:
-        os.environ.update({"RANK": str(index), "WORLD_SIZE": "2", "LOCAL_RANK": str(index),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    else:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            os.environ.pop(key, None)
+    world = spawn_env(index, port)
     from mtl import dist
     from mtl.runtime_checks import check_replicas
     from mtl.trainer import Trainer

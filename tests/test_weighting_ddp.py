@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from mtl.weighting import weighting_types
 
-from .conftest import TINY, free_port
+from .conftest import TINY, free_port, spawn_env
 
 B = 4
 STEPS = 3
@@ -91,14 +91,7 @@ def local_task_gradients(trainer, batch) -> torch.Tensor:
 
 def _worker(index, port, out_dir):
     """index 0 and 1: the two ranks (batch B); index 2: the single process (batch 2B, no process group)."""
-    world = 2 if index < 2 else 1
-    os.environ["OMP_NUM_THREADS"] = "1"
-    if world > 1:
-        os.environ.update({"RANK": str(index), "WORLD_SIZE": "2", "LOCAL_RANK": str(index),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    else:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            os.environ.pop(key, None)
+    world = spawn_env(index, port)
     from mtl import dist
     from mtl.dist import Comm
     from mtl.trainer import Trainer

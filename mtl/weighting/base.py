@@ -42,6 +42,12 @@ def stream_seed(seed: int, step: int, salt: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+def step_generator(seed: int, step: int, salt: str, device=None) -> torch.Generator:
+    """A ``torch.Generator`` (on ``device``) seeded with ``stream_seed(seed, step, salt)``: the same draws on every rank."""
+    gen = torch.Generator(device=device) if device is not None else torch.Generator()
+    return gen.manual_seed(stream_seed(seed, step, salt))
+
+
 class Weighting(nn.Module):
     name: str = ""
     level: str = "loss"  # "loss" | "grad"

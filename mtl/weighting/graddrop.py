@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting, stream_seed
+from mtl.weighting.base import Weighting, step_generator
 from mtl.weighting.checks import option_range_errors
 
 
@@ -103,7 +103,7 @@ class GradDrop(Weighting):
 
     def uniform(self, n: int, device) -> Tensor:
         """This step's (n,) uniform draws, the same on every rank."""
-        gen = torch.Generator(device=device).manual_seed(stream_seed(self.seed, self.step, "graddrop"))
+        gen = step_generator(self.seed, self.step, "graddrop", device)
         return torch.rand(n, generator=gen, device=device, dtype=torch.float32)
 
     @torch.no_grad()

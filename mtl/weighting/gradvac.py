@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram, stream_seed
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram, step_generator
 from mtl.weighting.checks import option_range_errors
 
 GRADVAC_BETA = 0.5  # EMA rate of the cosine targets
@@ -126,7 +126,7 @@ class GradVac(GramWeighting):
 
     def weights_from_gram(self, gram, losses, dtype):
         k = gram.shape[0]
-        gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step, "gradvac")) if k > 2 else None
+        gen = step_generator(self.seed, self.step, "gradvac") if k > 2 else None
         w, new = gradvac_weights(gram, self.targets.detach().cpu().numpy(), self.options.beta, gen)
         self.targets.copy_(torch.as_tensor(new, dtype=self.targets.dtype))
         return w

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, stream_seed
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, step_generator
 from mtl.weighting.checks import option_choice_errors
 
 PCGRAD_REDUCTIONS = ("sum", "mean")
@@ -92,5 +92,5 @@ class PCGrad(GramWeighting):
 
     def weights_from_gram(self, gram, losses, dtype):
         k = gram.shape[0]
-        gen = torch.Generator().manual_seed(stream_seed(self.seed, self.step, "pcgrad")) if k > 2 else None
+        gen = step_generator(self.seed, self.step, "pcgrad") if k > 2 else None
         return pcgrad_weights(gram, gen, self.options.reduction)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from mtl.weighting.base import Weighting, stream_seed
+from mtl.weighting.base import Weighting, step_generator
 
 
 def rlw_weights(seed: int, step: int, k: int) -> list[float]:
     """softmax of K standard-normal samples drawn from the (seed, step) stream."""
-    gen = torch.Generator().manual_seed(stream_seed(seed, step, "rlw"))
+    gen = step_generator(seed, step, "rlw")
     z = torch.randn(k, generator=gen, dtype=torch.float64)
     return torch.softmax(z, dim=0).tolist()
 
