@@ -7,7 +7,7 @@ CONFIG  ?= configs/default.yaml
 NPROC   ?= 2
 RUN_DIR ?= runs/default
 
-.PHONY: install train test test-fast lint tensorboard bench bench-strategies doctor clean
+.PHONY: install train test test-fast lint tensorboard bench bench-quick bench-toy bench-strategies doctor clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,8 +35,17 @@ lint: $(STAMP)
 tensorboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUN_DIR)/tb --host 127.0.0.1
 
+# The weighting benchmark: the full CPU sweep (60 min on 2 cores), and its quick preset (<= 10 min; or
+# make bench ARGS="--preset quick"). docs/benchmark.md
 bench: $(STAMP)
-	$(BIN)/python -m mtl.tools.bench --config configs/bench.yaml $(ARGS)
+	$(BIN)/python -m mtl.tools.bench $(ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m mtl.tools.bench --preset quick $(ARGS)
+
+# The papers' toy problem (CAGrad Fig. 1, Nash-MTL): every gradient-level method from three starts, into runs/toy/.
+bench-toy: $(STAMP)
+	$(BIN)/python -m mtl.tools.bench_toy --out runs/toy $(ARGS)
 
 bench-strategies: $(STAMP)
 	$(BIN)/python -m mtl.tools.bench_strategies --config $(CONFIG) --write docs/strategies.md $(ARGS)

@@ -4,9 +4,17 @@ fp16 scales each task's loss on its own (``scale(loss).backward()`` per pass), u
 clipping and updates once per step. The step itself (``optimizer.step()``, skipped on an inf/NaN
 gradient) is taken in mtl/step.py, in plain sight; the scaler only scales, unscales and updates.
 bf16 needs no scaler. Both work on CPU and CUDA.
+
+Under FSDP2 (``sharded=True``) the scaler is torch's ``ShardedGradScaler``: a rank's ``unscale_`` sees only its
+gradient shards (DTensors), so an overflow may show on one rank only; ShardedGradScaler all-reduces its found-inf
+flag over the ranks in ``unscale_``, so every rank backs its scale off together (tested in tests/test_fsdp.py:
+FSDP2 fp16 == DDP fp16, an overflow skipped on both ranks). DDP's ranks hold the same averaged gradients and need
+no such collective.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -14,10 +22,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Amp:
-    def __init__(self, precision: str, device: torch.device):
+    def __init__(self, precision: str, device: torch.device, sharded: bool = False):
         self.precision = precision
         self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(self.device_type) if precision == "fp16" else None
+        self.scaler = None
+        if precision == "fp16" and sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device_type)
+        elif precision == "fp16":
+            self.scaler = torch.amp.GradScaler(self.device_type)
         self.dtype = DTYPES.get(precision)  # the model's autocast dtype; None for fp32
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -28,7 +42,9 @@ class Amp:
 
     def unscale_(self, optimizer) -> None:
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+            with warnings.catch_warnings():  # ShardedGradScaler's (1,)-shaped inverse scale meets DTensor gradients
+                warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+                self.scaler.unscale_(optimizer)
 
     def update(self) -> None:
         """After the step (taken or skipped): the GradScaler backs its scale off if ``unscale_`` found an

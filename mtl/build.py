@@ -13,11 +13,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mtl import checkpoint as ckpt
+from mtl.config import multi_input
 from mtl.data.loader import BatchCollate, all_captions, build_datasets, build_train_loader, check_task_fields, set_epoch
+from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
 from mtl.dist import DistInfo, barrier
-from mtl.errors import CheckpointError
+from mtl.errors import CheckpointError, ConfigError
 from mtl.models.backbone import build_backbone
 from mtl.models.multitask import MultiTaskModel
 from mtl.strategies import strategy_types
@@ -75,7 +77,9 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
     info = BuildInfo(cfg=cfg, feature_channels=fmap.shape[1], feature_hw=tuple(fmap.shape[2:]),
                      num_classes=num_classes, class_names=class_names, tokenizer=tokenizer)
     types = run_task_types(cfg)
-    return MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks})
+    scale = cfg.get("loss_scale") or {}
+    return MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},
+                          loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
 
 
 def run_task_types(cfg) -> dict[str, type]:
@@ -100,9 +104,15 @@ class RunPieces:
     tokenizer: CaptionTokenizer
     model: MultiTaskModel  # the bare model, on the CPU, in train mode, with its initial weights
     collate: BatchCollate
+    # multi-input mode (data.per_task): {task: (train, val)} and {task: its own collate}; else None
+    task_sets: dict | None = None
+    task_collates: dict | None = None
 
     def train_loader(self, rank: int = 0, world_size: int = 1, batch_size: int | None = None):
         """The run's training loader (epoch 0) for ``rank`` of ``world_size``."""
+        if self.task_sets is not None:
+            raise ConfigError("data.per_task: this tool reads one shared training loader and does not support "
+                              "multi-input mode yet (docs/multi-input.md); run it on a config without data.per_task")
         loader = build_train_loader(self.train_ds, self.collate, batch_size or self.cfg.data.batch_size, rank,
                                     world_size, self.cfg.seed)
         set_epoch(loader, 0)
@@ -116,13 +126,26 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
     memory). ``tokenizer_for(captions)`` replaces that (the trainer's writes the run's copy). A task whose
     required record field the data does not have is refused here (DataError naming the task, field and fix)."""
     seed_everything(cfg.seed)
-    train_ds, val_ds = build_datasets(cfg)
-    check_task_fields(run_task_types(cfg), {"training": train_ds, "validation": val_ds})
-    captions = lambda: all_captions(train_ds)  # noqa: E731
+    types, task_sets = run_task_types(cfg), None
+    if multi_input(cfg):  # each task its own data set; the class list is the labelled task's
+        task_sets = build_task_datasets(cfg, types)
+        for t, (train, val) in task_sets.items():
+            check_task_fields({t: types[t]}, {"training": train, "validation": val})
+        train_ds = class_source(task_sets, types)
+        val_ds = next(v for tr, v in task_sets.values() if tr is train_ds)
+
+        def captions():
+            return [c for tr, _ in task_sets.values() if "captions" in tr.provides for c in all_captions(tr.inner)]
+    else:
+        train_ds, val_ds = build_datasets(cfg)
+        check_task_fields(types, {"training": train_ds, "validation": val_ds})
+        captions = lambda: all_captions(train_ds)  # noqa: E731
     tokenizer = tokenizer_for(captions) if tokenizer_for else resolve_tokenizer(cfg, captions)
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
     collate = build_collate(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
-    return RunPieces(cfg, train_ds, val_ds, tokenizer, model, collate)
+    task_collates = None if task_sets is None else {
+        t: BatchCollate({t: types[t]}, collate.info) for t in task_sets}
+    return RunPieces(cfg, train_ds, val_ds, tokenizer, model, collate, task_sets, task_collates)
 
 
 def build_strategy(cfg):
@@ -130,7 +153,7 @@ def build_strategy(cfg):
 
 
 def build_weighting(cfg):
-    return weighting_types()[cfg.weighting.method](cfg, list(cfg.tasks))
+    return weighting_types(cfg.get("weighting_modules") or ())[cfg.weighting.method](cfg, list(cfg.tasks))
 
 
 def wrap_ddp(model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Module:

@@ -1,9 +1,11 @@
 """Checkpoints: ``output_dir/checkpoints/step_<N>/``.
 
-- ``model.safetensors``: the bare model's state dict (no DDP prefix), readable with
-  ``safetensors.torch.load_file``;
-- ``trainer_state.pt``: optimizer, scheduler, GradScaler, weighting method, step, epoch and the
-  position in the epoch;
+- ``state/``: the model and optimizer state, sharded (``torch.distributed.checkpoint``: one file per
+  rank and an index, ``mtl/train_state.py``); what a resume loads, on any world size and either engine;
+- ``model.safetensors``: the full, unsharded model (gathered on rank 0 under FSDP2; no DDP prefix),
+  for inference and export, readable with ``safetensors.torch.load_file``;
+- ``trainer_state.pt``: scheduler, GradScaler, weighting method, step, the position in the data (in
+  global samples: independent of the world size), the world size and engine that wrote it;
 - ``rng_rank<r>.pt``: every RNG of rank r (Python, NumPy, torch, CUDA);
 - ``config.yaml``: the resolved config of the run that wrote it;
 - any extra files the trainer passes (``tokenizer/tokenizer.json``, ``class_names.json``);
@@ -39,7 +41,10 @@ from safetensors.torch import save as safetensors_bytes
 from mtl.dist import all_gather_objects
 from mtl.errors import CheckpointError
 
-FORMAT = "mtl-checkpoint-v1"
+FORMAT = "mtl-checkpoint-v2"
+# before sharded state: the optimizer in trainer_state.pt, the model only in model.safetensors (``load_checkpoint``)
+LEGACY_FORMAT = "mtl-checkpoint-v1"
+STATE_DIR = "state"  # the sharded model and optimizer state; its index file is STATE_DIR/.metadata
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 ASIDE_DIR = re.compile(r"^\.step_(\d+)\.old$")  # a complete checkpoint moved aside while its step is re-saved
@@ -215,10 +220,14 @@ def _check_extra_name(name: str) -> str:
 
 
 def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, trainer_state: dict, config_yaml: str,
-                    rank: int, keep_last: int = 0, extra_files: dict[str, bytes] | None = None) -> str:
+                    rank: int, keep_last: int = 0, extra_files: dict[str, bytes] | None = None,
+                    sharded: dict | None = None) -> str:
     """Every rank calls this (collective); returns the final path.
 
-    ``model``: the bare model, or its state dict already gathered (FSDP2; only rank 0's is written).
+    ``model``: the bare model, or its state dict already gathered (FSDP2; only rank 0's is written), for
+    ``model.safetensors``. ``sharded``: this rank's part of the model and optimizer state
+    (``mtl.train_state.sharded_state``), written by every rank into ``state/``; without it the checkpoint
+    has no ``state/`` (the trainer always passes it).
     ``extra_files`` (rank 0's are used): small files to store too, ``{relative name: bytes}``, e.g.
     ``{"class_names.json": b"[...]"}``; sub-folders are allowed (``tokenizer/tokenizer.json``).
     """
@@ -233,7 +242,14 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
 
     _agree(_attempt(start, tmp, rank) if rank == 0 else None, tmp, rank, root)
 
+    if sharded is not None:
+        trainer_state = {**trainer_state, "state": STATE_DIR}
+
     def write_parts():
+        if sharded is not None:  # first: a collective, so every rank reaches it
+            from mtl.train_state import write_sharded
+
+            write_sharded(os.path.join(tmp, STATE_DIR), sharded)
         _write_file(os.path.join(tmp, f"rng_rank{rank}.pt"), _torch_file(rng_state()))
         if rank != 0:
             return
@@ -349,6 +365,8 @@ def verify_checkpoint(path: str) -> dict:
     except CheckpointError:
         raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
     needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
+    if state.get("state"):
+        needed.append(f"{state['state']}/.metadata")
     for rel in needed:
         if rel not in listed:
             raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
@@ -386,13 +404,14 @@ def read_trainer_state(path: str) -> dict:
     except Exception as e:
         raise CheckpointError(f"checkpoint {state_file!r} cannot be read ({type(e).__name__}); it is truncated or "
                               "not written by mtl. Point resume at another checkpoint") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, LEGACY_FORMAT):
         raise CheckpointError(f"{state_file!r} is not an mtl checkpoint (format {FORMAT} expected)")
     return state
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict, dict]:
-    """Load the model weights in place; return (trainer_state, this rank's RNG state)."""
+    """Load the model weights from ``model.safetensors`` in place; return (trainer_state, this rank's RNG
+    state). How an mtl-checkpoint-v1 checkpoint (no ``state/``) is resumed; a v2 one loads :func:`load_state`."""
     trainer_state = read_trainer_state(path)
     model_file = os.path.join(path, "model.safetensors")
     try:
@@ -411,14 +430,55 @@ def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict,
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {model_file!r} does not fit this model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]}. Was it written with another model config?")
+    return trainer_state, read_rng(path, rank)
+
+
+def read_rng(path: str, rank: int) -> dict:
+    """The RNG state ``rng_rank<rank>.pt`` holds."""
     rng_file = os.path.join(path, f"rng_rank{rank}.pt")
     if not os.path.isfile(rng_file):  # without it the resumed run draws other random numbers: not exact
         raise CheckpointError(f"checkpoint {path!r}: {os.path.basename(rng_file)} is missing, so rank {rank}'s "
                               "random state cannot be restored and the resume would not be exact. Point resume at "
                               "another checkpoint")
     try:
-        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        return torch.load(rng_file, map_location="cpu", weights_only=True)
     except Exception:
         raise CheckpointError(f"{rng_file!r} cannot be read; the checkpoint is corrupt") from None
-    return trainer_state, rng
 
+
+def load_model_and_optimizer(path: str, trainer_state: dict, model: torch.nn.Module, weighting: torch.nn.Module,
+                             optimizer, rank: int) -> dict:
+    """Collective: the model and optimizer state into this run's layout; returns the RNG state this rank
+    continues with (its own rank's; on a larger world size than the checkpoint's, rank 0's for the new
+    ranks: a fresh run seeds every rank alike). An mtl-checkpoint-v1 checkpoint loads as it was written (the
+    same world size and engine: ``mtl.resume.reshard_problems`` refuses others)."""
+    saved_world = int(trainer_state.get("world_size") or 1)
+    if trainer_state.get("state"):
+        load_state(path, model, weighting, optimizer)
+        return read_rng(path, rank if rank < saved_world else 0)
+    _, rng = load_checkpoint(path, model, rank)
+    from mtl.fsdp import is_sharded, load_full_optimizer_state
+
+    try:
+        if is_sharded(model):  # a full, name-keyed optimizer state: each rank keeps its shard
+            load_full_optimizer_state(model, weighting, optimizer, trainer_state["optimizer"])
+        else:
+            optimizer.load_state_dict(trainer_state["optimizer"])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path!r} does not fit this run's optimizer: {e}") from None
+    return rng
+
+
+def load_state(path: str, model: torch.nn.Module, weighting: torch.nn.Module, optimizer) -> None:
+    """Collective: the model and optimizer state from the checkpoint's sharded ``state/``, into this run's layout
+    (any world size, either engine)."""
+    from torch.distributed.checkpoint.api import CheckpointException as DcpError  # a BaseException
+
+    from mtl.train_state import load_sharded
+
+    folder = os.path.join(path, STATE_DIR)
+    try:
+        load_sharded(folder, model, weighting, optimizer)
+    except (Exception, DcpError) as e:  # DCP names the missing or misfitting key
+        raise CheckpointError(f"checkpoint {folder!r} does not fit this run's model and optimizer ({str(e)[:500]}). "
+                              "Was it written with another model or optimizer config?") from None

@@ -62,6 +62,30 @@ class AugmentConfig:
 
 
 @dataclass
+class TaskDataConfig:
+    """One task's own data set in multi-input mode (``data.per_task.<task>``; docs/multi-input.md)."""
+
+    source: str = "synthetic"  # synthetic | manifest | imagefolder
+    batch_size: int = 8  # PER PROCESS, in a step that holds this task (sampling.policy=mixed: data.batch_size)
+    ratio: float = 1.0  # sampling.policy=weighted with sampling.weights=set: this task's share of the steps
+    train_size: int = 512  # synthetic: this task's own images (a stream of its own: no image is another task's)
+    val_size: int = 128  # synthetic
+    train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
+    val_path: str | None = None
+    image_root: str | None = None  # base for relative image paths; default: the manifest's folder
+    on_error: str = "raise"  # raise | skip
+
+
+@dataclass
+class SamplingConfig:
+    """Which tasks a step holds in multi-input mode (every rank derives the same choice from seed and step)."""
+
+    policy: str = "all"  # all | round_robin | weighted | temperature | mixed
+    weights: str = "set"  # weighted: set (per_task.<task>.ratio) | size (proportional to each task's train set)
+    temperature: float = 2.0  # temperature: p_t proportional to size_t ** (1 / temperature)
+
+
+@dataclass
 class DataConfig:
     source: str = "synthetic"  # synthetic | manifest | imagefolder
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
@@ -77,6 +101,10 @@ class DataConfig:
     val_path: str | None = None
     image_root: str | None = None  # base for relative image paths; default: the manifest's folder
     num_classes: int | None = None  # user data: number of classes (default: inferred from train labels)
+    # multi-input: each task its own data set (task name -> its section); empty: every image serves every task
+    # (each section's keys: TaskDataConfig, checked by mtl.config_check like a task's options)
+    per_task: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 @dataclass
@@ -165,15 +193,27 @@ class CheckpointConfig:
 class BenchConfig:
     """``python -m mtl.tools.bench``: which methods to compare, over which seeds (train.py ignores this)."""
 
+    # any registered method (weighting_modules too), as name or name(option=value, ...); ``source=features`` in the
+    # parentheses runs a gradient-level method on the shared features' gradients (weighting.source)
     methods: list[str] = field(default_factory=lambda: ["equal", "uw", "dwa", "rlw", "gls", "famo", "pcgrad", "mgda",
                                                         "cagrad", "nashmtl", "imtlg", "alignedmtl", "upgrad",
                                                         "gradnorm"])
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    nproc: int = 1  # 1: every run in this process; more: each run under torchrun (python -m mtl.tools.launch)
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
+    nproc: int = 1  # processes per run: 1 runs train.py, more run it under torchrun (python -m mtl.tools.launch)
+    parallel: int = 1  # runs at once (each its own process or torchrun)
+    threads: int = 0  # OMP_NUM_THREADS of each run's processes; 0: the CPU count / (parallel x nproc), at least 1
     baselines: bool = True  # also train the single-task runs that delta-m needs
     last_k: int = 3  # the table shows the mean of the last k evaluations (and the best, in results.csv)
+    plateau_tol: float = 0.005  # a metric is on a plateau when its slope over the last k evaluations is below this per 100 steps
+    bootstrap: int = 10000  # resamples of the paired bootstrap against equal
+    bootstrap_seed: int = 0  # its random generator's seed (the tables are reproducible)
     loss_strategy: str = "feature_leaf"  # ddp.strategy for loss-level methods
-    grad_strategy: str = "task_grads"  # ddp.strategy for gradient-level methods
+    grad_strategy: str = "task_grads"  # ddp.strategy for gradient-level methods (weighting.source=parameters)
+    feature_strategy: str = "feature_leaf"  # ddp.strategy for gradient-level methods with source=features
+    # name -> {overrides: [key=value, ...], methods: [...] (default: methods), baselines_from: <regime> (reuse that
+    # regime's single-task runs), expect: "what this regime should show, stated before the run"}; empty: one
+    # regime, "natural", with no overrides
+    regimes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -183,11 +223,18 @@ class Config:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda
     resume: str | None = None  # null | auto | a checkpoint directory
+    # resume even where the resumed run cannot equal the interrupted one (another global batch; dropout with another
+    # world size): the message that refuses such a resume says why (docs/reliability.md)
+    resume_reshard: bool = False
     init_from: str | None = None  # warm start: a NEW run (step 0, fresh optimizer) from a checkpoint/export's weights
     overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     task_options: dict[str, Any] = field(default_factory=dict)  # task name -> that task's options (its Options)
     task_modules: list[str] = field(default_factory=list)  # more task files: dotted module names or .py paths (from the working directory)
+    weighting_modules: list[str] = field(default_factory=list)  # more weighting-method files (as task_modules)
+    # task name -> factor on its training loss, before any weighting (1 when not given): a benchmark regime with
+    # losses on different scales (docs/benchmark.md). Evaluation metrics are unchanged.
+    loss_scale: dict[str, float] = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -342,6 +389,10 @@ def _merge_into(cfg: DictConfig, data: dict, source: str, prefix: list[str], err
                 _update(cfg, f"task_options.{task}", options, source, errors, merge=isinstance(options, dict),
                         add=True)  # task names and their options are checked against the task classes later
             continue
+        if path == ["data", "per_task"] and isinstance(value, dict):  # one task's section does not wipe another's
+            for task, section in value.items():
+                _update(cfg, f"data.per_task.{task}", section, source, errors, merge=isinstance(section, dict), add=True)
+            continue
         _update(cfg, dotted, value, source, errors)
 
 
@@ -489,6 +540,16 @@ def check_options(values, schema: type, key: str, errors: list[str]) -> dict:
         except OmegaConfBaseException as e:
             errors.append(f"{key}.{name}: bad value {value!r}: {str(e).splitlines()[0]}")
     return OmegaConf.to_container(node, resolve=True)
+
+
+def task_data(cfg, task: str) -> TaskDataConfig:
+    """``data.per_task.<task>`` with its defaults filled in (checked: mtl.config_check refuses bad sections)."""
+    return options_of(TaskDataConfig, (cfg.data.get("per_task") or {}).get(task), f"data.per_task.{task}")
+
+
+def multi_input(cfg) -> bool:
+    """Multi-input mode: each task has its own data set (``data.per_task`` names the tasks)."""
+    return bool(cfg.data.get("per_task"))
 
 
 def options_of(schema: type, values, key: str):

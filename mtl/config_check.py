@@ -17,7 +17,9 @@ from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
 from mtl.fsdp import ENGINES
 from mtl.fsdp import check as fsdp_check
+from mtl.fsdp import check_method as fsdp_method_check
 from mtl.models.backbone import NORMS, SUPPORTED
+from mtl.multi_input_check import check as multi_input_check
 from mtl.strategies import strategy_types
 from mtl.tasks import task_types
 from mtl.weighting import weighting_types
@@ -77,6 +79,10 @@ def validate(cfg) -> list[str]:
     if cfg.init_from is not None and cfg.resume not in (None, "auto"):
         errors.append("init_from: a warm start begins a new run, resume=<checkpoint> continues one; set only one "
                       "(with resume=auto, init_from is used only while output_dir has no checkpoint)")
+    if cfg.get("resume_reshard") and cfg.resume is None:
+        errors.append("resume_reshard: true only lets a resume continue where the resumed run cannot equal the "
+                      "interrupted one; this run resumes nothing (resume=null). Set resume=auto or "
+                      "resume=<checkpoint>, or remove resume_reshard")
     if cfg.overwrite and cfg.resume is not None:
         errors.append(f"overwrite: true starts over, resume={cfg.resume} continues a run; set one of them "
                       "(overwrite=false to resume, resume=null to start over)")
@@ -130,15 +136,30 @@ def validate(cfg) -> list[str]:
             errors += strategy.check(cfg)
     errors += fsdp_check(cfg, strategy)
 
-    methods = weighting_types()
+    try:
+        methods = weighting_types(cfg.weighting_modules)
+    except ConfigError as e:
+        errors += e.errors
+        methods = weighting_types()
     method = methods.get(cfg.weighting.method)
     if method is None:
         errors.append(f"weighting.method: unknown method {cfg.weighting.method!r} (known: {', '.join(methods)})")
     else:
         errors += method.check(cfg)
         errors += gradient_source_errors(cfg, strategy, method, strategies)
+        errors += fsdp_method_check(cfg, method)
+    errors += multi_input_check(cfg, strategy, method)  # data.per_task, data.sampling (mtl/multi_input_check.py)
     _options(errors, cfg, tasks, method)
+    _loss_scale(errors, cfg, tasks)
     return errors
+
+
+def _loss_scale(errors, cfg, tasks) -> None:
+    for t, v in (cfg.get("loss_scale") or {}).items():
+        if t not in tasks:
+            errors.append(f"loss_scale.{t}: {t!r} is not a task (known: {', '.join(tasks)})")
+        elif not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+            errors.append(f"loss_scale.{t}: must be a number > 0, the factor on {t}'s training loss (got {v!r})")
 
 
 SOURCES = ("parameters", "features")
@@ -156,9 +177,6 @@ def gradient_source_errors(cfg, strategy, method, strategies: dict) -> list[str]
                     "loss-level (it weighs the losses, the backward passes do the rest); remove weighting.source"]
         return []
     errors = []
-    if source == "features" and cfg.ddp.get("engine", "ddp") == "fsdp2":
-        errors.append("weighting.source: features is not yet tested under ddp.engine=fsdp2 (its K x K Gram all-reduce "
-                      "and weighted backbone backward have a parity test under DDP only); use ddp.engine=ddp")
     if source == "features" and not method.gram_only():
         errors.append(f"weighting.source: features gives a method only the K x K Gram matrix of the tasks' feature "
                       f"gradients, and weighting.method={name} needs the rows of G themselves (it overrides combine); "
@@ -202,7 +220,8 @@ def _options(errors, cfg, tasks, method) -> None:
 
 def option_defaults(cfg) -> dict:
     """The options the config's tasks and method take when none are given, shaped like the config."""
-    tasks, method = task_types(cfg.get("task_modules") or ()), weighting_types().get(cfg.weighting.method)
+    tasks = task_types(cfg.get("task_modules") or ())
+    method = weighting_types(cfg.get("weighting_modules") or ()).get(cfg.weighting.method)
     return {"task_options": {t: check_options({}, tasks[t].Options, "", []) for t in cfg.tasks if t in tasks},
             "weighting": {"options": check_options({}, method.Options, "", []) if method else {}}}
 

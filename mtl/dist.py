@@ -63,10 +63,34 @@ def init_distributed(cfg) -> DistInfo:
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("ddp.backend: nccl needs CUDA devices; use ddp.backend=gloo (or auto) on the CPU")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.ddp.timeout_s),
+        timeout = datetime.timedelta(seconds=cfg.ddp.timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(timeout),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                                 device_id=device if device.type == "cuda" else None)
     return DistInfo(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
                     device=device, backend=backend)
+
+
+def attempt_store(timeout: datetime.timedelta):
+    """The process group's store, with a key prefix of its own per torchrun restart attempt.
+
+    torchrun's agent hosts ONE TCPStore server for the whole job and hands it to every attempt's workers
+    (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py keeps ``_shared_tcp_store_server`` across rounds),
+    while ``init_process_group`` writes each rank's gloo/NCCL address under the same keys in every attempt. After
+    an elastic restart a new rank could read the address its peer published in the PREVIOUS attempt, a dead
+    process, and fail with "Gloo connectFullMesh failed ... Connection refused" (the slower its peer starts, the
+    likelier; pytorch/pytorch#167288). A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) makes every key new.
+    Outside torchrun's elastic agent: None (``init_process_group``'s own env:// store)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    delay = os.environ.get("MTL_TEST_RESTART_INIT_DELAY")  # tests: "rank:seconds", a slow peer after a restart
+    if delay and int(attempt) > 0 and delay.split(":")[0] == os.environ["RANK"]:
+        import time
+
+        time.sleep(float(delay.split(":")[1]))
+    return dist.PrefixStore(f"mtl/attempt_{attempt}/", store)
 
 
 def destroy() -> None:

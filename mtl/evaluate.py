@@ -13,7 +13,8 @@ from mtl.dist import all_gather_objects
 
 def to_device(batch: dict, device: torch.device) -> dict:
     non_blocking = device.type == "cuda"
-    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else
+            to_device(v, device) if isinstance(v, dict) else v for k, v in batch.items()}
 
 
 @contextmanager

@@ -16,9 +16,14 @@ What that changes for a step (docs/fsdp.md):
   (``set_requires_gradient_sync(False)``, through ``mtl.strategies.base.no_sync``).
 - A strategy declares whether it runs under FSDP2 on its class (``Strategy.fsdp2_refusal``); a
   refused one is one config error naming the reason (``check``).
+- ``task_grads`` (gradient-level weighting) keeps each rank's shard of each task's gradient and sums the
+  shards' Gram matrices in one K x K all-reduce (``local_shards``, and ``shard_index`` for a method that
+  combines per shard); a weighting method that cannot run on shards is refused (``check_method``).
+- fp16 uses torch's ``ShardedGradScaler`` (mtl/amp.py), which agrees on an overflow over the ranks.
 - The gradient norm (finite check, clipping) is the global norm over the shards (``grad_norm``).
-- Checkpoints hold full (unsharded) state: the model gathered to rank 0 for ``model.safetensors``,
-  the optimizer state gathered to rank 0 for ``trainer_state.pt`` (``full_model_state`` ...).
+- Checkpoints hold the sharded model and optimizer state (``mtl/train_state.py``) and the full model
+  gathered to rank 0 for ``model.safetensors`` (``full_model_state``); the full optimizer state
+  (``full_optimizer_state``) is what mtl-checkpoint-v1 checkpoints held, still read on resume.
 
 Nothing here runs without a process group: a 1-process run is the bare model under either engine.
 """
@@ -26,6 +31,7 @@ Nothing here runs without a process group: a 1-process run is the bare model und
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -42,11 +48,6 @@ def check(cfg, strategy) -> list[str]:
     if why:
         errors.append(f"ddp.strategy: {cfg.ddp.strategy} does not run with ddp.engine=fsdp2: {why}. "
                       "Use ddp.strategy=feature_leaf (or combined, detach, accumulate), or ddp.engine=ddp")
-    if cfg.precision == "fp16":
-        errors.append("precision: fp16 is not supported with ddp.engine=fsdp2: the GradScaler's overflow check "
-                      "(unscale_) sees only this rank's gradient shards, so the ranks could back the loss scale off "
-                      "differently, and mtl has no sharded GradScaler proven equal to the DDP run yet. "
-                      "Use precision=bf16 (bf16 parameters, fp32 gradient reduction; no scaler needed) or fp32")
     for key, value, default in (("find_unused_parameters", cfg.ddp.find_unused_parameters, None),
                                 ("static_graph", cfg.ddp.static_graph, False)):
         if value != default:
@@ -61,6 +62,15 @@ def check(cfg, strategy) -> list[str]:
                       "every forward and FSDP2 does not (each rank would evaluate with its own); use "
                       "model.backbone.norm=group or frozen (rank-independent) or sync (CUDA), or ddp.engine=ddp")
     return errors
+
+
+def check_method(cfg, method) -> list[str]:
+    """Config-time refusal of a weighting method (``method``: its class) for ``ddp.engine: fsdp2``."""
+    why = method.fsdp2_problem() if cfg.ddp.engine == "fsdp2" else None
+    if not why:
+        return []
+    return [f"weighting.method: {method.name} does not run with ddp.engine=fsdp2: {why}. Use a Gram-based method "
+            "(pcgrad, mgda, cagrad, nashmtl, ...) or graddrop, or ddp.engine=ddp"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -101,7 +111,9 @@ def mixed_precision(precision: str):
 
     if precision == "bf16":  # bf16 compute and all-gathers, fp32 sharded parameters and gradient reduction
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()  # fp32 throughout
+    # fp32 throughout; fp16: fp32 parameters and gradients, the model's own fp16 autocast, the sharded GradScaler
+    # (mtl/amp.py), as under DDP
+    return MixedPrecisionPolicy()
 
 
 def shard_model(model: nn.Module, precision: str, dist) -> nn.Module:
@@ -146,6 +158,42 @@ def gathered(model: nn.Module):
             m.set_reshard_after_forward(True, recurse=False)
         for m in mods:
             m.reshard()
+
+
+# ------------------------------------------------------------------ per-task gradient shards (task_grads)
+
+
+def local_shards(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's part of each parameter's gradient: the DTensor's local shard (a view: writes reach ``.grad``).
+    A parameter left without a gradient gets a zero one first."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    return out
+
+
+def shard_index(params: list[torch.Tensor]) -> torch.Tensor:
+    """(n,) int64: the positions of this rank's gradient shards (``local_shards``, concatenated) in the flat
+    vector of the full parameters, concatenated in the same order (the coordinates a method that needs the rows
+    of G sees in one process). FSDP2 shards dim 0; the offset comes from DTensor's own layout."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    parts, start = [], 0
+    for p in params:
+        if isinstance(p, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 0
+            first = start + (offset[0] * row if p.dim() else 0)
+            parts.append(torch.arange(first, first + math.prod(shape), dtype=torch.int64))
+        else:
+            parts.append(torch.arange(start, start + p.numel(), dtype=torch.int64))
+        start += p.numel()
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 # ------------------------------------------------------------------ gradient norm over shards

@@ -73,3 +73,19 @@ def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
     if errors:
         raise ConfigError(errors)
     return found
+
+
+def registered(package: str, base: type, extra_modules, key: str, kind: str) -> dict[str, type]:
+    """``package``'s ``base`` subclasses by name plus those of ``extra_modules`` (the config's ``key``: dotted module
+    names or ``.py`` file paths), sorted by name. Raises ConfigError naming a module that cannot be used, or a
+    ``kind`` ("task", "method") whose name a built-in one already has."""
+    found = discover(package, base)
+    if extra_modules:
+        for name, cls in discover_modules(list(extra_modules), base, key).items():
+            if name in found and found[name] is not cls:
+                from mtl.errors import ConfigError
+
+                raise ConfigError(f"{key}: {kind} {name!r} of {cls.__module__} is also a built-in {kind} "
+                                  f"({found[name].__module__}); give it another name")
+            found[name] = cls
+    return dict(sorted(found.items()))

@@ -5,6 +5,11 @@ operational switches that do not touch the maths. Everything else (model shape, 
 weighting, batch size, seed, precision, optimizer ...) must match the checkpoint's config, or the
 resumed run would not be the run that was interrupted; each differing key is listed.
 
+The world size, ``ddp.engine`` and ``data.batch_size`` may change too (the model and optimizer state is
+sharded, ``mtl/train_state.py``, and reshards on load): :func:`reshard_problems` says whether the resumed run
+is still the interrupted one (same global batch, and no per-rank random stream to carry over to another
+number of ranks), and otherwise asks for ``resume_reshard: true``.
+
 A checkpoint's ``config.yaml`` is data, not a config: it is read with ``yaml.safe_load`` and no
 ``${...}`` interpolation or resolver in it is ever evaluated (a crafted ``seed: ${oc.env:TOKEN}``
 is compared, and printed, as that literal text). mtl writes it already resolved.
@@ -26,6 +31,8 @@ SAFE_TO_CHANGE = (
     "ddp.timeout_s", "ddp.replica_check_every", "ddp.nan_monitor", "bench.",
     "init_from",  # only read at a fresh start: a resume loads its own checkpoint's weights
     "task_modules",  # where the task files are found; the tasks and their options are compared themselves
+    "weighting_modules",  # where a method's file is found; the method and its options are compared themselves
+    "ddp.engine", "data.batch_size", "resume_reshard",  # checked by reshard_problems: the global batch must stay
 )
 
 
@@ -51,7 +58,8 @@ def differing_keys(saved: dict, current: dict, defaults: dict | None = None, saf
                                                                for s in safe)]
 
 
-def check_resume_config(checkpoint_dir: str, cfg) -> None:
+def saved_config(checkpoint_dir: str) -> dict:
+    """The checkpoint's ``config.yaml`` as plain data (nothing in it resolved)."""
     path = os.path.join(checkpoint_dir, "config.yaml")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {checkpoint_dir!r} has no config.yaml: it is incomplete or not written by mtl")
@@ -62,6 +70,12 @@ def check_resume_config(checkpoint_dir: str, cfg) -> None:
         raise CheckpointError(f"{path!r} cannot be read: {e}") from None
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path!r} is not an mtl config (a mapping of keys expected)")
+    return saved
+
+
+def check_resume_config(checkpoint_dir: str, cfg) -> None:
+    saved = saved_config(checkpoint_dir)
+    path = os.path.join(checkpoint_dir, "config.yaml")
     from mtl.config import Config, drop_moved_options, move_keys
     from mtl.config_check import option_defaults
     from mtl.tasks import task_types
@@ -86,3 +100,56 @@ def check_resume_config(checkpoint_dir: str, cfg) -> None:
             f"cannot resume from {checkpoint_dir!r}: the config changed in ways that break an exact resume:\n"
             + "\n".join(lines) + "\nRestore these keys, or start a new run in another output_dir. Keys that may change "
             "on resume: " + ", ".join(safe))
+
+
+def random_layers(model) -> list[str]:
+    """The modules that draw random numbers in training: dropout (any ``_DropoutNd``) and stochastic depth with
+    a probability above 0. Each rank's random state is its own; it does not carry over to another world size."""
+    from torch import nn
+
+    return [name for name, m in model.named_modules()
+            if (isinstance(m, nn.modules.dropout._DropoutNd) or type(m).__name__ == "StochasticDepth")
+            and float(getattr(m, "p", 0) or 0) > 0]
+
+
+def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, engine: str,
+                     random: list[str]) -> tuple[list[str], str]:
+    """Why a resume of ``checkpoint_dir`` (its trainer ``state``) by this run (``world_size`` processes, ``engine``
+    as it runs: "ddp" in one process, whatever the config says) would not continue the interrupted run, and a
+    note saying what the resume is when it changes the world size or engine. ``random``: ``random_layers``.
+
+    An mtl-checkpoint-v1 checkpoint (no sharded ``state/``) cannot reshard at all: a CheckpointError."""
+    from mtl.checkpoint import LEGACY_FORMAT
+
+    saved_world, saved_engine = int(state.get("world_size") or 1), state.get("engine") or "ddp"
+    saved_batch = int(saved_config(checkpoint_dir).get("data", {}).get("batch_size") or cfg.data.batch_size)
+    layout = f"{saved_world} process(es) with ddp.engine={saved_engine}"
+    if not state.get("state") and (saved_world, saved_engine) != (world_size, engine):
+        raise CheckpointError(
+            f"checkpoint {os.path.join(checkpoint_dir, 'trainer_state.pt')!r} is in the {LEGACY_FORMAT} format (the full "
+            f"optimizer state in trainer_state.pt, written before mtl saved sharded state): it resumes only as it "
+            f"was written, with {layout}; this run has {world_size} process(es) with ddp.engine={engine}. Resume it "
+            "with that world size and engine once: its next checkpoint can be resumed on any world size or engine")
+    problems = []
+    before, now = saved_batch * saved_world, cfg.data.batch_size * world_size
+    if before != now:
+        keep = f"data.batch_size={before // world_size}" if before % world_size == 0 else (
+            f"{saved_world} process(es) and data.batch_size={saved_batch}")
+        problems.append(f"the global batch changes from {before} ({saved_batch} x {saved_world} process(es)) to "
+                        f"{now} ({cfg.data.batch_size} x {world_size}): every later step averages another number "
+                        f"of samples, from other cuts of the epoch's order (to keep it: {keep})")
+    if saved_world != world_size and random:
+        problems.append(f"the model draws random numbers in training ({', '.join(random[:3])}"
+                        f"{' ...' if len(random) > 3 else ''}): each of the {saved_world} process(es) saved its own "
+                        f"random state, which does not carry over to {world_size} (to keep it: {saved_world} "
+                        "process(es), or no dropout in the run)")
+    if saved_world != world_size and getattr(cfg.data, "per_task", None):
+        problems.append(f"multi-input mode (data.per_task): each task's rows per process are set per process, so "
+                        f"{world_size} process(es) draw other global per-task batches than the {saved_world} that "
+                        "saved it (to keep it: the same number of processes)")
+    note = ""
+    if (saved_world, saved_engine) != (world_size, engine) and not problems:
+        note = (f"resume: a checkpoint of {layout}, resumed with {world_size} process(es) with ddp.engine={engine}; "
+                f"the same global batch ({now}) and sample order: it continues the interrupted run up to floating-"
+                "point rounding (another reduction order), not bitwise")
+    return problems, note

@@ -34,8 +34,10 @@ def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingErro
     lines = [f"DDP error at step {trainer.step + 1} with ddp.strategy={cfg.ddp.strategy} "
              f"(find_unused_parameters={trainer.strategy.ddp_kwargs()['find_unused_parameters']}): {cause}.",
              f"  torch said: {text.splitlines()[0][:200]}"]
+    mi = batch.get("multi_input")
+    tasks = list(trainer.tasks) if mi is None else [t for t in trainer.tasks if t in mi]
     try:
-        table = reach_table(task_gradients(trainer.bare, batch, trainer.tasks), depth=2)
+        table = reach_table(task_gradients(trainer.bare, batch, tasks), depth=2)
         for t, row in table.items():
             missing = sorted(g for g, s in row.items() if s == "none")
             lines.append(f"  task {t}: no gradient reaches {', '.join(missing) or '(every parameter is reached)'}")
@@ -44,10 +46,28 @@ def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingErro
             lines.append(f"  reached by every task (a backward pass per task marks them ready again): {', '.join(shared)}")
     except Exception as e:  # the explanation must never hide the original error
         lines.append(f"  (could not trace the per-task gradients: {e})")
+    if mi is not None and getattr(trainer, "mi", None) is not None and trainer.step > 0:
+        lines += absent_task_lines(trainer)
+        return TrainingError("\n".join(lines))
     lines.append("  fix: set ddp.strategy=feature_leaf (one shared forward, exact, one all-reduce), or "
                  "ddp.strategy=placeholder / find_unused for per-task forwards, and remove ddp.unsafe and any "
                  "ddp.find_unused_parameters / ddp.static_graph override (see docs/strategies.md)")
     return TrainingError("\n".join(lines))
+
+
+def absent_task_lines(trainer) -> list[str]:
+    """Multi-input: which tasks the previous step left out (every rank derives it from the seed and the step)."""
+    from mtl.data.multi_input import step_tasks
+
+    cfg, prior = trainer.cfg, trainer.step - 1
+    held = list(dict.fromkeys(step_tasks(trainer.mi.plan, prior, trainer.dist.world_size)))
+    absent = [t for t in trainer.tasks if t not in held]
+    return [f"  multi-input: step {prior + 1} (data.sampling.policy={cfg.data.sampling.policy}) held only task(s) "
+            f"{', '.join(held)}: no gradient reached {', '.join(f'heads.{t}' for t in absent) or '(none)'} in that "
+            "step, so DDP never finished its reduction",
+            "  fix: set ddp.strategy=find_unused, accumulate, placeholder, feature_leaf or task_grads (they cope with a task absent from a "
+            "step), or data.sampling.policy=all or mixed (every task in every step); remove ddp.unsafe "
+            "(docs/multi-input.md)"]
 
 
 def replicated(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -58,16 +58,19 @@ class StepResult:
 def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False) -> StepResult:
     """One optimizer step on ``batch`` (on the device); ``step`` is the number of steps taken before it."""
     w = p.weighting
-    w.begin_step(step)
-    for head in p.bare.heads.values():
-        head.prepare(batch, all_reduce_sum)  # collectives a loss needs first, e.g. the global caption-token count
+    tasks = present_tasks(batch, p.tasks)  # multi-input: the tasks this step holds (the same on every rank)
+    w.begin_step(step, tasks)  # the method weighs / combines these tasks only (mtl/weighting/base.py)
+    for t in tasks:  # collectives a loss needs first, e.g. the global caption-token count
+        p.bare.heads[t].prepare(task_batch(batch, t), all_reduce_sum)
     running_stats = snapshot_running_stats(p.bare)  # the forward updates BatchNorm's; a skipped step puts them back
 
     # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
     losses, stats = p.strategy.forward_backward(StepInputs(
-        model=p.model, batch=batch, tasks=p.tasks, weigh=w.weigh, scale=p.amp.scale,
+        model=p.model, batch=batch, tasks=tasks, weigh=w.weigh, scale=p.amp.scale,
         combine=w.combine if w.level == "grad" else None,
         gram_weights=w.weights_for_gram if w.level == "grad" and w.gram_only() else None,
+        combine_shard=w.combine_shard if w.level == "grad" and w.shards_exactly() else None,
+        finish_shard=w.finish_shard if w.level == "grad" and w.shards_exactly() else None,
         loss_scale=p.amp.loss_scale, comm=p.comm))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
@@ -79,7 +82,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     #    are averaged in one collective that also carries "does any rank want to stop". A NaN anywhere (any
     #    task, any rank) therefore makes every rank skip together.
     grad_norm = total_grad_norm([q.grad for q in p.params if q.grad is not None])  # over every rank's shard (FSDP2)
-    loss_avg, stop_agreed = average_losses_and_stop(losses, p.tasks, stop_requested, grad_norm.device)
+    loss_avg, stop_agreed = average_losses_and_stop(losses, tasks, stop_requested, grad_norm.device)
     grads_ok, losses_ok = bool(torch.isfinite(grad_norm)), bool(torch.isfinite(loss_avg).all())
     ok = grads_ok and losses_ok
 
@@ -98,13 +101,26 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     # 7. zero, keeping DDP's bucket views (gradient_as_bucket_view): never set_to_none
     p.optimizer.zero_grad(set_to_none=False)
 
-    loss_values = dict(zip(p.tasks, loss_avg.tolist()))
+    loss_values = dict(zip(tasks, loss_avg.tolist()))
     if ok:
         w.end_step(loss_values)
     overflow = p.amp.scaler is not None and losses_ok and not grads_ok  # the GradScaler's business, not a bad step
     gn = float(grad_norm)
     return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=ok,
                       nonfinite=not ok and not overflow, stop_agreed=stop_agreed, stats=stats)
+
+
+def present_tasks(batch: dict, tasks: list[str]) -> list[str]:
+    """The tasks a step holds: all of them, or in multi-input mode those the step's plan gave rows (on any rank).
+    Every rank derives the plan from the seed and the step, so every rank gets the same list."""
+    mi = batch.get("multi_input")
+    return list(tasks) if mi is None else [t for t in tasks if t in mi]
+
+
+def task_batch(batch: dict, task: str) -> dict:
+    """What ``task``'s head reads: the batch, or in multi-input mode the task's own sub-batch."""
+    mi = batch.get("multi_input")
+    return batch if mi is None else mi[task]
 
 
 def average_losses_and_stop(losses: dict, tasks: list[str], stop_requested: bool,

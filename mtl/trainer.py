@@ -25,19 +25,21 @@ from mtl.build import (
     wrap_model,
 )
 from mtl.config import config_summary, to_yaml
-from mtl.data.loader import build_eval_loader, build_train_loader, set_epoch
+from mtl.data.loader import build_eval_loader, build_train_loader, data_position, resume_position, set_epoch
+from mtl.data.multi_input import MultiInputStream
 from mtl.dist import DistInfo, all_gather_objects, barrier, broadcast_object, init_distributed
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.faults import poison
 from mtl.files import write_atomic
-from mtl.fsdp import full_model_state, full_optimizer_state, gathered, is_sharded, load_full_optimizer_state
+from mtl.fsdp import full_model_state, gathered, is_sharded
 from mtl.logger import RunLogger, trim_metrics
-from mtl.resume import check_resume_config
+from mtl.resume import check_resume_config, random_layers, reshard_problems, saved_config
 from mtl.runlock import LockHeld, RunLock
 from mtl.runtime_checks import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.signals import StopSignals
-from mtl.step import StepParts, StepResult, train_step
+from mtl.step import StepParts, StepResult, present_tasks, train_step
+from mtl.train_state import sharded_state
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -81,7 +83,7 @@ class Trainer:
         self.heads = dict(self.bare.heads.items())
         self.strategy = build_strategy(cfg)
         self.weighting = build_weighting(cfg).to(self.device)
-        self.amp = Amp(cfg.precision, self.device)
+        self.amp = Amp(cfg.precision, self.device, sharded=cfg.ddp.engine == "fsdp2" and dist.distributed)
         self.bare.autocast_dtype = self.amp.dtype
         self.model = wrap_model(cfg, self.bare, self.strategy, dist)
         self.sharded = is_sharded(self.bare)  # ddp.engine=fsdp2 with a process group
@@ -95,26 +97,44 @@ class Trainer:
 
         pin = self.device.type == "cuda"
         collate = pieces.collate
-        self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
-                                               dist.world_size, cfg.seed, cfg.data.num_workers, pin)
-        self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
-                                            dist.world_size, cfg.data.num_workers, pin)
+        self.mi: MultiInputStream | None = None  # multi-input mode: each task its own data set and sampler
+        if pieces.task_sets is None:
+            self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
+                                                   dist.world_size, cfg.seed, cfg.data.num_workers, pin)
+            self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
+                                                dist.world_size, cfg.data.num_workers, pin)
+            self.val_loaders = {t: self.val_loader for t in self.tasks}
+        else:
+            self.mi = MultiInputStream(cfg, {t: tr for t, (tr, _) in pieces.task_sets.items()},
+                                       pieces.task_collates, dist.rank, dist.world_size)
+            self.val_loaders = {t: build_eval_loader(val, pieces.task_collates[t], cfg.data.eval_batch_size,
+                                                     dist.rank, dist.world_size, cfg.data.num_workers, pin)
+                                for t, (_, val) in pieces.task_sets.items()}
+            self.val_loader = self.val_loaders[self.tasks[0]]
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.bad_steps = self.overflows = 0
         self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
         self.last_eval: dict = {}
         self._stream = None  # step_once's own batch stream, made on its first call without a batch
         self._saved_step = None  # the step this run's output_dir holds a checkpoint of, as this process knows it
+        self._resume_notes: list[str] = []
         if resume_path:
             self._load(resume_path)
             own = os.path.join(ckpt.checkpoint_root(cfg.output_dir), f"step_{self.step}")
             if os.path.abspath(resume_path) == os.path.abspath(own):
                 self._saved_step = self.step
         self.log = RunLogger(cfg.output_dir, dist.is_main, cfg.trainer.max_steps, cfg.trainer.progress, self.step)
+        for note in self._resume_notes:
+            self.log.info(note)
         self.log.info(f"mtl: {dist.world_size} process(es) on {self.device} ({dist.backend or 'no process group'}), "
                       f"strategy={cfg.ddp.strategy}, weighting={cfg.weighting.method}, precision={cfg.precision}, "
-                      f"global batch={cfg.data.batch_size * dist.world_size} "
-                      f"({cfg.data.batch_size} per process), {sum(p.numel() for p in self.params):,} parameters")
+                      + (f"global batch={cfg.data.batch_size * dist.world_size} ({cfg.data.batch_size} per process)"
+                         if self.mi is None else
+                         f"multi-input, sampling.policy={cfg.data.sampling.policy}, "
+                         + (f"{cfg.data.batch_size} rows per process, each task's drawn per row"
+                            if cfg.data.sampling.policy == "mixed" else "per-task rows per process: "
+                            + ", ".join(f"{t}={self.mi.plan.batch_sizes[t]}" for t in self.tasks)))
+                      + f", {sum(p.numel() for p in self.params):,} parameters")
 
     # ------------------------------------------------------------------ set-up
 
@@ -149,11 +169,7 @@ class Trainer:
                 notes += _start_over(cfg.output_dir)
             path = self._choose_checkpoint(notes)
             if path:
-                check_resume_config(path, cfg)
-                saved_world = ckpt.read_trainer_state(path).get("world_size")
-                if saved_world is not None and saved_world != self.dist.world_size:
-                    raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} processes, this run has "
-                                          f"{self.dist.world_size}; resume with the same world size")
+                check_resume_config(path, cfg)  # the world size, engine and global batch: _load (reshard_problems)
                 notes += _restore_tokenizer(path, cfg.output_dir)
             trim_metrics(cfg.output_dir, ckpt.read_trainer_state(path)["step"] if path else 0)
             write_atomic(os.path.join(cfg.output_dir, "config.yaml"), to_yaml(cfg).encode("utf-8"))
@@ -194,20 +210,46 @@ class Trainer:
         return cfg.resume
 
     def _load(self, path: str) -> None:
-        """Every rank: load the checkpoint rank 0 verified (files, checksums, config, world size)."""
-        state, rng = ckpt.load_checkpoint(path, self.bare, self.dist.rank)
+        """Every rank: load the checkpoint rank 0 verified (files, checksums, config), resharded to this run's
+        world size and engine when they differ (exact up to rounding; otherwise only with resume_reshard)."""
+        state = ckpt.read_trainer_state(path)
+        rank, engine = self.dist.rank, "fsdp2" if self.sharded else "ddp"
+        problems, note = reshard_problems(path, state, self.cfg, self.dist.world_size, engine, random_layers(self.bare))
+        if problems and not self.cfg.resume_reshard:
+            raise CheckpointError(f"cannot resume {path!r} exactly: " + "; ".join(problems) + ". Set "
+                                  "resume_reshard=true to resume anyway (the weights, optimizer state and position "
+                                  "in the data carry over; the run will not match the uninterrupted one)")
+        if problems:
+            note = "resume_reshard=true: resuming although the run will differ from the interrupted one: " + "; ".join(
+                problems)
+        self._resume_notes += [note] if note else []
+        rng = ckpt.load_model_and_optimizer(path, state, self.bare, self.weighting, self.optimizer, rank)
         try:
-            if self.sharded:  # a full, name-keyed optimizer state (mtl/fsdp.py): each rank keeps its shard
-                load_full_optimizer_state(self.bare, self.weighting, self.optimizer, state["optimizer"])
-            else:
-                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.amp.load_state_dict(state["scaler"])
             self.weighting.load_state_dict(state["weighting"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path!r} does not fit this run's optimizer/weighting: {e}") from None
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.step = state["step"]
+        self._load_data_state(state.get("data") or data_position(  # v1: batches per rank, its own batch size
+            state["epoch"], state["batch_in_epoch"], saved_config(path)["data"]["batch_size"],
+            int(state.get("world_size") or 1)))
+        if self.mi is not None:
+            self.mi.load_state_dict(state.get("multi_input", {}))
         ckpt.set_rng_state(rng)
+
+    def data_state(self) -> dict:
+        """Where the training data stands, for ``trainer_state.pt`` ("data"): in global samples, so that it means
+        the same on any world size (mtl.data.loader.data_position)."""
+        return data_position(self.epoch, self.batch_in_epoch, self.cfg.data.batch_size, self.dist.world_size)
+
+    def _load_data_state(self, position: dict) -> None:
+        """Continue the training data where ``data_state`` says, at this run's batch size and world size."""
+        self.epoch, self.batch_in_epoch, again = resume_position(position, self.cfg.data.batch_size,
+                                                                 self.dist.world_size)
+        if again:
+            self._resume_notes.append(f"resume: the checkpoint's position falls inside a batch of this run's global "
+                                      f"batch; its last {again} sample(s) are seen again")
 
     def _checkpoint_files(self) -> dict[str, bytes]:
         """Small files every checkpoint carries (rank 0's are written): the class names and the run's tokenizer,
@@ -225,12 +267,11 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         return {
-            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "world_size": self.dist.world_size, "engine": "fsdp2" if self.sharded else "ddp",
-            "optimizer": (full_optimizer_state(self.bare, self.weighting, self.optimizer) if self.sharded
-                          else self.optimizer.state_dict()),
+            "step": self.step, "world_size": self.dist.world_size, "engine": "fsdp2" if self.sharded else "ddp",
+            "data": self.data_state(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.amp.state_dict(),
             "weighting": self.weighting.state_dict(),
+            **({"multi_input": self.mi.state_dict()} if self.mi is not None else {}),
         }
 
     def save(self) -> str:
@@ -240,7 +281,8 @@ class Trainer:
             return os.path.join(ckpt.checkpoint_root(self.cfg.output_dir), f"step_{self.step}")
         model = full_model_state(self.bare) if self.sharded else self.bare  # FSDP2: gathered on rank 0 (collective)
         path = ckpt.save_checkpoint(self.cfg.output_dir, self.step, model, self.trainer_state(), to_yaml(self.cfg),
-                                    self.dist.rank, self.cfg.checkpoint.keep_last, self.checkpoint_files)
+                                    self.dist.rank, self.cfg.checkpoint.keep_last, self.checkpoint_files,
+                                    sharded=sharded_state(self.bare, self.weighting, self.optimizer))
         self._saved_step = self.step
         self.log.info(f"step {self.step}: checkpoint {path}")
         return path
@@ -249,6 +291,8 @@ class Trainer:
 
     def batches(self):
         """(epoch, index in epoch, batch), starting where a resumed run left off."""
+        while self.mi is not None:  # multi-input: each task's sampler keeps its own epoch (mtl/data/multi_input.py)
+            yield 0, self.mi.next_batch(self.step)
         while True:
             set_epoch(self.train_loader, self.epoch)
             skip = self.batch_in_epoch
@@ -345,7 +389,7 @@ class Trainer:
         if r.nonfinite:
             self.bad_steps += 1
             bad = [k for k, v in r.losses.items() if not np.isfinite(v)] or ["gradient"]
-            where = locate_nonfinite(self.bare, batch, self.tasks) if self.cfg.ddp.nan_monitor else ""
+            where = locate_nonfinite(self.bare, batch, present_tasks(batch, self.tasks)) if self.cfg.ddp.nan_monitor else ""
             self.log.record(self.step, {"bad_step": 1, "nonfinite": ",".join(bad), "consecutive": self.bad_steps,
                                         "where": where}, kind="bad_step")
             self.log.info(f"step {self.step}: non-finite {', '.join(bad)}; optimizer step skipped on every rank"
@@ -362,11 +406,12 @@ class Trainer:
         if self.step % t.log_every == 0 or self.step == 1:
             scale = self.amp.loss_scale()
             values = {f"loss_{k}": v for k, v in r.losses.items()}
-            values.update({f"weight_{k}": v for k, v in self.weighting.weights().items()})
+            values.update({f"weight_{k}": v for k, v in self.weighting.step_weights().items()})
             values.update({k: float(v) / (scale if "grad_norm" in k else 1.0) for k, v in r.stats.items()})
             values.update({
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": r.grad_norm, "step_time_s": seconds,
-                "samples_per_s": self.cfg.data.batch_size * self.dist.world_size / max(seconds, 1e-9),
+                # the rows of this step (multi-input: they vary with the policy; every rank holds as many)
+                "samples_per_s": int(batch["image"].shape[0]) * self.dist.world_size / max(seconds, 1e-9),
                 "peak_mem_mb": peak_memory_mb(self.device), "epoch": self.epoch, "skipped": int(not r.stepped),
             })
             if self.amp.scaler is not None:
@@ -376,7 +421,12 @@ class Trainer:
 
     def run_eval(self) -> dict:
         with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
-            metrics = evaluate(self.bare, self.val_loader, self.tasks, self.device, self.cfg.trainer.eval_max_batches)
+            if self.mi is None:
+                metrics = evaluate(self.bare, self.val_loader, self.tasks, self.device,
+                                   self.cfg.trainer.eval_max_batches)
+            else:  # each task on its own validation set
+                metrics = {t: evaluate(self.bare, self.val_loaders[t], [t], self.device,
+                                       self.cfg.trainer.eval_max_batches)[t] for t in self.tasks}
         flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
         self.last_eval = flat
         self.log.record(self.step, flat, kind="eval")
@@ -386,7 +436,7 @@ class Trainer:
 
     def _log_samples(self, metrics: dict) -> None:
         n = self.cfg.trainer.num_samples
-        samples = next((m["samples"][:n] for m in metrics.values() if "samples" in m), [])
+        task, samples = next(((t, m["samples"][:n]) for t, m in metrics.items() if "samples" in m), (None, []))
         if not samples or not self.dist.is_main:
             return
         lines = [f"  [{idx}] pred: {hyp!r}  ref: {ref!r}" for idx, hyp, ref in samples]
@@ -394,7 +444,8 @@ class Trainer:
         self.log.text("samples", "\n\n".join(f"**{i}** pred: `{h}` — ref: `{r}`" for i, h, r in samples), self.step)
         from mtl.plots import sample_figure
 
-        images = [self.val_ds[idx]["image"] for idx, _, _ in samples]
+        val = self.val_ds if self.mi is None else self.val_loaders[task].dataset
+        images = [val[idx]["image"] for idx, _, _ in samples]
         self.log.figure("samples", sample_figure(images, samples), self.step)
 
     def _finish(self, final: dict, wall: float) -> None:

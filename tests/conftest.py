@@ -28,6 +28,27 @@ def spawn_env(index: int, port: int) -> int:
     return world
 
 
+def run_spawn(worker, out_dir, deadline_s: float, what: str) -> None:
+    """Run ``worker(index, port, out_dir)`` in three spawned processes (see ``spawn_env``: two ranks and a single
+    process) until all end; a failed worker fails at once (the others are terminated), and past ``deadline_s``
+    every worker is killed and this raises, naming ``what``."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    deadline = time.monotonic() + deadline_s
+    ctx = mp.start_processes(worker, args=(free_port(), str(out_dir)), nprocs=3, start_method="spawn", join=False)
+    try:
+        while not ctx.join(timeout=0.5):  # raises if a worker failed (and terminates the others)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} workers still running after {deadline_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
 def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
     """Run the real train.py, in one process or under torchrun with gloo (no fixed ports)."""

@@ -20,35 +20,66 @@ def bench(out, *extra):
 
 @pytest.mark.slow
 def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path):
+    """One small sweep, each run its own process, two at a time: two regimes (the second scales gen's loss by 100 and
+    borrows the first's baselines), a method with an option, a Gram method on the features source, a user's method
+    from one file, and static without weights (a config error for that run only: recorded, the sweep goes on)."""
     out = tmp_path / "bench"
-    # static without weighting.weights is a config error for that run only: recorded, the sweep goes on
-    # a method twice, once with an option: its own row and folder, labelled as written
-    proc = bench(out, "bench.methods=[equal,pcgrad,'pcgrad(reduction=mean)',static]")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[1/6] equal seed 0: training" in proc.stdout and "FAILED" in proc.stdout
+    user = USER_METHOD
+    methods = "bench.methods=[equal,'pcgrad(reduction=mean)','unit_gradients(source=features)',static]"
+    regimes = ("bench.regimes={natural: {expect: 'the reference'}, scaled: {overrides: [loss_scale.gen=100], "
+               "baselines_from: natural, methods: [equal], expect: 'equal loses cls'}}")
+    args = [methods, regimes, f"weighting_modules=[{user}]", "bench.parallel=2"]
+    proc = bench(out, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "7 runs" in proc.stdout and "[1/7] natural equal seed 0: training" in proc.stdout and "FAILED" in proc.stdout
     with open(out / "runs.jsonl") as f:
-        status = {(r["label"], r["seed"]): r for r in map(json.loads, f)}
-    assert status[("static", 0)]["status"] == "failed" and "weighting.weights" in status[("static", 0)]["error"]
-    assert all(status[(m, 0)]["status"] == "ok" for m in ("equal", "pcgrad", "single_cls", "single_gen"))
+        status = {(r["regime"], r["label"], r["seed"]): r for r in map(json.loads, f)}
+    assert status[("natural", "static", 0)]["status"] == "failed"
+    assert "weighting.weights" in status[("natural", "static", 0)]["error"]
+    assert all(r["status"] == "ok" for k, r in status.items() if k[1] != "static"), status
     with open(out / "results.csv") as f:
-        rows = {r["method"]: r for r in csv.DictReader(f)}
-    assert set(rows) == {"equal", "pcgrad", "pcgrad(reduction=mean)", "static"}
-    assert rows["pcgrad(reduction=mean)"]["runs_ok"] == "1" and rows["pcgrad(reduction=mean)"]["level"] == "grad"
-    assert (out / "runs" / "pcgrad_reduction=mean" / "seed0" / "final_metrics.json").is_file()
-    assert "reduction: mean" in (out / "runs" / "pcgrad_reduction=mean" / "seed0" / "config.yaml").read_text()
-    assert rows["static"]["runs_ok"] == "0"
-    for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "delta_p", "mean_rank", "time_vs_equal"):
-        assert rows["equal"][key] not in ("", "nan"), key
-    assert float(rows["equal"]["time_vs_equal"]) == 1.0
-    assert float(rows["pcgrad"]["combine_s"]) > 0 and float(rows["equal"]["combine_s"]) == 0
-    assert float(rows["pcgrad"]["allreduce_mb"]) > float(rows["equal"]["allreduce_mb"])  # K rows of the backbone
+        rows = {(r["regime"], r["method"]): r for r in csv.DictReader(f)}
+    nat = {m: r for (g, m), r in rows.items() if g == "natural"}
+    assert set(nat) == {"equal", "pcgrad(reduction=mean)", "unit_gradients(source=features)", "static",
+                        "single_cls", "single_gen"}
+    assert nat["pcgrad(reduction=mean)"]["runs_ok"] == "1" and nat["pcgrad(reduction=mean)"]["level"] == "grad"
+    user_row = nat["unit_gradients(source=features)"]  # the docs' user method joined the sweep, on the features
+    assert user_row["runs_ok"] == "1" and user_row["source"] == "features" and user_row["strategy"] == "feature_leaf"
+    assert "source: features" in (out / "runs" / "natural" / "unit_gradients_source=features" / "seed0" /
+                                  "config.yaml").read_text()
+    assert "reduction: mean" in (out / "runs" / "natural" / "pcgrad_reduction=mean" / "seed0" / "config.yaml").read_text()
+    assert nat["static"]["runs_ok"] == "0"
+    for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "delta_p", "mean_rank", "time_vs_equal",
+                "cls_acc_slope", "peak_mem_mb", "mem_vs_equal"):
+        assert nat["equal"][key] not in ("", "nan"), key
+    assert float(nat["equal"]["time_vs_equal"]) == 1.0 and float(nat["equal"]["mem_vs_equal"]) == 1.0
+    for m in ("equal", "pcgrad(reduction=mean)", "unit_gradients(source=features)", "single_cls"):
+        assert float(nat[m]["peak_mem_mb"]) > 100, m  # each run's own process: python + torch, never n/a
+    assert float(nat["pcgrad(reduction=mean)"]["combine_s"]) > 0 and float(nat["equal"]["combine_s"]) == 0
+    assert float(nat["pcgrad(reduction=mean)"]["allreduce_mb"]) > float(nat["equal"]["allreduce_mb"])
+    assert set(m for g, m in rows if g == "scaled") == {"equal", "single_cls", "single_gen"}
+    # the regime reached its run: same seed, same first batch and initial weights, gen's loss 100 x at step 1
+
+    def first_loss(regime):
+        with open(out / "runs" / regime / "equal" / "seed0" / "metrics.jsonl") as f:
+            first = next(r for r in map(json.loads, f) if r["kind"] == "train")
+        return first["step"], first["loss_gen"], first["loss_cls"]
+
+    (s1, gen_n, cls_n), (s2, gen_s, cls_s) = first_loss("natural"), first_loss("scaled")
+    assert s1 == s2 == 1 and abs(gen_s / gen_n - 100) < 1e-3 and abs(cls_s - cls_n) < 1e-5 * cls_n
     for png in ("metrics_vs_step.png", "metrics_vs_wall.png", "task_weights.png", "gradient_cosine.png"):
-        assert (out / png).stat().st_size > 10_000
-    assert "| `equal` |" in (out / "results.md").read_text()
-    assert "| `pcgrad(reduction=mean)` |" in (out / "results.md").read_text()
+        assert (out / "natural" / png).stat().st_size > 10_000
+    md = (out / "results.md").read_text()
+    assert "### Regime `natural`" in md and "### Regime `scaled` (overrides: `loss_scale.gen=100`)" in md
+    assert "Expected (stated before the run): equal loses cls" in md and "### Between regimes" in md
+    assert "| `pcgrad(reduction=mean)` |" in md and "| `unit_gradients(source=features)` |" in md
+    header = next(ln for ln in md.splitlines() if ln.startswith("| method |"))
+    static = next(ln for ln in md.splitlines() if ln.startswith("| `static` (1 of 1 failed) |"))
+    assert static.count("|") == header.count("|")  # a failed method's row has the table's columns
     assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(out / "tb") for f in fs)
-    again = bench(out, "bench.methods=[equal,pcgrad,'pcgrad(reduction=mean)',static]")
-    assert "equal seed 0: finished before, skipped" in again.stdout and "pcgrad seed 0: finished before" in again.stdout
+    again = bench(out, *args)
+    assert "natural equal seed 0: finished before, skipped" in again.stdout
+    assert "scaled equal seed 0: finished before, skipped" in again.stdout
 
 
 @pytest.mark.slow
@@ -56,8 +87,10 @@ def test_bench_runs_under_torchrun_when_configured(tmp_path):
     out = tmp_path / "bench"
     proc = bench(out, "bench.methods=[equal]", "bench.baselines=false", "bench.nproc=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out / "runs" / "equal" / "seed0" / "final_metrics.json") as f:
+    with open(out / "runs" / "natural" / "equal" / "seed0" / "final_metrics.json") as f:
         assert json.load(f)["world_size"] == 2
+    with open(out / "results.csv") as f:
+        assert float(next(csv.DictReader(f))["peak_mem_mb"]) > 100  # rank 0's own process
 
 
 def test_a_method_may_appear_with_options_labelled_by_its_values(capsys):
@@ -76,7 +109,7 @@ def test_a_method_may_appear_with_options_labelled_by_its_values(capsys):
     over = runs["cagrad(c=0.5, rescale=false)"]["overrides"]
     assert {"weighting.method=cagrad", "weighting.options.c=0.5", "weighting.options.rescale=false",
             "ddp.strategy=task_grads"} <= set(over)
-    assert runs["cagrad(c=0.2)"]["dir"].endswith(os.path.join("runs", "cagrad_c=0.2", "seed0"))
+    assert runs["cagrad(c=0.2)"]["dir"].endswith(os.path.join("runs", "natural", "cagrad_c=0.2", "seed0"))
     assert len({r["dir"] for r in runs.values()}) == 4
     # the run's own config check accepts what the entry turns into, and the option arrives
     run_cfg = load_run_config(TINY, over)
@@ -95,3 +128,279 @@ def test_a_method_may_appear_with_options_labelled_by_its_values(capsys):
     assert len(errs) == 7, errs  # static's missing weighting.weights is its run's error, not the list's
     assert main(["--config", TINY, "bench.methods=['cagrad(cc=0.2)']"]) == 2
     assert "weighting.options: unknown option 'cc'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ statistics
+
+def test_t_interval_on_known_inputs():
+    from mtl.tools.bench_stats import mean_ci, t975
+
+    assert t975(4) == 2.776 and t975(1) == 12.706
+    assert abs(t975(30) - 2.042) < 1e-3 and abs(t975(31) - 2.0395) < 1e-3  # the expansion meets the table
+    assert abs(t975(120) - 1.9799) < 1e-3
+    mean, half = mean_ci([1, 2, 3, 4, 5])  # sd = sqrt(2.5), n = 5
+    assert mean == 3 and abs(half - 2.776 * 2.5 ** 0.5 / 5 ** 0.5) < 1e-12
+    mean, half = mean_ci([2.0, float("nan"), None])  # only finite values count; one value has no interval
+    assert mean == 2.0 and half != half
+    with pytest.raises(ValueError):
+        t975(0)
+
+
+def test_paired_bootstrap_on_known_inputs():
+    """Against the exact bootstrap distribution (every one of the n^n resamples enumerated), reproducible from its
+    seed, and the significance marks on clear and unclear differences."""
+    import itertools
+    import statistics
+
+    from mtl.tools.bench_stats import paired_bootstrap, significance
+
+    d = [0.0, 1.0, 5.0]
+    exact = sorted(statistics.mean(t) for t in itertools.product(d, repeat=3))  # 27 equally likely means
+    mean, lo, hi = paired_bootstrap(d, 20000, seed=1)
+    assert mean == 2.0
+    # the exact 2.5% and 97.5% points: the smallest mean 0 has probability 1/27 > 2.5%, the largest 5 too
+    assert lo == exact[0] == 0.0 and hi == exact[-1] == 5.0
+    d = [-3.0, 1.0, 2.0, 4.0, 6.0]
+    exact = sorted(statistics.mean(t) for t in itertools.product(d, repeat=5))
+    _, lo, hi = paired_bootstrap(d, 20000, seed=0)
+    q_lo, q_hi = exact[int(0.025 * len(exact))], exact[int(0.975 * len(exact))]
+    assert abs(lo - q_lo) <= 0.2 and abs(hi - q_hi) <= 0.2, (lo, hi, q_lo, q_hi)
+    assert paired_bootstrap(d, 500, seed=7) == paired_bootstrap(d, 500, seed=7)  # the table is reproducible
+    assert paired_bootstrap(d, 500, seed=7) != paired_bootstrap(d, 500, seed=8)
+    assert paired_bootstrap([0.5] * 5, 100) == (0.5, 0.5, 0.5)
+    mean, lo, hi = paired_bootstrap([0.5, 0.7], 100)  # two seeds: a mean, no interval, never a mark
+    assert mean == 0.6 and lo != lo and hi != hi and significance(lo, hi) == 0
+    assert significance(*paired_bootstrap([0.9, 1.1, 1.0, 1.2, 0.8])[1:]) == 1
+    assert significance(*paired_bootstrap([-0.9, -1.1, -1.0, -1.2, -0.8])[1:]) == -1
+    assert significance(*paired_bootstrap([-1.0, 1.0, -2.0, 2.0, 0.0])[1:]) == 0
+    assert significance(float("nan"), float("nan")) == 0
+
+
+def test_slope_of_the_last_evaluations():
+    from mtl.tools.bench_stats import slope_per_100
+
+    line = [(s, 0.5 + 0.002 * s) for s in range(0, 600, 50)]
+    assert abs(slope_per_100(line, 3) - 0.2) < 1e-12  # 0.002 per step = 0.2 per 100 steps
+    rise_then_flat = [(s, min(s, 300) / 1000) for s in range(0, 700, 100)]
+    assert slope_per_100(rise_then_flat, 3) == 0.0  # the last 3 (400, 500, 600) are flat
+    assert slope_per_100(rise_then_flat, 7) > 0
+    assert slope_per_100(list(reversed(line)), 4) > 0  # ordered by step, whatever the input order
+    assert slope_per_100([(100, 1.0)], 3) != slope_per_100([(100, 1.0)], 3)  # nan: one point has no slope
+
+
+# ------------------------------------------------------------------------------------------ regimes
+
+def test_loss_scale_multiplies_one_tasks_loss_and_its_gradient():
+    """The regime option: loss_scale.gen=100 makes gen's training loss (and its gradient at the shared features)
+    exactly 100 x, and leaves cls's as it was; a bad value is a config error naming the key."""
+    import torch
+
+    from mtl.build import build_model
+    from mtl.config_check import load_run_config
+    from mtl.data.tokenizer import train_tokenizer
+    from mtl.errors import ConfigError
+
+    from .conftest import make_collate
+
+    tok = train_tokenizer(["one small red object in the centre", "two large blue objects"], 64)
+    items = [{"image": torch.rand(3, 32, 32), "label": i % 4, "captions": ["two large blue objects"], "count": 2,
+              "index": i} for i in range(3)]
+    batch = make_collate(tok, 10, tasks=["cls", "gen"])(items)
+    model = build_model(load_run_config(TINY, ["loss_scale.gen=100"]), 4, ["a", "b", "c", "d"], tok)
+    assert model.loss_scale == {"gen": 100.0}  # the config reached the model
+    out = {}
+    for scale in (None, 100):
+        model.loss_scale = {"gen": 100.0} if scale else {}  # the same weights, scaled and not
+        res = model(batch, feature_leaf=True)
+        grad = torch.autograd.grad(res["losses"]["gen"], res["leaf"])[0]
+        out[scale] = ({k: v.detach() for k, v in res["losses"].items()}, grad)
+    (plain, g_plain), (scaled, g_scaled) = out[None], out[100]
+    torch.testing.assert_close(scaled["gen"], 100 * plain["gen"])
+    torch.testing.assert_close(scaled["cls"], plain["cls"])
+    torch.testing.assert_close(g_scaled, 100 * g_plain)
+    assert g_plain.abs().sum() > 0
+    for bad, msg in (("loss_scale.gen=0", "loss_scale.gen: must be a number > 0"),
+                     ("loss_scale.gne=2", "loss_scale.gne: 'gne' is not a task")):
+        with pytest.raises(ConfigError) as e:
+            load_run_config(TINY, [bad])
+        assert any(m.startswith(msg) for m in e.value.errors), e.value.errors
+
+
+REGIMES = ("bench.regimes={natural: {expect: 'nothing moves'}, scaled: {overrides: [loss_scale.gen=100], "
+           "baselines_from: natural, methods: [equal, uw], expect: 'equal loses cls'}}")
+
+
+def test_regimes_and_gradient_sources_plan_the_right_runs():
+    """Each regime's overrides reach its runs; a regime with baselines_from plans no baselines of its own; an
+    entry's source=features becomes weighting.source with the features strategy; bad entries are refused."""
+    from mtl.config_check import load_run_config
+    from mtl.tools.bench import describe_plan, plan, regime_configs
+
+    over = [REGIMES, "bench.methods=[equal, mgda, 'mgda(source=features)', 'cagrad(c=0.2, source=features)']",
+            "bench.seeds=[0, 1]"]
+    cfg = load_run_config(TINY, over)
+    loaded, errors = regime_configs(cfg, TINY, over)
+    assert errors == []
+    runs = plan(cfg, loaded=loaded)
+    by = {(r["regime"], r["label"], r["seed"]): r for r in runs}
+    assert len(runs) == 2 * (4 + 2) + 2 * 2
+    assert ("scaled", "single_cls", 0) not in by and ("natural", "single_gen", 1) in by
+    assert "loss_scale.gen=100" in by[("scaled", "uw", 1)]["overrides"]
+    assert not any("loss_scale" in o for o in by[("natural", "equal", 0)]["overrides"])
+    feat = by[("natural", "mgda(source=features)", 0)]["overrides"]
+    assert {"weighting.method=mgda", "weighting.source=features", "ddp.strategy=feature_leaf"} <= set(feat)
+    assert {"weighting.source=parameters", "ddp.strategy=task_grads"} <= set(by[("natural", "mgda", 0)]["overrides"])
+    assert {"weighting.options.c=0.2", "weighting.source=features"} <= set(
+        by[("natural", "cagrad(c=0.2, source=features)", 0)]["overrides"])
+    assert by[("natural", "mgda(source=features)", 0)]["dir"].endswith(
+        os.path.join("runs", "natural", "mgda_source=features", "seed0"))
+    run_cfg = load_run_config(TINY, by[("scaled", "uw", 1)]["overrides"])  # what the run itself will load
+    assert run_cfg.loss_scale == {"gen": 100.0} and run_cfg.seed == 1
+    assert "natural: 2 loss, 2 grad, 4 grad (source=features), 4 single-task" in describe_plan(runs)
+    bad = [REGIMES.replace("baselines_from: natural", "baselines_from: nat"),
+           "bench.methods=[equal, 'equal(source=features)', 'graddrop(source=features)', 'mgda(source=bogus)']"]
+    _, errors = regime_configs(load_run_config(TINY, bad), TINY, bad)
+    assert any(e.startswith("bench.regimes.scaled.baselines_from: 'nat' is not a regime") for e in errors), errors
+    assert any(e.startswith("bench.regimes.natural.methods[1] 'equal(source=features)': weighting.source: features "
+                            "applies to gradient-level methods only") for e in errors), errors
+    assert any(e.startswith("bench.regimes.natural.methods[2] 'graddrop(source=features)'") and "needs the rows" in e
+               for e in errors), errors
+    assert any(e.startswith("bench.regimes.natural.methods[3] 'mgda(source=bogus)': weighting.source: 'bogus'")
+               for e in errors), errors
+    bad = ["bench.regimes={odd: {overrides: [loss_scale.gen=-1], expected: x}}"]
+    _, errors = regime_configs(load_run_config(TINY, bad), TINY, bad)
+    assert any(e.startswith("bench.regimes.odd: unknown key(s) expected") for e in errors), errors
+    assert any(e.startswith("bench.regimes.odd.overrides ['loss_scale.gen=-1']: loss_scale.gen: must be") for e in
+               errors), errors
+
+
+# ------------------------------------------------------------------------------------------ the table
+
+def _fake_run(run_dir, evals, step_time=0.1, peak=500.0, combine=None):
+    """A finished run's files as the trainer writes them: train rows (step time, peak memory) and eval rows."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for step, metrics in evals:
+            f.write(json.dumps({"step": step, "kind": "train", "time": 1000.0 + step, "step_time_s": step_time,
+                                "peak_mem_mb": peak, "combine_s": combine, "weight_cls": 1.0, "weight_gen": 1.0})
+                    + "\n")
+            f.write(json.dumps({"step": step, "kind": "eval", "time": 1000.5 + step, **metrics}) + "\n")
+    with open(os.path.join(run_dir, "final_metrics.json"), "w") as f:
+        json.dump({"wall_time_s": 12.0}, f)
+
+
+def test_the_table_from_known_runs(tmp_path):
+    """summarize + write_results on hand-made runs with known numbers: Δm and its t-interval, the paired
+    bootstrap marks against equal (▲ for a method better on every seed, none for one better on some), the slope
+    and plateau columns, peak memory per run (never n/a), and the between-regimes table."""
+    from mtl.config_check import load_run_config
+    from mtl.tools.bench import plan, regime_configs, summarize, write_results
+
+    over = [f"output_dir={tmp_path}", "bench.methods=[equal, uw, dwa, rlw]", "bench.seeds=[0, 1, 2, 3, 4]", REGIMES,
+            "bench.last_k=3", "bench.bootstrap=2000"]
+    cfg = load_run_config(TINY, over)
+    loaded, errors = regime_configs(cfg, TINY, over)
+    assert errors == []
+    runs = plan(cfg, loaded=loaded)
+    noise = [0.01, -0.01, 0.02, -0.02, 0.0]
+    for r in runs:
+        s = r["seed"]
+        if r["label"] == "rlw":  # every rlw run failed: no files
+            r["status"] = "failed"
+            continue
+        acc = {"single_cls": 0.8, "single_gen": 0.5, "equal": 0.6, "uw": 0.7, "dwa": 0.6 + 5 * noise[s]}[r["label"]]
+        if r["regime"] == "scaled" and r["label"] == "equal":
+            acc = 0.4  # the regime costs equal its classification
+        rising = r["label"] == "dwa"  # still climbing at the end: not on a plateau
+        evals = [(step, {"cls_acc": acc - (0.1 * (600 - step) / 600 if rising else 0) + noise[s] / 10,
+                         "gen_bleu4": 0.5, "gen_chrf": 0.5}) for step in range(100, 700, 100)]
+        if r["label"].startswith("single_"):  # a baseline evaluates its own task only
+            task = r["label"].split("_", 1)[1]
+            evals = [(step, {k: v for k, v in m.items() if k.startswith(task)}) for step, m in evals]
+        _fake_run(r["dir"], evals, step_time=0.2 if r["label"] == "uw" else 0.1, peak=400.0 + 10 * s
+                  + (100 if r["label"] == "uw" else 0))
+        r["status"] = "ok"
+    per_regime = {}
+    for name, (spec, rcfg) in loaded.items():
+        mine = [r for r in runs if r["regime"] == name and not r["label"].startswith("single_")]
+        base_runs = [r for r in runs if r["regime"] == "natural" and r["label"].startswith("single_")]
+        rows, base = summarize(cfg, name, spec, rcfg, mine, base_runs)
+        per_regime[name] = (rcfg, rows, base)
+    rows = {r["method"]: r for r in per_regime["natural"][1]}
+    assert abs(per_regime["natural"][2]["cls_acc"] - 0.8) < 1e-9
+    # equal: cls 0.6 vs 0.8 (-25%), bleu and chrf at the baseline (0%): Δm = -25/3 % (+ the seed noise / 10)
+    assert abs(rows["equal"]["delta_m"] - (-25 / 3)) < 0.05
+    assert rows["equal"]["delta_m_ci"] > 0 and rows["equal"]["vs_equal_sig"] == 0 and rows["equal"]["seeds_better"] == ""
+    assert rows["uw"]["vs_equal_sig"] == 1 and rows["uw"]["seeds_better"] == "5/5"  # +0.1 acc on every seed
+    assert abs(rows["uw"]["vs_equal"] - 0.1 / 0.8 * 100 / 3) < 1e-6
+    assert rows["dwa"]["vs_equal_sig"] == 0  # better on some seeds, worse on others
+    assert rows["equal"]["plateau"] and rows["uw"]["plateau"] and not rows["dwa"]["plateau"]
+    assert rows["dwa"]["moving"] == ["cls_acc"] and abs(rows["dwa"]["cls_acc_slope"] - 0.1 / 6) < 1e-3
+    assert rows["equal"]["peak_mem_mb"] == 420.0 and rows["uw"]["mem_vs_equal"] == 520.0 / 420.0
+    assert rows["uw"]["time_vs_equal"] == 2.0
+    assert rows["single_cls"]["level"] == "single-task" and rows["single_cls"]["plateau"]  # its own metric only
+    assert rows["single_cls"]["gen_bleu4"] != rows["single_cls"]["gen_bleu4"]
+    text = write_results(cfg, per_regime, {"regimes": {k: v[0] for k, v in loaded.items()}})
+    assert "Expected (stated before the run): equal loses cls" in text
+    natural = text.split("### Regime `scaled`")[0]
+    line = {ln.split("|")[1].strip(): ln for ln in natural.splitlines() if ln.startswith("| `") and ln.count("|") > 12}
+    assert line["`uw`"].split("|")[8].strip().endswith("▲") and "5/5" in line["`uw`"]
+    assert "▲" not in line["`dwa`"] and "▼" not in line["`dwa`"]
+    assert "420 (1.00x)" in line["`equal`"] and "520 (1.24x)" in line["`uw`"]
+    assert "n/a" not in line["`uw`"]
+    assert "| `single_cls` | 600 |" in text and "no: cls_acc" in text
+    header = next(ln for ln in natural.splitlines() if ln.startswith("| method |"))
+    assert line["`rlw` (5 of 5 failed)"].count("|") == header.count("|") and "- `rlw` seed 4: failed" in natural
+    assert "| `rlw` |" not in natural  # no convergence row for a method with no finished run
+    scaled = {r["method"]: r for r in per_regime["scaled"][1]}
+    assert scaled["uw"]["vs_equal_sig"] == 1 and abs(scaled["equal"]["delta_m"] - (-50 / 3)) < 0.05
+    # between regimes: equal's Δm fell by 25/3 on every seed (▼), uw's did not move
+    effects = [ln for ln in text.splitlines() if ln.startswith("| `scaled` vs `natural`")]
+    assert any("`equal`" in ln and "-8.33" in ln and "▼" in ln for ln in effects), effects
+    assert any("`uw`" in ln and "+0.00 [+0.00, +0.00]" in ln and "▲" not in ln for ln in effects), effects
+    with open(tmp_path / "results.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert {(r["regime"], r["method"]) for r in csv_rows} >= {("natural", "uw"), ("scaled", "equal"),
+                                                               ("natural", "single_gen")}
+    with open(tmp_path / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == len([r for r in runs if r["status"] == "ok"])  # the finished runs
+
+
+# ------------------------------------------------------------------------------------------ a user's method
+
+USER_METHOD = os.path.join(ROOT, "docs", "examples", "unit_gradients.py")  # the worked example of the docs
+
+
+def test_a_users_method_in_one_file_joins_the_sweep(tmp_path):
+    """The docs' worked example: weighting_modules names the .py file; its method is then a bench.methods entry
+    like any built-in one, with options and either gradient source (checked, planned, its run config builds it);
+    without weighting_modules the entry is an unknown method."""
+    import shutil
+
+    import torch
+
+    from mtl.build import build_weighting
+    from mtl.config_check import load_run_config
+    from mtl.tools.bench import method_errors, plan
+
+    path = tmp_path / "unit_gradients.py"  # a file outside the package, as a user's would be
+    shutil.copy(USER_METHOD, path)
+    over = [f"weighting_modules=[{path}]", "bench.methods=[equal, unit_gradients, 'unit_gradients(source=features)', "
+            "'unit_gradients(eps=0.001)']", "bench.seeds=[0]", "bench.baselines=false"]
+    cfg = load_run_config(TINY, over)
+    assert method_errors(cfg) == []
+    runs = {r["label"]: r for r in plan(cfg)}
+    assert {"weighting.method=unit_gradients", "ddp.strategy=task_grads"} <= set(runs["unit_gradients"]["overrides"])
+    assert {"weighting.source=features", "ddp.strategy=feature_leaf"} <= set(
+        runs["unit_gradients(source=features)"]["overrides"])
+    run_cfg = load_run_config(TINY, [*over, *runs["unit_gradients(eps=0.001)"]["overrides"]])
+    w = build_weighting(run_cfg)
+    assert type(w).__name__ == "UnitGradients" and w.level == "grad" and w.options.eps == 0.001
+    gram = torch.tensor([[4.0, 1.0], [1.0, 100.0]], dtype=torch.float64)
+    torch.testing.assert_close(w.weights_for_gram(gram), 1 / torch.sqrt(torch.tensor([4.001, 100.001],
+                                                                                        dtype=torch.float64)))
+    errs = method_errors(load_run_config(TINY, [*over[1:], f"weighting_modules=[{path}]",
+                                                "bench.methods=['unit_gradients(epsilon=1)']"]))
+    assert len(errs) == 1 and "unknown option 'epsilon'" in errs[0], errs
+    errs = method_errors(load_run_config(TINY, ["bench.methods=[equal, unit_gradients]"]))
+    assert len(errs) == 1 and "unknown method 'unit_gradients'" in errs[0] and "weighting_modules" in errs[0]

@@ -527,6 +527,7 @@ def test_a_re_run_is_refused_with_a_way_to_start_over(tmp_path, capsys):
 # ------------------------------------------------------------------ a real run in this process (defect 13b)
 
 
+@pytest.mark.slow  # seconds-long in-process runs: the full suite, not the fast tier
 def test_checkpoints_carry_the_tokenizer_and_class_names_and_a_resume_uses_them(tmp_path):
     def run(*overrides):
         t = Trainer(config(tmp_path, "trainer.progress=false", "trainer.eval_every=100", "checkpoint.every_steps=0",

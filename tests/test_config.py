@@ -76,6 +76,7 @@ def test_missing_and_unreadable_files(tmp_path):
     ("data.source=manifest", "data.train_path"),
     ("weighting.method=static", "weighting.weights"),
     ("resume=/does/not/exist", "resume"),
+    ("resume_reshard=true", "resume_reshard"),  # with resume=null: nothing to reshard (tests/test_reshard.py)
     ("model.backbone.norm=layer", "model.backbone.norm"),
 ])
 def test_semantic_errors_name_the_key(override, key):
@@ -213,7 +214,8 @@ def test_task_options_name_only_configured_tasks_and_declared_keys():
 BAD_OPTION = {"cagrad": ("c", -1), "gradnorm": ("alpha", -0.5), "dwa": ("T", 0), "famo": ("lr", 0),
               "pcgrad": ("reduction", "avg"), "nashmtl": ("update_every", 0), "mgda": ("normalization", "l1"),
               "gradvac": ("beta", 1.5), "fairgrad": ("alpha", 0), "graddrop": ("leak", -0.1), "dbmtl": ("beta", 1.0),
-              "excessmtl": ("eta", -1.0), "stch": ("mu", 0)}
+              "excessmtl": ("eta", -1.0), "stch": ("mu", 0), "moco": ("beta", 0.0), "modo": ("gamma", 0.0),
+              "sdmgrad": ("niter", 0)}
 
 
 def test_each_method_s_options_are_checked_by_name_type_and_range():

@@ -21,6 +21,11 @@ from mtl.config_check import load_run_config
 from .conftest import ROOT
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+# The configs with the big backbones (ResNet-50/152) take seconds each even shrunk: the full suite runs them,
+# the fast tier (pytest -m "not slow") the others.
+BIG = {"gpu.yaml", "user_data.yaml", "multi_input_user_data.yaml", "fsdp2.yaml", "bench_gpu.yaml"}
+PARAMS = [pytest.param(p, id=os.path.basename(p), marks=[pytest.mark.slow] if os.path.basename(p) in BIG else [])
+          for p in CONFIGS]
 
 
 def cpu_overrides(path: str) -> list[str]:
@@ -34,6 +39,15 @@ def cpu_overrides(path: str) -> list[str]:
     return out
 
 
+def shrink(path: str) -> list[str]:
+    """Sizes on top of SMALL for a config whose backbone alone takes seconds per step on a CPU: its first stage
+    only (the same network family and blocks; configs/fsdp2.yaml's ResNet-152 took 43 s whole)."""
+    return ["model.backbone.stages=1"] if load_config(path).model.backbone.name in BIG_BACKBONES else []
+
+
+BIG_BACKBONES = {"resnet101", "resnet152", "resnext101_32x8d", "resnext101_64x4d", "wide_resnet101_2"}
+
+
 def user_data(tmp_path) -> list[str]:
     """A small manifest for configs that read user data (the same file serves as both splits)."""
     (tmp_path / "img").mkdir()
@@ -45,6 +59,34 @@ def user_data(tmp_path) -> list[str]:
     return [f"data.train_path={tmp_path / 'm.jsonl'}", f"data.val_path={tmp_path / 'm.jsonl'}"]
 
 
+def per_task_data(path: str, tmp_path) -> list[str]:
+    """Multi-input configs (data.per_task): small per-task sets; for user sources an ImageFolder tree (no
+    captions) for the classification task and a captions-only manifest of OTHER images for the caption task."""
+    cfg = load_config(path)
+    out = []
+    for task, section in (cfg.data.get("per_task") or {}).items():
+        out += [f"data.per_task.{task}.batch_size=2", f"data.per_task.{task}.train_size=4",
+                f"data.per_task.{task}.val_size=2"]
+        source = section.get("source", "synthetic")
+        if source == "imagefolder":
+            for c in range(2):
+                (tmp_path / "folder" / f"class{c}").mkdir(parents=True)
+                for i in range(3):
+                    Image.new("RGB", (40, 30), (90 * c, 60 * i, 30)).save(tmp_path / "folder" / f"class{c}" / f"{i}.png")
+            out += [f"data.per_task.{task}.train_path={tmp_path / 'folder'}",
+                    f"data.per_task.{task}.val_path={tmp_path / 'folder'}"]
+        elif source == "manifest":
+            (tmp_path / "cap").mkdir()
+            lines = []
+            for i in range(4):
+                Image.new("RGB", (30, 40), (20, 50 * i, 200)).save(tmp_path / "cap" / f"{i}.png")
+                lines.append(json.dumps({"image": f"{i}.png", "caption": f"a blue picture number {i}"}))
+            (tmp_path / "cap" / "c.jsonl").write_text("\n".join(lines) + "\n")
+            out += [f"data.per_task.{task}.train_path={tmp_path / 'cap' / 'c.jsonl'}",
+                    f"data.per_task.{task}.val_path={tmp_path / 'cap' / 'c.jsonl'}"]
+    return out
+
+
 SMALL = ["data.batch_size=2", "data.eval_batch_size=2", "data.num_workers=0", "data.image_size=32",
          "data.synthetic.train_size=4", "data.synthetic.val_size=2", "data.synthetic.max_count=1",
          "model.decoder.n_layer=1", "model.decoder.n_embd=32", "model.decoder.n_head=2", "tokenizer.vocab_size=64",
@@ -52,13 +94,14 @@ SMALL = ["data.batch_size=2", "data.eval_batch_size=2", "data.num_workers=0", "d
          "trainer.progress=false", "checkpoint.every_steps=0"]
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
+@pytest.mark.parametrize("path", PARAMS)
 def test_config_validates_and_runs_one_step(path, tmp_path, capsys):
     data = user_data(tmp_path) if load_config(path).data.source != "synthetic" else []
+    data += per_task_data(path, tmp_path)
     cpu = cpu_overrides(path)
     load_run_config(path, cpu + data)  # the file as it is, but for the GPU-only keys
     out_dir = tmp_path / "run"
-    code = train.main(["--config", path, *cpu, *data, *SMALL, f"output_dir={out_dir}"])
+    code = train.main(["--config", path, *cpu, *data, *SMALL, *shrink(path), f"output_dir={out_dir}"])
     printed = capsys.readouterr()
     assert code == 0, printed.err[-3000:]
     final = json.loads((out_dir / "final_metrics.json").read_text())
@@ -66,5 +109,5 @@ def test_config_validates_and_runs_one_step(path, tmp_path, capsys):
     # the console shows only what differs from the defaults; config.yaml keeps everything
     head = printed.out.split("\nmtl: ")[0].splitlines()
     assert head[0].startswith("resolved config: only what differs") and str(out_dir / "config.yaml") in head[0]
-    assert len(head) <= 10, head
+    assert len(head) <= 1 + 15, head  # one line per section that differs
     assert "bucket_cap_mb" in (out_dir / "config.yaml").read_text()

@@ -428,6 +428,30 @@ def p_static_nosync(ctx, rec, first_synced):
         rec[f"grads{it}"] = ctx.grads(ddp.module)
 
 
+def p_absent(ctx, rec, where, zero_term=False, **flags):
+    """Multi-input steps: the generation task is absent from the step on EVERY rank (``where="all"``: one
+    forward and backward of the classification loss), or only on rank 1 (``where="one"``: rank 0's step holds
+    both tasks, its generation loss a share of the mean over the GLOBAL generation rows, which are rank 0's:
+    2 x its local mean). ``zero_term``: rank 1 adds ``0 * sum(p.sum())`` over the generation head (what mtl's model
+    does for a task with no row on a rank)."""
+    ddp, cnt = ctx.make(**flags)
+    for it in range(2):
+        ddp.zero_grad()
+        before = cnt["b0"]
+        x, yc, yg = ctx.batch(it)
+        rec["stage"] = f"it{it}:F"
+        oc, og = ddp(x)
+        loss = _loss_cls(oc, yc)
+        if where == "one" and ctx.rank == 0:
+            loss = loss + WORLD * _loss_gen(og, yg)
+        elif zero_term:
+            loss = loss + 0 * sum(p.sum() for p in ddp.module.gen.parameters())
+        rec["stage"] = f"it{it}:B"
+        loss.backward()
+        rec[f"grads{it}"], rec[f"count{it}"] = ctx.grads(ddp.module), cnt["b0"] - before
+    rec["max_bucket_index"] = cnt["max_index"]
+
+
 def p_norm(ctx, rec, norm):
     ddp, _ = ctx.make(hook=False, norm=norm, find_unused_parameters=False)
     _full_step(ddp, 0, ctx)
@@ -473,6 +497,11 @@ def _patterns():
         "static_nosync_after_sync": lambda c, r: p_static_nosync(c, r, True),
         "norm_bn": lambda c, r: p_norm(c, r, "bn"),
         "norm_gn": lambda c, r: p_norm(c, r, "gn"),
+        # multi-input: a task absent from a step (mtl/multi_input_check.py, docs/multi-input.md)
+        "absent_all_nofind": lambda c, r: p_absent(c, r, "all", find_unused_parameters=False),
+        "absent_all_find": lambda c, r: p_absent(c, r, "all", find_unused_parameters=True),
+        "absent_one_find": lambda c, r: p_absent(c, r, "one", find_unused_parameters=True),
+        "absent_one_zero_term": lambda c, r: p_absent(c, r, "one", zero_term=True, find_unused_parameters=False),
     }
 
 
@@ -619,6 +648,44 @@ def _rank_local(facts, name, key, k, objective):
 # ----------------------------------------------------------------------------------------------------------------
 # the table
 # ----------------------------------------------------------------------------------------------------------------
+def _absent_on_rank1_reference(facts, k):
+    """One process: the classification loss over the global batch plus the generation loss over rank 0's rows
+    (the only generation rows of the step)."""
+    m = TinyMTL()
+    m.load_state_dict(facts["states"][None])
+    data = facts["data"]
+    x0, _, yg0 = _shard(data, k, 0)
+    (_loss_cls(m(data["x"][k], "cls"), data["yc"][k]) + _loss_gen(m(x0, "gen"), yg0)).backward()
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in m.named_parameters()}
+
+
+def test_a_task_absent_from_a_step_on_every_rank_needs_find_unused(facts):
+    """| multi-input: a step without the gen task on any rank (round_robin, weighted, temperature) |
+    find_unused_parameters=False | RuntimeError at the next step's forward: "Expected to have finished reduction"
+    (the absent head never got a gradient) | find_unused_parameters=True | correct: the present task's gradient
+    of the global batch, the absent head's gradient zero, one all-reduce |"""
+    _assert_error(facts, "absent_all_nofind", MSG_FINISHED, stage="it1:F")
+    _assert_correct(facts, "absent_all_find", objective="cls")
+    assert _counts(facts, "absent_all_find") == {1}
+    for rank in range(WORLD):
+        g = facts["ranks"][rank]["absent_all_find"]["grads1"]["gen.0.weight"]
+        assert g is None or not g.any()
+
+
+def test_a_task_absent_on_one_rank_only_is_correct_with_find_unused_or_a_zero_term(facts):
+    """| multi-input: gen rows on rank 0 only (mixed), each task's loss a share of the mean over its GLOBAL rows |
+    find_unused_parameters=True, or a zero term over the absent head on rank 1 with find_unused_parameters=False |
+    correct: DDP averages rank 1's zero gradient of the gen head with rank 0's, which is the gradient of the mean
+    over the global gen rows; one all-reduce |"""
+    for name in ("absent_one_find", "absent_one_zero_term"):
+        r0, r1 = (facts["ranks"][r][name] for r in range(WORLD))
+        assert r0["error"] is None and r1["error"] is None, (name, r0["error"], r1["error"])
+        for it in (0, 1):
+            _assert_close(r0[f"grads{it}"], _absent_on_rank1_reference(facts, it), f"{name} iteration {it}")
+            assert _maxdiff(r0[f"grads{it}"], r1[f"grads{it}"]) == 0
+        assert _counts(facts, name) == {1}
+
+
 def test_all_patterns_ran_and_group_stayed_healthy(facts):
     """Harness check: every pattern ran on both ranks and no pattern left the gloo group unusable."""
     for rank in range(WORLD):

@@ -201,8 +201,8 @@ def test_the_third_task_is_benchmarked_and_plotted_from_its_declared_metrics(tmp
          "bench.last_k=2", "bench.methods=[equal]", "trainer.num_samples=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(os.listdir(out / "runs")) == ["equal", "single_cls", "single_count"]
-    with open(out / "runs" / "equal" / "seed0" / "final_metrics.json") as f:
+    assert sorted(os.listdir(out / "runs" / "natural")) == ["equal", "single_cls", "single_count"]
+    with open(out / "runs" / "natural" / "equal" / "seed0" / "final_metrics.json") as f:
         final = json.load(f)
     assert "count_acc" in final
     with open(out / "results.csv") as f:
@@ -210,5 +210,7 @@ def test_the_third_task_is_benchmarked_and_plotted_from_its_declared_metrics(tmp
     assert row["count_acc"] not in ("", "nan") and row["delta_m"] not in ("", "nan")
     assert "gen_bleu4" not in row
     table = (out / "results.md").read_text()
-    assert "| count_acc |" in table and "count_acc" in table.splitlines()[0]  # column and baseline
-    assert (out / "metrics_vs_step.png").stat().st_size > 10_000
+    assert "| count_acc |" in table  # its column
+    assert any(line.startswith("Mean ± 95%") and "count_acc" in line.split("Single-task baselines")[1]
+               for line in table.splitlines())  # and its baseline
+    assert (out / "natural" / "metrics_vs_step.png").stat().st_size > 10_000

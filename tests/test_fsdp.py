@@ -21,24 +21,28 @@ hook in tests/test_allreduce_counts.py and not here.
 from __future__ import annotations
 
 import collections
+import contextlib
+import math
 import os
 import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mtl.errors import ConfigError
 from mtl.strategies import strategy_types
+from mtl.weighting import weighting_types
 
-from .conftest import TINY, free_port, spawn_env
+from .conftest import TINY, run_spawn, spawn_env
 
 B = 4
 STEPS = 3
 TOL = 1e-5
 DTYPE = torch.float64
 METHODS = ["equal", "gls"]
-STRATEGIES = sorted(n for n, c in strategy_types().items() if not c.unsafe and c.fsdp2_problem() is None)
+# task_grads (gradient-level weighting) runs in the sweep below, one trainer for all its methods
+STRATEGIES = sorted(n for n, c in strategy_types().items()
+                    if not c.unsafe and c.fsdp2_problem() is None and not c.task_gradients)
 DDP_TOO = ["accumulate", "feature_leaf"]  # FSDP2 == DDP directly (DDP == 1 process is tests/test_strategies_ddp.py's)
 DEADLINE_S = 400
 
@@ -111,10 +115,19 @@ def _worker(index, port, out_dir):
             for method in METHODS:
                 run(f"ddp/{strategy}/{method}", strategy, method, "ddp", B)
         results["resume"] = _resume_exactly(out_dir, world)
+        tic = time.perf_counter()
+        results.update(_fp16_overflow(out_dir))
+        timing["fp16"] = time.perf_counter() - tic
+        tic = time.perf_counter()
+        results["example"] = _example_config(out_dir)
+        timing["example config"] = time.perf_counter() - tic
     else:
         for strategy in ("combined", "detach"):
             for method in METHODS:
                 run(f"single/{strategy}/{method}", strategy, method, "ddp", 2 * B)
+    tic = time.perf_counter()
+    results.update(_weighting_sweep(world, out_dir))
+    timing["gradient-level sweep"] = time.perf_counter() - tic
     results["timing"] = timing
     torch.save(results, os.path.join(out_dir, f"worker{index}.pt"))
     dist.destroy()
@@ -155,6 +168,55 @@ def _resume_exactly(out_dir, world):
             "keys": sorted(saved)}
 
 
+def _fp16_overflow(out_dir) -> dict:
+    """precision=fp16 (float32, the model's fp16 autocast) under FSDP2 and under DDP, 3 steps on the same batches,
+    each with a scaler that starts at 2^40 (every scaled gradient overflows fp16) and backs off by 2^-30 (to 2^10,
+    where nothing overflows): step 0 is an overflow, skipped, steps 1 and 2 are taken. Then a 4th step whose gen
+    loss is NaN on rank 1 only (``trainer.poison``): a non-finite step, skipped on every rank."""
+    from mtl.trainer import Trainer
+
+    torch.set_default_dtype(torch.float32)
+    out = {}
+    for engine in ("fsdp2", "ddp"):
+        t = Trainer.from_config(TINY, [*overrides(f"{out_dir}/fp16-{engine}", B, "feature_leaf", "equal", engine),
+                                       "precision=fp16", f"trainer.poison={STEPS + 1}:gen:1"])
+        kind = type(t.amp.scaler)
+        t.amp.scaler = kind("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -30)
+        t.bare.train()
+        steps, unchanged = [], []
+        for i in range(STEPS + 1):
+            before = _full_params(t)
+            r = t.step_once()
+            steps.append({"stepped": r.stepped, "nonfinite": r.nonfinite, "scale": t.amp.loss_scale(),
+                          "grad_norm": r.grad_norm})
+            if i in (0, STEPS):
+                unchanged.append(all(torch.equal(a, b) for a, b in zip(before.values(), _full_params(t).values())))
+        out[f"fp16/{engine}"] = {"scaler": kind.__name__, "steps": steps, "unchanged_by_skips": unchanged,
+                                 "params": _full_params(t)}
+        t.close()
+    return out
+
+
+def _example_config(out_dir) -> dict:
+    """configs/fsdp2.yaml (ResNet-152 + a GPT-2-medium-sized decoder, bf16, FSDP2) shrunk as
+    tests/test_configs_run.py shrinks it (the CPU keys, tiny sizes, the backbone's first stage), a step on 2 ranks."""
+    from mtl.fsdp import is_sharded, shard_units
+    from mtl.trainer import Trainer
+
+    from .test_configs_run import SMALL, cpu_overrides, shrink
+
+    path = os.path.join(os.path.dirname(TINY), "fsdp2.yaml")
+    torch.set_default_dtype(torch.float32)
+    t = Trainer.from_config(path, [*cpu_overrides(path), *SMALL, *shrink(path), f"output_dir={out_dir}/example",
+                                   "ddp.timeout_s=60"])
+    steps = [t.step_once()]
+    out = {"sharded": is_sharded(t.bare), "units": [n for n, _ in shard_units(t.bare)], "precision": t.cfg.precision,
+           "backbone": t.cfg.model.backbone.name, "stepped": [r.stepped for r in steps],
+           "losses": [r.losses for r in steps]}
+    t.close()
+    return out
+
+
 def _replica_check_sees_a_buffer(trainer, world):
     """Under FSDP2 every tiny.yaml parameter is sharded and it has no buffer: nothing replicated to compare. Give
     the backbone a float buffer, equal on both ranks (the check passes), then different (it names the buffer)."""
@@ -174,16 +236,103 @@ def _replica_check_sees_a_buffer(trainer, world):
     return {"before": before, "caught": caught}
 
 
+# ---------------------------------------------------------------------------- gradient-level weighting under FSDP2
+#
+# Every gradient-level method that runs under FSDP2 (``Weighting.fsdp2_problem()`` is None), with
+# ``ddp.strategy=task_grads`` (each rank its shard of each task's gradient, one K x K all-reduce), and a Gram-only
+# method with ``weighting.source=features``; plus DDP's task_grads for a Gram method and for GradDrop (the row
+# method that combines per shard). To keep the spawn short, each worker builds ONE Trainer per engine and, per
+# method, swaps in fresh ``parts`` (the method's weighting, strategy, optimizer and schedule, built from the
+# method's own checked config by the trainer's builders), puts the parameters back to their initial values and
+# steps it SWEEP_STEPS times with ``Trainer.step_once`` on the same batches.
+
+SWEEP_STEPS = 2
+GRAD_METHODS = sorted(m for m, c in weighting_types().items() if c.level == "grad" and c.fsdp2_problem() is None)
+FEATURE_METHODS = ["mgda"]  # weighting.source=features (feature_leaf): the strategy's code is method-agnostic
+GRAD_DDP_TOO = ["pcgrad", "graddrop"]
+LOSS_METHODS = ["gls"]  # task_grads with a loss-level method: the rows just add up (w = 1)
+# the other loss-level methods (equal and gls run with every strategy above), under feature_leaf; uw's learned
+# loss weights are plain parameters beside the model's DTensors (averaged by hand, in the global gradient norm)
+OTHER_LOSS_METHODS = sorted(m for m, c in weighting_types().items() if c.level == "loss" and m not in METHODS)
+COUNTED = "pcgrad"  # its steps run under the counting dispatch mode
+
+
+def _sweep_runs(world: int) -> list[tuple[str, str, str, str]]:
+    """(key, engine, strategy, method) in the order a worker runs them; ``method@features``: weighting.source."""
+    engine = "fsdp2" if world > 1 else "single"
+    out = [(f"{engine}/task_grads/{m}", engine, "task_grads", m) for m in [*GRAD_METHODS, *LOSS_METHODS]]
+    out += [(f"{engine}/feature_leaf/{m}@features", engine, "feature_leaf", f"{m}@features") for m in FEATURE_METHODS]
+    out += [(f"{engine}/feature_leaf/{m}", engine, "feature_leaf", m) for m in OTHER_LOSS_METHODS]
+    if world > 1:
+        out += [(f"ddp/task_grads/{m}", "ddp", "task_grads", m) for m in GRAD_DDP_TOO]
+    return out
+
+
+def _sweep_args(out_dir, batch, engine, strategy, method):
+    from .test_weighting_ddp import EXTRA  # the methods' options the DDP parity test runs them with
+
+    method, _, source = method.partition("@")
+    return [*overrides(out_dir, batch, strategy, method, "ddp" if engine == "single" else engine),
+            f"weighting.source={source or 'parameters'}", *EXTRA.get(method, [])]
+
+
+def _fresh_parts(trainer, args):
+    """New StepParts for the run ``args`` around ``trainer``'s model, from the trainer's own builders."""
+    from mtl.build import build_optimizer, build_scheduler, build_strategy, build_weighting
+    from mtl.config_check import load_run_config
+    from mtl.step import StepParts
+
+    cfg = load_run_config(TINY, args)
+    weighting = build_weighting(cfg).to(trainer.device)
+    optimizer = build_optimizer(cfg, trainer.bare, weighting)
+    params = [p for p in trainer.bare.parameters() if p.requires_grad] + list(weighting.parameters())
+    return StepParts(model=trainer.model, bare=trainer.bare, tasks=trainer.tasks, strategy=build_strategy(cfg),
+                     weighting=weighting, optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer),
+                     amp=trainer.amp, params=params, grad_clip=cfg.optim.grad_clip)
+
+
+def _weighting_sweep(world, out_dir) -> dict:
+    from mtl.runtime_checks import check_replicas
+    from mtl.trainer import Trainer
+
+    torch.set_default_dtype(DTYPE)  # _resume_exactly, before, sets float32
+    results, trainers, batches = {}, {}, None
+    for key, engine, strategy, method in _sweep_runs(world):
+        args = _sweep_args(f"{out_dir}/sweep-{engine}", 2 * B // world, engine, strategy, method)
+        if engine not in trainers:
+            t = trainers[engine] = Trainer.from_config(TINY, args)
+            t.bare.train()
+            t.initial = [p.detach().clone() for p in t.bare.parameters()]
+            if batches is None:
+                stream = t.batches()
+                batches = [{k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v
+                            for k, v in next(stream)[1].items()} for _ in range(SWEEP_STEPS)]
+        t = trainers[engine]
+        with torch.no_grad():
+            for p, p0 in zip(t.bare.parameters(), t.initial):
+                p.copy_(p0)
+        t.parts, t.step = _fresh_parts(t, args), 0
+        steps = []
+        for batch in batches:
+            mode = _counting_mode()
+            with mode if method == COUNTED else contextlib.nullcontext():
+                r = t.step_once(batch)
+            steps.append({"counts": dict(mode.counts), "grad_norm": r.grad_norm, "stepped": r.stepped,
+                          "stats": {k: float(v) for k, v in r.stats.items()}})
+            if world > 1:
+                check_replicas(t.bare, t.step)
+        results[key] = {"steps": steps, "params": _full_params(t), "weights": t.parts.weighting.weights(),
+                        "kind": type(t.parts.weighting).__name__}
+    for t in trainers.values():
+        t.close()
+    return results
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     tic = time.perf_counter()
-    ctx = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=3, start_method="spawn", join=False)
-    while not ctx.join(timeout=5):
-        if time.perf_counter() - tic > DEADLINE_S:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError(f"the FSDP2 workers did not finish within {DEADLINE_S} s")
+    run_spawn(_worker, out, DEADLINE_S, "the FSDP2")
     w = [torch.load(out / f"worker{i}.pt", weights_only=False) for i in range(3)]
     return {"rank0": w[0], "rank1": w[1], "single": w[2], "wall_s": time.perf_counter() - tic}
 
@@ -284,6 +433,96 @@ def test_the_replica_check_under_fsdp2_compares_what_the_ranks_replicate(runs):
     assert r["caught"] and "'backbone.probe'" in r["caught"], r
 
 
+def test_the_methods_under_fsdp2_are_every_gradient_level_method_but_those_with_a_kxp_state():
+    grad = {m for m, c in weighting_types().items() if c.level == "grad"}
+    assert grad - set(GRAD_METHODS) == {"dbmtl", "excessmtl", "moco"}
+    assert all("K x P" in weighting_types()[m].fsdp2_problem() for m in grad - set(GRAD_METHODS))
+    assert "graddrop" in GRAD_METHODS and not weighting_types()["graddrop"].gram_only()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", GRAD_METHODS + LOSS_METHODS + [f"{m}@features" for m in FEATURE_METHODS]
+                         + [f"{m}/loss" for m in OTHER_LOSS_METHODS])
+def test_every_weighting_method_fsdp2_two_processes_equal_one_process(runs, method):
+    loss_level = method.endswith("/loss")
+    strategy = "feature_leaf" if "@" in method or loss_level else "task_grads"
+    method = method.removesuffix("/loss")
+    got, ref = runs["rank0"][f"fsdp2/{strategy}/{method}"], runs["single"][f"single/{strategy}/{method}"]
+    assert got["kind"] == ref["kind"]  # the method really was swapped in
+    assert max_rel_diff(ref["params"], got["params"]) <= TOL
+    assert got["weights"] == runs["rank1"][f"fsdp2/{strategy}/{method}"]["weights"]  # the same weights on every rank
+    assert got["weights"] == pytest.approx(ref["weights"], rel=TOL, abs=TOL)
+    for s, r in zip(got["steps"], ref["steps"]):
+        assert s["stepped"] and abs(s["grad_norm"] - r["grad_norm"]) <= 1e-6 * r["grad_norm"], (s, r)
+        if loss_level:  # feature_leaf's plain feat_grad_norm/<task> are each rank's own (compared with DDP above)
+            continue
+        # the per-task gradient statistics (norms, cosine) from the global Gram matrix
+        assert s["stats"].keys() == r["stats"].keys()
+        for k in s["stats"]:
+            if "grad_norm/" in k or "grad_cos/" in k:
+                assert s["stats"][k] == pytest.approx(r["stats"][k], rel=1e-6, abs=1e-9), k
+
+
+@pytest.mark.slow
+def test_the_swapped_in_methods_give_different_updates(runs):
+    """So that the parity above is not one run compared with itself."""
+    r = runs["rank0"]
+    assert max_rel_diff(r["fsdp2/task_grads/pcgrad"]["params"], r["fsdp2/task_grads/graddrop"]["params"]) > 1e-4
+    assert r["fsdp2/task_grads/graddrop"]["weights"] != {"cls": 1.0, "gen": 1.0}  # GradDrop dropped something
+    assert {"grad_norm/cls", "grad_norm/gen", "grad_cos/cls_gen"} <= set(r["fsdp2/task_grads/pcgrad"]["steps"][0]["stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", GRAD_DDP_TOO)
+def test_gradient_level_fsdp2_equals_ddp(runs, method):
+    a, b = runs["rank0"][f"fsdp2/task_grads/{method}"], runs["rank0"][f"ddp/task_grads/{method}"]
+    assert max_rel_diff(b["params"], a["params"]) <= 1e-12
+    assert a["weights"] == pytest.approx(b["weights"], rel=1e-12)
+    for x, y in zip(a["steps"], b["steps"]):
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_task_grads_collectives_one_kxk_all_reduce_and_the_reduce_scatters(runs):
+    """task_grads under FSDP2 on tiny.yaml (3 backbone units, 2 heads, K = 2). Reduce-scatters: each head's pass its
+    head (2), each task's backbone pass the 3 backbone units (2 x 3): 8, and no gradient all-reduce. All-reduces:
+    the step's two small ones (caption-token count; losses and stop flag) and ONE for the K x K Gram matrix (the
+    losses ride in it). All-gathers: feature_leaf's 11, plus the 3 backbone units again for the second task's
+    backbone pass. The DDP run of the same step reduce-scatters nothing."""
+    for step in runs["rank0"][f"fsdp2/task_grads/{COUNTED}"]["steps"]:
+        c = step["counts"]
+        assert c.get("c10d._reduce_scatter_base_", 0) == 8, c
+        assert c.get("c10d.allreduce_", 0) == 2 + 1, c
+        assert c.get("c10d._allgather_base_", 0) == ALL_GATHERS["feature_leaf"] + 3, c
+    for step in runs["rank0"][f"ddp/task_grads/{COUNTED}"]["steps"]:
+        assert "c10d._reduce_scatter_base_" not in step["counts"] and step["counts"], step["counts"]
+
+
+@pytest.mark.slow
+def test_fp16_under_fsdp2_uses_the_sharded_scaler_skips_an_overflow_and_a_nan_on_every_rank_and_equals_ddp(runs):
+    a, b = runs["rank0"]["fp16/fsdp2"], runs["rank0"]["fp16/ddp"]
+    assert a["scaler"] == "ShardedGradScaler" and b["scaler"] == "GradScaler"
+    for r in (a, b, runs["rank1"]["fp16/fsdp2"]):
+        # the overflow really happened: step 0 skipped, not counted as a non-finite step, the scale backed off;
+        # the NaN on rank 1 at the last step: skipped on both ranks as a non-finite step; neither moved a parameter
+        assert [s["stepped"] for s in r["steps"]] == [False, True, True, False]
+        assert [s["nonfinite"] for s in r["steps"]] == [False, False, False, True]
+        assert [s["scale"] for s in r["steps"][:STEPS]] == [2.0 ** 10] * STEPS and r["unchanged_by_skips"] == [True] * 2
+    assert max_rel_diff(b["params"], a["params"]) <= 1e-6  # float32 with fp16 autocast, both engines
+    for x, y in zip(a["steps"][1:STEPS], b["steps"][1:STEPS]):
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_fsdp2_example_config_shrunk_trains_on_two_ranks(runs):
+    r = runs["rank0"]["example"]
+    assert r["sharded"] and r["precision"] == "bf16" and r["backbone"] == "resnet152"
+    assert r["units"] == ["backbone.stem", "backbone.layers.0", "heads.cls", "heads.gen"]
+    assert r["stepped"] == [True]
+    assert all(math.isfinite(v) for losses in r["losses"] for v in losses.values())
+    assert r["losses"] == runs["rank1"]["example"]["losses"]  # rank-averaged, the same on both
+
+
 @pytest.mark.slow
 def test_report_the_time(runs):
     print(f"\nFSDP2 spawn: {runs['wall_s']:.1f} s; per run (rank 0): "
@@ -294,8 +533,8 @@ def test_report_the_time(runs):
 
 REFUSED = [
     (["ddp.strategy=placeholder"], "ddp.strategy: placeholder does not run with ddp.engine=fsdp2"),
-    (["ddp.strategy=task_grads", "weighting.method=pcgrad"], "not yet supported"),
-    (["precision=fp16"], "precision: fp16 is not supported with ddp.engine=fsdp2"),
+    (["ddp.strategy=task_grads", "weighting.method=dbmtl"], "weighting.method: dbmtl does not run with ddp.engine=fsdp2"),
+    (["ddp.strategy=task_grads", "weighting.method=excessmtl"], "its K x P accumulator S is kept between steps"),
     (["ddp.find_unused_parameters=true"], "ddp.find_unused_parameters: a DistributedDataParallel option"),
     (["ddp.static_graph=true"], "ddp.static_graph: a DistributedDataParallel option"),
     (["ddp.nan_monitor=true"], "ddp.nan_monitor: not supported with ddp.engine=fsdp2"),
@@ -318,6 +557,32 @@ def test_refused_combinations_are_one_config_error_naming_the_key(tmp_path, extr
 def test_a_refusal_exits_2_through_train_py(tmp_path, capsys):
     import train
 
-    code = train.main(["--config", TINY, f"output_dir={tmp_path}", "ddp.engine=fsdp2", "precision=fp16"])
+    code = train.main(["--config", TINY, f"output_dir={tmp_path}", "ddp.engine=fsdp2", "ddp.strategy=placeholder"])
     assert code == 2
-    assert "precision: fp16 is not supported with ddp.engine=fsdp2" in capsys.readouterr().err
+    assert "ddp.strategy: placeholder does not run with ddp.engine=fsdp2" in capsys.readouterr().err
+
+
+def test_graddrop_per_shard_is_graddrop_of_the_whole_matrix():
+    """What makes GradDrop run under FSDP2: its update on any set of columns (a rank's shard, here two uneven,
+    interleaved parts) is GradDrop of those columns with U's entries at the same coordinates; the kept fractions
+    from the summed partial sums and the Gram diagonal equal the whole matrix's."""
+    from mtl.config_check import load_run_config
+    from mtl.weighting import weighting_types
+
+    cfg = load_run_config(TINY, ["weighting.method=graddrop", "ddp.strategy=task_grads"])
+    whole, shards = (weighting_types()["graddrop"](cfg, ["cls", "gen"]) for _ in range(2))
+    whole.begin_step(3)
+    shards.begin_step(3)
+    grads = torch.randn(2, 101, dtype=torch.float64)
+    grads[1, :50] = -grads[0, :50]  # conflicting coordinates: something is dropped
+    expected = whole.combine(grads)
+    parts = [torch.arange(0, 101, 3), torch.tensor([i for i in range(101) if i % 3])]
+    got, sums = torch.zeros(101, dtype=torch.float64), 0
+    for index in parts:
+        d, partial = shards.combine_shard(grads[:, index], index, 101)
+        got[index] = d
+        sums = sums + partial
+    shards.finish_shard(sums, grads @ grads.T)
+    assert torch.allclose(got, expected, rtol=1e-12, atol=1e-15)
+    assert shards.weights() == pytest.approx(whole.weights(), rel=1e-12)
+    assert min(whole.weights().values()) < 0.99  # something was dropped

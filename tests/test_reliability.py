@@ -16,6 +16,7 @@ import torch
 from .conftest import PY, ROOT, TINY, free_port, run_train
 from .proctree import alive, children, kill_tree
 
+MULTI_INPUT = os.path.join(ROOT, "configs", "multi_input.yaml")
 FAST = ["trainer.eval_every=1000", "trainer.eval_max_batches=1", "trainer.log_every=1", "checkpoint.every_steps=4",
         "resume=auto"]
 
@@ -71,13 +72,16 @@ def model_bytes(run_dir, step):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, overrides", [
+@pytest.mark.parametrize("nproc, config, overrides", [
     # feature_leaf (one shared forward) at 1 and 2 processes: tests/test_chaos.py kills those 10 times
-    (2, ["ddp.strategy=find_unused"]),  # per-task forwards
-    (2, ["ddp.strategy=task_grads", "weighting.method=pcgrad"]),  # a gradient-level method
-])
-def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, overrides):
-    args = ["--config", TINY, "trainer.max_steps=10", "model.decoder.dropout=0.1", *FAST, *overrides]
+    # per-task forwards, in multi-input mode: each task's own sampler (its epochs roll over within the 10 steps,
+    # gen's every 1-3 steps), per-sample mixing, so the ranks hold different numbers of each task's rows
+    (2, MULTI_INPUT, ["ddp.strategy=find_unused", "data.sampling.policy=mixed", "data.per_task.gen.ratio=0.5",
+                      "data.per_task.gen.train_size=12", "data.per_task.cls.train_size=40"]),
+    (2, TINY, ["ddp.strategy=task_grads", "weighting.method=pcgrad"]),  # a gradient-level method
+], ids=["multi_input-find_unused", "task_grads-pcgrad"])
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, config, overrides):
+    args = ["--config", config, "trainer.max_steps=10", "model.decoder.dropout=0.1", *FAST, *overrides]
     ref, cut = str(tmp_path / "ref"), str(tmp_path / "cut")
     run_train([*args, f"output_dir={ref}"], nproc=nproc)
     proc = start([*args, f"output_dir={cut}"], nproc=nproc)
@@ -210,17 +214,19 @@ def test_a_survivor_exits_promptly_when_torchrun_tears_the_job_down(tmp_path):
 
 @pytest.mark.slow
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
-    # torchrun's own restart sometimes fails to form the new group ("Gloo connectFullMesh failed ... Connection
-    # refused", or a wait until the process-group timeout; pytorch/pytorch#167288; seen here without mtl's code
-    # involved). That is torch's part: a short ddp.timeout_s turns a stuck attempt into a failed one, and spare
-    # restarts let torchrun try again. What this test holds mtl to is what a restarted attempt does.
+    # torchrun's agent keeps one store server across restarts, so a restarted rank could read the address its peer
+    # published in the previous attempt and fail with "Gloo connectFullMesh failed ... Connection refused"
+    # (pytorch/pytorch#167288), more often the slower the peer starts. mtl.dist.attempt_store gives each attempt
+    # its own key prefix. Here rank 1 of the restarted attempt starts 5 s late on purpose: without the prefix,
+    # rank 0 reads rank 1's stale address at once and every restart fails (checked by removing the prefix).
     args = ["--config", TINY, "trainer.max_steps=10", *FAST, "ddp.timeout_s=30"]
     ref, el = str(tmp_path / "ref"), str(tmp_path / "elastic")
     run_train([*args, f"output_dir={ref}"], nproc=2)
     cmd = [PY, "-m", "mtl.tools.launch", "--nproc_per_node=2", "--max-restarts=4", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", os.path.join(ROOT, "train.py"), *args, f"output_dir={el}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                "MTL_TEST_RESTART_INIT_DELAY": "1:5"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for_step(proc, el, 5)
     workers = subprocess.run(["pgrep", "-f", f"output_dir={el}"], capture_output=True, text=True).stdout.split()
     victim = max(int(p) for p in workers if int(p) != proc.pid)  # a worker, not the launcher
@@ -229,7 +235,31 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     resumed = [int(m) for m in re.findall(r"resuming from \S*step_(\d+)", out)]
     assert resumed and all(step < 10 for step in resumed), out[-2000:]  # the restart really resumed mid-run
+    # the first restart formed its group: two attempts started training (rank 0 prints one banner per attempt)
+    assert len(re.findall(r"^mtl: 2 process\(es\) on", out, flags=re.M)) == 2, out[-3000:]
     assert model_bytes(ref, 10) == model_bytes(el, 10)
+
+
+def optimizer_state(run_dir, step, tmp_path) -> dict:
+    """The optimizer's per-parameter tensors in a checkpoint's sharded state (``state/``, torch.distributed.checkpoint),
+    read back whole in this process (no process group), flattened to name -> tensor."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from mtl.train_state import OPTIM
+
+    whole = str(tmp_path / f"state_{step}.pt")
+    dcp_to_torch_save(os.path.join(run_dir, "checkpoints", f"step_{step}", "state"), whole)
+    flat = {}
+
+    def walk(obj, prefix):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{prefix}.{k}")
+        elif torch.is_tensor(obj):
+            flat[prefix] = obj
+
+    walk(torch.load(whole, weights_only=False)[OPTIM]["state"], "state")
+    return flat
 
 
 @pytest.mark.slow
@@ -238,10 +268,10 @@ def test_a_nan_in_one_task_on_one_rank_skips_the_step_everywhere(tmp_path):
     run_train(["--config", TINY, "trainer.max_steps=4", *FAST, "checkpoint.every_steps=1", "trainer.poison=3:gen:1",
                f"output_dir={out}"], nproc=2)
     assert model_bytes(out, 2) == model_bytes(out, 3)  # step 3 changed no parameter, bitwise
-    s2 = torch.load(os.path.join(out, "checkpoints", "step_2", "trainer_state.pt"), weights_only=True)
-    s3 = torch.load(os.path.join(out, "checkpoints", "step_3", "trainer_state.pt"), weights_only=True)
-    for k, v in s2["optimizer"]["state"].items():  # nor any optimizer state
-        assert all(torch.equal(v[n], s3["optimizer"]["state"][k][n]) for n in v)
+    s2, s3, s4 = (optimizer_state(out, step, tmp_path) for step in (2, 3, 4))  # nor any optimizer state
+    assert s2 and s2.keys() == s3.keys() == s4.keys()
+    assert all(torch.equal(s2[k], s3[k]) for k in s2)
+    assert not all(torch.equal(s3[k], s4[k]) for k in s3)  # (a step that is taken does change it)
     assert model_bytes(out, 3) != model_bytes(out, 4)  # and training went on
     with open(os.path.join(out, "metrics.jsonl")) as f:
         bad = [json.loads(line) for line in f if '"bad_step"' in line]
@@ -336,10 +366,10 @@ def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path, capsys)
     out = str(tmp_path / "run")
     assert train_main(["--config", TINY, "trainer.max_steps=2", "checkpoint.every_steps=2", f"output_dir={out}"],
                       capsys)[0] == 0
-    code, _, err = train_main(["--config", TINY, "trainer.max_steps=4", "resume=auto", "data.batch_size=4", "seed=3",
+    code, _, err = train_main(["--config", TINY, "trainer.max_steps=4", "resume=auto", "optim.lr=0.1", "seed=3",
                                f"output_dir={out}"], capsys)
     assert code == 4, err
-    assert "data.batch_size: checkpoint 8, now 4" in err and "seed: checkpoint 0, now 3" in err
+    assert "optim.lr: checkpoint 0.003, now 0.1" in err and "seed: checkpoint 0, now 3" in err
     assert "trainer.max_steps" not in err.split("Keys that may change")[0]  # safe to change
     code, stdout, err = train_main(["--config", TINY, "trainer.max_steps=4", "resume=auto", "trainer.log_every=2",
                                     f"output_dir={out}"], capsys)
@@ -416,6 +446,7 @@ def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow  # seconds-long in-process runs: the full suite, not the fast tier
 def test_keep_last_prunes_old_checkpoints(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train_main(["--config", TINY, "trainer.max_steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=2",

@@ -165,5 +165,5 @@ def test_the_new_task_trains_under_two_processes_logs_and_is_benchmarked(task_fi
     assert row["method"] == "equal" and 0.0 <= float(row["colour_acc"]) <= 1.0
     assert float(row["delta_m"]) == float(row["delta_m"])  # a number: the single_colour baseline ran too
     table = (bench / "results.md").read_text()
-    assert "| method | level | cls_acc | colour_acc | Δm % |" in table  # its column, from its declared metrics
+    assert "| method | level | source | cls_acc | colour_acc | Δm % |" in table  # its column, from its declared metrics
     assert "Single-task baselines: cls_acc " in table and ", colour_acc " in table

@@ -56,7 +56,7 @@ def test_one_process_run_learns_and_writes_its_outputs(tmp_path):
 
 
 # bf16 and fp16 under torchrun with 2 processes, with a single-forward, a per-task-forward, a no_sync
-# and the per-task-gradient strategy (every strategy runs under torchrun at fp32 in test_strategies_ddp.py).
+# and the per-task-gradient strategy (every strategy runs at 2 ranks in fp32 in test_strategies_ddp.py).
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, precision", [
     ("feature_leaf", "bf16"), ("placeholder", "fp16"), ("accumulate", "bf16"), ("task_grads", "fp16"),

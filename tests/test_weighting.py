@@ -35,19 +35,23 @@ from mtl.weighting.gradnorm import gradnorm, gradnorm_loss, gradnorm_renormalize
 from mtl.weighting.gradvac import gradvac, gradvac_coefficients, gradvac_weights
 from mtl.weighting.imtlg import imtlg, imtlg_weights
 from mtl.weighting.mgda import mgda, mgda_weights
+from mtl.weighting.moco import moco_targets, moco_update
+from mtl.weighting.modo import modo, modo_step, modo_weights
 from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, simplex_min, solution_exists
 from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, pcgrad_weights
 from mtl.weighting.rlw import rlw_weights
+from mtl.weighting.sdmgrad import SDMGRAD_LR, SDMGRAD_MOMENTUM, sdmgrad, sdmgrad_solve, sdmgrad_weights
 from mtl.weighting.stch import stch_weights
 from mtl.weighting.upgrad import upgrad, upgrad_projections
 
 TASKS = ["cls", "gen"]
 GRAD_FUNCS = {"pcgrad": pcgrad, "mgda": mgda, "cagrad": cagrad, "nashmtl": nashmtl, "imtlg": imtlg,
-              "alignedmtl": alignedmtl, "upgrad": upgrad, "dualproj": dualproj, "config": config, "fairgrad": fairgrad}
+              "alignedmtl": alignedmtl, "upgrad": upgrad, "dualproj": dualproj, "config": config, "fairgrad": fairgrad,
+              "modo": modo, "sdmgrad": sdmgrad}
 LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo", "stch"]
 GRAD_METHODS = [*GRAD_FUNCS, "gradnorm", "gradvac"]  # weights from the Gram matrix (GramWeighting)
-STATEFUL_GRAM = ("gradnorm", "gradvac")  # their state moves every time the weights are computed
-ROW_METHODS = ["graddrop", "dbmtl", "excessmtl"]  # gradient-level, but they need the rows (signs, K x P state)
+STATEFUL_GRAM = ("gradnorm", "gradvac", "modo", "sdmgrad")  # their state moves every time the weights are computed
+ROW_METHODS = ["graddrop", "dbmtl", "excessmtl", "moco"]  # gradient-level, but they need the rows (signs, K x P state)
 
 
 def cfg_for(method: str, seed: int = 0, tasks=TASKS, options=None):
@@ -889,6 +893,9 @@ def run_steps(w, steps=4):
     ("mgda", {"normalization": "l2"}), ("mgda", {"normalization": "loss"}), ("mgda", {"normalization": "loss+"}),
     ("gradvac", {"beta": 0.1}), ("fairgrad", {"alpha": 2.0}), ("graddrop", {"leak": 0.5}),
     ("dbmtl", {"beta": 0.5}), ("dbmtl", {"sigma": 0.5}), ("excessmtl", {"eta": 0.5}),
+    ("modo", {"gamma": 0.1}), ("modo", {"rho": 1.0}), ("sdmgrad", {"lamda": 1.0}), ("sdmgrad", {"niter": 2}),
+    ("moco", {"beta": 0.9}), ("moco", {"beta_sigma": 0.0}), ("moco", {"gamma": 1.0}), ("moco", {"gamma_sigma": 0.0}),
+    ("moco", {"rho": 1.0}), ("moco", {"normalize": False}),
     ("stch", {"warmup_steps": 1, "nadir_steps": 1}),
 ])
 def test_each_option_changes_the_method(method, options):
@@ -1272,3 +1279,154 @@ def test_stch_warms_up_measures_the_nadir_then_weights_the_worst_task():
     assert fresh.weights() == w.weights()
     sharp = stch_weights([1.5, 0.75], [3.0, 3.0], 1e-3)  # mu -> 0: the Tchebycheff max (the worst task only)
     close(sharp, [2.0, 0.0], 1e-12)
+
+
+# --------------------------------------------------------------------------------------------------
+# MoDo, SDMGrad (single-batch: the three samples are the same batch) and MoCo
+
+
+def reference_project_simplex(v: np.ndarray) -> np.ndarray:
+    """Euclidean projection onto the simplex by bisection on the shift (independent of the sort-based one)."""
+    lo, hi = float(v.min()) - 1.0, float(v.max())
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if np.maximum(v - mid, 0).sum() > 1 else (lo, mid)
+    return np.maximum(v - (lo + hi) / 2, 0)
+
+
+def test_modo_hand_worked_step_and_state():
+    w = make("modo", options={"gamma": 0.1, "rho": 0.1})
+    g = G([1.0, 0.0], [0.0, 2.0])
+    # lambda - 0.1 (GG^T lambda + 0.1 lambda) = (0.5, 0.5) - 0.1 (0.55, 2.05) = (0.445, 0.295); projected: + 0.13 each
+    close(w.combine(g), [0.575, 2 * 0.425])
+    close(list(w.weights().values()), [0.575, 0.425])
+    fresh = roundtrip(w)
+    close(fresh.combine(g), w.combine(g), 0)
+    close(modo_weights(gram(g), None, 0.1, 0.1), [0.575, 0.425])  # the pure function from 1/K
+    before = w.lambd.clone()
+    w.combine(G([float("nan"), 0.0], [0.0, 1.0]))
+    close(w.lambd, before, 0)  # a non-finite step leaves lambda as it was
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_modo_converges_to_the_ridge_min_norm_point(k):
+    """With a fixed G, lambda's projected-gradient steps converge to argmin_simplex lambda^T (GG^T + rho I) lambda."""
+    for rows in pcgrad_hard_cases(k):
+        m = gram(rows).numpy()
+        rho = 0.1 * float(np.trace(m)) / k + 1e-3  # a ridge on the scale of the rows
+        gamma = 1.0 / (np.linalg.eigvalsh(m).max() + rho)
+        lam = np.full(k, 1.0 / k)
+        for i in range(1500):  # contracts by at least 1 - rho gamma (>= 1/55 here) a step
+            step = modo_step(m, lam, gamma, rho)
+            if i < 10:
+                close(step, reference_project_simplex(lam - gamma * (m @ lam + rho * lam)), 1e-12)
+            lam = step
+        target = mgda_weights(torch.tensor(m + rho * np.eye(k)))
+        close(lam, target, 1e-7)
+    same = G([1.0, 2.0], [1.0, 2.0])  # identical rows keep the uniform weights: d = g
+    close(modo(same), [1.0, 2.0], 1e-12)
+    close(modo(G([0.0, 0.0], [0.0, 0.0])), [0.0, 0.0], 0)
+
+
+def sdmgrad_reference(m: np.ndarray, w: np.ndarray, lamda: float, niter: int) -> np.ndarray:
+    """The paper's subproblem 1/2 |G^T w|^2 + lamda <G^T w, g0> by projected heavy ball, written from the definition."""
+    k = len(w)
+    scale2 = np.mean(np.sqrt(np.diag(m))) ** 2
+    velocity = np.zeros(k)
+    for i in range(niter):
+        grad = (m @ w + lamda * m @ np.full(k, 1.0 / k)) / scale2
+        velocity = grad if i == 0 else SDMGRAD_MOMENTUM * velocity + grad
+        w = reference_project_simplex(w - SDMGRAD_LR * velocity)
+    return w
+
+
+def test_sdmgrad_hand_worked_and_against_the_definition():
+    g = G([1.0, 0.0], [0.0, 2.0])
+    # s = 1.5: M = diag(1, 4) / 2.25; grad = M w + 0.3 M 1/2 = (0.2889, 1.1556); w - 5 grad projects onto (1, 0)
+    alpha, w = sdmgrad_weights(gram(g), None, 0.3, 1)
+    close(w, [1.0, 0.0])
+    close(alpha, [1.3 / 1.3 - 0.15 / 1.3, 0.15 / 1.3])
+    for k in (2, 3, 5):
+        for rows in pcgrad_hard_cases(k):
+            m = gram(rows).numpy()
+            start = np.full(k, 1.0 / k)
+            close(sdmgrad_solve(m, start, 0.3, 20), sdmgrad_reference(m, start, 0.3, 20), 1e-10)
+    # lamda -> infinity: the mean gradient; lamda = 0: G^T w
+    close(sdmgrad(g, lamda=1e12), g.mean(0), 1e-9)
+    a0, w0 = sdmgrad_weights(gram(g), None, 0.0, 20)
+    close(a0, w0, 0)
+    close(sdmgrad(G([1.0, 2.0], [1.0, 2.0])), [1.0, 2.0], 1e-12)  # identical rows: d = g
+    close(sdmgrad(G([0.0, 0.0], [0.0, 0.0])), [0.0, 0.0], 0)
+    # the authors' step 5 is unstable around an interior optimum with curvature above 2/5 (the docstring): from the
+    # exact optimum (0.8, 0.2) of two orthogonal rows, round-off grows until w sits at a vertex
+    close(sdmgrad_solve(gram(g).numpy(), np.array([0.8, 0.2]), 0.0, 50), [1.0, 0.0])
+
+
+@pytest.mark.parametrize("rows", [[[1.0, 0.0], [0.0, 2.0]], [[1.0, 0.0], [-1.0, 1e-3]], [[100.0, 0.0], [1.0, 1.0]],
+                                  [[1.0, 0.3], [0.2, 1.0]]])
+@pytest.mark.parametrize("lamda", [0.0, 0.3, 2.0])
+def test_sdmgrad_optimum_is_a_fixed_point(rows, lamda):
+    """The exact minimiser of the subproblem over the simplex (K = 2: a clipped 1-D quadratic) is a fixed point of a
+    projected step (of any size)."""
+    m = gram(G(*rows)).numpy()
+    mm = m / np.mean(np.sqrt(np.diag(m))) ** 2
+    b = lamda * mm.mean(1)
+    # f(x) = 1/2 w^T M w + b^T w on w = (x, 1 - x): f'(x) = (M w + b) . (1, -1)
+    a = mm[0, 0] + mm[1, 1] - 2 * mm[0, 1]
+    slope0 = (mm @ np.array([0.0, 1.0]) + b) @ np.array([1.0, -1.0])
+    x = float(np.clip(-slope0 / a, 0.0, 1.0)) if a > 0 else float(slope0 < 0)
+    opt = np.array([x, 1 - x])
+    close(sdmgrad_solve(m, opt, lamda, 1), opt, 1e-9)
+    w = make("sdmgrad", options={"lamda": lamda, "niter": 1})
+    w.w.copy_(torch.tensor(opt))
+    w.combine(G(*rows))
+    close(w.w, opt, 1e-9)
+    fresh = roundtrip(w)
+    close(fresh.combine(G(*rows)), w.combine(G(*rows)), 0)
+
+
+def test_moco_follows_its_update_and_tracks_the_gradients():
+    w = make("moco")
+    g = G([3.0, 0.0], [0.0, 1.0])
+    losses = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    h = torch.tensor([[1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)  # g_t / ||g_t|| * L_t
+    close(moco_targets(g, losses), h, 1e-8)  # (the norm gets + 1e-8, as the authors' code)
+    # step 1: beta_1 = 0.5, gamma_1 = 0.1; y = 0.5 h, lambda = softmax(1/2 - 0.1 diag(0.25, 1) 1/2)
+    lam1 = torch.softmax(torch.tensor([0.5 - 0.1 * 0.125, 0.5 - 0.1 * 0.5], dtype=torch.float64), 0)
+    close(w.combine(g, losses), lam1 @ (0.5 * h), 1e-8)
+    close(list(w.weights().values()), lam1, 1e-8)
+    y1, lam1 = 0.5 * moco_targets(g, losses), w.lambd.clone()
+    # step 2: beta_2 = 0.5 / sqrt 2, gamma_2 = 0.1 / sqrt 2
+    g2 = G([0.0, 5.0], [1.0, 1.0])
+    h2 = moco_targets(g2, losses)
+    y2 = y1 - 0.5 / math.sqrt(2) * (y1 - h2)
+    lam2 = torch.softmax(lam1 - 0.1 / math.sqrt(2) * (y2 @ y2.T) @ lam1, 0)
+    close(w.combine(g2, losses), lam2 @ y2, 1e-12)
+    close(moco_update(y1, lam1, h2, 0.5 / math.sqrt(2), 0.1 / math.sqrt(2), 0.0)[1], lam2, 0)
+    fresh = roundtrip(w)
+    close(fresh.combine(g, losses), w.combine(g, losses), 0)
+    assert fresh.weights() == w.weights()
+    # constant gradients: y converges to h; the update is scale-free in each g_t (normalised) but scales with L_t
+    c = make("moco")
+    for _ in range(300):
+        d = c.combine(g, losses)
+    close(c.tracked, h, 1e-3)
+    a, b = make("moco"), make("moco")
+    close(a.combine(g, losses), b.combine(g * torch.tensor([[100.0], [0.01]], dtype=torch.float64), losses),
+          1e-5)  # to the 1e-8 added to the norm (0.01 here)
+    assert torch.isfinite(d).all()
+    for k in (2, 3, 5):
+        for rows in pcgrad_hard_cases(k):
+            m = make("moco", tasks=[f"t{i}" for i in range(k)])
+            for _ in range(3):
+                d = m.combine(rows, torch.linspace(0.5, 3.0, k, dtype=torch.float64))
+            assert torch.isfinite(d).all() and abs(sum(m.weights().values()) - 1) < 1e-12
+    before = (w.tracked.clone(), w.lambd.clone(), w.updates)
+    w.combine(G([float("nan"), 0.0], [0.0, 1.0]), losses)
+    close(w.tracked, before[0], 0)
+    close(w.lambd, before[1], 0)
+    assert w.updates == before[2]
+    with pytest.raises(ValueError, match="losses"):
+        make("moco").combine(g, None)
+    close(make("moco", options={"normalize": False}).combine(g, None), 0.5 * g.T @ torch.softmax(
+        torch.tensor([0.5 - 0.1 * 0.5 * 2.25, 0.5 - 0.1 * 0.5 * 0.25], dtype=torch.float64), 0), 1e-12)

@@ -30,15 +30,13 @@ shared features, which must be that of the GLOBAL batch (the sum of the ranks' G
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mtl.weighting import weighting_types
 
-from .conftest import TINY, free_port, spawn_env
+from .conftest import TINY, run_spawn, spawn_env
 
 B = 4
 STEPS = 3
@@ -51,7 +49,9 @@ EXTRA = {"static": ["weighting.weights.cls=1.0", "weighting.weights.gen=0.5"],
          # the scalarization itself within the 3 steps (after a 1-step warm-up that measures the nadir)
          "stch": ["weighting.options.warmup_steps=1", "weighting.options.nadir_steps=1"],
          # solve at steps 0 and 2, reuse at step 1, and clip: both options under DDP
-         "nashmtl": ["weighting.options.update_every=2", "weighting.options.max_norm=0.5"]}
+         "nashmtl": ["weighting.options.update_every=2", "weighting.options.max_norm=0.5"],
+         # a step of lambda large enough to move it visibly within the 3 steps
+         "modo": ["weighting.options.gamma=0.1"]}
 CAPTURE = "pcgrad"  # the method whose step-0 task-gradient matrices are kept for the negative control
 CAPTURE_FEATURES = "nashmtl"  # features source: its step-0 (local, reduced) Gram buffers are kept
 DEADLINE_S = 300  # the workers are killed after this; a stuck collective times out after 60 s anyway
@@ -137,28 +137,22 @@ def _worker(index, port, out_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("weighting_ddp")
-    deadline = time.monotonic() + DEADLINE_S
-    # all three at once: the two ranks spend part of their time waiting for each other
-    ctx = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=3, start_method="spawn", join=False)
-    try:
-        while not ctx.join(timeout=0.5):  # raises if a worker failed (and terminates the others)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"weighting DDP workers still running after {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_spawn(_worker, out, DEADLINE_S, "weighting DDP")
     return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
 
 
 def _leaves(obj, prefix=""):
-    """(key, float64 vector) for every number of a nested state: tensors, numbers, lists, dicts."""
+    """(key, float64 vector) for every number of a nested state: tensors, numbers, names, lists, dicts."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(obj, torch.Tensor):
         yield prefix, obj.detach().double().reshape(-1)
+    elif isinstance(obj, str):  # a name (e.g. the tasks a cached solution is for): its bytes, compared exactly
+        yield prefix, torch.tensor(list(obj.encode()), dtype=torch.float64)
+    elif isinstance(obj, (list, tuple)) and any(isinstance(x, (str, dict, list, tuple)) for x in obj):
+        for i, x in enumerate(obj):
+            yield from _leaves(x, f"{prefix}.{i}")
     elif isinstance(obj, (int, float, list, tuple)):
         yield prefix, torch.as_tensor(obj, dtype=torch.float64).reshape(-1)
     elif obj is not None:

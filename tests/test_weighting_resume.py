@@ -13,7 +13,9 @@ import pytest
 
 from .conftest import TINY
 
-CASES = {  # one of each kind of state (excessmtl's is dbmtl's kind; nashmtl's reused alpha is a list like stch's)
+# one of each kind of state (excessmtl's and moco's K x P extra state is dbmtl's kind; nashmtl's reused alpha is a list
+# like stch's; modo's and sdmgrad's weights are fixed-shape buffers, round-tripped in tests/test_weighting.py)
+CASES = {
     "dbmtl": ["ddp.strategy=task_grads"],
     "gradvac": ["ddp.strategy=task_grads"],
     "stch": ["weighting.options.warmup_steps=2", "weighting.options.nadir_steps=1"],

@@ -17,6 +17,8 @@ from mtl.data.loader import (
     build_eval_loader,
     build_train_loader,
     check_task_fields,
+    data_position,
+    resume_position,
     set_epoch,
 )
 from mtl.data.manifest import ImageFolderCaptions, ManifestDataset
@@ -35,6 +37,8 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
     "check_task_fields",
+    "data_position",
+    "resume_position",
     "set_epoch",
     "train_tokenizer",
 ]

@@ -159,6 +159,21 @@ class EpochDistributedSampler(ResumableDistributedSampler):
         return ((i, epoch) for i in super().__iter__())
 
 
+def data_position(epoch: int, batches: int, batch_size: int, world_size: int) -> dict:
+    """Where the training stream stands, the same for any number of processes: the epoch, and how many samples
+    of the epoch's order the whole job has consumed. The order depends on the seed and the epoch only, and a
+    global batch is a contiguous slice of it (each rank's DistributedSampler takes positions r, r + W, ...), so
+    a run with the same global batch on another world size continues with the same samples."""
+    return {"epoch": int(epoch), "samples": int(batches) * int(batch_size) * int(world_size)}
+
+
+def resume_position(position: dict, batch_size: int, world_size: int) -> tuple[int, int, int]:
+    """(epoch, batches into it at this batch size and world size, samples of the last global batch that will be
+    seen again): the last is 0 unless the global batch changed and the position falls inside a batch."""
+    batches, rest = divmod(int(position["samples"]), int(batch_size) * int(world_size))
+    return int(position["epoch"]), batches, rest
+
+
 def check_train_size(size: int, batch_size: int, world_size: int) -> None:
     """The training set must fill at least one GLOBAL batch (``data.batch_size`` x the number of processes).
 

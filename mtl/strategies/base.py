@@ -37,6 +37,9 @@ class StepInputs:
     combine: Callable | None = None  # a gradient-level method's combine(grads, losses), else None
     # a Gram-only gradient-level method's weights_for_gram(gram, losses, dtype) -> w (K,), else None
     gram_weights: Callable | None = None
+    # FSDP2: a row method that combines per shard (``Weighting.combine_shard`` / ``finish_shard``), else None
+    combine_shard: Callable | None = None
+    finish_shard: Callable | None = None
     loss_scale: Callable[[], float] = lambda: 1.0  # the current fp16 loss scale
     comm: Comm = field(default_factory=Comm)  # the collectives a strategy runs by hand
 
@@ -47,6 +50,9 @@ class Strategy:
     find_unused_parameters: bool = False  # what DDP must be built with
     supports_static_graph: bool = False  # ddp.static_graph=true: only with one backward pass per forward
     unsafe: bool = False  # kept to reproduce a failure; never recommended or benchmarked
+    # every parameter gets a gradient in every step (a zero term over the unused ones), so DDP needs no
+    # find_unused_parameters when a head is unused in a step (multi-input mode, mtl/multi_input_check.py)
+    covers_unused_parameters: bool = False
     # per-step costs: an int, or "K" for one per task
     forwards: int | str = 1  # backbone forwards
     backbone_backwards: int | str = 1
@@ -80,14 +86,8 @@ class Strategy:
 
     @classmethod
     def fsdp2_problem(cls) -> str | None:
-        """Why this strategy does not run under ``ddp.engine=fsdp2``, or None. Strategies that give each
-        task's gradient (gradient-level weighting) are not yet ported to sharded gradients."""
-        if cls.fsdp2_refusal:
-            return cls.fsdp2_refusal
-        if cls.task_gradients:
-            return ("per-task gradients under FSDP2 (each rank's shard of each task's gradient, a K x K Gram "
-                    "all-reduce) are not yet supported, so neither are gradient-level weighting methods")
-        return None
+        """Why this strategy does not run under ``ddp.engine=fsdp2``, or None."""
+        return cls.fsdp2_refusal
 
     @classmethod
     def check(cls, cfg) -> list[str]:

@@ -18,12 +18,17 @@ the global loss's gradient at its samples, and ``gram = sum_r G_r G_r^T / W^2``.
 computes the same w from the same numbers, and DDP reduces the one backbone backward as usual.
 Each head gets its own task's gradient, unweighted (the method's w weighs the tasks' pulls on the
 SHARED parameters; a head is pulled by one task only), as ``task_grads`` does.
+
+Multi-input steps that leave tasks out: only the present tasks' heads run (K' rows, a K' x K' Gram matrix), and
+the first head pass also carries a zero term over the absent heads' parameters (mtl/strategies/absent.py), so
+DDP needs no find_unused_parameters (``covers_unused_parameters``).
 """
 
 import time
 
 import torch
 
+from mtl.strategies.absent import absent_heads_term
 from mtl.strategies.base import Strategy, detached, gradient_stats, gram_stats
 from mtl.weighting.base import apply_weights, gram_matrix
 
@@ -32,6 +37,7 @@ class FeatureLeaf(Strategy):
     name = "feature_leaf"
     summary = "one backbone forward and backward; per-task head backward into a feature leaf"
     gradient_sources = ("features",)
+    covers_unused_parameters = True  # a zero term over the heads of the tasks a step leaves out
 
     @classmethod
     def extra_memory_bytes(cls, num_tasks, shared_params, feature_numel, elem=4):
@@ -40,10 +46,11 @@ class FeatureLeaf(Strategy):
     def forward_backward(self, s):
         out = s.model(s.batch, feature_leaf=True)
         leaf, losses = out["leaf"], out["losses"]
-        rows = []
-        for t in s.tasks:  # one backward pass per task; each stops at the leaf
+        rows, zero = [], absent_heads_term(s.model, s.tasks)
+        for i, t in enumerate(s.tasks):  # one backward pass per task; each stops at the leaf
             leaf.grad = None
-            s.scale(s.weigh(t, losses[t])).backward()
+            term = s.weigh(t, losses[t])
+            s.scale(term if i or zero is None else term + zero).backward()
             rows.append(leaf.grad.reshape(-1))
         grads = torch.stack(rows)  # (K, feature map numel): small next to the parameters
         if s.gram_weights is None:

@@ -35,6 +35,7 @@ class Placeholder(Strategy):
     forwards = "K"
     backbone_backwards = "K"
     allreduces = "K"
+    covers_unused_parameters = True  # the zero term: a head a step does not use still gets a (zero) gradient
     fsdp2_refusal = ("it exists only for DDP's reducer (every parameter must get a gradient in every pass); under "
                      "FSDP2 the parameters outside a forward are DTensor shards, which a loss term cannot add, and "
                      "FSDP2 needs no placeholder: find_unused or accumulate do the same per-task passes")

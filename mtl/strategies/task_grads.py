@@ -20,6 +20,20 @@ buffer through ``combine``). With a loss-level method w = 1: the rows are summed
 Cost: one backbone forward, K backbone backward passes; K all-reduces (K - 1 rows by hand, the first
 carrying the K losses; DDP's bucketed one for the last row and the heads), K*P_shared + P_heads + K
 numbers in all; the K x P buffer held between steps.
+
+Under FSDP2 (``ddp.engine=fsdp2``, ``_sharded``) every task's backbone backward goes through FSDP2, which
+reduce-scatters it: each rank ends the pass holding ITS SHARD of that task's rank-averaged gradient, which
+is copied into row t of a K x (P / W) buffer and zeroed before the next pass. The Gram matrix is the sum
+over the ranks of the shards' local products, ``G G^T = sum_r G_r G_r^T``: ONE all-reduce of K x K numbers
+(carrying the K losses too). Every rank gets the same Gram matrix, so the same weights, and combines its
+own shard in place in ``.grad``. A method that needs the rows runs only where its update is exact column
+by column (``Weighting.combine_shard``: GradDrop); the config check refuses the others. Cost: K backbone
+backward passes, each with FSDP2's all-gathers and reduce-scatters, and one K x K all-reduce; the buffer
+is K x P / W per rank.
+
+Multi-input steps that leave tasks out: K is the number of present tasks (their rows only), and the first head
+pass carries a zero term over the absent heads' parameters (mtl/strategies/absent.py), so DDP needs no
+find_unused_parameters (``covers_unused_parameters``).
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from mtl.fsdp import is_sharded, local_shards, shard_index
+from mtl.strategies.absent import absent_heads_term
 from mtl.strategies.base import Strategy, gram_stats
 from mtl.weighting.base import gram_matrix
 
@@ -40,6 +56,7 @@ class TaskGrads(Strategy):
     gradient_sources = ("parameters",)
     backbone_backwards = "K"  # one per task
     allreduces = "K"  # K - 1 rows by hand, each started as soon as it is computed; the last row and the heads by DDP
+    covers_unused_parameters = True  # a zero term over the heads of the tasks a step leaves out
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -61,6 +78,8 @@ class TaskGrads(Strategy):
         return self._buf
 
     def forward_backward(self, s):
+        if is_sharded(s.model):
+            return self._sharded(s)
         bare = s.model.module if isinstance(s.model, DistributedDataParallel) else s.model
         shared = [p for p in bare.backbone.parameters() if p.requires_grad]
         out = s.model(s.batch, feature_leaf=True)
@@ -69,10 +88,12 @@ class TaskGrads(Strategy):
         buf = self._buffer(k, n, shared[0])
         loss_vec, rows = buf[:k], buf[k:].view(k, n)
         loss_vec.copy_(torch.stack([losses[t].detach() for t in s.tasks]))
-        pending = []
+        pending, zero = [], absent_heads_term(s.model, s.tasks)
         for i, t in enumerate(s.tasks):
             leaf.grad = None
-            s.scale(s.weigh(t, losses[t])).backward()  # head t's pass (DDP marks head t ready); stops at the leaf
+            term = s.weigh(t, losses[t])
+            # head t's pass (DDP marks head t ready, and the absent heads with the first); stops at the leaf
+            s.scale(term if i or zero is None else term + zero).backward()
             if i == k - 1:
                 features.backward(leaf.grad)  # through DDP: the last row and the heads, in its buckets
                 break
@@ -115,3 +136,63 @@ class TaskGrads(Strategy):
             torch.cuda.synchronize(rows.device)
         stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
         return {t: v.detach() for t, v in losses.items()}, stats
+
+    def _sharded(self, s):
+        """FSDP2: each task's shard of its rank-averaged gradient; one K x K all-reduce (module docstring)."""
+        shared = [p for p in s.model.backbone.parameters() if p.requires_grad]
+        out = s.model(s.batch, feature_leaf=True)
+        leaf, features, losses = out["leaf"], out["features"], out["losses"]
+        k = len(s.tasks)
+        grads = None
+        for i, t in enumerate(s.tasks):
+            leaf.grad = None
+            s.scale(s.weigh(t, losses[t])).backward()  # head t's pass, reduce-scattered by FSDP2; stops at the leaf
+            features.backward(leaf.grad, retain_graph=i < k - 1)  # task t's backbone pass: FSDP2 reduce-scatters it
+            grads = local_shards(shared)  # this rank's shard of g_t (accumulated onto zeros)
+            if i == 0:
+                n = sum(g.numel() for g in grads)
+                buf = self._buffer(k, n, grads[0])
+                loss_vec, rows = buf[:k], buf[k:].view(k, n)
+            torch.cat([g.reshape(-1) for g in grads], out=rows[i])
+            if i < k - 1:
+                torch._foreach_zero_(grads)  # the next pass starts from zero; .grad ends holding g_K's shard
+        loss_vec.copy_(torch.stack([losses[t].detach() for t in s.tasks]))
+        tic = time.perf_counter()
+        scale = s.loss_scale()  # fp16: the rows are scaled; a method sees them unscaled
+        direction, partial = None, rows.new_zeros(0)
+        if s.gram_weights is None and s.combine is not None and s.combine_shard is None:
+            raise RuntimeError("a method that needs the rows of G whole cannot run under ddp.engine=fsdp2 "
+                               "(mtl.fsdp.check_method refuses it at config time)")
+        if s.gram_weights is None and s.combine_shard is not None:  # a row method, exact per shard (GradDrop)
+            index = shard_index(shared)
+            direction, partial = s.combine_shard(rows / scale, index, self._numel(shared))
+            direction = direction * scale  # partial: sums over the unscaled rows already
+        # ONE collective: the sum over ranks of the shards' Gram matrices, the mean of the losses, and the method's
+        # partial sums; every rank then holds the same numbers
+        world = s.comm.world_size()
+        local = torch.cat([gram_matrix(rows).reshape(-1), loss_vec.double(), partial.reshape(-1).double()])
+        reduced = s.comm.all_reduce_mean(local) * world  # float64: the sums (exactly, for W = 2^n)
+        gram = reduced[: k * k].view(k, k)
+        loss_avg = (reduced[k * k: k * k + k] / world).to(rows.dtype)
+        if direction is not None:
+            s.finish_shard(reduced[k * k + k:], gram / (scale * scale))
+            torch._foreach_copy_(grads, [v.view_as(x) for v, x in
+                                         zip(torch.split(direction.to(grads[0].dtype), [g.numel() for g in grads]),
+                                             grads)])
+        else:
+            if s.gram_weights is not None:
+                w = s.gram_weights(gram / (scale * scale), loss_avg, rows.dtype).tolist()
+            else:  # loss-level weighting: the weighted rows just add up
+                w = [1.0] * k
+            views = [list(torch.split(rows[i], [g.numel() for g in grads])) for i in range(k)]
+            torch._foreach_mul_(grads, w[k - 1])  # .grad holds the last row's shard
+            for i in range(k - 1):
+                torch._foreach_add_(grads, [v.view_as(x) for v, x in zip(views[i], grads)], alpha=w[i])
+        if rows.is_cuda:
+            torch.cuda.synchronize(rows.device)
+        stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
+        return {t: v.detach() for t, v in losses.items()}, stats
+
+    @staticmethod
+    def _numel(params) -> int:
+        return sum(p.numel() for p in params)  # a DTensor's numel is the full parameter's

@@ -80,6 +80,10 @@ class TaskHead(nn.Module):
     # scene's "colour" ...) this task cannot do without. A data source without one of them is refused before
     # training, naming the task, the field and the fix.
     requires: tuple[str, ...] = ()
+    # True if ``forward`` already returns the mean over the GLOBAL batch (its ``prepare`` all-reduces the
+    # normaliser, as the caption head's token count); False: a mean over the local rows, which multi-input mode
+    # rescales to a share of the global mean (mtl/models/multitask.py).
+    loss_is_global_mean: bool = False
     # Options (field names) that may change when a run is resumed (they do not touch the maths: eval settings).
     resume_safe: tuple[str, ...] = ()
 

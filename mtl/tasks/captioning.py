@@ -39,6 +39,7 @@ class CaptioningHead(TaskHead):
     requires = ("captions",)
     Options = CaptionOptions
     resume_safe = ("num_beams",)
+    loss_is_global_mean = True  # prepare() all-reduces the token count
 
     @classmethod
     def check(cls, cfg):

@@ -1,45 +1,58 @@
-"""Benchmark task-weighting methods: quality and cost in one table. ``make bench``.
+"""Benchmark task-weighting methods: quality, convergence, significance and cost in one table. ``make bench``.
 
-    python -m mtl.tools.bench --config configs/bench.yaml [key=value ...]
+    python -m mtl.tools.bench [--preset full|quick|gpu | --config configs/bench.yaml] [--plan] [key=value ...]
 
-Trains every method in ``bench.methods`` for every seed in ``bench.seeds``, plus one single-task
-baseline per task (``tasks=[cls]``, ``tasks=[gen]``, ...) that delta-m needs, each in
-``output_dir/runs/<method>/seed<k>/``. Loss-level methods run with ``bench.loss_strategy``
-(default ``feature_leaf``), gradient-level ones with ``bench.grad_strategy`` (``task_grads``).
+For every regime of ``bench.regimes`` (default: one, ``natural``), trains every method of the regime's list
+(``bench.methods`` unless the regime names its own) for every seed of ``bench.seeds``, plus one single-task
+baseline per task (``tasks=[cls]``, ...) that delta-m needs, each in ``output_dir/runs/<regime>/<method>/seed<k>/``
+and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once.
+A regime is a list of overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect
+it should show stated in advance (``expect``), printed above its results. Loss-level methods run with
+``bench.loss_strategy``, gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when
+the entry says ``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
 
-Writes into ``output_dir``: ``results.csv`` and ``results.md`` (mean +- std over seeds), PNG plots,
-``runs.jsonl`` (one status line per run, failures with their error) and TensorBoard hparams under
-``tb/``. A run that crashes is recorded as failed and the sweep goes on; a re-run skips the runs
-that finished (their ``final_metrics.json`` exists).
+Writes into ``output_dir``: ``results.md`` and ``results.csv`` (one row per regime and method), ``runs.csv`` (one
+row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line per run, failures with their
+error) and TensorBoard hparams under ``tb/``. A crashed run is recorded and the sweep goes on; a re-run skips the
+runs that finished (their ``final_metrics.json`` exists).
 
-Metrics and their definitions:
-- quality: the mean of the last ``bench.last_k`` evaluations (the table) and the best evaluation
-  (results.csv) of each task's declared metrics (``TaskHead.metrics``, with whether higher is better;
-  e.g. ``cls_acc``, ``gen_bleu4``, ``gen_chrf`` for the default tasks); every table, plot and delta
-  loops over the configured tasks, so a new task's metrics appear with no edit here;
-- delta-m % (Maninis et al. 2019, as in Nash-MTL and FAMO): the mean over all M metrics of
-  ``(-1)^l_i (M_i - B_i) / B_i * 100`` against the single-task baselines B (l_i = 1 if lower is better);
-- delta-p % (LibMTL): the same relative change averaged within each task first, then across tasks;
-- mean rank: each method's rank per metric (1 = best), averaged over the metrics;
-- cost: step time (the median over seeds of each run's median step) and peak memory as ratios to
-  ``equal`` measured in the same sweep, the
-  method's own maths (``combine_s``, gradient-level methods), bytes all-reduced per step with two or
-  more processes, and wall time.
+Definitions (mtl/tools/bench_stats.py holds the statistics):
+- quality: per run the mean of the last ``bench.last_k`` evaluations of each task's declared metrics
+  (``TaskHead.metrics``); per method the mean over seeds ± the half-width of the 95% t-interval;
+- slope: per run the least-squares slope of each metric over its last ``last_k`` evaluations, per 100 steps
+  (mean ± CI over seeds); a run is on a plateau when every |slope| is at most ``bench.plateau_tol``;
+- delta-m % (Maninis et al. 2019): the mean over all M metrics of ``(-1)^l_i (M_i - B_i) / B_i * 100`` against
+  the single-task baselines B (their mean over seeds; l_i = 1 if lower is better); delta-p % (LibMTL): averaged
+  within each task first;
+- against ``equal``: per seed, the method's delta-m minus equal's on the same seed; the mean and its 95% paired
+  bootstrap interval (``bench.bootstrap`` resamples from ``random.Random(bench.bootstrap_seed)``); marked ▲ / ▼
+  when the interval lies above / below 0. Between regimes, the same for each method's delta-m in a regime minus
+  its delta-m in the first regime;
+- cost: step time (the median over seeds of each run's median step) as a ratio to ``equal``; peak memory of the
+  run's (rank 0's) process: peak RSS on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU; the method's own
+  maths (``combine_s``); bytes all-reduced per step with two or more processes; wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
-import traceback
+
+from mtl.tools.bench_stats import mean_ci, paired_bootstrap, significance, slope_per_100
+
+PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml"}
+REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
+MARK = {1: "▲", -1: "▼", 0: ""}
 
 
 def metric_specs(cfg) -> list[tuple[str, str, bool]]:
@@ -49,6 +62,12 @@ def metric_specs(cfg) -> list[tuple[str, str, bool]]:
 
     types = task_types(cfg.get("task_modules") or ())
     return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
+
+
+def method_types(cfg) -> dict[str, type]:
+    from mtl.weighting import weighting_types
+
+    return weighting_types(cfg.get("weighting_modules") or ())
 
 
 # ---------------------------------------------------------------------------------------------- methods
@@ -78,25 +97,39 @@ def parse_method(entry: str) -> tuple[str, dict]:
     return m.group(1), options
 
 
-def method_errors(cfg) -> list[str]:
-    """Every problem of ``bench.methods``, each naming the entry: unknown or repeated entries, and the
-    options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
-    by the method's ``check``)."""
-    import copy
+def method_spec(entry: str) -> tuple[str, dict, str]:
+    """``(name, weighting.options, weighting.source)`` of an entry: ``source`` in the parentheses is the gradient
+    source (``mgda(source=features)``), every other key a method option."""
+    name, options = parse_method(entry)
+    source = options.pop("source", "parameters")
+    return name, options, source
 
+
+def strategy_for(cfg, level: str, source: str) -> str:
+    if level != "grad":
+        return cfg.bench.loss_strategy
+    return cfg.bench.feature_strategy if source == "features" else cfg.bench.grad_strategy
+
+
+def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> list[str]:
+    """Every problem of a list of methods (default ``bench.methods``), each naming the entry: unknown or repeated
+    entries, the options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
+    by the method's ``check``), and the gradient source against the method (as ``weighting.source``)."""
     from mtl.config import check_options
-    from mtl.weighting import weighting_types
+    from mtl.config_check import gradient_source_errors
+    from mtl.strategies import strategy_types
 
-    types, errors, seen = weighting_types(), [], set()
-    for i, entry in enumerate(cfg.bench.methods):
-        where = f"bench.methods[{i}] {entry!r}"
+    types, strategies, errors, seen = method_types(cfg), strategy_types(), [], set()
+    for i, entry in enumerate(cfg.bench.methods if entries is None else entries):
+        where = f"{where_prefix}[{i}] {entry!r}"
         try:
-            name, options = parse_method(entry)
+            name, options, source = method_spec(entry)
         except ValueError as e:
             errors.append(f"{where}: {e}")
             continue
         if name not in types:
-            errors.append(f"{where}: unknown method {name!r} (known: {', '.join(types)})")
+            errors.append(f"{where}: unknown method {name!r} (known: {', '.join(types)}; a method file outside "
+                          "mtl/weighting goes in weighting_modules)")
             continue
         if entry in seen:
             errors.append(f"{where}: listed twice")
@@ -104,19 +137,22 @@ def method_errors(cfg) -> list[str]:
         found: list[str] = []
         check_options(options, types[name].Options, "weighting.options", found)
         run_cfg = copy.deepcopy(cfg)
-        run_cfg.weighting.method, run_cfg.weighting.options = name, options
+        run_cfg.weighting.method, run_cfg.weighting.options, run_cfg.weighting.source = name, options, source
+        run_cfg.ddp.strategy = strategy_for(cfg, types[name].level, source)
         found += [e for e in types[name].check(run_cfg) if e.startswith("weighting.options")]
+        found += gradient_source_errors(run_cfg, strategies.get(run_cfg.ddp.strategy), types[name], strategies)
         errors += [f"{where}: {e}" for e in found]
     return errors
 
 
 def method_overrides(entry: str) -> list[str]:
-    """The run overrides of one ``bench.methods`` entry: the method and each of its options."""
+    """The run overrides of one ``bench.methods`` entry: the method, its source and each of its options."""
     import yaml
 
-    name, options = parse_method(entry)
+    name, options, source = method_spec(entry)
     shown = {k: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip() for k, v in options.items()}
-    return [f"weighting.method={name}", *(f"weighting.options.{k}={v}" for k, v in shown.items())]
+    return [f"weighting.method={name}", f"weighting.source={source}",
+            *(f"weighting.options.{k}={v}" for k, v in shown.items())]
 
 
 def run_folder(label: str) -> str:
@@ -124,117 +160,214 @@ def run_folder(label: str) -> str:
     return re.sub(r"[^\w.=+-]+", "_", label).strip("_")
 
 
+# ---------------------------------------------------------------------------------------------- regimes
+
+def regimes(cfg) -> dict[str, dict]:
+    """``{name: {overrides, methods, baselines_from, expect}}`` with defaults filled, in the config's order."""
+    from omegaconf import OmegaConf
+
+    raw = cfg.bench.regimes
+    raw = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw or {})
+    if not raw:
+        raw = {"natural": {}}
+    out = {}
+    for name, spec in raw.items():
+        spec = dict(spec or {})
+        out[str(name)] = {"overrides": [str(o) for o in spec.get("overrides") or []],
+                          "methods": list(spec.get("methods") or cfg.bench.methods),
+                          "baselines_from": spec.get("baselines_from"), "expect": spec.get("expect") or "",
+                          "_unknown": [k for k in spec if k not in REGIME_KEYS]}
+    return out
+
+
+def regime_configs(cfg, config_path: str, base_overrides: list[str]) -> tuple[dict, list[str]]:
+    """``({regime: (spec, its run config)}, errors)``: each regime's overrides loaded and checked as a run's, and
+    its method list checked (every error names the regime and the key)."""
+    from mtl.config_check import load_run_config
+    from mtl.errors import ConfigError
+
+    out, errors = {}, []
+    specs = regimes(cfg)
+    for name, spec in specs.items():
+        key = f"bench.regimes.{name}"
+        if spec["_unknown"]:
+            errors.append(f"{key}: unknown key(s) {', '.join(spec['_unknown'])} (known: {', '.join(REGIME_KEYS)})")
+        if spec["baselines_from"] is not None and spec["baselines_from"] not in specs:
+            errors.append(f"{key}.baselines_from: {spec['baselines_from']!r} is not a regime (known: {', '.join(specs)})")
+        if not re.fullmatch(r"[\w.+-]+", name):
+            errors.append(f"{key}: a regime name is a folder name: letters, digits, '_', '.', '+', '-'")
+        try:
+            rcfg = load_run_config(config_path, [*base_overrides, *spec["overrides"]])
+        except ConfigError as e:
+            errors += [f"{key}.overrides {spec['overrides']}: {m}" for m in e.errors]
+            continue
+        errors += method_errors(rcfg, spec["methods"], f"{key}.methods" if cfg.bench.regimes else "bench.methods")
+        out[name] = (spec, rcfg)
+    return out, errors
+
+
 # ---------------------------------------------------------------------------------------------- runs
 
-def plan(cfg) -> list[dict]:
-    from mtl.weighting import weighting_types
-
-    types = weighting_types()
+def plan(cfg, config_path: str | None = None, base_overrides: list[str] | None = None,
+         loaded: dict | None = None) -> list[dict]:
+    """Every run of the sweep: ``{regime, label, seed, dir, overrides, level}``; the baselines as ``single_<task>``
+    (in a regime with ``baselines_from``, the other regime's baseline runs stand in: not planned twice)."""
+    if loaded is None:
+        loaded = {name: (spec, cfg) for name, spec in regimes(cfg).items()}
+        if config_path is not None:
+            loaded, _ = regime_configs(cfg, config_path, base_overrides or [])
     runs = []
-    labels = list(cfg.bench.methods)
-    if cfg.bench.baselines:
-        labels += [f"single_{t}" for t in cfg.tasks]
-    for label in labels:
-        for seed in cfg.bench.seeds:
-            if label.startswith("single_"):
-                task = label.split("_", 1)[1]
-                over = [f"tasks=[{task}]", "weighting.method=equal", f"ddp.strategy={cfg.bench.loss_strategy}"]
-            else:
-                level = types[parse_method(label)[0]].level
-                strategy = cfg.bench.grad_strategy if level == "grad" else cfg.bench.loss_strategy
-                over = [*method_overrides(label), f"ddp.strategy={strategy}"]
-            out = os.path.join(cfg.output_dir, "runs", run_folder(label), f"seed{seed}")
-            runs.append({"label": label, "seed": seed, "dir": out,
-                         "overrides": [*over, f"seed={seed}", f"output_dir={out}", "trainer.progress=false",
-                                       "resume=null"]})
+    for regime, (spec, rcfg) in loaded.items():
+        types = method_types(rcfg)
+        labels = list(spec["methods"])
+        if cfg.bench.baselines and spec["baselines_from"] is None:
+            labels += [f"single_{t}" for t in rcfg.tasks]
+        for label in labels:
+            for seed in cfg.bench.seeds:
+                if label.startswith("single_"):
+                    task = label.split("_", 1)[1]
+                    level, over = "loss", [f"tasks=[{task}]", "weighting.method=equal",
+                                           f"ddp.strategy={cfg.bench.loss_strategy}"]
+                else:
+                    name, _, source = method_spec(label)
+                    level = types[name].level
+                    over = [*method_overrides(label), f"ddp.strategy={strategy_for(cfg, level, source)}"]
+                out = os.path.join(cfg.output_dir, "runs", regime, run_folder(label), f"seed{seed}")
+                runs.append({"regime": regime, "label": label, "seed": seed, "dir": out, "level": level,
+                             "overrides": [*spec["overrides"], *over, f"seed={seed}", f"output_dir={out}",
+                                           "trainer.progress=false", "resume=null"]})
     return runs
 
 
-def _run_in_process(config: str, overrides: list[str]) -> None:
-    from mtl.trainer import Trainer
+def train_script() -> str:
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "train.py")
+    return here if os.path.isfile(here) else "train.py"
 
-    trainer = Trainer.from_config(config, overrides)
+
+def run_command(config: str, overrides: list[str], nproc: int) -> list[str]:
+    if nproc > 1:
+        return [sys.executable, "-m", "mtl.tools.launch", "--standalone", f"--nproc_per_node={nproc}", train_script(),
+                "--config", config, *overrides]
+    return [sys.executable, train_script(), "--config", config, *overrides]
+
+
+def run_threads(cfg) -> int:
+    if cfg.bench.threads > 0:
+        return cfg.bench.threads
+    return max(1, (os.cpu_count() or 1) // (max(1, cfg.bench.parallel) * max(1, cfg.bench.nproc)))
+
+
+def _die_with_parent() -> None:
+    """In a run's process (Linux): SIGTERM when the sweep's process dies, even by SIGKILL, so no run outlives it."""
     try:
-        trainer.train()
-    finally:
-        trainer.close()
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
-def _run_torchrun(config: str, overrides: list[str], nproc: int, log_path: str) -> None:
-    cmd = [sys.executable, "-m", "mtl.tools.launch", "--standalone", f"--nproc_per_node={nproc}", "train.py",
-           "--config", config, *overrides]
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if proc.returncode:
-        with open(log_path) as f:
-            tail = "".join(f.readlines()[-15:])
-        raise RuntimeError(f"exit code {proc.returncode}: {tail.strip()}")
+def _tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:]).strip()
+    except OSError as e:  # the run's folder was removed under the sweep
+        return f"(no log: {e})"
 
 
-def run_all(cfg, config_path: str, base_overrides: list[str]) -> list[dict]:
-    runs = plan(cfg)
+def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict]) -> list[dict]:
+    """Train the runs not finished before, ``bench.parallel`` at once, each in its own process(es); record each
+    one's status (and error) in ``runs.jsonl``."""
     status_path = os.path.join(cfg.output_dir, "runs.jsonl")
     os.makedirs(cfg.output_dir, exist_ok=True)
-    durations = []
+    env = {**os.environ, "OMP_NUM_THREADS": str(run_threads(cfg))}
+    pending, running, durations, total = [], [], [], len(runs)
     for i, r in enumerate(runs, 1):
-        done = os.path.isfile(os.path.join(r["dir"], "final_metrics.json"))
-        left = len(runs) - i + 1
-        eta = statistics.mean(durations) * left if durations else None
-        head = f"[{i}/{len(runs)}] {r['label']} seed {r['seed']}"
-        if done:
+        r["index"] = i
+        head = f"[{i}/{total}] {r['regime']} {r['label']} seed {r['seed']}"
+        if os.path.isfile(os.path.join(r["dir"], "final_metrics.json")):
             print(f"{head}: finished before, skipped", flush=True)
             r["status"] = "ok"
-            continue
-        print(f"{head}: training" + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
-        if os.path.isdir(os.path.join(r["dir"], "checkpoints")):
-            import shutil
-
-            shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
-        tic = time.time()
-        try:
-            overrides = [*base_overrides, *r["overrides"]]
-            if cfg.bench.nproc > 1:
-                os.makedirs(r["dir"], exist_ok=True)
-                _run_torchrun(config_path, overrides, cfg.bench.nproc, os.path.join(r["dir"], "log.txt"))
-            else:
-                _run_in_process(config_path, overrides)
-            r["status"], r["error"] = "ok", None
-        except Exception as e:  # a crashed run is recorded and the sweep goes on
-            r["status"] = "failed"
-            r["error"] = f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
-            print(f"{head}: FAILED: {r['error']}", flush=True)
-            with open(os.path.join(cfg.output_dir, "errors.log"), "a") as f:
-                f.write(f"== {r['label']} seed {r['seed']}\n{traceback.format_exc()}\n")
-        r["wall_s"] = round(time.time() - tic, 1)
-        durations.append(r["wall_s"])
-        with open(status_path, "a") as f:
-            f.write(json.dumps({k: r.get(k) for k in ("label", "seed", "status", "error", "wall_s")}) + "\n")
+        else:
+            pending.append(r)
+    parallel = max(1, cfg.bench.parallel)
+    try:
+        _drive(cfg, config_path, base_overrides, pending, running, durations, total, parallel, env, status_path)
+    finally:  # interrupted (Ctrl-C, an error here): no run may outlive the sweep
+        for _, proc, log, _ in running:
+            proc.terminate()
+            proc.wait()
+            log.close()
     return runs
+
+
+def _drive(cfg, config_path, base_overrides, pending, running, durations, total, parallel, env, status_path) -> None:
+    while pending or running:
+        while pending and len(running) < parallel:
+            r = pending.pop(0)
+            left = len(pending) + len(running) + 1
+            eta = statistics.mean(durations) * left / parallel if durations else None
+            print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: training"
+                  + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
+            if os.path.isdir(r["dir"]):
+                shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
+            os.makedirs(r["dir"])
+            log = open(os.path.join(r["dir"], "log.txt"), "w")
+            proc = subprocess.Popen(run_command(config_path, [*base_overrides, *r["overrides"]], cfg.bench.nproc),
+                                    stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            running.append((r, proc, log, time.time()))
+        time.sleep(0.2)
+        for item in list(running):
+            r, proc, log, tic = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            r["wall_s"] = round(time.time() - tic, 1)
+            durations.append(r["wall_s"])
+            if proc.returncode == 0:
+                r["status"], r["error"] = "ok", None
+            else:  # a crashed run is recorded and the sweep goes on
+                r["status"] = "failed"
+                r["error"] = f"exit code {proc.returncode}: {_tail(os.path.join(r['dir'], 'log.txt'))}"
+                print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: FAILED: {r['error']}",
+                      flush=True)
+                with open(os.path.join(cfg.output_dir, "errors.log"), "a") as f:
+                    f.write(f"== {r['regime']} {r['label']} seed {r['seed']}\n{r['error']}\n")
+            with open(status_path, "a") as f:
+                f.write(json.dumps({k: r.get(k) for k in ("regime", "label", "seed", "status", "error", "wall_s")})
+                        + "\n")
 
 
 # ------------------------------------------------------------------------------------------ analysis
 
 def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
-    path = os.path.join(run_dir, "metrics.jsonl")
+    """One finished run's numbers: per metric the mean of the last ``last_k`` evaluations, the best one and the
+    slope over the last ``last_k`` (per 100 steps); step time, peak memory, the method's maths time."""
     if not os.path.isfile(os.path.join(run_dir, "final_metrics.json")):
         return None
-    with open(path) as f:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     with open(os.path.join(run_dir, "final_metrics.json")) as f:
         final = json.load(f)
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    t0 = rows[0]["time"] - train[0].get("step_time_s", 0.0) if rows else 0.0
-    out = {"wall_s": final.get("wall_time_s"), "step_time_s": statistics.median(r["step_time_s"] for r in train[1:]
-                                                                                  or train),
-           "peak_mem_mb": max(r.get("peak_mem_mb", 0.0) for r in train), "train": train, "evals": evals, "t0": t0}
+    t0 = rows[0]["time"] - train[0].get("step_time_s", 0.0) if rows and train else 0.0
+    out = {"wall_s": final.get("wall_time_s"), "train": train, "evals": evals, "t0": t0,
+           "step_time_s": statistics.median(r["step_time_s"] for r in train[1:] or train) if train else float("nan"),
+           "peak_mem_mb": max((r.get("peak_mem_mb") or 0.0 for r in train), default=float("nan")),
+           "steps": max((r["step"] for r in rows), default=0)}
     combine = [r["combine_s"] for r in train if r.get("combine_s") is not None]
     out["combine_s"] = statistics.median(combine) if combine else 0.0
     for key, _, higher in specs:
-        values = [e[key] for e in evals if e.get(key) is not None]
-        if values:
+        points = [(e["step"], e[key]) for e in evals if e.get(key) is not None]
+        if points:
+            values = [v for _, v in points]
             out[key] = statistics.mean(values[-last_k:])
             out[key + "_best"] = max(values) if higher else min(values)
+            out[key + "_slope"] = slope_per_100(points, last_k)
     return out
 
 
@@ -259,64 +392,88 @@ def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int) -> int:
     return strategy_types()[strategy].allreduce_bytes(num_tasks, shared, heads)
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if v is not None]
-    if not values:
+def delta(d: dict, base: dict, specs: list) -> tuple[float, float]:
+    """(delta-m %, delta-p %) of one run against the baselines; nan when a metric or a baseline is missing."""
+    rel = {key: (1 if higher else -1) * (d[key] - base[key]) / base[key] * 100
+           for key, _, higher in specs if key in d and base.get(key) == base.get(key) and base.get(key)}
+    if len(rel) != len(specs) or not specs:
         return float("nan"), float("nan")
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+    tasks = list(dict.fromkeys(t for _, t, _ in specs))
+    dp = statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks)
+    return statistics.mean(rel.values()), dp
 
 
-def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
-    from mtl.weighting import weighting_types
-
-    types = weighting_types()
-    specs = metric_specs(cfg)
-    per_label: dict[str, list] = {}
+def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
+    """``{label: {seed: data or None}}`` of one regime's runs (data: ``read_run``; None for a failed run)."""
+    out: dict = {}
     for r in runs:
-        data = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
-        per_label.setdefault(r["label"], []).append((r, data))
+        d = read_run(r["dir"], last_k, specs) if r.get("status") == "ok" else None
+        if d is not None:
+            d["delta_m"], d["delta_p"] = float("nan"), float("nan")
+        out.setdefault(r["label"], {})[r["seed"]] = d
+    return out
+
+
+def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_runs: list[dict]) -> tuple[list, dict]:
+    """One regime's rows (one per method, then one per baseline) and its baselines ``{metric: mean}``."""
+    specs = metric_specs(rcfg)
+    types = method_types(rcfg)
+    data = per_seed(runs, cfg.bench.last_k, specs)
+    bdata = per_seed(baseline_runs, cfg.bench.last_k, specs)
     base = {}
     for key, task, _ in specs:
-        vals = [d[key] for _, d in per_label.get(f"single_{task}", []) if d and key in d]
-        base[key] = statistics.mean(vals) if vals else float("nan")
+        base[key] = mean_ci(d.get(key) for d in bdata.get(f"single_{task}", {}).values() if d)[0]
+    for label in data:
+        for d in data[label].values():
+            if d is not None:
+                d["delta_m"], d["delta_p"] = delta(d, base, specs)
+    eq = data.get("equal", {})
     rows = []
-    for label in cfg.bench.methods:
-        pairs = per_label.get(label, [])
-        ok = [d for _, d in pairs if d]
-        row = {"method": label, "level": types[parse_method(label)[0]].level, "runs_ok": len(ok), "runs": len(pairs),
-               "failed": [f"seed {r['seed']}: {r.get('error')}" for r, d in pairs if not d]}
-        for key, _, _ in specs:
-            row[key], row[key + "_std"] = _mean_std([d.get(key) for d in ok])
-            row[key + "_best"], _ = _mean_std([d.get(key + "_best") for d in ok])
-        dm, dp = [], []
-        for d in ok:
-            rel = {key: (1 if higher else -1) * (d[key] - base[key]) / base[key] * 100
-                   for key, _, higher in specs if key in d and base[key] == base[key] and base[key] != 0}
-            if len(rel) == len(specs):
-                dm.append(statistics.mean(rel.values()))
-                tasks = sorted({t for _, t, _ in specs})
-                dp.append(statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks))
-        row["delta_m"], row["delta_m_std"] = _mean_std(dm)
-        row["delta_p"], row["delta_p_std"] = _mean_std(dp)
-        for key in ("step_time_s", "peak_mem_mb", "wall_s", "combine_s"):
-            row[key], row[key + "_std"] = _mean_std([d[key] for d in ok])
-        if ok:  # the median over seeds of each run's median step time: one run slowed by a busy machine does not count
-            row["step_time_s"] = statistics.median(d["step_time_s"] for d in ok)
-        strategy = cfg.bench.grad_strategy if row["level"] == "grad" else cfg.bench.loss_strategy
+    labels = list(spec["methods"]) + [f"single_{t}" for t in rcfg.tasks if f"single_{t}" in bdata]
+    for label in labels:
+        seeds = (bdata if label.startswith("single_") else data).get(label, {})
+        ok = {s: d for s, d in seeds.items() if d}
+        single = label.startswith("single_")
+        name, _, source = ("equal", {}, "") if single else method_spec(label)
+        level = "single-task" if single else types[name].level
+        row = {"regime": regime, "method": label, "level": level, "source": source if level == "grad" else "",
+               "runs_ok": len(ok), "runs": len(seeds),
+               "failed": [f"seed {s}: failed" for s, d in seeds.items() if not d]}
+        keys = [k for k, _, _ in specs]
+        for key in keys:
+            row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
+            row[key + "_best"] = mean_ci(d.get(key + "_best") for d in ok.values())[0]
+            row[key + "_slope"], row[key + "_slope_ci"] = mean_ci(d.get(key + "_slope") for d in ok.values())
+        # a metric the run has (a baseline has its own task's only) on a plateau: |slope| <= tol (nan: not known)
+        moving = [k for k in keys if row[k] == row[k] and not abs(row[k + "_slope"]) <= cfg.bench.plateau_tol]
+        row["plateau"] = bool(ok) and not moving
+        row["moving"] = moving
+        for key in ("delta_m", "delta_p"):
+            row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
+        diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single]
+        row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"] = paired_bootstrap(
+            diffs, cfg.bench.bootstrap, cfg.bench.bootstrap_seed)
+        row["vs_equal_sig"] = significance(row["vs_equal_lo"], row["vs_equal_hi"]) if label != "equal" else 0
+        row["seeds_better"] = f"{sum(x > 0 for x in diffs)}/{len(diffs)}" if diffs and label != "equal" else ""
+        for key in ("peak_mem_mb", "wall_s", "combine_s"):
+            row[key], row[key + "_ci"] = mean_ci(d[key] for d in ok.values())
+        # the median over seeds of each run's median step time: one run slowed by a busy machine does not count
+        row["step_time_s"] = statistics.median(d["step_time_s"] for d in ok.values()) if ok else float("nan")
+        strategy = cfg.bench.loss_strategy if single else strategy_for(cfg, level, source)
         row["strategy"] = strategy
-        row["allreduce_mb"] = allreduce_bytes(pairs[0][0]["dir"], strategy, len(cfg.tasks)) / 2**20 if ok else float("nan")
+        first = next(iter(ok), None)
+        row["allreduce_mb"] = (allreduce_bytes(_run_dir(baseline_runs if single else runs, label, first), strategy,
+                                               1 if single else len(rcfg.tasks)) / 2**20
+                               if first is not None else float("nan"))
+        row["_seeds"] = ok
         rows.append(row)
-    eq = next((r for r in rows if r["method"] == "equal"), None)
-    # In one process on the CPU the runs share the process, whose peak RSS only grows: no per-run peak.
-    # (bench.nproc > 1 runs each under its own torchrun; on CUDA the trainer logs max_memory_allocated.)
-    import torch
-
-    mem_ok = cfg.bench.nproc > 1 or (torch.cuda.is_available() and cfg.device != "cpu")
+    eqrow = next((r for r in rows if r["method"] == "equal"), None)
     for r in rows:
-        r["time_vs_equal"] = r["step_time_s"] / eq["step_time_s"] if eq else float("nan")
-        r["mem_vs_equal"] = r["peak_mem_mb"] / eq["peak_mem_mb"] if eq and mem_ok else float("nan")
-    for key, _, higher in specs:  # mean rank over the metrics (1 = best)
-        order = sorted((r for r in rows if r[key] == r[key]), key=lambda r: -r[key] if higher else r[key])
+        r["time_vs_equal"] = r["step_time_s"] / eqrow["step_time_s"] if eqrow else float("nan")
+        r["mem_vs_equal"] = r["peak_mem_mb"] / eqrow["peak_mem_mb"] if eqrow else float("nan")
+    methods = [r for r in rows if r["level"] != "single-task"]
+    for key, _, higher in specs:  # mean rank over the metrics (1 = best), methods only
+        order = sorted((r for r in methods if r[key] == r[key]), key=lambda r: -r[key] if higher else r[key])
         for i, r in enumerate(order, 1):
             r.setdefault("_ranks", []).append(i)
     for r in rows:
@@ -324,190 +481,237 @@ def summarize(cfg, runs: list[dict]) -> tuple[list[dict], dict]:
     return rows, base
 
 
-def write_tables(cfg, rows: list[dict], base: dict, meta: dict) -> str:
+def _run_dir(runs: list[dict], label: str, seed) -> str:
+    return next(r["dir"] for r in runs if r["label"] == label and r["seed"] == seed)
+
+
+def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
+    """For each regime after the first and each method in both: its delta-m there minus its delta-m in the first
+    regime, seed by seed (the paired bootstrap): did the regime change what the method reaches?"""
+    names = list(all_rows)
+    if len(names) < 2:
+        return []
+    ref = {r["method"]: r for r in all_rows[names[0]] if r["level"] != "single-task"}
+    out = []
+    for name in names[1:]:
+        for r in all_rows[name]:
+            if r["level"] == "single-task" or r["method"] not in ref:
+                continue
+            a, b = ref[r["method"]]["_seeds"], r["_seeds"]
+            diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in b if s in a]
+            mean, lo, hi = paired_bootstrap(diffs, cfg.bench.bootstrap, cfg.bench.bootstrap_seed)
+            out.append({"regime": name, "reference": names[0], "method": r["method"],
+                        "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": mean,
+                        "change_lo": lo, "change_hi": hi, "change_sig": significance(lo, hi)})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+def _pm(v: float, ci: float, digits: int = 3) -> str:
+    if v != v:
+        return "n/a"
+    return f"{v:.{digits}f}" + (f" ± {ci:.{digits}f}" if ci == ci else "")
+
+
+def _interval(mean: float, lo: float, hi: float, sig: int, digits: int = 2) -> str:
+    if mean != mean:
+        return ""
+    if lo != lo:
+        return f"{mean:+.{digits}f} (too few seeds for an interval)"
+    return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] {MARK[sig]}".rstrip()
+
+
+def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dict, shares_baselines: str | None) -> str:
+    specs = metric_specs(rcfg)
+    keys = [k for k, _, _ in specs]
+    methods = [r for r in rows if r["level"] != "single-task"]
+    lines = [f"### Regime `{regime}`" + (f" (overrides: `{' '.join(spec['overrides'])}`)" if spec["overrides"] else ""),
+             ""]
+    if spec["expect"]:
+        lines += [f"Expected (stated before the run): {spec['expect'].strip()}", ""]
+    lines += [f"Mean ± 95% t-interval over seeds {list(cfg.bench.seeds)}; quality is the mean of the last "
+              f"{cfg.bench.last_k} evaluations. Single-task baselines"
+              + (f" (from regime `{shares_baselines}`)" if shares_baselines else "") + ": "
+              + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". vs equal: Δm − Δm(equal) on the same seed, mean "
+              f"[95% paired bootstrap, {cfg.bench.bootstrap} resamples, seed {cfg.bench.bootstrap_seed}]; ▲ / ▼: "
+              "the interval lies above / below 0. Peak memory: the run's own process (peak RSS on the CPU, "
+              "max allocated on a GPU).", "",
+              "| method | level | source | " + " | ".join(keys) + " | Δm % | vs equal (Δm) | seeds better | Δp % "
+              "| mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) | MB all-reduced/step "
+              "| wall (s) |",
+              "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(methods, key=lambda r: (r["delta_m"] != r["delta_m"], -r["delta_m"] if r["delta_m"] == r["delta_m"]
+                                            else 0)):
+        failed = f" ({r['runs'] - r['runs_ok']} of {r['runs']} failed)" if r["runs_ok"] < r["runs"] else ""
+        if not r["runs_ok"]:
+            lines.append(f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
+                         + " | ".join("n/a" for _ in range(len(keys) + 10)) + " |")
+            continue
+        mem = "n/a" if r["peak_mem_mb"] != r["peak_mem_mb"] else f"{r['peak_mem_mb']:.0f} ({r['mem_vs_equal']:.2f}x)"
+        lines.append(
+            f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
+            + " | ".join(_pm(r[k], r[k + "_ci"]) for k in keys)
+            + f" | {_pm(r['delta_m'], r['delta_m_ci'], 2)} "
+            f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'])} "
+            f"| {r['seeds_better']} | {_pm(r['delta_p'], r['delta_p_ci'], 2)} | {r['mean_rank']:.1f} "
+            f"| {r['time_vs_equal']:.2f}x | {mem} | {r['combine_s'] * 1e3:.2f} | {r['allreduce_mb']:.1f} "
+            f"| {r['wall_s']:.0f} |")
+    lines += ["", f"Convergence in `{regime}`: the slope of each metric over the last {cfg.bench.last_k} evaluations, "
+              f"per 100 steps (mean ± 95% t-interval over seeds); plateau: every |slope| ≤ {cfg.bench.plateau_tol}.",
+              "", "| run | steps | " + " | ".join(f"{k} slope/100 steps" for k in keys) + " | plateau |",
+              "|---|---|" + "---|" * len(keys) + "---|"]
+    for r in rows:
+        if not r["runs_ok"]:
+            continue  # listed under the failed runs
+        steps = max((d["steps"] for d in r["_seeds"].values()), default=0)
+        lines.append(f"| `{r['method']}` | {steps} | "
+                     + " | ".join(_pm(r[k + "_slope"], r[k + "_slope_ci"], 4) if k in base and r[k] == r[k] else "—"
+                                  for k in keys)
+                     + " | " + ("yes" if r["plateau"] else "no: " + ", ".join(r["moving"])) + " |")
+    failures = [f"- `{r['method']}` {x}" for r in rows for x in r["failed"]]
+    if failures:
+        lines += ["", "Failed runs (their errors: runs.jsonl, errors.log):", *failures]
+    return "\n".join(lines)
+
+
+def effects_table(effects: list[dict]) -> str:
+    if not effects:
+        return ""
+    lines = ["### Between regimes", "",
+             "Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds: mean [95% paired "
+             "bootstrap]; ▲ / ▼: the regime moved the method's Δm up / down.", "",
+             "| regime | method | Δm % in reference | Δm % in regime | change |", "|---|---|---|---|---|"]
+    for e in effects:
+        lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}` | {e['delta_m_ref']:.2f} "
+                     f"| {e['delta_m']:.2f} | {_interval(e['change'], e['change_lo'], e['change_hi'], e['change_sig'])} |")
+    return "\n".join(lines)
+
+
+CSV_FIXED = ["regime", "method", "level", "source", "strategy", "runs_ok", "runs"]
+CSV_TAIL = ["delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_sig", "seeds_better",
+            "delta_p", "delta_p_ci", "mean_rank", "plateau", "time_vs_equal", "mem_vs_equal", "combine_s",
+            "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
+
+
+def write_results(cfg, per_regime: dict, meta: dict) -> str:
+    """results.md, results.csv (one row per regime and method or baseline) and runs.csv (one per run)."""
     out = cfg.output_dir
-    specs = metric_specs(cfg)
-    fields = ["method", "level", "strategy", "runs_ok", "runs"] + [k for m, _, _ in specs for k in (m, m + "_std",
-                                                                                                      m + "_best")]
-    fields += ["delta_m", "delta_m_std", "delta_p", "delta_p_std", "mean_rank", "time_vs_equal", "mem_vs_equal",
-               "combine_s", "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
+    all_keys = list(dict.fromkeys(k for rcfg, rows, _ in per_regime.values() for k, _, _ in metric_specs(rcfg)))
+    fields = CSV_FIXED + [k + s for k in all_keys for s in ("", "_ci", "_best", "_slope", "_slope_ci")] + CSV_TAIL
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
-        for r in rows:
-            w.writerow(r)
-
-    def ratio(v):
-        return "n/a" if v != v else f"{v:.2f}x"
-
-    def pm(r, k, scale=1.0, digits=3):
-        v, s = r[k] * scale, r[k + "_std"] * scale
-        return "n/a" if v != v else f"{v:.{digits}f} ± {s:.{digits}f}"
-
-    keys = [k for k, _, _ in specs]
-    lines = [f"Mean ± std over seeds {list(cfg.bench.seeds)}; quality is the mean of the last {cfg.bench.last_k} "
-             f"evaluations (the best evaluation is in results.csv). Single-task baselines: "
-             + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ".", "",
-             "| method | level | " + " | ".join(keys) + " | Δm % | Δp % | mean rank | step time vs equal "
-             "| peak mem vs equal | method maths (ms) | MB all-reduced/step | wall (s) |",
-             "|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["mean_rank"] != r["mean_rank"], r["mean_rank"])):
-        failed = f" ({r['runs'] - r['runs_ok']} failed)" if r["runs_ok"] < r["runs"] else ""
-        lines.append(
-            f"| `{r['method']}`{failed} | {r['level']} | " + " | ".join(pm(r, k) for k in keys)
-            + f" | {pm(r, 'delta_m', digits=2)} | {pm(r, 'delta_p', digits=2)} | {r['mean_rank']:.1f} "
-            f"| {r['time_vs_equal']:.2f}x | {ratio(r['mem_vs_equal'])} "
-            f"| {r['combine_s'] * 1e3:.2f} "
-            f"| {r['allreduce_mb']:.1f} | {r['wall_s']:.0f} |")
+        for _, rows, _ in per_regime.values():
+            for r in rows:
+                w.writerow(r)
+    run_fields = ["regime", "method", "seed", "delta_m", "delta_p", "steps", "step_time_s", "peak_mem_mb", "combine_s",
+                  "wall_s"] + [k + s for k in all_keys for s in ("", "_best", "_slope")]
+    with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=run_fields, extrasaction="ignore")
+        w.writeheader()
+        written = set()
+        for regime, (_, rows, _) in per_regime.items():
+            for r in rows:
+                # a baseline borrowed from another regime (baselines_from) is that regime's run: written once
+                home = (meta["regimes"][regime].get("baselines_from") or regime) if r["level"] == "single-task" else regime
+                for seed, d in r["_seeds"].items():
+                    if (home, r["method"], seed) not in written:
+                        written.add((home, r["method"], seed))
+                        w.writerow({**d, "regime": home, "method": r["method"], "seed": seed})
+    blocks = []
+    for regime, (rcfg, rows, base) in per_regime.items():
+        spec = meta["regimes"][regime]
+        blocks.append(regime_table(cfg, rcfg, regime, spec, rows, base, spec["baselines_from"]))
+    effects = regime_effects(cfg, {k: v[1] for k, v in per_regime.items()})
+    if effects:
+        blocks.append(effects_table(effects))
     f_ms, b_ms = meta.get("forward_s", float("nan")) * 1e3, meta.get("backward_s", float("nan")) * 1e3
-    if all(r["mem_vs_equal"] != r["mem_vs_equal"] for r in rows):
-        lines += ["", "Peak memory: n/a here, because every run shared one CPU process (whose peak RSS only grows); run "
-                  "with bench.nproc=2 (each run its own torchrun) or on CUDA for per-run peaks. What a method adds is its "
-                  "strategy's memory (task_grads holds the K x P matrix of task gradients), measured by "
-                  "`make bench-strategies`."]
-    lines += ["", f"Measured F = {f_ms:.0f} ms, B = {b_ms:.0f} ms (one process, the bench model), so "
-              f"(F + 2B) / (F + B) = {(f_ms + 2 * b_ms) / (f_ms + b_ms):.2f}: the step-time goal for gradient-level "
-              "methods, before their own maths."]
-    failures = [f"- `{r['method']}` {x}" for r in rows for x in r["failed"]]
-    if failures:
-        lines += ["", "Failed runs:", *failures]
-    text = "\n".join(lines)
+    if f_ms == f_ms:
+        blocks.append(f"Measured F = {f_ms:.0f} ms, B = {b_ms:.0f} ms (one process, the bench model), so "
+                      f"(F + 2B) / (F + B) = {(f_ms + 2 * b_ms) / (f_ms + b_ms):.2f}: the step-time goal for "
+                      "gradient-level methods with source=parameters, before their own maths.")
+    text = "\n\n".join(blocks)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text + "\n")
     return text
 
 
-def write_plots(cfg, runs: list[dict]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    specs = metric_specs(cfg)
-    data: dict[str, list] = {}
-    for r in runs:
-        d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
-        if d:
-            data.setdefault(r["label"], []).append(d)
-    labels = [m for m in cfg.bench.methods if m in data]
-    cmap = plt.get_cmap("tab20")
-    colour = {m: cmap(i % 20) for i, m in enumerate(labels + [f"single_{t}" for t in cfg.tasks])}
-    paths = []
-
-    def mean_curve(runs_, key, x="step"):
-        steps = sorted({e["step"] for d in runs_ for e in d["evals"] if e.get(key) is not None})
-        xs, ys = [], []
-        for s in steps:
-            vals = [(e[key], e["time"] - d["t0"]) for d in runs_ for e in d["evals"] if e["step"] == s and e.get(key)
-                    is not None]
-            if vals:
-                ys.append(statistics.mean(v for v, _ in vals))
-                xs.append(s if x == "step" else statistics.mean(t for _, t in vals))
-        return xs, ys
-
-    for x, unit in (("step", "optimizer step"), ("wall", "wall time since start (s)")):
-        fig, axes = plt.subplots(1, len(specs), figsize=(5 * len(specs), 4), squeeze=False)
-        axes = axes[0]
-        for ax, (key, task, _) in zip(axes, specs):
-            for m in labels + [f"single_{task}"]:
-                if m in data:
-                    xs, ys = mean_curve(data[m], key, x)
-                    ax.plot(xs, ys, label=m, color=colour[m], ls="--" if m.startswith("single") else "-")
-            ax.set_xlabel(unit)
-            ax.set_ylabel(f"validation {key} (0-1, mean over seeds)")
-            ax.set_title(key)
-        axes[-1].legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = os.path.join(cfg.output_dir, f"metrics_vs_{x}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
-
-    def train_curve(runs_, key):
-        by_step: dict[int, list] = {}
-        for d in runs_:
-            for r in d["train"]:
-                if r.get(key) is not None:
-                    by_step.setdefault(r["step"], []).append(r[key])
-        xs = sorted(by_step)
-        return xs, [statistics.mean(by_step[s]) for s in xs]
-
-    tasks = list(cfg.tasks)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
-    axes = axes[0]
-    for ax, t in zip(axes, tasks):
-        for m in labels:
-            xs, ys = train_curve(data[m], f"weight_{t}")
-            ax.plot(xs, ys, label=m, color=colour[m])
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(f"loss weight of {t} (mean over seeds)")
-        ax.set_title(f"weight_{t}")
-    axes[-1].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = os.path.join(cfg.output_dir, "task_weights.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    paths.append(path)
-
-    pairs = [(a, b) for i, a in enumerate(tasks) for b in tasks[i + 1:]]
-    if pairs:  # one panel per pair of tasks
-        fig, axes = plt.subplots(1, len(pairs), figsize=(7 * len(pairs), 4), squeeze=False)
-        for ax, (a, b) in zip(axes[0], pairs):
-            for m in labels:
-                for key, what in ((f"grad_cos/{a}_{b}", "shared parameters"), (f"feat_grad_cos/{a}_{b}", "features")):
-                    xs, ys = train_curve(data[m], key)
-                    if xs:
-                        ax.plot(xs, ys, label=f"{m} ({what})", color=colour[m], ls="-" if what.startswith("shared")
-                                else ":")
-            ax.axhline(0, color="grey", lw=0.5)
-            ax.set_xlabel("optimizer step")
-            ax.set_ylabel(f"cosine(grad {a}, grad {b})")
-            ax.set_title(f"gradient conflict {a} / {b} (mean over seeds)")
-            ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        path = os.path.join(cfg.output_dir, "gradient_cosine.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-def write_hparams(cfg, runs: list[dict]) -> None:
+def write_hparams(cfg, runs: list[dict], specs_of: dict) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    specs = metric_specs(cfg)
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
     for r in runs:
+        specs = specs_of[r["regime"]]
         d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
         if d:
             metrics = {f"hparam/{k}": d[k] for k, _, _ in specs if k in d}
             metrics["hparam/step_time_s"] = d["step_time_s"]
-            writer.add_hparams({"method": r["label"], "seed": r["seed"]}, metrics, run_name=f"{r['label']}-seed{r['seed']}")
+            metrics["hparam/peak_mem_mb"] = d["peak_mem_mb"]
+            writer.add_hparams({"regime": r["regime"], "method": r["label"], "seed": r["seed"]}, metrics,
+                               run_name=f"{r['regime']}-{r['label']}-seed{r['seed']}")
     writer.close()
+
+
+def describe_plan(runs: list[dict]) -> str:
+    """How many runs of which kind, per regime (``--plan``): what a sweep estimate multiplies."""
+    counts: dict = {}
+    for r in runs:
+        kind = "single-task" if r["label"].startswith("single_") else r["level"]
+        if "weighting.source=features" in r["overrides"]:
+            kind = "grad (source=features)"
+        counts.setdefault(r["regime"], {}).setdefault(kind, 0)
+        counts[r["regime"]][kind] += 1
+    lines = [f"{len(runs)} runs"]
+    for regime, kinds in counts.items():
+        lines.append(f"  {regime}: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", description="benchmark task-weighting methods")
-    p.add_argument("--config", default="configs/bench.yaml")
+    p.add_argument("--config", default=None, help="the bench config (default: the preset's)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="full (configs/bench.yaml, the 60-minute CPU sweep), quick (<= 10 min CPU), gpu")
+    p.add_argument("--plan", action="store_true", help="check the config and list the runs, train nothing")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    config = a.config or PRESETS[a.preset or "full"]
 
     def go():
         from mtl.config_check import load_run_config
         from mtl.errors import ConfigError
+        from mtl.tools.bench_plots import write_plots
         from mtl.tools.doctor import examine
 
-        cfg = load_run_config(a.config, a.overrides)
-        errors = method_errors(cfg)
+        if a.config and a.preset:
+            raise ConfigError("--config and --preset: give one of them (a preset is a config file: "
+                              f"{PRESETS[a.preset]})")
+        cfg = load_run_config(config, a.overrides)
+        loaded, errors = regime_configs(cfg, config, a.overrides)
         if errors:
             raise ConfigError(errors)
+        runs = plan(cfg, loaded=loaded)
+        print(describe_plan(runs), flush=True)
+        if a.plan:
+            return
         tic = time.time()
-        runs = run_all(cfg, a.config, a.overrides)
-        rows, base = summarize(cfg, runs)
-        report = examine(cfg, batches=1)  # F and B of the bench model, one process
-        text = write_tables(cfg, rows, base, {"forward_s": report["forward_s"], "backward_s": report["backward_s"]})
-        write_plots(cfg, runs)
-        write_hparams(cfg, runs)
+        run_all(cfg, config, a.overrides, runs)
+        per_regime, specs_of = {}, {}
+        for regime, (spec, rcfg) in loaded.items():
+            source = spec["baselines_from"] or regime
+            mine = [r for r in runs if r["regime"] == regime and not r["label"].startswith("single_")]
+            baselines = [r for r in runs if r["regime"] == source and r["label"].startswith("single_")]
+            rows, base = summarize(cfg, regime, spec, rcfg, mine, baselines)
+            per_regime[regime] = (rcfg, rows, base)
+            specs_of[regime] = metric_specs(rcfg)
+            data = {r["method"]: list(r["_seeds"].values()) for r in rows if r["_seeds"]}
+            write_plots(rcfg, specs_of[regime], data, os.path.join(cfg.output_dir, regime), list(spec["methods"]))
+        first_cfg = next(iter(loaded.values()))[1]
+        report = examine(first_cfg, batches=1)  # F and B of the bench model, one process
+        text = write_results(cfg, per_regime, {"forward_s": report["forward_s"], "backward_s": report["backward_s"],
+                                               "regimes": {k: v[0] for k, v in loaded.items()}})
+        write_hparams(cfg, runs, specs_of)
         print(text)
         print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
 

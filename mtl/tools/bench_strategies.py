@@ -15,7 +15,10 @@ peak of ``torch.cuda.max_memory_allocated`` during the steps; on the CPU the gro
 peak RSS from just before the first step, on rank 0.
 
 All-reduces and bytes per step: a counting DDP comm hook (plus the hand-made all-reduce of
-``task_grads``), read on the last step.
+``task_grads``), read on the last step. FSDP2 rows (``ddp.engine=fsdp2``) have no DDP reducer: their gradient
+reductions are reduce-scatters, counted (with their bytes, the unsharded gradient each rank sends) on one more,
+untimed step with a dispatch mode that sees every c10d op; the table shows them as "N RS" beside the
+hand-made all-reduces.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ VARIANTS = {
                         "`task_grads` + MGDA (source: parameters)"),
     "feature_leaf+mgda": ("feature_leaf", ["weighting.method=mgda", "weighting.source=features"],
                           "`feature_leaf` + MGDA (source: features)"),
+    # the same strategies under FSDP2 (docs/fsdp.md): sharded parameters, gradients and optimizer state
+    "fsdp2:combined": ("combined", ["ddp.engine=fsdp2"], "FSDP2 `combined`"),
+    "fsdp2:feature_leaf": ("feature_leaf", ["ddp.engine=fsdp2"], "FSDP2 `feature_leaf`"),
+    "fsdp2:task_grads+mgda": ("task_grads", ["ddp.engine=fsdp2", "weighting.method=mgda",
+                                             "weighting.source=parameters"], "FSDP2 `task_grads` + MGDA"),
 }
 
 
@@ -89,6 +97,24 @@ def count_communication(trainer, counts: dict) -> None:
     trainer.parts.comm = CountingComm(counts)
 
 
+def count_fsdp2_step(trainer, batch) -> dict:
+    """One more (untimed) step of an FSDP2 trainer under a dispatch mode: its reduce-scatters and their bytes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = {"reduce_scatters": 0, "rs_bytes": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "reduce_scatter" in str(func.overloadpacket):
+                seen["reduce_scatters"] += 1
+                seen["rs_bytes"] += args[1].numel() * args[1].element_size()  # the full (unsharded) input
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        trainer.step_once(batch)
+    return seen
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -122,6 +148,9 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
                 if r:
                     times[s].append(time.perf_counter() - tic)
                 per_step[s] = {k: counts[s][k] - before[k] for k in before}
+    for s, t in trainers.items():  # FSDP2: its reduce-scatters, on one more untimed step
+        if t.sharded:
+            per_step[s].update(count_fsdp2_step(t, to_device(next(batches[s])[1], t.device)))
     # F and B on the combined pattern (DDP forward; backward with its all-reduce)
     t = trainers["combined"]
     batch = to_device(next(batches["combined"])[1], t.device)
@@ -219,8 +248,8 @@ def table(result: dict, meta: dict) -> str:
         f"F = {f * 1e3:.0f} ms, B = {b * 1e3:.0f} ms (backward with its all-reduce), so "
         f"(F + 2B) / (F + B) = {bound:.2f}.",
         "",
-        "| strategy | step time vs combined (median) | peak step memory vs combined | all-reduces / step "
-        "| MB all-reduced / step | forwards | backbone backwards |",
+        "| strategy | step time vs combined (median) | peak step memory vs combined | all-reduces (+ FSDP2 "
+        "reduce-scatters) / step | MB reduced / step | forwards | backbone backwards |",
         "|---|---|---|---|---|---|---|",
     ]
     mem_c = max(result["memory"]["combined"], 1)
@@ -230,8 +259,11 @@ def table(result: dict, meta: dict) -> str:
         label = VARIANTS[s][2] if s in VARIANTS else f"`{s}`"
         k = c.cost(meta["tasks"])
         rounds = ps["rounds"] + ps.get("manual", 0)  # DDP's bucket rounds + the strategy's hand-made ones
+        if "reduce_scatters" in ps:  # FSDP2: the reduce-scatters beside the hand-made all-reduces
+            rounds = f"{rounds} + {ps['reduce_scatters']} RS"
+        sent = ps["bytes"] + ps.get("rs_bytes", 0)
         lines.append(f"| {label} | {med[s] / med['combined']:.2f}x | {result['memory'][s] / mem_c:.2f}x | {rounds} "
-                     f"| {ps['bytes'] / 2**20:.1f} | {k['forwards']} | {k['backbone_backwards']} |")
+                     f"| {sent / 2**20:.1f} | {k['forwards']} | {k['backbone_backwards']} |")
     rc = t["replica_check"]
     lines += ["", f"Median step time of `combined`: {med['combined'] * 1e3:.0f} ms. Peak step memory of `combined`: "
               f"{mem_c / 2**20:.0f} MB ({meta['memory_kind']}).",

@@ -128,7 +128,7 @@ def examine(cfg, batches: int = 8) -> dict:
         costs[name] = {**c, "bytes_allreduced": reduced, "extra_memory_bytes": extra,
                        "est_time_vs_combined": round(estimate, 2), "exact_combined_gradient": not cls.changes_objective,
                        "task_gradients": cls.task_gradients, "summary": cls.summary}
-    method = weighting_types()[cfg.weighting.method]
+    method = weighting_types(cfg.get("weighting_modules") or ())[cfg.weighting.method]
     if method.level == "grad":
         rec = ("task_grads", f"weighting.method={cfg.weighting.method} needs each task's rank-averaged gradient of the "
                "shared parameters; task_grads gives it with one backbone forward and one all-reduce")

@@ -1,4 +1,4 @@
-"""Per-rank memory of the training state under DDP and FSDP2: parameters, gradients, optimizer state.
+"""Per-rank memory of the training state under DDP and FSDP2: parameters, gradients, optimizer state, task gradients.
 
     torchrun --nproc_per_node=2 -m mtl.tools.fsdp_memory --config configs/default.yaml [key=value ...]
 
@@ -6,7 +6,9 @@ Builds the run once per engine (``ddp.engine=ddp``, then ``fsdp2``) in the same 
 optimizer steps (so that the optimizer state exists), and sums the bytes of the tensors each rank holds:
 its parameters (under FSDP2 its DTensor shards, ``to_local()``), their gradients, and the optimizer's state.
 Under FSDP2 a unit's full parameters also exist for a moment, while it runs forward or backward: the
-largest unit's full size is printed too. Rank 0 prints a Markdown table (docs/fsdp.md).
+largest unit's full size is printed too. With ``ddp.strategy=task_grads`` (gradient-level weighting) the
+K x P matrix of the tasks' gradients that the strategy keeps between steps is counted apart: under FSDP2 each
+rank keeps K x P / W (its shard of every row). Rank 0 prints a Markdown table (docs/fsdp.md).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def measure(config: str, overrides: list[str], engine: str) -> dict:
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
     units = shard_units(trainer.bare)
     full = {n: sum(p.numel() * p.element_size() for p in m.parameters()) for n, m in units}
+    task_rows = getattr(trainer.parts.strategy, "_buf", None)  # task_grads: [K losses, K x P (or K x P / W)]
     out = {"params": _bytes(params), "grads": _bytes(p.grad for p in params), "optimizer": _bytes(state),
+           "task_grads": _bytes([task_rows]),
            "largest_unit": max(full.values()), "largest_unit_name": max(full, key=full.get),
            "numel": sum(p.numel() for p in params)}
     trainer.close()
@@ -59,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         mib = 2 ** 20
         world = len(gathered)
         print(f"{rows['ddp']['numel']:,} parameters, {world} ranks; MiB per rank (max over ranks):")
-        print("| engine | parameters | gradients | optimizer state | total |")
-        print("|---|---|---|---|---|")
+        print("| engine | parameters | gradients | optimizer state | task-gradient matrix | total |")
+        print("|---|---|---|---|---|---|")
         for e in ("ddp", "fsdp2"):
-            vals = [max(g[e][k] for g in gathered) / mib for k in ("params", "grads", "optimizer")]
-            print(f"| {e} | {vals[0]:.2f} | {vals[1]:.2f} | {vals[2]:.2f} | {sum(vals):.2f} |")
+            vals = [max(g[e][k] for g in gathered) / mib for k in ("params", "grads", "optimizer", "task_grads")]
+            print(f"| {e} | {vals[0]:.2f} | {vals[1]:.2f} | {vals[2]:.2f} | {vals[3]:.2f} | {sum(vals):.2f} |")
         f = rows["fsdp2"]
         print(f"FSDP2 also holds one unit's full parameters while it runs: the largest, "
               f"{f['largest_unit_name']}, is {f['largest_unit'] / mib:.2f} MiB")

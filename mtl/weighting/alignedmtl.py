@@ -69,6 +69,7 @@ def alignedmtl(grads: Tensor, losses: Tensor | None = None, *, task_weights: Ten
 
 class AlignedMTL(GramWeighting):
     name = "alignedmtl"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
 
     def weights_from_gram(self, gram, losses, dtype):
         return alignedmtl_weights(gram, rtol=default_rtol(gram.shape[0], dtype))

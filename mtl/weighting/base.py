@@ -20,6 +20,19 @@ K x K Gram matrix ``G G^T`` (plus the losses and the method's state), so they su
 rows (per-coordinate signs, as GradDrop's) subclasses ``Weighting`` with ``level = "grad"`` and
 overrides ``combine`` itself.
 
+Steps that hold only some tasks (multi-input mode, docs/multi-input.md): ``begin_step(step, present)`` names
+the step's tasks, kept in ``self.present`` (every task when ``present`` is None). A loss-level method then
+weighs only those tasks (``weigh`` is called for them only, ``end_step`` gets their losses only); a
+gradient-level method gets the K' x P rows of the present tasks only, in task order, and combines them as the
+K'-task problem (its Gram matrix is K' x K'): an absent task is no row at all, never a zero row, since a zero row
+changes most methods' answer (MGDA's min-norm point is then 0). ``step_weights()``, what the trainer logs, holds
+the present tasks only: an absent task has no weight in that step, and is left out rather than reported as 0.
+A method is allowed with policies that leave tasks out (mtl/multi_input_check.py) when its update reads the
+present tasks only: loss-level methods whose ``end_step`` keeps nothing, and every method that sets
+``updates_from_present_tasks = True``, which says that its state moves only from the present tasks (DWA, FAMO,
+GradNorm) or that it keeps none (the stateless Gram methods). A method that does not says why in
+``absent_task_refusal``, which the refusal quotes.
+
 Any state (learned weights, loss history, RNG) lives in ``state_dict()`` so that it goes into
 checkpoints: learnable weights as parameters or buffers, everything else through ``get_extra_state``.
 """
@@ -54,10 +67,14 @@ class Weighting(nn.Module):
     # The method's hyperparameters, ``weighting.options``: a dataclass with the paper's defaults (checked like
     # every config key; the filled values are saved in config.yaml). ``self.options`` is its instance.
     Options: type = NoOptions
+    # correct when a step holds only some tasks (see the module docstring); else why not, for the config refusal
+    updates_from_present_tasks: bool = False
+    absent_task_refusal: str = ""
 
     def __init__(self, cfg, tasks: list[str]):
         super().__init__()
         self.tasks = list(tasks)
+        self.present = list(self.tasks)  # the tasks of the current step (begin_step)
         self.options = options_of(type(self).Options, cfg.weighting.get("options"), "weighting.options")
 
     @classmethod
@@ -65,8 +82,10 @@ class Weighting(nn.Module):
         """Config errors specific to this method (each one names the key and the fix)."""
         return []
 
-    def begin_step(self, step: int) -> None:
-        """Called once before the step's forward passes."""
+    def begin_step(self, step: int, present: list[str] | None = None) -> None:
+        """Called once before the step's forward passes, with the tasks the step holds (None: all of them).
+        A subclass that overrides it calls ``super().begin_step(step, present)``."""
+        self.present = list(self.tasks) if present is None else [t for t in self.tasks if t in present]
 
     def weigh(self, task: str, loss: torch.Tensor) -> torch.Tensor:
         """The term whose backward pass the step runs for ``task``."""
@@ -76,11 +95,16 @@ class Weighting(nn.Module):
         """The current per-task loss weights (for the step and for logging)."""
         return {t: 1.0 for t in self.tasks}
 
+    def step_weights(self) -> dict[str, float]:
+        """``weights()`` of the step's present tasks only (what the trainer logs; an absent task is left out)."""
+        w = self.weights()
+        return {t: w[t] for t in self.present if t in w}
+
     def end_step(self, losses: dict[str, float]) -> None:
-        """Called after the step with each task's loss averaged over ranks (identical on every rank)."""
+        """Called after the step with each present task's loss averaged over ranks (identical on every rank)."""
 
     def combine(self, grads: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-        """Gradient-level methods: (K, P) rank-averaged task gradients -> (P,) update direction."""
+        """Gradient-level methods: (K', P) rank-averaged gradients of the present tasks -> (P,) update direction."""
         raise NotImplementedError(f"{self.name} is a loss-level method")
 
     @classmethod
@@ -88,6 +112,36 @@ class Weighting(nn.Module):
         """A gradient-level method that needs only the K x K Gram matrix (``weights_for_gram``), not the rows of G.
         Only such a method works with ``weighting.source: features``, which never forms the rows' update."""
         return False
+
+    # ddp.engine=fsdp2 (``task_grads`` on sharded gradients, mtl/strategies/task_grads.py): each rank holds only its
+    # columns of G. A Gram-only method runs as it is (the Gram matrix is one K x K all-reduce of the shards' local
+    # products). A method that needs the rows runs only if its update is exact column by column: it overrides
+    # ``combine_shard`` (and ``finish_shard``). Any other gradient-level method says why not here.
+    fsdp2_refusal: str | None = None
+
+    def combine_shard(self, rows: Tensor, index: Tensor, total: int) -> tuple[Tensor, Tensor]:
+        """FSDP2: this rank's columns of the update from its columns ``rows`` (K, n) of G, whose positions in the
+        full (K, P) matrix are ``index`` (n,) of ``total`` = P. Returns (the (n,) columns of the update, a (J,)
+        vector of partial sums that the strategy sums over the ranks, in the same collective as the Gram matrix,
+        and hands to ``finish_shard``). Called only where ``shards_exactly()``."""
+        raise NotImplementedError(f"{self.name} does not combine per shard")
+
+    def finish_shard(self, sums: Tensor, gram: Tensor) -> None:
+        """FSDP2: after ``combine_shard``, the partial sums summed over the ranks and the global Gram matrix (to
+        record what ``weights()`` reports)."""
+
+    @classmethod
+    def shards_exactly(cls) -> bool:
+        """A method whose update FSDP2 ranks can form on their own columns of G, exactly (see ``combine_shard``)."""
+        return cls.combine_shard is not Weighting.combine_shard
+
+    @classmethod
+    def fsdp2_problem(cls) -> str | None:
+        """Why this method cannot run under ``ddp.engine=fsdp2``, or None."""
+        if cls.level != "grad" or cls.gram_only() or cls.shards_exactly():
+            return None
+        return cls.fsdp2_refusal or ("it needs the rows of G whole (it overrides combine), and under FSDP2 each rank "
+                                     "holds only its columns of them")
 
 
 def gram_matrix(grads: Tensor) -> Tensor:
@@ -113,6 +167,36 @@ def gram_numpy(gram: Tensor) -> np.ndarray | None:
 def like_gram(x, gram: Tensor) -> Tensor:
     """A solver's numpy result as a tensor with the Gram matrix's dtype and device."""
     return torch.as_tensor(np.asarray(x, dtype=np.float64), dtype=gram.dtype, device=gram.device)
+
+
+def simplex_part(state: Tensor, tasks: list[str], present: list[str]) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """A method whose state is a point of the simplex over the tasks (MoDo's lambda, SDMGrad's w), on a step
+    that holds ``present``: (index, the present tasks' part renormalised to sum 1, that part's mass). With every
+    task present: (None, ``state`` itself, None). ``put_simplex_part`` writes the new part back at the same mass,
+    so the absent tasks' shares do not move and the method over K tasks of which only S appear is the method
+    over S."""
+    if len(present) == len(tasks):
+        return None, state, None
+    idx = torch.tensor([tasks.index(t) for t in present], device=state.device)
+    part = state[idx]
+    mass = part.sum()
+    return idx, part / mass, mass
+
+
+def put_simplex_part(state: Tensor, idx: Tensor | None, new: Tensor, mass: Tensor | None) -> None:
+    """Write ``new`` (a point of the present tasks' simplex) back into ``state`` (see ``simplex_part``)."""
+    if idx is None:
+        state.copy_(new.to(state))
+    else:
+        state[idx] = new.to(state) * mass
+
+
+def check_present(method: Weighting, rows: int) -> None:
+    """A step that named a subset of the tasks gave one row per present task (else the caller's rows are not the
+    present tasks'). Without a subset the rows are not checked against the tasks (direct calls, tools)."""
+    if len(method.present) < len(method.tasks) and rows != len(method.present):
+        raise ValueError(f"{method.name}: {rows} task gradient rows for the {len(method.present)} present tasks "
+                         f"{method.present}; call begin_step(step, present) with the step's tasks first")
 
 
 class GramWeighting(Weighting):
@@ -142,15 +226,16 @@ class GramWeighting(Weighting):
     def __init__(self, cfg, tasks: list[str]):
         super().__init__(cfg, tasks)
         self._alpha: Tensor | None = None
+        self._alpha_tasks: list[str] = list(self.tasks)
 
     def weigh(self, task: str, loss: Tensor) -> Tensor:
         return loss  # the combination happens on the gradients
 
     def weights(self) -> dict[str, float]:
-        """Coefficients of the last combination (d = sum_t w_t g_t); 1.0 before the first one."""
+        """Coefficients of the last combination (d = sum_t w_t g_t) of the tasks it combined; 1.0 before the first."""
         if self._alpha is None:
             return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.tasks, self._alpha.tolist()))
+        return dict(zip(self._alpha_tasks, self._alpha.tolist()))
 
     def weights_from_gram(self, gram: Tensor, losses: Tensor | None, dtype: torch.dtype) -> Tensor:
         """(K, K) float64 Gram matrix -> (K,) weights w of the update ``w^T G``."""
@@ -159,8 +244,10 @@ class GramWeighting(Weighting):
     @torch.no_grad()
     def weights_for_gram(self, gram: Tensor, losses: Tensor | None = None,
                          dtype: torch.dtype = torch.float32) -> Tensor:
-        """The method's weights for ``gram``, recorded for ``weights()``."""
+        """The method's weights for ``gram`` (K' x K', the present tasks), recorded for ``weights()``."""
+        check_present(self, gram.shape[0])
         self._alpha = self.weights_from_gram(gram, losses, dtype)
+        self._alpha_tasks = list(self.present)
         return self._alpha
 
     @classmethod

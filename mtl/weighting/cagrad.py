@@ -140,6 +140,7 @@ class CAGradOptions:
 
 class CAGrad(GramWeighting):
     name = "cagrad"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = CAGradOptions
 
     @classmethod

@@ -69,6 +69,7 @@ def config(grads: Tensor, losses: Tensor | None = None) -> Tensor:
 
 class ConFIG(GramWeighting):
     name = "config"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
 
     def weights_from_gram(self, gram, losses, dtype):
         return config_weights(gram, default_rtol(gram.shape[0], dtype))

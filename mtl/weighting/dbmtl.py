@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import Weighting, check_present
 from mtl.weighting.checks import option_range_errors
 
 DBMTL_EPS = 1e-8
@@ -61,9 +61,18 @@ class DBMTLOptions:
     sigma: float = 0.0  # the rate at step k is beta / k^sigma (LibMTL's DB_beta_sigma; 0: constant)
 
 
+# Multi-input steps that hold only some tasks S: the update is over S alone (the largest norm among S), only
+# h_S moves, and each task counts its own updates for beta_k (h_t(0) = 0 for a task not yet seen, which gives
+# the same first average as a fresh start); so DB-MTL over K tasks of which only S appear is DB-MTL over S.
+
+
 class DBMTL(Weighting):
     name = "dbmtl"
+    updates_from_present_tasks = True  # only the present tasks' averages and step counts move
     level = "grad"
+    fsdp2_refusal = ("its K x P average h is kept between steps; under FSDP2 it would be sharded with G, one part "
+                     "per rank, and the checkpoint holds a weighting's state as one full copy from rank 0 (and its "
+                     "norms need the rank-averaged losses first: a second collective)")
     Options = DBMTLOptions
 
     @classmethod
@@ -73,34 +82,59 @@ class DBMTL(Weighting):
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
-        self.updates = 0  # combinations so far (k - 1)
+        self.updates = [0] * len(self.tasks)  # per task: combinations that moved its average so far (k - 1)
         self.average: Tensor | None = None  # (K, P) h, created at the first combination
         self._factor: Tensor | None = None
+        self._factor_tasks: list[str] = list(self.tasks)
 
     def weigh(self, task, loss):
         return loss  # the combination happens on the gradients
 
     def weights(self):
-        return dict(zip(self.tasks, [1.0] * len(self.tasks) if self._factor is None else self._factor.tolist()))
+        if self._factor is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self._factor_tasks, self._factor.tolist()))
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
         if losses is None:
             raise ValueError("dbmtl needs the task losses (the gradient of log L_t is g_t / L_t)")
+        check_present(self, grads.shape[0])
         work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
-        beta = self.options.beta / (self.updates + 1) ** self.options.sigma
-        prev = None if self.average is None else self.average.to(device=work.device, dtype=work.dtype)
+        idx = [self.tasks.index(t) for t in self.present]
+        counts = {self.updates[i] for i in idx}
+        if len(counts) == 1:  # the usual case (always, with every task in every step): one scalar rate
+            beta = self.options.beta / (counts.pop() + 1) ** self.options.sigma
+        else:
+            beta = torch.tensor([self.options.beta / (self.updates[i] + 1) ** self.options.sigma for i in idx],
+                                device=work.device, dtype=work.dtype)[:, None]
+        if self.average is None:
+            prev = None
+        elif len(idx) == len(self.tasks):
+            prev = self.average.to(device=work.device, dtype=work.dtype)
+        else:  # a task not yet seen has h = 0, whose average is the fresh start's
+            prev = self.average[idx].to(device=work.device, dtype=work.dtype)
         new = dbmtl_average(prev, work, losses.to(work.device), beta)
         ok = bool(torch.isfinite(new).all())
         if ok:  # a skipped step must not poison the average
-            self.average, self.updates = new, self.updates + 1
+            if len(idx) == len(self.tasks):
+                self.average = new
+            else:
+                if self.average is None:
+                    self.average = torch.zeros(len(self.tasks), new.shape[1], dtype=new.dtype, device=new.device)
+                self.average[idx] = new.to(self.average)
+            for i in idx:
+                self.updates[i] += 1
         scales = dbmtl_scales(new)
-        self._factor = scales * (1.0 - beta) / losses.to(work.device, work.dtype).clamp_min(DBMTL_EPS)
+        rate = 1.0 - beta if isinstance(beta, float) else (1.0 - beta[:, 0])
+        self._factor = scales * rate / losses.to(work.device, work.dtype).clamp_min(DBMTL_EPS)
+        self._factor_tasks = list(self.present)
         return (scales @ new).to(grads.dtype)
 
     def get_extra_state(self):
-        return {"updates": self.updates, "average": self.average}
+        return {"updates": list(self.updates), "average": self.average}
 
     def set_extra_state(self, state):
-        self.updates = int(state["updates"])
+        u = state["updates"]
+        self.updates = [int(u)] * len(self.tasks) if isinstance(u, int) else [int(x) for x in u]  # an int: before
         self.average = state["average"]

@@ -49,6 +49,7 @@ def dualproj(grads: Tensor, losses: Tensor | None = None) -> Tensor:
 
 class DualProj(GramWeighting):
     name = "dualproj"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
 
     def weights_from_gram(self, gram, losses, dtype):
         return dualproj_weights(gram)

@@ -10,6 +10,12 @@ every rank). The paper and LibMTL use epoch-average losses (k = epoch); per-step
 but are noisier (the ratio of two single-batch losses). The last two loss vectors are kept in
 ``state_dict()`` (extra state), so a resumed run continues with the same weights. A non-positive
 previous loss is clamped at 1e-12 and the ratio at ``DWA_MAX_RATIO`` so the softmax stays finite.
+
+Multi-input steps that leave tasks out (docs/multi-input.md): ``end_step`` gets the present tasks' losses only,
+and each task keeps its own last two losses, moved on only by the steps that hold it, so r_t is the ratio of its
+last two observations and an absent task's state does not change. A step's weights are DWA over its present
+tasks S (``begin_step(step, present)``): ``w_S = K' softmax(r_S / T)``, w = 1 until every task of S has two
+observations; so DWA over K tasks of which only S appear is DWA over S.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class DWAOptions:
 class DWA(Weighting):
     name = "dwa"
     Options = DWAOptions
+    updates_from_present_tasks = True  # end_step may get a subset of the tasks (multi-input, mtl/multi_input_check.py)
 
     @classmethod
     def check(cls, cfg):
@@ -48,14 +55,26 @@ class DWA(Weighting):
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
-        self.history: list[list[float]] = []  # the last two steps' rank-averaged losses, oldest first
+        # per task, its second-to-last and last rank-averaged loss (None: not yet seen)
+        self.prev: list[float | None] = [None] * len(self.tasks)
+        self.last: list[float | None] = [None] * len(self.tasks)
         self._w = {t: 1.0 for t in self.tasks}
 
+    @property
+    def history(self) -> list[list]:
+        """The last two loss vectors, oldest first (fewer at the start)."""
+        return [row for row in (self.prev, self.last) if any(x is not None for x in row)]
+
     def _refresh(self):
-        if len(self.history) < 2:
-            self._w = {t: 1.0 for t in self.tasks}
-        else:
-            self._w = dict(zip(self.tasks, dwa_weights(self.history[-1], self.history[-2], self.options.T)))
+        idx = [self.tasks.index(t) for t in self.present]
+        self._w = {t: 1.0 for t in self.tasks}
+        if all(self.prev[i] is not None and self.last[i] is not None for i in idx):
+            w = dwa_weights([self.last[i] for i in idx], [self.prev[i] for i in idx], self.options.T)
+            self._w.update(zip(self.present, w))
+
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
+        self._refresh()
 
     def weigh(self, task, loss):
         return loss * self._w[task]
@@ -64,12 +83,17 @@ class DWA(Weighting):
         return dict(self._w)
 
     def end_step(self, losses):
-        self.history = (self.history + [[float(losses[t]) for t in self.tasks]])[-2:]
+        for i, t in enumerate(self.tasks):
+            if t in losses:  # a task the step did not hold keeps its state
+                self.prev[i], self.last[i] = self.last[i], float(losses[t])
         self._refresh()
 
     def get_extra_state(self):
         return {"history": [list(h) for h in self.history]}
 
     def set_extra_state(self, state):
-        self.history = [list(map(float, h)) for h in state["history"]]
+        rows = [[None if x is None else float(x) for x in h] for h in state["history"]]
+        empty = [None] * len(self.tasks)
+        self.prev, self.last = ([empty, *rows][-2:] if rows else [empty, empty])
+        self.prev, self.last = list(self.prev), list(self.last)
         self._refresh()

@@ -21,6 +21,11 @@ memory again as the task-gradient matrix G) and is part of ``state_dict()`` (ext
 checkpoints grow by K x P numbers; a K x P update per step, no solver. ``weights()`` reports w. Degenerate
 input: a task whose first e is 0 (a zero gradient) keeps its normaliser at 1e-12 (its later e are
 compared against that floor); non-finite rows leave S and w unchanged (the trainer skips the step).
+
+Multi-input steps that hold only some tasks S: d = sum_{t in S} w_t g_t over their rows; only S_t of the present
+tasks accumulate; a task's first step records its own e(1) (NaN until then) and keeps its weight; the tasks of S
+seen before move by the update above, and w_S is renormalised to keep its sum (all K keep summing to K). So
+ExcessMTL over K tasks of which only S appear is ExcessMTL over S, and an absent task's state does not move.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting, apply_weights
+from mtl.weighting.base import Weighting, apply_weights, check_present
 from mtl.weighting.checks import option_range_errors
 
 EXCESS_EPS = 1e-7  # inside the square root of the accumulated squares, as the authors' code
@@ -57,7 +62,10 @@ class ExcessMTLOptions:
 
 class ExcessMTL(Weighting):
     name = "excessmtl"
+    updates_from_present_tasks = True  # only the present tasks' accumulators, normalisers and weights move
     level = "grad"
+    fsdp2_refusal = ("its K x P accumulator S is kept between steps; under FSDP2 it would be sharded with G, one part "
+                     "per rank, and the checkpoint holds a weighting's state as one full copy from rank 0")
     Options = ExcessMTLOptions
 
     @classmethod
@@ -74,10 +82,15 @@ class ExcessMTL(Weighting):
         return loss  # the combination happens on the gradients
 
     def weights(self):
-        return dict(zip(self.tasks, self.task_weights.tolist()))
+        idx = [self.tasks.index(t) for t in self.present]
+        return dict(zip(self.present, self.task_weights[idx].tolist()))
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
+        check_present(self, grads.shape[0])
+        idx = [self.tasks.index(t) for t in self.present]
+        if len(idx) < len(self.tasks):
+            return self._combine_present(grads, idx)
         work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
         prev = None if self.accum is None else self.accum.to(device=work.device, dtype=work.dtype)
         accum = work * work if prev is None else prev + work * work
@@ -86,11 +99,44 @@ class ExcessMTL(Weighting):
             self.accum = accum
             if self.normaliser is None:
                 self.normaliser = risks.clamp_min(EXCESS_MIN_NORMALISER)
+            elif bool(torch.isnan(self.normaliser).any()):  # some task not yet seen (multi-input)
+                self._move(list(range(len(self.tasks))), risks)
             else:
                 w = excess_update(self.task_weights, risks.to(self.task_weights.device),
                                   self.normaliser.to(self.task_weights.device), self.options.eta)
                 self.task_weights.copy_(w)
         return apply_weights(self.task_weights, grads)
+
+    @torch.no_grad()
+    def _combine_present(self, grads: Tensor, idx: list[int]) -> Tensor:
+        """A step that holds the tasks ``idx`` only (see the module docstring)."""
+        work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
+        k = len(self.tasks)
+        accum = work * work if self.accum is None else \
+            self.accum[idx].to(device=work.device, dtype=work.dtype) + work * work  # an unseen task's row is 0
+        risks = excess_risks(accum, work).double()
+        if bool(torch.isfinite(accum).all()):
+            if self.accum is None:
+                self.accum = torch.zeros(k, work.shape[1], dtype=work.dtype, device=work.device)
+            self.accum[idx] = accum.to(self.accum)
+            if self.normaliser is None:
+                self.normaliser = torch.full((k,), float("nan"), dtype=torch.float64, device=risks.device)
+            self._move(idx, risks)
+        return apply_weights(self.task_weights[idx], grads)
+
+    def _move(self, idx: list[int], risks: Tensor) -> None:
+        """Record e(1) of the tasks of ``idx`` not yet seen; move the others' weights; keep the sum of w[idx]."""
+        dev = self.task_weights.device
+        norm = self.normaliser.to(dev)
+        part, risks = norm[idx], risks.to(dev)
+        seen = ~torch.isnan(part)
+        if bool(seen.any()):
+            w = self.task_weights[idx] * torch.where(seen, torch.exp(self.options.eta * risks / part), 1.0)
+            rest = [i for i in range(len(self.tasks)) if i not in idx]
+            total = len(self.tasks) - (float(self.task_weights[rest].sum()) if rest else 0)
+            self.task_weights[idx] = w * (total / w.sum())
+        norm[idx] = torch.where(seen, part, risks.clamp_min(EXCESS_MIN_NORMALISER))
+        self.normaliser = norm
 
     def get_extra_state(self):
         return {"accum": self.accum, "normaliser": self.normaliser}

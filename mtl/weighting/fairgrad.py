@@ -126,6 +126,7 @@ class FairGradOptions:
 
 class FairGrad(GramWeighting):
     name = "fairgrad"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = FairGradOptions
 
     @classmethod

@@ -28,6 +28,15 @@ communication.
 State: xi and the Adam moments are buffers (not nn.Parameters: the model's optimizer must not touch
 xi), the Adam step count and the previous losses are extra state; all are in ``state_dict()``.
 ``weights()`` reports z (the paper's task weights; the loss multiplier is c z_t / L_t).
+
+Steps that hold only some tasks S (multi-input, docs/multi-input.md), defined so that FAMO over K tasks of which
+only S ever appear is FAMO over S: the step's weights are ``z_S = softmax(xi_S)`` and ``c = (sum_{i in S} z_i /
+L_i^prev)^-1``, where L_i^prev is task i's loss at the last step that held it (c = 1 while a task of S has none).
+After the step, the update runs over U, the tasks of S observed before: ``delta_i = log L_i^prev - log L_i`` for i
+in U (its loss now against its last observation, however many steps ago), the direction ``J_softmax(xi_U)^T
+delta_U + gamma xi_U``, and one Adam step on xi_U with per-task step counts (each task's moments and bias
+correction move only in the steps that update it). An absent task's logit, moments, step count and last loss do
+not change. With every task in every step this is the update above, exactly. ``weights()`` reports z_S.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ class FAMOOptions:
 class FAMO(Weighting):
     name = "famo"
     Options = FAMOOptions
+    updates_from_present_tasks = True  # the present tasks' softmax and update only (module docstring)
 
     @classmethod
     def check(cls, cfg):
@@ -78,56 +88,67 @@ class FAMO(Weighting):
         self.register_buffer("logits", torch.zeros(k))
         self.register_buffer("adam_m", torch.zeros(k))
         self.register_buffer("adam_v", torch.zeros(k))
-        self.adam_t = 0
-        self.prev_losses: list[float] | None = None
+        self.adam_t = [0] * k  # per task: the Adam steps that moved its logit
+        self.prev_losses: list[float | None] = [None] * k  # per task: its loss at the last step that held it
         self._index = {t: i for i, t in enumerate(self.tasks)}
-        self._coef: torch.Tensor | None = None
+        self._coef: dict[str, torch.Tensor] | None = None
 
-    def _coefficients(self) -> torch.Tensor:
-        """c * z, the coefficient of log(L_t + eps) in each term (cached until xi or c changes)."""
-        if self._coef is None or self._coef.device != self.logits.device:
-            z = torch.softmax(self.logits, dim=0)
-            if self.prev_losses is None:
+    def _coefficients(self) -> dict[str, torch.Tensor]:
+        """c * z_S per present task, the coefficient of log(L_t + eps) in its term (cached for the step)."""
+        if self._coef is None or next(iter(self._coef.values())).device != self.logits.device:
+            idx = [self._index[t] for t in self.present]
+            z = torch.softmax(self.logits[idx], dim=0)
+            prev = [self.prev_losses[i] for i in idx]
+            if any(x is None for x in prev):
                 c = torch.ones((), device=z.device)
             else:
-                c = famo_scale(z, torch.tensor(self.prev_losses, device=z.device, dtype=z.dtype))
-            self._coef = (c * z).detach()
+                c = famo_scale(z, torch.tensor(prev, device=z.device, dtype=z.dtype))
+            self._coef = dict(zip(self.present, (c * z).detach()))
         return self._coef
 
-    def begin_step(self, step):
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
         self._coef = None
 
     def weigh(self, task, loss):
-        coef = self._coefficients()[self._index[task]]
+        coef = self._coefficients()[task]
         # the gradient of coef * log(L_global): the rank's loss over the rank-averaged value (see gls.py)
         return coef * loss / (all_reduce_mean(loss.detach()) + FAMO_EPS)
 
     def weights(self):
-        return dict(zip(self.tasks, torch.softmax(self.logits, dim=0).tolist()))
+        """z over the present tasks (every task outside a step)."""
+        idx = [self._index[t] for t in self.present]
+        return dict(zip(self.present, torch.softmax(self.logits[idx], dim=0).tolist()))
 
     @torch.no_grad()
     def end_step(self, losses):
-        current = [float(losses[t]) for t in self.tasks]
-        if self.prev_losses is not None:
+        seen = [t for t in self.tasks if t in losses]
+        upd = [self._index[t] for t in seen if self.prev_losses[self._index[t]] is not None]
+        if upd:
             dev = self.logits.device
-            before = torch.tensor(self.prev_losses, device=dev)
-            after = torch.tensor(current, device=dev)
+            before = torch.tensor([self.prev_losses[i] for i in upd], device=dev)
+            after = torch.tensor([float(losses[self.tasks[i]]) for i in upd], device=dev)
             delta = torch.log(before + FAMO_EPS) - torch.log(after + FAMO_EPS)
-            g = famo_logit_grad(self.logits, delta) + self.options.gamma * self.logits
+            xi = self.logits[upd]
+            g = famo_logit_grad(xi, delta) + self.options.gamma * xi
             b1, b2 = _BETAS
-            self.adam_t += 1
-            self.adam_m.mul_(b1).add_(g, alpha=1 - b1)
-            self.adam_v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            m_hat = self.adam_m / (1 - b1**self.adam_t)
-            v_hat = self.adam_v / (1 - b2**self.adam_t)
-            self.logits.sub_(self.options.lr * m_hat / (v_hat.sqrt() + _ADAM_EPS))
-        self.prev_losses = current
+            for i in upd:
+                self.adam_t[i] += 1
+            m = self.adam_m[upd] * b1 + (1 - b1) * g
+            v = self.adam_v[upd] * b2 + (1 - b2) * g * g
+            self.adam_m[upd], self.adam_v[upd] = m, v
+            m_hat = m / torch.tensor([1 - b1 ** self.adam_t[i] for i in upd], device=dev, dtype=xi.dtype)
+            v_hat = v / torch.tensor([1 - b2 ** self.adam_t[i] for i in upd], device=dev, dtype=xi.dtype)
+            self.logits[upd] = xi - self.options.lr * m_hat / (v_hat.sqrt() + _ADAM_EPS)
+        for t in seen:
+            self.prev_losses[self._index[t]] = float(losses[t])
         self._coef = None
 
     def get_extra_state(self):
-        return {"adam_t": self.adam_t, "prev_losses": self.prev_losses}
+        return {"adam_t": list(self.adam_t), "prev_losses": list(self.prev_losses)}
 
     def set_extra_state(self, state):
-        self.adam_t = int(state["adam_t"])
-        self.prev_losses = None if state["prev_losses"] is None else [float(x) for x in state["prev_losses"]]
+        k, t, prev = len(self.tasks), state["adam_t"], state["prev_losses"]
+        self.adam_t = [int(t)] * k if isinstance(t, int) else [int(x) for x in t]  # an int: before per-task counts
+        self.prev_losses = [None] * k if prev is None else [None if x is None else float(x) for x in prev]
         self._coef = None

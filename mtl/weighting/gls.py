@@ -19,7 +19,8 @@ follows ``grad L / (K L)`` for L the *global* batch's loss, the gradient of log 
 exactly as one process on the global batch (a per-rank log L_r would average grad L_r / L_r instead: a
 different step for every world size). The term's value is 1/K (times L_r / Lbar on a rank), not
 log L. The divisor is clamped at ``GLS_EPS`` (a zero loss gives a finite term). ``weights()`` reports
-the coefficient of log L_t, 1/K. Stateless.
+the coefficient of log L_t, 1/K. Stateless. A step that holds only some tasks (multi-input) takes the
+geometric mean of the present ones: K is their number, K'.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class GLS(Weighting):
         # divided by the rank-averaged value (one scalar all-reduce), so that DDP's average of the
         # ranks' gradients is grad(L_global) / (K L_global), as in one process on the global batch.
         # log(L_r) per rank would average grad(L_r) / L_r instead: a different, world-size-dependent step.
-        return loss / (len(self.tasks) * all_reduce_mean(loss.detach()).clamp_min(GLS_EPS))
+        return loss / (len(self.present) * all_reduce_mean(loss.detach()).clamp_min(GLS_EPS))
 
     def weights(self):
-        return {t: 1.0 / len(self.tasks) for t in self.tasks}
+        return {t: 1.0 / len(self.present) for t in self.present}

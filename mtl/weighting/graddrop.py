@@ -24,6 +24,9 @@ batch); here it acts on the coordinates of the shared parameters' gradients, the
 so it is not a function of the Gram matrix: it subclasses ``Weighting`` and overrides ``combine``, and
 a gradient source that offers only the Gram matrix cannot run it.
 
+FSDP2 (``ddp.engine=fsdp2``): each rank holds only its columns of G, and GradDrop is exact column by column,
+so each rank combines its own columns (``combine_shard``; tested against one process in tests/test_fsdp.py).
+
 Randomness: U is drawn from a ``torch.Generator`` on the rows' device seeded with ``stream_seed(seed,
 step, "graddrop")``; the rows are already averaged over ranks, so every rank draws the same U and
 computes the same d, and a resumed run repeats the draws (the step comes from ``begin_step``).
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting, step_generator
+from mtl.weighting.base import Weighting, check_present, step_generator
 from mtl.weighting.checks import option_range_errors
 
 
@@ -61,14 +64,25 @@ def graddrop_mask(grads: Tensor, uniform: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def graddrop(grads: Tensor, uniform: Tensor, leak: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(K, P) task gradients and (P,) uniform draws -> ((P,) direction, (K,) kept fraction of each squared norm)."""
+def graddrop_parts(grads: Tensor, uniform: Tensor, leak: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(K, P) task gradients and (P,) uniform draws -> ((P,) direction, (K,) kept . g, (K,) g . g). Every output
+    is column by column (the direction) or a sum over columns (the other two): any set of columns gives its part."""
     g = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
     factor = leak + (1.0 - leak) * graddrop_mask(g, uniform.to(g.dtype)).to(g.dtype)
     kept = factor * g
-    sq = (g * g).sum(1)
-    fraction = torch.where(sq > 0, (kept * g).sum(1) / torch.where(sq > 0, sq, 1.0), 1.0)
-    return kept.sum(0).to(grads.dtype), fraction
+    return kept.sum(0).to(grads.dtype), (kept * g).sum(1), (g * g).sum(1)
+
+
+def kept_fraction(kept_dot: Tensor, sq: Tensor) -> Tensor:
+    """(K,) the fraction of each task's squared norm kept (1 for a zero row)."""
+    return torch.where(sq > 0, kept_dot / torch.where(sq > 0, sq, 1.0), 1.0)
+
+
+@torch.no_grad()
+def graddrop(grads: Tensor, uniform: Tensor, leak: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(K, P) task gradients and (P,) uniform draws -> ((P,) direction, (K,) kept fraction of each squared norm)."""
+    d, kept_dot, sq = graddrop_parts(grads, uniform, leak)
+    return d, kept_fraction(kept_dot, sq)
 
 
 @dataclass
@@ -80,6 +94,7 @@ class GradDrop(Weighting):
     name = "graddrop"
     level = "grad"
     Options = GradDropOptions
+    updates_from_present_tasks = True  # no state but the step's draws: the rows of the present tasks (base.py)
 
     @classmethod
     def check(cls, cfg):
@@ -90,8 +105,10 @@ class GradDrop(Weighting):
         self.seed = int(cfg.seed)
         self.step = 0
         self._kept: Tensor | None = None
+        self._kept_tasks: list[str] = list(self.tasks)
 
-    def begin_step(self, step):
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
         self.step = int(step)
 
     def weigh(self, task, loss):
@@ -99,7 +116,9 @@ class GradDrop(Weighting):
 
     def weights(self):
         """The fraction of each task's squared gradient norm kept at the last step (1.0 before the first)."""
-        return dict(zip(self.tasks, [1.0] * len(self.tasks) if self._kept is None else self._kept.tolist()))
+        if self._kept is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self._kept_tasks, self._kept.tolist()))
 
     def uniform(self, n: int, device) -> Tensor:
         """This step's (n,) uniform draws, the same on every rank."""
@@ -108,6 +127,20 @@ class GradDrop(Weighting):
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
+        check_present(self, grads.shape[0])
         d, kept = graddrop(grads, self.uniform(grads.shape[1], grads.device), self.options.leak)
-        self._kept = kept
+        self._kept, self._kept_tasks = kept, list(self.present)
         return d
+
+    @torch.no_grad()
+    def combine_shard(self, rows, index, total):
+        """FSDP2: exact per shard. The mask at coordinate p reads only column p of G and U_p, so this rank's
+        columns of d are ``graddrop`` of its columns of G with U's entries at the same coordinates (all P draws
+        are made, as in ``combine``, and indexed: the same U as one process). The kept fractions are sums over
+        columns: each rank's part of kept . g is summed over the ranks (partial sums), g . g is the Gram diagonal."""
+        uniform = self.uniform(total, rows.device)[index.to(rows.device)]
+        d, kept_dot, _ = graddrop_parts(rows, uniform, self.options.leak)
+        return d, kept_dot
+
+    def finish_shard(self, sums, gram):
+        self._kept = kept_fraction(sums.to(gram.dtype), gram.diagonal())

@@ -22,7 +22,15 @@ ratios lag the gradients by one step (this keeps w identical on every rank whate
 caller passes to ``combine``); before the first ``end_step`` w is not updated. Steps with non-finite
 norms do not update w (the trainer skips them).
 
-w, the Adam moments and the Adam step count are buffers; L(0) and the latest losses are extra state:
+Steps that hold only some tasks S (multi-input, docs/multi-input.md), defined so that GradNorm over K tasks of
+which only S ever appear is GradNorm over S: the update is ``sum_{t in S} w_t g_t`` over the K' rows of S; then
+only w_S moves, by the rule above over S alone (means over S; L_t(0) is task t's first observed loss and L_t its
+latest, each from the steps that held it; no move until every task of S has both), one Adam step with per-task
+step counts, the clamp, and ``w_S <- w_S * (K - sum of the absent tasks' w) / sum(w_S)``, so every weight keeps
+its place and the sum of all K stays K. An absent task's weight, moments, step count and losses do not change.
+``weights()`` reports w of the present tasks.
+
+w, the Adam moments and the per-task Adam step counts are buffers; L(0) and the latest losses are extra state:
 all of it is in ``state_dict()``. w is not an nn.Parameter (it is not updated by the model's optimizer).
 """
 
@@ -62,10 +70,10 @@ def gradnorm_weight_grad(weights: Tensor, norms: Tensor, initial_losses: Tensor,
     return loss.detach(), grad
 
 
-def gradnorm_renormalize(weights: Tensor, min_weight: float = GRADNORM_MIN_WEIGHT) -> Tensor:
-    """Clamp at ``min_weight`` and rescale so that the weights sum to K."""
+def gradnorm_renormalize(weights: Tensor, min_weight: float = GRADNORM_MIN_WEIGHT, total=None) -> Tensor:
+    """Clamp at ``min_weight`` and rescale so that the weights sum to ``total`` (K by default)."""
     w = weights.clamp_min(min_weight)
-    return w * (w.numel() / w.sum())
+    return w * ((w.numel() if total is None else total) / w.sum())
 
 
 @torch.no_grad()
@@ -83,6 +91,7 @@ class GradNormOptions:
 class GradNorm(GramWeighting):
     name = "gradnorm"
     Options = GradNormOptions
+    updates_from_present_tasks = True  # only the present tasks' weights move (module docstring)
 
     @classmethod
     def check(cls, cfg):
@@ -95,51 +104,64 @@ class GradNorm(GramWeighting):
         self.register_buffer("task_weights", torch.ones(k))
         self.register_buffer("adam_m", torch.zeros(k))
         self.register_buffer("adam_v", torch.zeros(k))
-        self.register_buffer("adam_t", torch.zeros(()))
-        self.initial_losses: list[float] | None = None
-        self.last_losses: list[float] | None = None
+        self.register_buffer("adam_t", torch.zeros(k))  # per task
+        self.initial_losses: list[float | None] = [None] * k  # per task: its first observed loss
+        self.last_losses: list[float | None] = [None] * k  # per task: its latest observed loss
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "adam_t"
+        if key in state_dict and state_dict[key].dim() == 0:  # a checkpoint from before per-task step counts
+            state_dict[key] = state_dict[key].expand(len(self.tasks)).clone()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def weights(self):
-        """The task weights w of the next combination (d = sum_t w_t g_t)."""
-        return dict(zip(self.tasks, self.task_weights.tolist()))
+        """The task weights w of the next combination (d = sum_t w_t g_t), of the present tasks."""
+        idx = [self.tasks.index(t) for t in self.present]
+        return dict(zip(self.present, self.task_weights[idx].tolist()))
 
     def weights_from_gram(self, gram, losses, dtype):
-        """This step's w; then w moves using the norms ||g_t|| = sqrt(diag(gram))."""
-        out = self.task_weights.clone()
-        if self.initial_losses is not None and self.last_losses is not None:
-            self._update(gram.diagonal().clamp_min(0.0).sqrt().to(self.task_weights.dtype))
+        """This step's w_S; then w_S moves using the norms ||g_t|| = sqrt(diag(gram))."""
+        idx = [self.tasks.index(t) for t in self.present]
+        out = self.task_weights[idx].clone()
+        if all(self.initial_losses[i] is not None and self.last_losses[i] is not None for i in idx):
+            self._update(idx, gram.diagonal().clamp_min(0.0).sqrt().to(self.task_weights.dtype))
         return out
 
     @torch.no_grad()
-    def _update(self, norms: Tensor) -> None:
+    def _update(self, idx: list[int], norms: Tensor) -> None:
         dev = self.task_weights.device
         norms = norms.to(dev)
-        l0 = torch.tensor(self.initial_losses, device=dev).clamp_min(1e-12)
-        lt = torch.tensor(self.last_losses, device=dev).clamp_min(1e-12)
-        _, grad = gradnorm_weight_grad(self.task_weights, norms, l0, lt, self.options.alpha)
+        ix = torch.tensor(idx, device=dev, dtype=torch.long)
+        l0 = torch.tensor([self.initial_losses[i] for i in idx], device=dev).clamp_min(1e-12)
+        lt = torch.tensor([self.last_losses[i] for i in idx], device=dev).clamp_min(1e-12)
+        w0, m0, v0, t0 = (b[ix] for b in (self.task_weights, self.adam_m, self.adam_v, self.adam_t))
+        _, grad = gradnorm_weight_grad(w0, norms, l0, lt, self.options.alpha)
         ok = torch.isfinite(norms).all() & torch.isfinite(grad).all()  # no host sync: applied by torch.where
         grad = torch.where(ok, grad, 0.0)
         b1, b2 = _BETAS
-        t = self.adam_t + 1
-        m = b1 * self.adam_m + (1 - b1) * grad
-        v = b2 * self.adam_v + (1 - b2) * grad * grad
+        t = t0 + 1
+        m = b1 * m0 + (1 - b1) * grad
+        v = b2 * v0 + (1 - b2) * grad * grad
         step = self.options.lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + _EPS)
-        w = gradnorm_renormalize(self.task_weights - step)
-        self.task_weights.copy_(torch.where(ok, w, self.task_weights))
-        self.adam_m.copy_(torch.where(ok, m, self.adam_m))
-        self.adam_v.copy_(torch.where(ok, v, self.adam_v))
-        self.adam_t.copy_(torch.where(ok, t, self.adam_t))
+        rest = [i for i in range(len(self.tasks)) if i not in idx]
+        # all K keep summing to K (a host sync on subset steps only: a Python total, as K itself, rounds the same)
+        total = len(self.tasks) - (float(self.task_weights[rest].sum()) if rest else 0)
+        w = gradnorm_renormalize(w0 - step, total=total)
+        for buf, new, old in ((self.task_weights, w, w0), (self.adam_m, m, m0), (self.adam_v, v, v0),
+                              (self.adam_t, t, t0)):
+            buf[ix] = torch.where(ok, new, old)
 
     def end_step(self, losses):
-        values = [float(losses[t]) for t in self.tasks]
-        if self.initial_losses is None:
-            self.initial_losses = values
-        self.last_losses = values
+        for i, t in enumerate(self.tasks):
+            if t in losses:  # a task the step did not hold keeps its losses
+                if self.initial_losses[i] is None:
+                    self.initial_losses[i] = float(losses[t])
+                self.last_losses[i] = float(losses[t])
 
     def get_extra_state(self):
-        return {"initial_losses": self.initial_losses, "last_losses": self.last_losses}
+        return {"initial_losses": list(self.initial_losses), "last_losses": list(self.last_losses)}
 
     def set_extra_state(self, state):
-        self.initial_losses = state["initial_losses"]
-        self.last_losses = state["last_losses"]
-
+        k = len(self.tasks)
+        self.initial_losses = list(state["initial_losses"] or [None] * k)
+        self.last_losses = list(state["last_losses"] or [None] * k)

@@ -26,7 +26,7 @@ correction adds to ``C[i, j]``. Computed in float64 on the CPU (K x K). The upda
 Order: for K > 2 the order of the other tasks is drawn for every i from a ``torch.Generator`` seeded
 with ``stream_seed(seed, step, "gradvac")`` (the same on every rank, repeated on resume). State: the
 K x K targets, a buffer in ``state_dict()``; every rank sees the same rank-averaged rows and so keeps
-the same targets.
+the same targets. A step with some tasks only (multi-input) reads and moves the present pairs' targets only.
 
 Degenerate input: a pair with a zero row has no cosine: nothing is corrected and its target is left
 as it is; cosines are clipped to [-1, 1] against round-off, and a target of +-1 (reachable only with
@@ -108,6 +108,7 @@ class GradVacOptions:
 
 class GradVac(GramWeighting):
     name = "gradvac"
+    updates_from_present_tasks = True  # only the present pairs' targets are read and moved
     Options = GradVacOptions
 
     @classmethod
@@ -121,14 +122,19 @@ class GradVac(GramWeighting):
         self.seed = int(cfg.seed)
         self.step = 0
 
-    def begin_step(self, step):
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
         self.step = int(step)
 
     def weights_from_gram(self, gram, losses, dtype):
         k = gram.shape[0]
         gen = step_generator(self.seed, self.step, "gradvac") if k > 2 else None
-        w, new = gradvac_weights(gram, self.targets.detach().cpu().numpy(), self.options.beta, gen)
-        self.targets.copy_(torch.as_tensor(new, dtype=self.targets.dtype))
+        # a step with some tasks only: the targets of the present pairs, and only those move (base.py)
+        idx = torch.tensor([self.tasks.index(t) for t in self.present], dtype=torch.long)
+        targets = self.targets.detach().cpu()[idx][:, idx]
+        w, new = gradvac_weights(gram, targets.numpy(), self.options.beta, gen)
+        self.targets[idx.to(self.targets.device)[:, None], idx.to(self.targets.device)[None, :]] = \
+            torch.as_tensor(new, dtype=self.targets.dtype, device=self.targets.device)
         return w
 
     def get_extra_state(self):

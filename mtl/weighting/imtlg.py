@@ -71,6 +71,7 @@ def imtlg(grads: Tensor, losses: Tensor | None = None) -> Tensor:
 
 class IMTLG(GramWeighting):
     name = "imtlg"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
 
     def weights_from_gram(self, gram, losses, dtype):
         return imtlg_weights(gram, default_rcond(dtype))

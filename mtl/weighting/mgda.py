@@ -135,6 +135,7 @@ class MGDAOptions:
 
 class MGDA(GramWeighting):
     name = "mgda"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = MGDAOptions
 
     @classmethod

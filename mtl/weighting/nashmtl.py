@@ -22,6 +22,8 @@ Options (``weighting.options``, the authors' code's arguments):
 - ``update_every`` (1): solve for alpha only at steps that are multiples of it and reuse the last alpha in
   between (the authors' ``update_weights_every``; the paper's speed-up experiments solve every few steps).
   The reused alpha is kept in ``state_dict()`` (extra state), so a resumed run continues with it.
+  A step that holds only some tasks (multi-input) reuses it only if it holds the same tasks as the step that
+  solved it, and solves afresh otherwise; so Nash-MTL over K tasks of which only S appear is Nash-MTL over S.
 - ``max_norm`` (0: off): the authors' clip of the shared gradient's norm after the weighted backward
   (their code's default is 1.0): when ``||d|| = sqrt(alpha^T GG^T alpha)`` exceeds it, alpha is scaled down
   so that ||d|| = max_norm. It applies to the shared parameters' direction only; the trainer's
@@ -164,6 +166,7 @@ class NashMTLOptions:
 
 class NashMTL(GramWeighting):
     name = "nashmtl"
+    updates_from_present_tasks = True  # the alpha it reuses is re-solved when the step holds other tasks
     Options = NashMTLOptions
 
     @classmethod
@@ -175,19 +178,25 @@ class NashMTL(GramWeighting):
         super().__init__(cfg, tasks)
         self.step = 0
         self.cached: list[float] | None = None  # the last solved alpha (reused while step % update_every != 0)
+        self.cached_tasks: list[str] | None = None  # the tasks it was solved for (multi-input: maybe a subset)
 
-    def begin_step(self, step):
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
         self.step = int(step)
 
     def weights_from_gram(self, gram, losses, dtype):
-        if self.cached is None or len(self.cached) != gram.shape[0] or self.step % self.options.update_every == 0:
+        if self.cached is None or len(self.cached) != gram.shape[0] or self.cached_tasks != self.present \
+                or self.step % self.options.update_every == 0:
             self.cached = nashmtl_weights(gram, exists_tol=default_exists_tol(dtype)).tolist()
+            self.cached_tasks = list(self.present)
         alpha = torch.tensor(self.cached, dtype=gram.dtype, device=gram.device)
         return clip_weights(alpha, gram, self.options.max_norm)
 
     def get_extra_state(self):
-        return {"step": self.step, "cached": self.cached}
+        return {"step": self.step, "cached": self.cached, "cached_tasks": self.cached_tasks}
 
     def set_extra_state(self, state):
         self.step = int(state["step"])
         self.cached = None if state["cached"] is None else [float(x) for x in state["cached"]]
+        # a checkpoint from before multi-input kept the alpha of every task
+        self.cached_tasks = state.get("cached_tasks", None if self.cached is None else list(self.tasks))

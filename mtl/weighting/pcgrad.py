@@ -76,6 +76,7 @@ class PCGradOptions:
 
 class PCGrad(GramWeighting):
     name = "pcgrad"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = PCGradOptions
 
     @classmethod
@@ -87,7 +88,8 @@ class PCGrad(GramWeighting):
         self.seed = int(cfg.seed)
         self.step = 0
 
-    def begin_step(self, step):
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
         self.step = int(step)
 
     def weights_from_gram(self, gram, losses, dtype):

@@ -8,7 +8,8 @@ At every step the loss weights are drawn afresh::
 has sum K). The draw happens once per step, in ``begin_step(step)``, from a ``torch.Generator``
 seeded with ``stream_seed(cfg.seed, step, "rlw")`` (a hash of the three): every rank draws the same weights with
 no communication, the weights do not depend on how many draws happened before, and a resumed run
-repeats them exactly. The seed and the current step are kept in ``state_dict()`` (extra state).
+repeats them exactly. The seed and the current step are kept in ``state_dict()`` (extra state). A step that
+holds only some tasks (multi-input) draws K' weights for its present tasks (RLW over them).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ class RLW(Weighting):
         self.seed = int(cfg.seed)
         self.begin_step(0)
 
-    def begin_step(self, step):
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
         self.step = int(step)
-        self._w = dict(zip(self.tasks, rlw_weights(self.seed, self.step, len(self.tasks))))
+        self._w = dict(zip(self.present, rlw_weights(self.seed, self.step, len(self.present))))
 
     def weigh(self, task, loss):
         return loss * self._w[task]

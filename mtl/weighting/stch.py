@@ -26,6 +26,11 @@ all-reduce per task, as ``gls``), so 2 processes equal 1 process on the global b
 ``nadir_steps`` = 20. State (extra state, all in ``state_dict()``): the step count, the nadir (or the
 running sum while it is measured) and the previous losses. ``weights()`` reports the coefficient of
 log L_t (1 during the warm-up). Losses at or below 1e-20 are clamped (the authors add 1e-20 in the log).
+
+Multi-input steps that hold only some tasks S: each task counts its own steps (the steps that held it), so its
+warm-up, its nadir window and its previous loss are its own; a step's weights are K' softmax over S of its
+tasks' previous losses against their nadirs once every task of S has finished its warm-up (1 before). So STCH
+over K tasks of which only S appear is STCH over S, and an absent task's state does not move.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class STCHOptions:
 
 class STCH(Weighting):
     name = "stch"
+    updates_from_present_tasks = True  # per-task warm-up, nadir and previous loss (module docstring)
     Options = STCHOptions
 
     @classmethod
@@ -73,18 +79,23 @@ class STCH(Weighting):
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
-        self.steps = 0  # finished steps (end_step calls)
+        self.steps = [0] * len(self.tasks)  # per task: finished steps that held it (end_step calls)
         self.nadir_sum = [0.0] * len(self.tasks)
-        self.prev: list[float] | None = None
+        self.prev: list[float | None] | None = None  # per task: its loss at the last step that held it
         self._index = {t: i for i, t in enumerate(self.tasks)}
         self._w = [1.0] * len(self.tasks)
 
     def _refresh(self):
-        o = self.options
-        if self.steps <= o.warmup_steps or self.prev is None:
-            self._w = [1.0] * len(self.tasks)
-        else:
-            self._w = stch_weights(self.prev, self.nadir(), o.mu)
+        o, idx = self.options, [self._index[t] for t in self.present]
+        self._w = [1.0] * len(self.tasks)
+        if self.prev is not None and all(self.steps[i] > o.warmup_steps and self.prev[i] is not None for i in idx):
+            nadir = self.nadir()
+            for i, w in zip(idx, stch_weights([self.prev[i] for i in idx], [nadir[i] for i in idx], o.mu)):
+                self._w[i] = w
+
+    def begin_step(self, step, present=None):
+        super().begin_step(step, present)
+        self._refresh()
 
     def nadir(self) -> list[float]:
         return [s / self.options.nadir_steps for s in self.nadir_sum]
@@ -94,22 +105,27 @@ class STCH(Weighting):
         return self._w[self._index[task]] * loss / all_reduce_mean(loss.detach()).clamp_min(STCH_EPS)
 
     def weights(self):
-        return dict(zip(self.tasks, self._w))
+        return {t: self._w[self._index[t]] for t in self.present}
 
     def end_step(self, losses):
-        current = [float(losses[t]) for t in self.tasks]
-        self.steps += 1
         o = self.options
-        if o.warmup_steps - o.nadir_steps < self.steps <= o.warmup_steps:
-            self.nadir_sum = [s + v for s, v in zip(self.nadir_sum, current)]
-        self.prev = current
+        if self.prev is None:
+            self.prev = [None] * len(self.tasks)
+        for i, t in enumerate(self.tasks):
+            if t not in losses:  # a task the step did not hold keeps its state
+                continue
+            self.steps[i] += 1
+            if o.warmup_steps - o.nadir_steps < self.steps[i] <= o.warmup_steps:
+                self.nadir_sum[i] += float(losses[t])
+            self.prev[i] = float(losses[t])
         self._refresh()
 
     def get_extra_state(self):
-        return {"steps": self.steps, "nadir_sum": list(self.nadir_sum), "prev": self.prev}
+        return {"steps": list(self.steps), "nadir_sum": list(self.nadir_sum), "prev": self.prev}
 
     def set_extra_state(self, state):
-        self.steps = int(state["steps"])
+        s = state["steps"]
+        self.steps = [int(s)] * len(self.tasks) if isinstance(s, int) else [int(x) for x in s]  # an int: before
         self.nadir_sum = [float(x) for x in state["nadir_sum"]]
-        self.prev = None if state["prev"] is None else [float(x) for x in state["prev"]]
+        self.prev = None if state["prev"] is None else [None if x is None else float(x) for x in state["prev"]]
         self._refresh()

@@ -78,6 +78,7 @@ def upgrad(grads: Tensor, losses: Tensor | None = None) -> Tensor:
 
 class UPGrad(GramWeighting):
     name = "upgrad"
+    updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
 
     def weights_from_gram(self, gram, losses, dtype):
         return upgrad_weights(gram)

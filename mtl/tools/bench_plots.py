@@ -1,0 +1,101 @@
+"""The weighting benchmark's plots (one folder per regime): validation metrics against the step (where a reader
+sees the plateau) and against wall time, the loss weights, and the gradient cosine between tasks."""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+
+def write_plots(cfg, specs: list, data: dict[str, list], out: str, methods: list[str]) -> list[str]:
+    """PNGs into ``out`` from ``data`` (label -> the finished runs' ``read_run`` dicts; baselines as single_<task>)
+    for the metrics ``specs`` of the regime's config ``cfg``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out, exist_ok=True)
+    labels = [m for m in methods if m in data]
+    cmap = plt.get_cmap("tab20")
+    colour = {m: cmap(i % 20) for i, m in enumerate(labels + [f"single_{t}" for t in cfg.tasks])}
+    paths = []
+
+    def mean_curve(runs_, key, x="step"):
+        steps = sorted({e["step"] for d in runs_ for e in d["evals"] if e.get(key) is not None})
+        xs, ys = [], []
+        for s in steps:
+            vals = [(e[key], e["time"] - d["t0"]) for d in runs_ for e in d["evals"] if e["step"] == s and e.get(key)
+                    is not None]
+            if vals:
+                ys.append(statistics.mean(v for v, _ in vals))
+                xs.append(s if x == "step" else statistics.mean(t for _, t in vals))
+        return xs, ys
+
+    for x, unit in (("step", "optimizer step"), ("wall", "wall time since start (s)")):
+        fig, axes = plt.subplots(1, len(specs), figsize=(5 * len(specs), 4), squeeze=False)
+        axes = axes[0]
+        for ax, (key, task, _) in zip(axes, specs):
+            for m in labels + [f"single_{task}"]:
+                if m in data:
+                    xs, ys = mean_curve(data[m], key, x)
+                    ax.plot(xs, ys, label=m, color=colour[m], ls="--" if m.startswith("single") else "-")
+            ax.set_xlabel(unit)
+            ax.set_ylabel(f"validation {key} (0-1, mean over seeds)")
+            ax.set_title(key)
+        axes[-1].legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = os.path.join(out, f"metrics_vs_{x}.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+
+    def train_curve(runs_, key):
+        by_step: dict[int, list] = {}
+        for d in runs_:
+            for r in d["train"]:
+                if r.get(key) is not None:
+                    by_step.setdefault(r["step"], []).append(r[key])
+        xs = sorted(by_step)
+        return xs, [statistics.mean(by_step[s]) for s in xs]
+
+    tasks = list(cfg.tasks)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+    axes = axes[0]
+    for ax, t in zip(axes, tasks):
+        for m in labels:
+            xs, ys = train_curve(data[m], f"weight_{t}")
+            ax.plot(xs, ys, label=m, color=colour[m])
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"loss weight of {t} (mean over seeds)")
+        ax.set_title(f"weight_{t}")
+    axes[-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = os.path.join(out, "task_weights.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    paths.append(path)
+
+    pairs = [(a, b) for i, a in enumerate(tasks) for b in tasks[i + 1:]]
+    if pairs:  # one panel per pair of tasks
+        fig, axes = plt.subplots(1, len(pairs), figsize=(7 * len(pairs), 4), squeeze=False)
+        for ax, (a, b) in zip(axes[0], pairs):
+            for m in labels:
+                for key, what in ((f"grad_cos/{a}_{b}", "shared parameters"), (f"feat_grad_cos/{a}_{b}", "features")):
+                    xs, ys = train_curve(data[m], key)
+                    if xs:
+                        ax.plot(xs, ys, label=f"{m} ({what})", color=colour[m], ls="-" if what.startswith("shared")
+                                else ":")
+            ax.axhline(0, color="grey", lw=0.5)
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(f"cosine(grad {a}, grad {b})")
+            ax.set_title(f"gradient conflict {a} / {b} (mean over seeds)")
+            ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        path = os.path.join(out, "gradient_cosine.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+

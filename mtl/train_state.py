@@ -1,0 +1,109 @@
+"""The model and optimizer state of a checkpoint, sharded: ``torch.distributed.checkpoint`` (DCP).
+
+``get_model_state_dict`` / ``get_optimizer_state_dict`` give each rank its part under either engine: under
+FSDP2 its DTensor shards, under DDP (and in one process) the full tensors, which DCP writes once (deduplicated
+over the ranks). Every rank writes its own file (``state/__<rank>_0.distcp``) and rank 0 the index
+(``state/.metadata``): one writer per rank; under FSDP2 no rank gathers the whole optimizer state.
+
+DCP stores every tensor with its global shape and each shard's offset, so a load can fill any layout: a
+checkpoint written by W processes under one engine loads into W' processes under the other (2 -> 1, 1 -> 2,
+DDP <-> FSDP2); each rank reads the parts it needs. Optimizer state is keyed by parameter name
+(``model.backbone...``, ``weighting...``), never by position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import warnings
+
+from torch import nn
+
+MODEL, OPTIM = "model", "optim"
+
+
+def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
+    from mtl.fsdp import _Owner  # the modules whose parameters the optimizer holds, for parameter names
+
+    return _Owner(model, weighting)
+
+
+def _no_dist() -> bool:
+    import torch.distributed as tdist
+
+    return not (tdist.is_available() and tdist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that it 'assumes a single process' in every 1-process save and load: that is what it should do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def sharded_state(model: nn.Module, weighting: nn.Module, optimizer) -> dict:
+    """This rank's part of the model and optimizer state (tensors shared with the live ones: no copy). An
+    optimizer that has not stepped yet is saved with no per-parameter state, as it is (DCP's getter would
+    otherwise fill it in with a zero-learning-rate step, which is not the state of this run)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    fresh = not optimizer.state
+    optim = get_optimizer_state_dict(_owner(model, weighting), optimizer)
+    if fresh:
+        optimizer.state.clear()
+        optim["state"] = {}
+    return {MODEL: get_model_state_dict(model), OPTIM: optim}
+
+
+def write_sharded(folder: str, state: dict) -> None:
+    """Collective: every rank writes its part of ``state`` into ``folder``. A failed write on any rank is an
+    OSError on every rank (DCP gathers the failures), naming the file where DCP says which."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
+    try:
+        with _quiet():
+            dcp.save(state, storage_writer=writer, no_dist=_no_dist())
+    except CheckpointException as e:
+        for _, (exc, _tb) in sorted(e.failures.items()):
+            if isinstance(exc, OSError):
+                if exc.filename is None:
+                    exc.filename = folder
+                raise exc from None
+        raise OSError(errno.EIO, f"torch.distributed.checkpoint failed: {e}", folder) from None
+
+
+def saved_keys(folder: str) -> set[str]:
+    """The flattened keys in a DCP folder's index (``optim.state.<parameter>.<name>`` ...)."""
+    import torch.distributed.checkpoint as dcp
+
+    return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+
+
+def load_sharded(folder: str, model: nn.Module, weighting: nn.Module, optimizer) -> None:
+    """Collective: fill the model and optimizer from ``folder``, whatever world size and engine wrote it.
+
+    The live state is the template DCP fills (each rank's shards, or the full tensors); a parameter the saved
+    optimizer holds no state for (it had not stepped) gets none here either, as in the run that saved it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    keys = saved_keys(folder)
+    owner = _owner(model, weighting)
+    # a fresh optimizer's template: DCP's getter fills in its per-parameter state (a zero-learning-rate step)
+    state = {MODEL: get_model_state_dict(model), OPTIM: get_optimizer_state_dict(owner, optimizer)}
+    stepped = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in keys if k.startswith(f"{OPTIM}.state.")}
+    state[OPTIM]["state"] = {p: v for p, v in state[OPTIM]["state"].items() if p in stepped}
+    with _quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=_no_dist())
+    set_model_state_dict(model, state[MODEL])
+    # strict=False: a parameter without saved state (it had not stepped) is left without state, not refused
+    set_optimizer_state_dict(owner, optimizer, state[OPTIM], options=StateDictOptions(strict=False))

@@ -1,0 +1,231 @@
+"""Multi-input mode, in-process and quick: the config section and its refusals, the per-task data sets, the
+per-task samplers (and their resume), and the step plan every rank derives alone (the same global rows at 1 and
+2 processes). The DDP proofs are in tests/test_multi_input_ddp.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mtl.config_check import load_run_config
+from mtl.data.multi_input import MultiInputStream, TaskSampler, build_task_datasets, step_tasks
+from mtl.errors import ConfigError
+from mtl.tasks import task_types
+
+from .conftest import ROOT
+
+MI = os.path.join(ROOT, "configs", "multi_input.yaml")
+
+
+def errors_of(overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_run_config(MI, overrides)
+    return str(e.value)
+
+
+def test_the_shipped_config_loads_and_fills_every_tasks_section():
+    cfg = load_run_config(MI)
+    assert set(cfg.data.per_task) == {"cls", "gen"}
+    assert cfg.data.per_task.gen.on_error == "raise" and cfg.data.per_task.cls.ratio == 1.0  # defaults filled in
+
+
+# each group is one config load: every error is reported at once
+REFUSALS = [
+    (["data.per_task.gne.source=synthetic", "data.per_task.gen.batch_sise=3", "data.sampling.policy=round_robn",
+      "data.per_task.cls.source=imagefoldr", "data.per_task.gen.on_error=skip", "data.per_task.gen.source=manifest"],
+     ["data.per_task.gne: 'gne' is not a task of this run — did you mean 'gen'?",
+      "did you mean 'data.per_task.gen.batch_size'?", "did you mean 'round_robin'?", "did you mean 'imagefolder'?",
+      "data.per_task.gen: source=manifest needs train_path and val_path"]),
+    (["tasks=[cls,gen,count]", "data.sampling.policy=mixed", "data.batch_size=1"],
+     ["add data.per_task.count", "sampling.policy=mixed puts every task in every step"]),
+    (["data.sampling.policy=round_robin", "ddp.strategy=task_grads", "weighting.method=moco"],
+     ["weighting.method: moco is not supported with data.sampling.policy=round_robin",
+      "it tracks each task's gradient and lambda over every task with step-indexed rates"]),
+    (["data.sampling.policy=temperature", "ddp.strategy=combined"],
+     ["ddp.strategy: combined builds DDP"]),
+    (["data.sampling.policy=weighted", "ddp.strategy=detach"],
+     ["ddp.strategy: detach builds DDP with find_unused_parameters=false",
+      "Use ddp.strategy=find_unused, accumulate, placeholder, feature_leaf or task_grads"]),
+]
+
+# with tasks absent from whole steps: the strategies that give the absent heads a zero gradient, and the methods
+# that weigh or combine the present tasks only (tests/test_absent_tasks.py, tests/test_multi_input_ddp.py)
+ALLOWED = [
+    ["data.sampling.policy=round_robin", "ddp.strategy=feature_leaf"],
+    ["data.sampling.policy=round_robin", "ddp.strategy=feature_leaf", "weighting.source=features",
+     "weighting.method=mgda"],
+    ["data.sampling.policy=weighted", "ddp.strategy=task_grads", "weighting.method=gradnorm"],
+    ["data.sampling.policy=temperature", "ddp.strategy=find_unused", "weighting.method=famo"],
+]
+
+
+@pytest.mark.parametrize("overrides", ALLOWED)
+def test_what_copes_with_absent_tasks_is_allowed(overrides):
+    load_run_config(MI, overrides)
+
+
+@pytest.mark.parametrize("overrides, says", REFUSALS)
+def test_a_bad_multi_input_config_is_refused_naming_the_key_and_the_fix(overrides, says):
+    text = errors_of(overrides)
+    for line in says:
+        assert line in text
+
+
+def test_sampling_without_per_task_data_is_refused():
+    from .conftest import TINY
+
+    with pytest.raises(ConfigError, match="applies to multi-input mode only"):
+        load_run_config(TINY, ["data.sampling.policy=mixed"])
+
+
+def test_the_combinations_that_cope_with_absent_tasks_are_accepted():
+    cfg = load_run_config(MI, ["data.sampling.policy=round_robin", "ddp.strategy=find_unused"])
+    from mtl.multi_input_check import check
+    from mtl.strategies import strategy_types
+    from mtl.weighting import weighting_types
+
+    for policy, strategy, method, fu in [("round_robin", "find_unused", "equal", None),
+                                         ("weighted", "accumulate", "uw", None),
+                                         ("temperature", "placeholder", "gls", None),
+                                         ("round_robin", "combined", "rlw", True),
+                                         ("mixed", "task_grads", "pcgrad", None), ("mixed", "feature_leaf", "famo", None),
+                                         ("round_robin", "find_unused", "dwa", None)]:
+        cfg.data.sampling.policy, cfg.ddp.find_unused_parameters = policy, fu
+        assert check(cfg, strategy_types()[strategy], weighting_types()[method]) == [], (policy, strategy, method)
+
+
+def test_the_synthetic_per_task_sets_are_disjoint_labelled_only_and_captioned_only():
+    cfg = load_run_config(MI, ["data.per_task.cls.train_size=8", "data.per_task.gen.train_size=8"])
+    types = task_types()
+    sets = build_task_datasets(cfg, {t: types[t] for t in cfg.tasks})
+    cls, gen = sets["cls"][0], sets["gen"][0]
+    assert set(cls[0]) == {"image", "index", "label"} and set(gen[0]) == {"image", "index", "captions"}
+    assert not any(torch.equal(cls[i]["image"], gen[j]["image"]) for i in range(8) for j in range(8))
+    assert not torch.equal(sets["cls"][1][0]["image"], cls[0]["image"])  # val is another stream too
+    again = build_task_datasets(cfg, {t: types[t] for t in cfg.tasks})  # deterministic by seed
+    assert torch.equal(again["gen"][0][3]["image"], gen[3]["image"])
+
+
+def test_a_task_sampler_runs_epochs_and_resumes_from_its_state():
+    s = TaskSampler(10, seed=0, task="gen")
+    first = [s.take(4) for _ in range(2)]
+    assert {e for _, e in first} == {0} and len(set(first[0][0] + first[1][0])) == 8
+    state = s.state_dict()
+    later = [s.take(4) for _ in range(5)]
+    assert later[0][1] == 1  # 2 left < 4: a new epoch, in a new order
+    r = TaskSampler(10, seed=0, task="gen")
+    r.load_state_dict(state)
+    assert [r.take(4) for _ in range(5)] == later
+    assert TaskSampler(10, seed=0, task="cls").take(4) != TaskSampler(10, seed=0, task="gen").take(4)
+
+
+class _Items(torch.utils.data.Dataset):
+    """Items that are only their index (no rendering): enough to check which rows a rank gets."""
+
+    def __init__(self, n, field):
+        self.n, self.field = n, field
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        i = key[0]
+        return {"image": torch.full((1, 1, 1), float(i)), "index": i, self.field: i}
+
+
+def _collate(records):
+    out = {k: torch.tensor([r[k] for r in records]) for k in records[0] if k != "image"}
+    return {**out, "image": torch.stack([r["image"] for r in records])}
+
+
+def _rows(batch):
+    return {t: sorted(batch["index"][slice(*sub["rows"])].tolist()) for t, sub in batch["multi_input"].items()}
+
+
+POLICIES = ["all", "round_robin", "weighted", "temperature", "mixed"]
+
+
+def test_two_ranks_together_hold_exactly_the_single_process_rows_every_step():
+    base = load_run_config(MI, ["ddp.strategy=find_unused", "data.per_task.gen.ratio=0.3",
+                                "data.per_task.cls.batch_size=3", "data.per_task.gen.batch_size=2",
+                                "data.batch_size=4"])
+    for policy in POLICIES:
+        _check_policy(base, policy)
+
+
+def _check_policy(base, policy):
+    cfg = base.copy()
+    cfg.data.sampling.policy = policy
+    one = cfg.copy()
+    one.data.batch_size, one.data.per_task.cls.batch_size, one.data.per_task.gen.batch_size = 8, 6, 4
+    sets = {"cls": _Items(20, "label"), "gen": _Items(13, "captions")}
+    collates = {"cls": _collate, "gen": _collate}
+    single = MultiInputStream(one, sets, collates, 0, 1)
+    ranks = [MultiInputStream(cfg, sets, collates, r, 2) for r in range(2)]
+    uneven = False
+    for step in range(12):
+        s, b0, b1 = single.next_batch(step), ranks[0].next_batch(step), ranks[1].next_batch(step)
+        assert s["multi_input"].keys() == b0["multi_input"].keys() == b1["multi_input"].keys()  # agreed, no comm
+        for t, rows in _rows(s).items():
+            assert sorted(_rows(b0)[t] + _rows(b1)[t]) == rows
+            n = [b["multi_input"][t]["rows"][1] - b["multi_input"][t]["rows"][0] for b in (b0, b1)]
+            assert all(b["multi_input"][t]["global_rows"] == len(rows) for b in (s, b0, b1))
+            uneven |= n[0] != n[1] and 0 in n
+        assert b0["image"].shape[0] == sum(len(v) for v in _rows(b0).values())
+    assert single.state_dict() == ranks[0].state_dict() == ranks[1].state_dict()
+    if policy == "mixed":
+        assert uneven  # a task absent on one rank only, in some step
+    if policy == "round_robin":
+        assert [list(dict.fromkeys(step_tasks(single.plan, k, 2))) for k in range(3)] == [["cls"], ["gen"], ["cls"]]
+
+
+def test_an_absent_task_gets_a_zero_loss_through_its_head_and_the_features():
+    from mtl.models.multitask import MultiTaskModel
+
+    backbone = torch.nn.Conv2d(1, 2, 1)
+    heads = {"a": torch.nn.Linear(2, 1), "b": torch.nn.Linear(2, 1)}
+
+    class Head(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, f, batch):
+            return self.lin(f.mean((2, 3))).mean()
+
+    model = MultiTaskModel(backbone, {k: Head(v) for k, v in heads.items()})
+    batch = {"image": torch.randn(3, 1, 2, 2), "multi_input": {
+        "a": {"rows": (0, 3), "global_rows": 4, "world": 2}, "b": {"rows": (3, 3), "global_rows": 2, "world": 2}}}
+    out = model(batch, feature_leaf=True)
+    assert float(out["losses"]["b"].detach()) == 0.0
+    out["losses"]["b"].backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.heads["b"].parameters())
+    assert out["leaf"].grad is not None and not out["leaf"].grad.any()
+    plain = model.heads["a"](model.backbone(batch["image"]), {})  # local mean over its 3 rows
+    assert torch.allclose(out["losses"]["a"], plain * 3 * 2 / 4)  # a share of the mean over the 4 global rows
+
+
+def test_dwa_moves_each_tasks_history_on_only_in_the_steps_that_hold_it():
+    from mtl.weighting.dwa import dwa_weights
+
+    from .conftest import TINY
+
+    cfg = load_run_config(TINY, ["weighting.method=dwa"])
+    from mtl.build import build_weighting
+
+    w = build_weighting(cfg)
+    for losses in ({"cls": 1.0}, {"gen": 2.0}, {"cls": 0.5}):
+        w.end_step(losses)
+        assert w.weights() == {"cls": 1.0, "gen": 1.0}  # gen has one observation
+    state = w.state_dict()
+    w.end_step({"cls": 0.25})  # gen absent again: its (single) observation stays
+    assert w.last[1] == 2.0 and w.prev[1] is None
+    w.end_step({"gen": 1.0})  # now every task has two: cls 0.5 -> 0.25, gen 2.0 -> 1.0
+    assert list(w.weights().values()) == dwa_weights([0.25, 1.0], [0.5, 2.0], cfg.weighting.options.T)
+    again = build_weighting(cfg)
+    again.load_state_dict(state)  # resumes mid-way with the same per-task histories
+    again.end_step({"cls": 0.25})
+    again.end_step({"gen": 1.0})
+    assert again.weights() == w.weights()
