@@ -170,18 +170,25 @@ def test_gradnorm_subset_update_by_hand():
     assert m.adam_t.tolist() == [2.0, 0.0, 2.0]
 
 
-def test_dwa_on_the_present_tasks_is_dwa_on_those_tasks_alone():
-    sub, alone = make("dwa", tasks=ALL), make("dwa", tasks=PRESENT)
+def run_beside_alone(name: str, steps: int, losses_at, options=None):
+    """A loss-level method over ALL with only PRESENT in each step, beside the same method over PRESENT alone:
+    their step weights must agree at every step, and must move (else the comparison shows nothing)."""
+    sub, alone = make(name, tasks=ALL, options=options), make(name, tasks=PRESENT, options=options)
     seen = []
-    for step in range(4):
-        losses = {t: 1.0 / (step + 1) + 0.3 * i * step for i, t in enumerate(PRESENT)}
+    for step in range(steps):
+        losses = losses_at(step)
         sub.begin_step(step, PRESENT)
         alone.begin_step(step)
         assert sub.step_weights() == pytest.approx(alone.step_weights(), rel=1e-12)
         seen.append(sub.step_weights())
         sub.end_step(losses)
         alone.end_step(losses)
-    assert seen[-1] != pytest.approx(seen[0])  # the weights did move from 1
+    assert seen[-1] != pytest.approx(seen[0])
+    return sub
+
+
+def test_dwa_on_the_present_tasks_is_dwa_on_those_tasks_alone():
+    sub = run_beside_alone("dwa", 4, lambda step: {t: 1.0 / (step + 1) + 0.3 * i * step for i, t in enumerate(PRESENT)})
     assert sub.prev[ALL.index("b")] is None and sub.last[ALL.index("b")] is None
 
 
@@ -258,17 +265,7 @@ def test_dbmtl_keeps_an_absent_tasks_average_and_count():
 
 
 def test_stch_on_the_present_tasks_is_stch_on_those_tasks_alone():
-    opts = {"warmup_steps": 2, "nadir_steps": 1}
-    sub, alone = make("stch", tasks=ALL, options=opts), make("stch", tasks=PRESENT, options=opts)
-    seen = []
-    for step in range(6):
-        losses = {t: 2.0 / (step + 1) ** (0.3 + 0.5 * i) for i, t in enumerate(PRESENT)}
-        sub.begin_step(step, PRESENT)
-        alone.begin_step(step)
-        assert sub.step_weights() == pytest.approx(alone.step_weights(), rel=1e-12)
-        seen.append(sub.step_weights())
-        sub.end_step(losses)
-        alone.end_step(losses)
-    assert seen[-1] != pytest.approx(seen[0])  # past the warm-up: the weights moved
+    sub = run_beside_alone("stch", 6, lambda step: {t: 2.0 / (step + 1) ** (0.3 + 0.5 * i) for i, t in enumerate(PRESENT)},
+                           options={"warmup_steps": 2, "nadir_steps": 1})  # past the warm-up: the weights move
     b = ALL.index("b")
     assert sub.steps[b] == 0 and sub.prev[b] is None and sub.nadir_sum[b] == 0.0
