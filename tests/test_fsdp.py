@@ -514,15 +514,15 @@ def test_the_model_file_gathered_on_rank_0_round_trips_with_the_tied_weight(runs
     """model.safetensors of the per-block-sharded run is the full state gathered at the save, bitwise, with the tied
     weight under both keys, and loads into a fresh unsharded model (as mtl.inference and init_from do), where the
     weight is tied again."""
-    from mtl.build import load_model_weights, read_model_weights
+    from mtl.build import read_model_weights
+    from mtl.inference import load_model
 
     r = runs["rank0"]["resume"]
     state = read_model_weights(r["file"], "test")
     assert state.keys() == r["at_save"].keys() and all(torch.equal(state[k], r["at_save"][k]) for k in state)
     lm = "heads.gen.decoder.lm."
     assert torch.equal(state[lm + "lm_head.weight"], state[lm + "transformer.wte.weight"])
-    model = _tiny_model(*RESUME_DECODER)
-    load_model_weights(model, state, "test", "")
+    model = load_model(os.path.dirname(r["file"])).model  # the checkpoint folder, as mtl.inference reads it
     assert model.heads["gen"].decoder.lm.lm_head.weight is model.heads["gen"].decoder.lm.transformer.wte.weight
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
@@ -705,3 +705,20 @@ def test_a_head_whose_shard_units_split_a_tied_weight_is_refused():
     with pytest.raises(ValueError, match=r"heads.gen.decoder.lm.transformer.wte.weight is tied to a parameter of "
                                          r"the shard unit decoder.lm.lm_head"):
         shard_units(model)
+
+
+def test_gathered_now_counts_each_units_own_parameters_once():
+    """``mtl.fsdp.gathered_now`` (the memory tool's and the block test's probe): on a model that is not sharded every
+    unit holds its full parameters; each unit counts only its own (an inner unit's are its own), the tied weight
+    once, and together they are the whole model."""
+    from mtl.fsdp import gathered_now, shard_units
+
+    model = _tiny_model("model.decoder.n_layer=2")
+    units = [*shard_units(model), ("", model)]
+    got = gathered_now(model, units)
+    head = model.heads["gen"]
+    block = sum(p.numel() * p.element_size() for p in head.decoder.lm.transformer.h[0].parameters())
+    assert got["heads.gen.decoder.lm.transformer.h.0"] == got["heads.gen.decoder.lm.transformer.h.1"] == block
+    assert got["heads.gen"] == sum(p.numel() * p.element_size() for p in head.parameters()) - 2 * block
+    assert "" not in got  # the root owns no parameter of its own
+    assert sum(got.values()) == sum(p.numel() * p.element_size() for p in model.parameters())
