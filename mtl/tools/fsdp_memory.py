@@ -32,7 +32,7 @@ def _bytes(tensors) -> int:
 
 
 def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = False) -> dict:
-    from mtl.fsdp import gathered_now, shard_units, watch_gathered
+    from mtl import fsdp  # fsdp.shard_units, looked up at the call: _heads_as_one_unit replaces it
     from mtl.trainer import Trainer
 
     with _heads_as_one_unit() if whole_heads else contextlib.nullcontext():
@@ -43,14 +43,14 @@ def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = 
             trainer.step_once()
         params = list(trainer.bare.parameters())
         state = [v for s in trainer.optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
-        units = shard_units(trainer.bare)
-        own = gathered_now(trainer.bare, [*units, ("", trainer.bare)]) if engine == "ddp" else {}
+        units = fsdp.shard_units(trainer.bare)
+        own = fsdp.gathered_now(trainer.bare, [*units, ("", trainer.bare)]) if engine == "ddp" else {}
         task_rows = getattr(trainer.parts.strategy, "_buf", None)  # task_grads: [K losses, K x P (or K x P / W)]
         out = {"params": _bytes(params), "grads": _bytes(p.grad for p in params), "optimizer": _bytes(state),
                "task_grads": _bytes([task_rows]), "units": [n for n, _ in units],
                "numel": sum(p.numel() for p in params)}
         if engine == "fsdp2":  # a third step, watched: the full parameters gathered at each module's passes
-            with watch_gathered(trainer.bare) as samples:
+            with fsdp.watch_gathered(trainer.bare) as samples:
                 trainer.step_once()
             out["peak"] = _peak(samples, "")
             out["peak_heads"] = {h: _peak(samples, f"heads.{h}.") for h in trainer.bare.heads}
