@@ -62,7 +62,8 @@ def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = 
 
 
 def _peak(samples, prefix: str) -> dict:
-    """The most bytes of full parameters gathered at once in the samples taken in modules named ``prefix``..."""
+    """The most bytes of full parameters gathered at once, over the samples taken in the modules whose names start
+    with ``prefix`` (all: ``""``), with the units gathered then and where."""
     best = {"bytes": 0, "units": [], "at": ""}
     for phase, name, units in samples:
         total = sum(units.values())
