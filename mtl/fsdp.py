@@ -1,4 +1,5 @@
-"""The FSDP2 engine (``ddp.engine: fsdp2``): ``fully_shard`` per backbone stage and per head, then the root.
+"""The FSDP2 engine (``ddp.engine: fsdp2``): ``fully_shard`` per backbone stage, per head and per unit a head
+declares (the caption decoder's transformer blocks), then the root.
 
 DDP (``ddp.engine: ddp``, the default) keeps a full copy of the parameters, gradients and optimizer
 state on every rank and all-reduces the gradients. FSDP2 (``torch.distributed.fsdp.fully_shard``,
@@ -90,10 +91,12 @@ def _has_params(m: nn.Module) -> bool:
 
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules sharded on their own, in forward order: each backbone stage, then each head; the root
-    comes last (``shard_model``). A backbone stage: each child of a ``Sequential`` child of the backbone
-    whose children are containers themselves (ResNet's layer1..layerN, a ``.features`` CNN's blocks); any
-    other child with parameters as a whole (ResNet's stem: conv, norm, relu, pool)."""
+    """The modules sharded on their own, in the order ``fully_shard`` wraps them (an inner unit before the unit
+    that holds it); the root comes last (``shard_model``). Backbone: each stage, in forward order. A stage: each
+    child of a ``Sequential`` child of the backbone whose children are containers themselves (ResNet's
+    layer1..layerN, a ``.features`` CNN's blocks); any other child with parameters as a whole (ResNet's stem:
+    conv, norm, relu, pool). Heads: for each head, the units it declares (``TaskHead.shard_units``: the caption
+    decoder's transformer blocks), then the head itself, which keeps the rest (the tied embedding / LM head)."""
     units = []
     for name, child in model.backbone.named_children():
         split = isinstance(child, nn.Sequential) and any(any(True for _ in c.children()) for c in child.children())
@@ -102,8 +105,72 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if _has_params(m):
                 units.append((f"backbone.{name}" + (f".{sub}" if sub else ""), m))
     for name, head in model.heads.items():
+        inner = head.shard_units()
+        _check_no_shared_parameters(name, head, inner)
+        units += [(f"heads.{name}.{sub}", m) for sub, m in inner]
         units.append((f"heads.{name}", head))
     return units
+
+
+def _check_no_shared_parameters(name: str, head: nn.Module, inner: list[tuple[str, nn.Module]]) -> None:
+    """A parameter lives in one FSDP2 unit: a tied weight (GPT-2's wte and LM head) split over two units would be
+    sharded twice and stop being one parameter. Refuse a head whose declared units share a parameter with each
+    other or with the rest of the head."""
+    owner = {}
+    for sub, m in inner:
+        for p in m.parameters():
+            if id(p) in owner:
+                raise ValueError(f"heads.{name}: the shard units {owner[id(p)]} and {sub} share a parameter")
+            owner[id(p)] = sub
+    inside = {id(p) for _, m in inner for p in m.parameters()}
+    for pname, p in head.named_parameters(remove_duplicate=False):
+        if id(p) in inside and not any(pname.startswith(f"{sub}.") for sub, _ in inner):
+            raise ValueError(f"heads.{name}.{pname} is tied to a parameter of the shard unit {owner[id(p)]}: "
+                             "keep tied weights in one unit (out of TaskHead.shard_units)")
+
+
+def gathered_now(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, int]:
+    """The units (of ``units``: ``shard_units(model)``, plus ``("", model)`` for the root) whose full parameters
+    exist right now, with their bytes. FSDP2 registers a unit's full (unsharded) parameters on its modules while it
+    is gathered and its DTensor shards otherwise, so a unit is gathered when its own parameters are plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    taken, out = set(), {}
+    for name, m in units:  # inner units come first: a unit's own parameters are what its inner units leave
+        own = [p for p in m.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        if own and not any(isinstance(p, DTensor) for p in own):
+            out[name] = sum(p.numel() * p.element_size() for p in own)
+    return out
+
+
+@contextlib.contextmanager
+def watch_gathered(model: nn.Module):
+    """Record, at every forward and every backward of each leaf module, which units are gathered (``gathered_now``):
+    yields a list that fills with (``"forward"`` or ``"backward"``, the module's name, {unit: bytes}). The backward
+    sample is taken when the gradient of the module's output arrives, before the module's own backward. For the
+    memory tool and the tests (it costs a walk over the parameters per sample)."""
+    units = [*shard_units(model), ("", model)]
+    samples, handles = [], []
+
+    def sample(phase, name):
+        samples.append((phase, name, gathered_now(model, units)))
+
+    def on_output(name):
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: sample("backward", name))
+        return hook
+
+    for name, m in model.named_modules():
+        if next(m.children(), None) is None and _has_params(m):
+            handles.append(m.register_forward_pre_hook(lambda module, args, name=name: sample("forward", name)))
+            handles.append(m.register_forward_hook(on_output(name)))
+    try:
+        yield samples
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def mixed_precision(precision: str):

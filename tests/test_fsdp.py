@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import os
 import time
@@ -138,6 +139,7 @@ def _resume_exactly(out_dir, world):
     checkpoint, 2 more. Returns whether the two ends are bitwise equal, and the checkpoint's model file keys."""
     from safetensors.torch import load_file
 
+    from mtl.fsdp import watch_gathered
     from mtl.trainer import Trainer
 
     torch.set_default_dtype(torch.float32)
@@ -145,27 +147,57 @@ def _resume_exactly(out_dir, world):
     # 33 validation images in batches of 8: rank 0 evaluates 3 batches, rank 1 2 (a collective per batch would hang)
     args = [f"output_dir={out_dir}/resume", f"data.batch_size={B}", "trainer.progress=false", "ddp.engine=fsdp2",
             "ddp.timeout_s=60", "optim.name=adamw", "checkpoint.every_steps=0", "data.synthetic.val_size=33",
-            "data.eval_batch_size=8", "trainer.eval_max_batches=0", "trainer.num_samples=0"]
+            "data.eval_batch_size=8", "trainer.eval_max_batches=0", "trainer.num_samples=0", *RESUME_DECODER]
     a = Trainer.from_config(TINY, args)
+    facts = [_sharding_facts(a)]
     a.step_once()
-    a.step_once()
+    with watch_gathered(a.bare) as gathered:
+        a.step_once()
     path = a.save()
+    at_save = _full_params(a)
     evaluated = a.run_eval()  # draws no training randomness: the run below stays bitwise comparable
     a.step_once()
     a.step_once()
     end_a = _full_params(a)
     replica = _replica_check_sees_a_buffer(a, world)
+    facts.append(_sharding_facts(a))
     a.close()
     b = Trainer.from_config(TINY, [*args, "resume=auto"])
     resumed_at = b.step
+    facts.append(_sharding_facts(b))
     b.step_once()
     b.step_once()
+    facts.append(_sharding_facts(b))
     end_b = _full_params(b)
     b.close()
     saved = load_file(os.path.join(path, "model.safetensors"))
     same = all(torch.equal(end_a[k], end_b[k]) for k in end_a) if end_a else None
     return {"resumed_at": resumed_at, "bitwise": same, "eval": evaluated, "replica": replica,
-            "keys": sorted(saved)}
+            "keys": sorted(saved), "file": os.path.join(path, "model.safetensors"), "at_save": at_save,
+            "facts": facts, "gathered": [(phase, name, sorted(units)) for phase, name, units in gathered]}
+
+
+RESUME_DECODER = ["model.decoder.n_layer=2"]  # two transformer blocks: two FSDP2 units inside the caption head
+
+
+def _sharding_facts(trainer) -> dict:
+    """How the caption decoder is sharded now: each transformer block its own ``fully_shard`` unit (FSDP2's state on
+    the block, its parameters DTensor shards between passes), and GPT-2's tied weight one parameter (``wte`` is the
+    LM head's), a DTensor of the head's own unit."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from mtl.fsdp import shard_units
+
+    decoder = trainer.bare.heads["gen"].decoder
+    blocks = [m for _, m in decoder.blocks()]
+    lm = decoder.lm
+    return {"units": [n for n, _ in shard_units(trainer.bare)],
+            "blocks_are_units": [isinstance(m, FSDPModule) and fully_shard.state(m) is not None for m in blocks],
+            "block_params_sharded": [all(isinstance(p, DTensor) for p in m.parameters()) for m in blocks],
+            "head_is_unit": isinstance(trainer.bare.heads["gen"], FSDPModule),
+            "tied": lm.lm_head.weight is lm.transformer.wte.weight,
+            "tied_sharded": isinstance(lm.lm_head.weight, DTensor)}
 
 
 def _fp16_overflow(out_dir) -> dict:
@@ -208,7 +240,7 @@ def _example_config(out_dir) -> dict:
     path = os.path.join(os.path.dirname(TINY), "fsdp2.yaml")
     torch.set_default_dtype(torch.float32)
     t = Trainer.from_config(path, [*cpu_overrides(path), *SMALL, *shrink(path), f"output_dir={out_dir}/example",
-                                   "ddp.timeout_s=60"])
+                                   "ddp.timeout_s=60", "model.decoder.n_layer=2"])
     steps = [t.step_once()]
     out = {"sharded": is_sharded(t.bare), "units": [n for n, _ in shard_units(t.bare)], "precision": t.cfg.precision,
            "backbone": t.cfg.model.backbone.name, "stepped": [r.stepped for r in steps],
@@ -376,20 +408,54 @@ def test_fsdp2_equals_ddp_on_the_same_run(runs, strategy, method):
         assert {"feat_grad_norm/cls", "feat_grad_norm/gen"} <= set(a["steps"][0]["stats"])
 
 
-# per step on tiny.yaml (3 backbone units: stem, layer1, layer2; 2 heads; U = 5). All-gathers: one per unit for
-# each forward through it and one for each backward, 2 (P * 3 + 2) with P backbone passes per step; feature_leaf
-# and detach gather one unit once more (measured: their head-only backward passes end before the backbone's, and
-# FSDP2 gathers the last backbone stage again for that pass; most likely its backward prefetch, resharded at
-# the end of the head pass). Reduce-scatters: one per unit per backward pass that reduces it.
-ALL_GATHERS = {"combined": 10, "feature_leaf": 11, "detach": 11, "accumulate": 16, "find_unused": 16}
+def _tiny_model(*overrides):
+    from mtl.build import build_model
+    from mtl.config_check import load_run_config
+    from mtl.data.tokenizer import train_tokenizer
+
+    return build_model(load_run_config(TINY, list(overrides)), 4, list("abcd"), train_tokenizer(["a b c"], 64))
+
+
+@functools.cache
+def tiny_units() -> tuple[int, int]:
+    """tiny.yaml's FSDP2 units (``mtl.fsdp.shard_units``): (backbone units, head units). Backbone: the stem, layer1,
+    layer2 (3). Heads: the classification head (one unit), and the caption head's units: one per transformer block
+    (tiny.yaml: 1) and the head itself, which keeps the embeddings (wte tied to the LM head), the final norm and the
+    memory projection (2): 3. U = 6."""
+    from mtl.fsdp import shard_units
+
+    names = [n for n, _ in shard_units(_tiny_model())]
+    return sum(n.startswith("backbone.") for n in names), sum(n.startswith("heads.") for n in names)
+
+
+def expected_counts() -> dict[str, tuple[int, int]]:
+    """Per step on tiny.yaml, (all-gathers, reduce-scatters) for each strategy, from the units (``tiny_units``):
+    with BK backbone units, H head units, U = BK + H and P backbone passes per step (2 for accumulate and
+    find_unused, one per task; 1 otherwise), FSDP2 all-gathers a unit once for each forward through it and once for
+    each backward, 2 (P BK + H); feature_leaf and detach gather one unit once more (measured: their head-only
+    backward passes end before the backbone's, and FSDP2 gathers the last backbone stage again for that pass; most
+    likely its backward prefetch, resharded at the end of the head pass). It reduce-scatters a unit once per
+    backward pass that reduces it: U, and P BK + H for find_unused (each task's pass reduces the backbone;
+    accumulate's no_sync passes reduce nothing, its last reduces each unit once)."""
+    bk, h = tiny_units()
+    u = bk + h
+    return {"combined": (2 * u, u), "feature_leaf": (2 * u + 1, u), "detach": (2 * u + 1, u),
+            "accumulate": (2 * (2 * bk + h), u), "find_unused": (2 * (2 * bk + h), 2 * bk + h)}
+
+
 # the DDP run's all-reduces beyond the small ones: its gradient bucket (tiny.yaml fits one), and for accumulate
 # (find_unused_parameters=True) the map of the parameters used in the step
 DDP_EXTRA = {"feature_leaf": 1, "accumulate": 2}
-REDUCE_SCATTERS = {"combined": 5, "feature_leaf": 5, "detach": 5, "accumulate": 5, "find_unused": 8}
 
 
-def test_the_counts_cover_every_supported_strategy():
-    assert set(ALL_GATHERS) == set(REDUCE_SCATTERS) == set(STRATEGIES)
+def test_the_counts_cover_every_supported_strategy_and_the_units_are_the_documented_ones():
+    assert set(expected_counts()) == set(STRATEGIES)
+    from mtl.fsdp import shard_units
+
+    assert [n for n, _ in shard_units(_tiny_model())] == [
+        "backbone.stem", "backbone.layers.0", "backbone.layers.1", "heads.cls",
+        "heads.gen.decoder.lm.transformer.h.0", "heads.gen"]
+    assert tiny_units() == (3, 3)
 
 
 @pytest.mark.slow
@@ -404,8 +470,9 @@ def test_collectives_per_step(runs, strategy, method):
     small = 2 + (2 if method == "gls" else 0)
     for i, step in enumerate(runs["rank0"][f"fsdp2/{strategy}/{method}"]["steps"]):
         c = step["counts"]
-        assert c.get("c10d._allgather_base_", 0) == ALL_GATHERS[strategy], (strategy, c)
-        assert c.get("c10d._reduce_scatter_base_", 0) == REDUCE_SCATTERS[strategy], (strategy, c)
+        gathers, scatters = expected_counts()[strategy]
+        assert c.get("c10d._allgather_base_", 0) == gathers, (strategy, c)
+        assert c.get("c10d._reduce_scatter_base_", 0) == scatters, (strategy, c)
         assert c.get("c10d.allreduce_", 0) == small, (strategy, c)
         if f"ddp/{strategy}/{method}" in runs["rank0"]:
             d = runs["rank0"][f"ddp/{strategy}/{method}"]["steps"][i]["counts"]
@@ -417,13 +484,47 @@ def test_fsdp2_save_and_resume_is_bitwise_exact_the_model_file_is_full_and_eval_
     r = runs["rank0"]["resume"]
     assert r["resumed_at"] == 2 and r["bitwise"] is True
     assert 0.0 <= r["eval"]["cls_acc"] <= 1.0 and r["eval"] == runs["rank1"]["resume"]["eval"]  # unequal shards
-    from mtl.build import build_model
-    from mtl.config_check import load_run_config
-    from mtl.data.tokenizer import train_tokenizer
+    assert r["keys"] == sorted(_tiny_model(*RESUME_DECODER).state_dict())  # every key, unsharded (shapes: on resume)
 
-    cfg = load_run_config(TINY, [])
-    model = build_model(cfg, 4, list("abcd"), train_tokenizer(["a b c"], 64))
-    assert r["keys"] == sorted(model.state_dict())  # every key, unsharded (the shapes are checked on resume)
+
+@pytest.mark.slow
+def test_the_decoder_blocks_are_fsdp2_units_gathered_one_at_a_time_and_the_tied_weight_stays_one(runs):
+    """Per-block sharding of the caption head (``TaskHead.shard_units``): after sharding, after 2 steps, after the
+    DCP resume and 2 steps more, each transformer block has FSDP2's state and holds DTensor shards between passes,
+    and GPT-2's wte and LM head are still one parameter (sharded once, in the head's own unit)."""
+    blocks = ["heads.gen.decoder.lm.transformer.h.0", "heads.gen.decoder.lm.transformer.h.1"]
+    for rank in ("rank0", "rank1"):
+        for f in runs[rank]["resume"]["facts"]:  # a: built, trained; b: resumed, trained
+            assert f["units"][-3:] == [*blocks, "heads.gen"], f
+            assert f["blocks_are_units"] == [True, True] and f["block_params_sharded"] == [True, True], f
+            assert f["head_is_unit"] and f["tied"] and f["tied_sharded"], f
+    # during a feature_leaf step (forward, then each head's backward): whenever a block runs, forward or backward,
+    # its own unit is gathered and no other block's is (the head's unit stays gathered around its blocks' forward)
+    seen = runs["rank0"]["resume"]["gathered"]
+    for block in blocks:
+        for phase in ("forward", "backward"):
+            inside = [units for p, name, units in seen if p == phase and name.startswith(block + ".")]
+            assert inside, (block, phase)
+            assert all(block in units and not (set(blocks) - {block}) & set(units) for units in inside), inside
+    assert not any(set(blocks) <= set(units) for _, _, units in seen)  # never both blocks at once
+
+
+@pytest.mark.slow
+def test_the_model_file_gathered_on_rank_0_round_trips_with_the_tied_weight(runs):
+    """model.safetensors of the per-block-sharded run is the full state gathered at the save, bitwise, with the tied
+    weight under both keys, and loads into a fresh unsharded model (as mtl.inference and init_from do), where the
+    weight is tied again."""
+    from mtl.build import read_model_weights
+    from mtl.inference import load_model
+
+    r = runs["rank0"]["resume"]
+    state = read_model_weights(r["file"], "test")
+    assert state.keys() == r["at_save"].keys() and all(torch.equal(state[k], r["at_save"][k]) for k in state)
+    lm = "heads.gen.decoder.lm."
+    assert torch.equal(state[lm + "lm_head.weight"], state[lm + "transformer.wte.weight"])
+    model = load_model(os.path.dirname(r["file"])).model  # the checkpoint folder, as mtl.inference reads it
+    assert model.heads["gen"].decoder.lm.lm_head.weight is model.heads["gen"].decoder.lm.transformer.wte.weight
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.slow
@@ -484,16 +585,17 @@ def test_gradient_level_fsdp2_equals_ddp(runs, method):
 
 @pytest.mark.slow
 def test_task_grads_collectives_one_kxk_all_reduce_and_the_reduce_scatters(runs):
-    """task_grads under FSDP2 on tiny.yaml (3 backbone units, 2 heads, K = 2). Reduce-scatters: each head's pass its
-    head (2), each task's backbone pass the 3 backbone units (2 x 3): 8, and no gradient all-reduce. All-reduces:
-    the step's two small ones (caption-token count; losses and stop flag) and ONE for the K x K Gram matrix (the
-    losses ride in it). All-gathers: feature_leaf's 11, plus the 3 backbone units again for the second task's
-    backbone pass. The DDP run of the same step reduce-scatters nothing."""
+    """task_grads under FSDP2 on tiny.yaml (BK = 3 backbone units, H = 3 head units, K = 2; ``tiny_units``).
+    Reduce-scatters: each head's pass its head's units (H), each task's backbone pass the backbone units (K x BK):
+    9, and no gradient all-reduce. All-reduces: the step's two small ones (caption-token count; losses and stop
+    flag) and ONE for the K x K Gram matrix (the losses ride in it). All-gathers: feature_leaf's, plus the backbone
+    units again for the second task's backbone pass. The DDP run of the same step reduce-scatters nothing."""
+    bk, h = tiny_units()
     for step in runs["rank0"][f"fsdp2/task_grads/{COUNTED}"]["steps"]:
         c = step["counts"]
-        assert c.get("c10d._reduce_scatter_base_", 0) == 8, c
+        assert c.get("c10d._reduce_scatter_base_", 0) == 2 * bk + h, c
         assert c.get("c10d.allreduce_", 0) == 2 + 1, c
-        assert c.get("c10d._allgather_base_", 0) == ALL_GATHERS["feature_leaf"] + 3, c
+        assert c.get("c10d._allgather_base_", 0) == expected_counts()["feature_leaf"][0] + bk, c
     for step in runs["rank0"][f"ddp/task_grads/{COUNTED}"]["steps"]:
         assert "c10d._reduce_scatter_base_" not in step["counts"] and step["counts"], step["counts"]
 
@@ -517,7 +619,8 @@ def test_fp16_under_fsdp2_uses_the_sharded_scaler_skips_an_overflow_and_a_nan_on
 def test_the_fsdp2_example_config_shrunk_trains_on_two_ranks(runs):
     r = runs["rank0"]["example"]
     assert r["sharded"] and r["precision"] == "bf16" and r["backbone"] == "resnet152"
-    assert r["units"] == ["backbone.stem", "backbone.layers.0", "heads.cls", "heads.gen"]
+    assert r["units"] == ["backbone.stem", "backbone.layers.0", "heads.cls", "heads.gen.decoder.lm.transformer.h.0",
+                          "heads.gen.decoder.lm.transformer.h.1", "heads.gen"]
     assert r["stepped"] == [True]
     assert all(math.isfinite(v) for losses in r["losses"] for v in losses.values())
     assert r["losses"] == runs["rank1"]["example"]["losses"]  # rank-averaged, the same on both
@@ -586,3 +689,36 @@ def test_graddrop_per_shard_is_graddrop_of_the_whole_matrix():
     assert torch.allclose(got, expected, rtol=1e-12, atol=1e-15)
     assert shards.weights() == pytest.approx(whole.weights(), rel=1e-12)
     assert min(whole.weights().values()) < 0.99  # something was dropped
+
+
+def test_a_head_whose_shard_units_split_a_tied_weight_is_refused():
+    """A parameter lives in one FSDP2 unit: a head that declares the block holding one end of a tied weight as its
+    own unit (here GPT-2's LM head, tied to wte) is refused by name, before anything is sharded; the caption head's
+    own declaration (its transformer blocks) keeps the tied pair in the head's unit."""
+    from mtl.fsdp import shard_units
+
+    model = _tiny_model()
+    head = model.heads["gen"]
+    assert [n for n, _ in head.shard_units()] == ["decoder.lm.transformer.h.0"]
+    assert model.heads["cls"].shard_units() == []  # the default: the whole head is one unit
+    head.shard_units = lambda: [("decoder.lm.lm_head", head.decoder.lm.lm_head)]
+    with pytest.raises(ValueError, match=r"heads.gen.decoder.lm.transformer.wte.weight is tied to a parameter of "
+                                         r"the shard unit decoder.lm.lm_head"):
+        shard_units(model)
+
+
+def test_gathered_now_counts_each_units_own_parameters_once():
+    """``mtl.fsdp.gathered_now`` (the memory tool's and the block test's probe): on a model that is not sharded every
+    unit holds its full parameters; each unit counts only its own (an inner unit's are its own), the tied weight
+    once, and together they are the whole model."""
+    from mtl.fsdp import gathered_now, shard_units
+
+    model = _tiny_model("model.decoder.n_layer=2")
+    units = [*shard_units(model), ("", model)]
+    got = gathered_now(model, units)
+    head = model.heads["gen"]
+    block = sum(p.numel() * p.element_size() for p in head.decoder.lm.transformer.h[0].parameters())
+    assert got["heads.gen.decoder.lm.transformer.h.0"] == got["heads.gen.decoder.lm.transformer.h.1"] == block
+    assert got["heads.gen"] == sum(p.numel() * p.element_size() for p in head.parameters()) - 2 * block
+    assert "" not in got  # the root owns no parameter of its own
+    assert sum(got.values()) == sum(p.numel() * p.element_size() for p in model.parameters())

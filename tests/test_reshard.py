@@ -32,12 +32,13 @@ import pytest
 import torch
 
 from .conftest import TINY, run_spawn, spawn_env
-from .test_fsdp import TOL, _full_params, max_rel_diff
+from .test_fsdp import RESUME_DECODER, TOL, _full_params, _sharding_facts, max_rel_diff
 
 B = 4
 DEADLINE_S = 300
 COMMON = ["optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.max_steps=4",
-          "trainer.progress=false", "ddp.timeout_s=60", "checkpoint.every_steps=0", "data.num_workers=0"]
+          "trainer.progress=false", "ddp.timeout_s=60", "checkpoint.every_steps=0", "data.num_workers=0",
+          *RESUME_DECODER]  # two decoder blocks: under FSDP2 two units inside the caption head
 
 
 def _wait_for(path: str) -> str:
@@ -77,6 +78,7 @@ def _worker(index, port, out):
             r["indices"][t.step + 1] = batch["index"].tolist()
             t.step_once(batch)
         r["params"] = _full_params(t)
+        r["facts"] = _sharding_facts(t)
         t.close()
         results[name] = r
 
@@ -136,6 +138,17 @@ def test_a_resume_on_another_world_size_or_engine_continues_the_uninterrupted_ru
     assert r["samples"] and all(r["samples"][s] == ref["samples"][s] for s in r["samples"]), what  # same order
     assert max_rel_diff(ref["params"], r["params"]) <= TOL, what
     assert any("not bitwise" in n for n in r["notes"]), r["notes"]  # it says what it is
+
+
+@pytest.mark.slow
+def test_the_decoder_blocks_are_units_and_the_tied_weight_stays_one_across_resharding_resumes(runs):
+    """The state dict's keys do not depend on the units (FSDP2 keeps the module names), so a checkpoint written with
+    the decoder sharded per block loads with any sharding; GPT-2's wte and LM head stay one parameter through each."""
+    for name in ("E", "V", "C", "F"):
+        f = _run(runs, name)["facts"]
+        assert f["tied"], name
+        sharded = name in ("E", "V")  # FSDP2 on 2 ranks; C is DDP, F one process
+        assert f["blocks_are_units"] == [sharded] * 2 and f["tied_sharded"] == sharded, (name, f)
 
 
 @pytest.mark.slow

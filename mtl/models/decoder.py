@@ -63,6 +63,11 @@ class CaptionDecoder(nn.Module):
         self.lm.generation_config.bos_token_id = bos_id
         self.lm.generation_config.eos_token_id = eos_id
 
+    def blocks(self) -> list[tuple[str, nn.Module]]:
+        """The transformer blocks (each self-attention, cross-attention and MLP), named from this module, in order.
+        The token embedding and the LM head share one weight outside them."""
+        return [(f"lm.transformer.h.{i}", block) for i, block in enumerate(self.lm.transformer.h)]
+
     @property
     def width(self) -> int:
         return self.lm.config.n_embd

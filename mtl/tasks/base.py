@@ -112,6 +112,14 @@ class TaskHead(nn.Module):
     def build(cls, info: BuildInfo) -> TaskHead:
         return cls(info)
 
+    def shard_units(self) -> list[tuple[str, nn.Module]]:
+        """Under ``ddp.engine: fsdp2``, the submodules of this head that are sharded on their own (``fully_shard``),
+        as (name relative to the head, module), so that only one of them has its full parameters gathered at a
+        time (e.g. a decoder's transformer blocks). What they leave, and every tied weight, is the head's own unit;
+        a unit may not share a parameter with the rest of the head (``mtl.fsdp.shard_units`` checks). Default:
+        none, the whole head is one unit."""
+        return []
+
     def prepare(self, batch: dict, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Collectives the loss needs before the forward (e.g. a global normaliser). Default: none."""
 

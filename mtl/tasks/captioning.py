@@ -91,6 +91,11 @@ class CaptioningHead(TaskHead):
         self.max_new_tokens = int(options.max_tokens)
         self.num_beams = int(options.num_beams)
 
+    def shard_units(self):
+        # one FSDP2 unit per transformer block; the embeddings (wte tied to the LM head), the final norm, the LM
+        # head and the memory projection stay in the head's own unit
+        return [(f"decoder.{name}", block) for name, block in self.decoder.blocks()]
+
     def memory(self, features: torch.Tensor) -> torch.Tensor:
         """(B, C, h, w) -> (B, h*w, width): one cross-attention token per feature-map cell."""
         x = features.flatten(2).transpose(1, 2)
