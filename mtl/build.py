@@ -108,6 +108,18 @@ class RunPieces:
     task_sets: dict | None = None
     task_collates: dict | None = None
 
+    def data_sets(self) -> list:
+        """Every data set the run reads: the training and val sets, or in multi-input mode every task's two."""
+        if self.task_sets is None:
+            return [self.train_ds, self.val_ds]
+        return [ds for pair in self.task_sets.values() for ds in pair]
+
+    def skipped_lines(self) -> tuple[int, list[str]]:
+        """(how many bad data lines ``data.on_error=skip`` left out, their reasons) over every data set."""
+        sets = self.data_sets()
+        return (sum(getattr(ds, "skipped", 0) for ds in sets),
+                [r for ds in sets for r in getattr(ds, "skip_reasons", [])])
+
     def train_loader(self, rank: int = 0, world_size: int = 1, batch_size: int | None = None):
         """The run's training loader (epoch 0) for ``rank`` of ``world_size``."""
         if self.task_sets is not None:

@@ -22,6 +22,7 @@ import os
 import yaml
 from omegaconf import OmegaConf
 
+from mtl.config import multi_input
 from mtl.errors import CheckpointError
 
 SAFE_TO_CHANGE = (
@@ -132,7 +133,8 @@ def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, eng
             "with that world size and engine once: its next checkpoint can be resumed on any world size or engine")
     problems = []
     before, now = saved_batch * saved_world, cfg.data.batch_size * world_size
-    if before != now:
+    # multi-input: data.batch_size is the global batch of the mixed policy only (the others read per-task sizes)
+    if before != now and (not multi_input(cfg) or cfg.data.sampling.policy == "mixed"):
         keep = f"data.batch_size={before // world_size}" if before % world_size == 0 else (
             f"{saved_world} process(es) and data.batch_size={saved_batch}")
         problems.append(f"the global batch changes from {before} ({saved_batch} x {saved_world} process(es)) to "
@@ -143,7 +145,7 @@ def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, eng
                         f"{' ...' if len(random) > 3 else ''}): each of the {saved_world} process(es) saved its own "
                         f"random state, which does not carry over to {world_size} (to keep it: {saved_world} "
                         "process(es), or no dropout in the run)")
-    if saved_world != world_size and getattr(cfg.data, "per_task", None):
+    if saved_world != world_size and multi_input(cfg):
         problems.append(f"multi-input mode (data.per_task): each task's rows per process are set per process, so "
                         f"{world_size} process(es) draw other global per-task batches than the {saved_world} that "
                         "saved it (to keep it: the same number of processes)")

@@ -69,6 +69,7 @@ class Trainer:
         # seed, data, the run's own tokenizer (written to output_dir), model and collate: the same builder as the tools'
         pieces = build_run_pieces(cfg, lambda captions: build_tokenizer(cfg, captions, dist))
         self.train_ds, self.val_ds, self.tokenizer = pieces.train_ds, pieces.val_ds, pieces.tokenizer
+        self.skipped_lines = pieces.skipped_lines()  # (count, reasons) over every data set the run reads
         if dist.is_main:  # the class list, for mtl.inference (which reads a checkpoint's own copy first)
             with open(os.path.join(cfg.output_dir, "class_names.json"), "w", encoding="utf-8") as f:
                 json.dump(list(self.train_ds.class_names), f)
@@ -231,11 +232,12 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path!r} does not fit this run's optimizer/weighting: {e}") from None
         self.step = state["step"]
-        self._load_data_state(state.get("data") or data_position(  # v1: batches per rank, its own batch size
-            state["epoch"], state["batch_in_epoch"], saved_config(path)["data"]["batch_size"],
-            int(state.get("world_size") or 1)))
-        if self.mi is not None:
+        if self.mi is not None:  # multi-input: each task's sampler state is the position
             self.mi.load_state_dict(state.get("multi_input", {}))
+        else:
+            self._load_data_state(state.get("data") or data_position(  # v1: batches per rank, its own batch size
+                state["epoch"], state["batch_in_epoch"], saved_config(path)["data"]["batch_size"],
+                int(state.get("world_size") or 1)))
         ckpt.set_rng_state(rng)
 
     def data_state(self) -> dict:
@@ -348,10 +350,9 @@ class Trainer:
 
     def _train(self, start: float) -> dict:
         cfg, t = self.cfg, self.cfg.trainer
-        skipped = getattr(self.train_ds, "skipped", 0) + getattr(self.val_ds, "skipped", 0)
+        skipped, reasons = self.skipped_lines
         if skipped:
-            self.log.info(f"data.on_error=skip: skipped {skipped} bad data line(s): "
-                          + "; ".join((getattr(self.train_ds, "skip_reasons", []) + getattr(self.val_ds, "skip_reasons", []))[:5]))
+            self.log.info(f"data.on_error=skip: skipped {skipped} bad data line(s): " + "; ".join(reasons[:5]))
         if self.step >= t.max_steps:
             self.log.info(f"nothing to do: step {self.step} >= trainer.max_steps {t.max_steps}")
         batches = self.batches()
@@ -451,7 +452,7 @@ class Trainer:
     def _finish(self, final: dict, wall: float) -> None:
         summary = {"step": self.step, "wall_time_s": round(wall, 1), "world_size": self.dist.world_size,
                    "fp16_overflows": self.overflows,
-                   "data_skipped": getattr(self.train_ds, "skipped", 0) + getattr(self.val_ds, "skipped", 0), **final}
+                   "data_skipped": self.skipped_lines[0], **final}
         if self.dist.is_main:
             with open(os.path.join(self.cfg.output_dir, "final_metrics.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)

@@ -4,14 +4,15 @@ per-task samplers (and their resume), and the step plan every rank derives alone
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
 from mtl.config_check import load_run_config
-from mtl.data.multi_input import MultiInputStream, TaskSampler, build_task_datasets, step_tasks
-from mtl.errors import ConfigError
+from mtl.data.multi_input import MultiInputStream, SamplingPlan, TaskSampler, build_task_datasets, step_tasks
+from mtl.errors import ConfigError, DataError
 from mtl.tasks import task_types
 
 from .conftest import ROOT
@@ -106,6 +107,62 @@ def test_the_synthetic_per_task_sets_are_disjoint_labelled_only_and_captioned_on
     assert not torch.equal(sets["cls"][1][0]["image"], cls[0]["image"])  # val is another stream too
     again = build_task_datasets(cfg, {t: types[t] for t in cfg.tasks})  # deterministic by seed
     assert torch.equal(again["gen"][0][3]["image"], gen[3]["image"])
+
+
+def _manifest(tmp_path, name: str, labels: list) -> str:
+    from PIL import Image
+
+    (tmp_path / "img").mkdir(exist_ok=True)
+    lines = []
+    for i, label in enumerate(labels):
+        Image.new("RGB", (24, 24), (30 * i, 90, 200 - 20 * i)).save(tmp_path / "img" / f"{name}{i}.png")
+        lines.append(json.dumps({"image": f"img/{name}{i}.png", "caption": "a shape", **label}))
+    (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / f"{name}.jsonl")
+
+
+def _cls_manifest_sets(tmp_path, train_labels, val_labels):
+    cfg = load_run_config(MI, ["data.per_task.cls.source=manifest", "data.image_size=32",
+                               f"data.per_task.cls.train_path={_manifest(tmp_path, 'train', train_labels)}",
+                               f"data.per_task.cls.val_path={_manifest(tmp_path, 'val', val_labels)}"])
+    types = task_types()
+    return build_task_datasets(cfg, {t: types[t] for t in cfg.tasks})
+
+
+def test_a_labelled_tasks_manifest_is_read_with_strict_labels(tmp_path):
+    """A classification task on a manifest: a missing or non-integer label is an error naming the line (never
+    class 0 in silence), and a val label outside the training classes is one too."""
+    good = [{"label": 0}, {"label": 1}, {"label": 1}]
+    sets = _cls_manifest_sets(tmp_path, good, [{"label": 1}])
+    assert [sets["cls"][0][i]["label"] for i in range(3)] == [0, 1, 1]
+    with pytest.raises(DataError, match=r"train.jsonl line 2: no 'label'"):
+        _cls_manifest_sets(tmp_path, [{"label": 0}, {}, {"label": 1}], [{"label": 0}])
+    with pytest.raises(DataError, match=r"line 1: label 'x' is not an integer"):
+        _cls_manifest_sets(tmp_path, [{"label": "x"}, {"label": 0}], [{"label": 0}])
+    with pytest.raises(DataError, match=r"val.jsonl line 1: label 2 is outside \[0, 2\)"):
+        _cls_manifest_sets(tmp_path, good, [{"label": 2}])
+
+
+def test_the_skipped_lines_of_every_tasks_data_are_counted(tmp_path):
+    """on_error=skip on the caption task's own manifest: its bad line is in the run's report (``data_skipped``),
+    not only the labelled task's set's."""
+    from mtl.build import build_run_pieces
+
+    path = _manifest(tmp_path, "cap", [{}, {}, {}])
+    with open(path, "a") as f:
+        f.write(json.dumps({"image": "img/cap0.png"}) + "\n")  # no caption
+    cfg = load_run_config(MI, ["data.per_task.gen.source=manifest", "data.per_task.gen.on_error=skip",
+                               f"data.per_task.gen.train_path={path}", f"data.per_task.gen.val_path={path}",
+                               "data.image_size=32", "data.per_task.cls.train_size=8", "data.per_task.cls.val_size=4"])
+    count, reasons = build_run_pieces(cfg).skipped_lines()
+    assert count == 2 and all("cap.jsonl line 4: no 'caption'" in r for r in reasons)  # train and val
+
+
+def test_mixed_with_as_many_global_rows_as_tasks_puts_each_task_once():
+    cfg = load_run_config(MI, ["data.sampling.policy=mixed", "data.batch_size=2"])  # 2 rows x 1 process, 2 tasks
+    plan = SamplingPlan.from_config(cfg, {"cls": 10, "gen": 10})
+    for step in range(3):
+        assert sorted(step_tasks(plan, step, 1)) == ["cls", "gen"]
 
 
 def test_a_task_sampler_runs_epochs_and_resumes_from_its_state():

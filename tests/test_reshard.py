@@ -187,11 +187,11 @@ def _checkpoint_dir(tmp_path, batch_size):
     return str(folder)
 
 
-def _now(batch_size):
+def _now(batch_size, **data):
     """This run's config, as far as ``reshard_problems`` reads it."""
-    from types import SimpleNamespace
+    from omegaconf import OmegaConf
 
-    return SimpleNamespace(data=SimpleNamespace(batch_size=batch_size))
+    return OmegaConf.create({"data": {"batch_size": batch_size, **data}})
 
 
 V2_STATE = {"format": "mtl-checkpoint-v2", "state": "state", "world_size": 2, "engine": "ddp"}
@@ -222,17 +222,21 @@ def test_where_the_resume_cannot_be_exact_it_says_why_and_how_to_keep_it(tmp_pat
 
 
 def test_multi_input_mode_on_another_world_size_asks_for_the_key(tmp_path):
-    """Per-task rows are set per process in multi-input mode: another world size draws other global batches."""
-    from types import SimpleNamespace
-
+    """Per-task rows are set per process in multi-input mode: another world size draws other global batches.
+    data.batch_size is the global batch of the mixed policy only: the others do not read it."""
     from mtl.resume import reshard_problems
 
     folder = _checkpoint_dir(tmp_path, 4)
-    mi = SimpleNamespace(data=SimpleNamespace(batch_size=8, per_task={"cls": {}, "gen": {}}))
+    per_task = {"cls": {}, "gen": {}}
+    mi = _now(8, per_task=per_task, sampling={"policy": "round_robin"})
     (why,), note = reshard_problems(folder, V2_STATE, mi, 1, "ddp", [])
     assert "multi-input mode" in why and "the same number of processes" in why and note == ""
-    mi.data.batch_size = 4
-    assert reshard_problems(folder, V2_STATE, mi, 2, "fsdp2", [])[0] == []  # same world size: no problem
+    assert reshard_problems(folder, V2_STATE, _now(4, per_task=per_task, sampling={"policy": "round_robin"}),
+                            2, "fsdp2", [])[0] == []  # same world size: no problem
+    for policy, problems in (("round_robin", 0), ("mixed", 1)):  # data.batch_size 4 -> 3 at the same world size
+        found, _ = reshard_problems(folder, V2_STATE, _now(3, per_task=per_task, sampling={"policy": policy}),
+                                    2, "ddp", [])
+        assert len(found) == problems and all("global batch changes" in p for p in found), policy
 
 
 def test_an_old_format_checkpoint_on_another_world_size_is_one_message_naming_the_file_and_the_fix(tmp_path):

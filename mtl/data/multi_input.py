@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 
 from mtl.config import TaskDataConfig, task_data
 from mtl.data.images import Augment, image_normalization, normalize_images
-from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, read_caption_lines
+from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset, read_caption_lines
 from mtl.data.synthetic import SyntheticShapes
 from mtl.errors import DataError
 
@@ -70,17 +70,22 @@ class TaskOnly(Dataset):
         return {k: v for k, v in self.inner[key].items() if k in self.keep}
 
 
-def _lenient_label(obj: dict, rel: str) -> int:
-    label = obj.get("label", 0)
-    return label if isinstance(label, int) and not isinstance(label, bool) and label >= 0 else 0
+def _no_label(obj: dict, rel: str) -> int:
+    return 0  # a task that reads no label: whatever the line says is not used
 
 
-def _user_split(cfg, d: TaskDataConfig, path: str, train: bool, class_names=None) -> Dataset:
+def _user_split(cfg, d: TaskDataConfig, path: str, train: bool, labelled: bool, train_split=None) -> Dataset:
+    """One split of a task's own data. A labelled task's manifest is read as the single-set mode reads one
+    (``ManifestDataset``: strict integer labels, stray labels reported, the val split checked against the
+    training classes); a task that reads no label ignores the lines' labels."""
     augment = Augment.from_config(cfg) if train else None
     if d.source == "imagefolder":
         return ImageFolderCaptions(path, image_size=cfg.data.image_size, on_error=d.on_error, augment=augment,
-                                   class_names=class_names)
-    records, reasons = read_caption_lines(path, d.image_root or _folder(path), _lenient_label, d.on_error)
+                                   class_names=getattr(train_split, "class_names", None))
+    if labelled:
+        return ManifestDataset(path, d.image_root or None, cfg.data.image_size,
+                               getattr(train_split, "num_classes", None), d.on_error, augment)
+    records, reasons = read_caption_lines(path, d.image_root or _folder(path), _no_label, d.on_error)
     ds = CaptionedImages(records, reasons, cfg.data.image_size, f"manifest {path}", augment)
     ds.num_classes = max(r.label for r in records) + 1 if records else 0
     ds.class_names = [str(i) for i in range(ds.num_classes)]
@@ -104,9 +109,9 @@ def build_task_datasets(cfg, task_types: dict[str, type]) -> dict[str, tuple[Dat
                                           seed=seed_of(cfg.seed, "synthetic", t, split))
                           for n, split in ((d.train_size, "train"), (d.val_size, "val")))
         else:
-            train = _user_split(cfg, d, d.train_path, True)
-            val = _user_split(cfg, d, d.val_path, False, getattr(train, "class_names", None)
-                              if d.source == "imagefolder" else None)
+            labelled = "label" in kind.requires
+            train = _user_split(cfg, d, d.train_path, True, labelled)
+            val = _user_split(cfg, d, d.val_path, False, labelled, train)
         out[t] = (TaskOnly(train, kind.requires), TaskOnly(val, kind.requires))
         out[t][0].normalization = out[t][1].normalization = image_normalization(cfg)
     return out
@@ -194,8 +199,8 @@ def step_tasks(plan: SamplingPlan, step: int, world: int) -> list[str]:
     p = torch.tensor(plan.probs, dtype=torch.float64)
     if plan.policy == "mixed":
         n = plan.mixed_batch * world
-        drawn = torch.multinomial(p, n - len(tasks), replacement=True, generator=g)
-        rows = list(range(len(tasks))) + drawn.tolist()
+        drawn = torch.multinomial(p, n - len(tasks), replacement=True, generator=g).tolist() if n > len(tasks) else []
+        rows = list(range(len(tasks))) + drawn
         return [tasks[rows[i]] for i in torch.randperm(n, generator=g).tolist()]
     if plan.policy == "all":
         present = tasks
