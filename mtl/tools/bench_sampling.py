@@ -35,27 +35,30 @@ def measure(config: str, overrides: list[str], policies: list[str], strategy: st
     from mtl.trainer import Trainer
 
     torch.manual_seed(0)
-    out = tempfile.mkdtemp(prefix="bench_sampling_")
     trainers, streams = {}, {}
-    for p in policies:
-        t = Trainer.from_config(config, [*overrides, f"output_dir={out}/{p}", f"data.sampling.policy={p}",
-                                         f"ddp.strategy={strategy}", "trainer.progress=false"])
-        t.bare.train()
-        trainers[p], streams[p] = t, t.batches()
-        trainers[p].step_once(to_device(next(streams[p])[1], t.device))  # warm-up
     times: dict = {p: [] for p in policies}
     rows: dict = {p: 0 for p in policies}
-    for _ in range(rounds):
-        for p in policies:
-            t = trainers[p]
-            tic = time.perf_counter()
-            for _ in range(steps):
-                batch = next(streams[p])[1]  # reading the rows counts: it differs between policies
-                rows[p] += int(batch["image"].shape[0])
-                t.step_once(to_device(batch, t.device))
-            times[p].append((time.perf_counter() - tic) / steps)
-    for t in trainers.values():
-        t.close()
+    with tempfile.TemporaryDirectory(prefix="bench_sampling_") as out:
+        try:
+            for p in policies:
+                t = Trainer.from_config(config, [*overrides, f"output_dir={out}/{p}", f"data.sampling.policy={p}",
+                                                 f"ddp.strategy={strategy}", "trainer.progress=false"])
+                trainers[p] = t
+                t.bare.train()
+                streams[p] = t.batches()
+                t.step_once(to_device(next(streams[p])[1], t.device))  # warm-up
+            for _ in range(rounds):
+                for p in policies:
+                    t = trainers[p]
+                    tic = time.perf_counter()
+                    for _ in range(steps):
+                        batch = next(streams[p])[1]  # reading the rows counts: it differs between policies
+                        rows[p] += int(batch["image"].shape[0])
+                        t.step_once(to_device(batch, t.device))
+                    times[p].append((time.perf_counter() - tic) / steps)
+        finally:
+            for t in trainers.values():
+                t.close()
     table = {}
     for p in policies:
         s = statistics.median(times[p])
@@ -68,14 +71,7 @@ def measure(config: str, overrides: list[str], policies: list[str], strategy: st
     return table
 
 
-def forwards(config: str, overrides: list[str], steps: int, rounds: int) -> dict:
-    """Median seconds of the backbone forward + backward over the concatenated rows vs one per task."""
-
-    from mtl.trainer import Trainer
-
-    out = tempfile.mkdtemp(prefix="bench_forwards_")
-    t = Trainer.from_config(config, [*overrides, f"output_dir={out}", "data.sampling.policy=all",
-                                     "trainer.progress=false"])
+def _time_forwards(t, steps: int, rounds: int):
     t.bare.train()
     backbone, batch = t.bare.backbone, next(t.batches())[1]
     slices = [slice(*sub["rows"]) for sub in batch["multi_input"].values()]
@@ -98,7 +94,21 @@ def forwards(config: str, overrides: list[str], steps: int, rounds: int) -> dict
             fn()
             times[k].append(time.perf_counter() - tic)
             backbone.zero_grad(set_to_none=False)
-    t.close()
+    return times, image, slices
+
+
+def forwards(config: str, overrides: list[str], steps: int, rounds: int) -> dict:
+    """Median seconds of the backbone forward + backward over the concatenated rows vs one per task."""
+
+    from mtl.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="bench_forwards_") as out:
+        t = Trainer.from_config(config, [*overrides, f"output_dir={out}", "data.sampling.policy=all",
+                                         "trainer.progress=false"])
+        try:
+            times, image, slices = _time_forwards(t, steps, rounds)
+        finally:
+            t.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"rows": int(image.shape[0]), "tasks": len(slices), **{f"{k}_s": v for k, v in med.items()},
             "per_task_over_concatenated": med["per_task"] / med["concatenated"]}
@@ -117,21 +127,26 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the table here")
     ap.add_argument("--forwards", action="store_true", help="time the concatenated backbone pass against one per task")
     a = ap.parse_args(argv)
-    if a.forwards:
-        r = forwards(a.config, overrides, a.steps, a.rounds)
-        print(f"backbone forward+backward, {r['rows']} rows of {r['tasks']} tasks: concatenated "
-              f"{r['concatenated_s'] * 1e3:.1f} ms, one per task {r['per_task_s'] * 1e3:.1f} ms, "
-              f"per task / concatenated = {r['per_task_over_concatenated']:.2f}x")
-        return 0
-    table = measure(a.config, overrides, a.only, a.strategy, a.steps, a.rounds)
-    print(f"{'policy':<12} {'s/step':>8} {'rows/step':>9} {'rows/s':>8} {'step time':>10} {'throughput':>10}")
-    for p, r in table.items():
-        print(f"{p:<12} {r['s_per_step']:>8.3f} {r['rows_per_step']:>9.1f} {r['rows_per_s']:>8.1f} "
-              f"{r['step_time_ratio']:>9.2f}x {r['throughput_ratio']:>9.2f}x")
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=2)
-    return 0
+
+    def go():
+        if a.forwards:
+            r = forwards(a.config, overrides, a.steps, a.rounds)
+            print(f"backbone forward+backward, {r['rows']} rows of {r['tasks']} tasks: concatenated "
+                  f"{r['concatenated_s'] * 1e3:.1f} ms, one per task {r['per_task_s'] * 1e3:.1f} ms, "
+                  f"per task / concatenated = {r['per_task_over_concatenated']:.2f}x")
+            return
+        table = measure(a.config, overrides, a.only, a.strategy, a.steps, a.rounds)
+        print(f"{'policy':<12} {'s/step':>8} {'rows/step':>9} {'rows/s':>8} {'step time':>10} {'throughput':>10}")
+        for p, r in table.items():
+            print(f"{p:<12} {r['s_per_step']:>8.3f} {r['rows_per_step']:>9.1f} {r['rows_per_s']:>8.1f} "
+                  f"{r['step_time_ratio']:>9.2f}x {r['throughput_ratio']:>9.2f}x")
+        if a.json:
+            with open(a.json, "w", encoding="utf-8") as f:
+                json.dump(table, f, indent=2)
+
+    from mtl.error_report import run_guarded
+
+    return run_guarded(go)  # a bad config or data: one line naming it, its exit code
 
 
 if __name__ == "__main__":

@@ -119,18 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
-    from mtl.errors import ConfigError
 
-    try:
+    def go():
         r = measure(a.config, a.overrides, a.steps, a.warmup, a.peak_tflops)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    print(report(r))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
-    return 0
+        print(report(r))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(r, f, indent=1)
+
+    from mtl.error_report import run_guarded
+
+    return run_guarded(go)  # a bad config, data or checkpoint: one line naming it, its exit code
 
 
 if __name__ == "__main__":
