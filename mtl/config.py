@@ -105,6 +105,10 @@ class DataConfig:
     # (each section's keys: TaskDataConfig, checked by mtl.config_check like a task's options)
     per_task: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # training items held out for a bilevel method's meta-objective (weighting.method=autolambda ...): the LAST
+    # heldout items of the training set, never trained on, drawn data.batch_size per process per meta update
+    # (mtl/data/heldout.py); 0: none (every other method)
+    heldout: int = 0
 
 
 @dataclass

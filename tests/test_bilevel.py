@@ -1,0 +1,263 @@
+"""The bilevel weighting methods (mtl/weighting/bilevel.py): Auto-Lambda's hypergradient against its paper's
+definition on analytic problems, the held-out stream, the meta update's hygiene in a real trainer, the config's
+refusals, and (slow) a bitwise resume across the held-out stream. The DDP parity is tests/test_bilevel_ddp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtl.data.heldout import HeldoutStream
+from mtl.data.loader import build_train_loader, set_epoch
+from mtl.errors import DataError
+from mtl.weighting import weighting_types
+from mtl.weighting.autolambda import autolambda_hypergradient
+from mtl.weighting.bilevel import adam_update
+
+from .conftest import TINY
+from .test_config import errors_of
+
+BILEVEL = sorted(n for n, c in weighting_types().items() if c.needs_heldout_batch)
+
+
+def _quad(theta, A, a):
+    d = theta - a
+    return 0.5 * d @ A @ d
+
+
+def _spd(p, gen):
+    m = torch.randn(p, p, generator=gen, dtype=torch.float64)
+    return m @ m.T / p + 0.5 * torch.eye(p, dtype=torch.float64)
+
+
+def _unrolled(task_losses, meta_loss, theta, lam, alpha):
+    """The paper's definition by autograd: d/dlambda L_val(theta - alpha grad_theta sum_i lambda_i L_i(theta))."""
+    lam = lam.clone().requires_grad_(True)
+    th = theta.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad((lam * task_losses(th)).sum(), th, create_graph=True)
+    (h,) = torch.autograd.grad(meta_loss(th - alpha * g), lam)
+    return h
+
+
+def _quadratic_problem(k=3, p=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    A = [_spd(p, gen) for _ in range(k)]
+    a = [torch.randn(p, generator=gen, dtype=torch.float64) for _ in range(k)]
+    C, c = _spd(p, gen), torch.randn(p, generator=gen, dtype=torch.float64)
+    theta = torch.randn(p, generator=gen, dtype=torch.float64)
+    lam = torch.rand(k, generator=gen, dtype=torch.float64) + 0.1
+    return (lambda th: torch.stack([_quad(th, A[i], a[i]) for i in range(k)]), lambda th: _quad(th, C, c),
+            theta, lam, A, a, C, c)
+
+
+def test_autolambda_hypergradient_is_the_unrolled_derivative_on_a_quadratic():
+    """On quadratic losses the central difference is exact for any eps, so h equals the closed form
+    -alpha grad L_i(theta) . grad L_val(theta') and the derivative through the virtual step, to rounding."""
+    task_losses, meta_loss, theta, lam, A, a, C, c = _quadratic_problem()
+    alpha = 0.1
+    h, val = autolambda_hypergradient(task_losses, meta_loss, theta, lam, alpha, fd_eps=0.5)
+    virtual = theta - alpha * sum(lam[i] * A[i] @ (theta - a[i]) for i in range(len(A)))
+    closed = torch.stack([-alpha * (A[i] @ (theta - a[i])) @ (C @ (virtual - c)) for i in range(len(A))])
+    assert torch.allclose(h, closed, rtol=1e-9, atol=1e-12), (h, closed)
+    assert torch.allclose(h, _unrolled(task_losses, meta_loss, theta, lam, alpha), rtol=1e-9, atol=1e-12)
+    assert float(val) == pytest.approx(float(meta_loss(virtual)), rel=1e-12)
+
+
+def test_autolambda_finite_difference_converges_to_the_hessian_vector_product_as_eps_squared():
+    """Non-quadratic losses: the error of the finite-difference hypergradient falls as eps^2 (central differences)."""
+    gen = torch.Generator().manual_seed(1)
+    p, k = 5, 2
+    B = torch.randn(k, p, generator=gen, dtype=torch.float64) * 0.5
+    D = torch.randn(p, generator=gen, dtype=torch.float64) * 0.5
+
+    def task_losses(th):
+        return torch.stack([torch.exp(B[i] @ th) + (th ** 4).sum() * (i + 1) / 10 for i in range(k)])
+
+    def meta_loss(th):
+        return torch.cosh(D @ th) + (th ** 2).sum()
+
+    theta, lam, alpha = torch.randn(p, generator=gen, dtype=torch.float64), torch.tensor([0.3, 0.7]).double(), 0.05
+    exact = _unrolled(task_losses, meta_loss, theta, lam, alpha)
+    errors = [float((autolambda_hypergradient(task_losses, meta_loss, theta, lam, alpha, fd_eps=e)[0] - exact)
+                    .abs().max() / exact.abs().max()) for e in (1e-1, 1e-2)]
+    assert errors[1] < 1e-4 and errors[0] / errors[1] > 50, errors  # eps / 10 -> error / 100
+
+
+def test_autolambda_raises_a_task_that_helps_the_held_out_objective_and_leaves_an_unrelated_one():
+    """The paper's reading of lambda: a task whose gradient agrees with the held-out objective's gets a negative
+    hypergradient (its weight grows); a task on other parameters (orthogonal gradients) gets exactly 0."""
+    eye = torch.eye(2, dtype=torch.float64)
+
+    def task_losses(th):  # task 0 on coordinates 0-1, task 1 on coordinates 2-3
+        return torch.stack([_quad(th[:2], eye, torch.tensor([1.0, 2.0]).double()),
+                            _quad(th[2:], eye, torch.tensor([-1.0, 0.5]).double())])
+
+    def meta_loss(th):  # held-out data of task 0: a nearby optimum
+        return _quad(th[:2], eye, torch.tensor([1.2, 1.8]).double())
+
+    h, _ = autolambda_hypergradient(task_losses, meta_loss, torch.zeros(4).double(), torch.ones(2).double(), 0.1)
+    assert h[0] < 0 and h[1] == 0, h
+
+
+def test_autolambda_hypergradient_is_zero_when_the_held_out_gradient_is():
+    task_losses, _, theta, lam, *_ = _quadratic_problem()
+    h, _ = autolambda_hypergradient(task_losses, lambda th: 0.0 * th.sum(), theta, lam, 0.1)
+    assert torch.equal(h, torch.zeros_like(lam))
+
+
+def test_adam_update_is_adams_step():
+    x, ref = torch.tensor([0.1, 0.1, 0.1]), torch.nn.Parameter(torch.tensor([0.1, 0.1, 0.1]))
+    opt = torch.optim.Adam([ref], lr=1e-2)
+    m, v = torch.zeros(3), torch.zeros(3)
+    for t, g in enumerate([torch.tensor([1.0, -2.0, 0.0]), torch.tensor([0.5, 1.0, 3.0])], start=1):
+        adam_update(x, g, m, v, t, 1e-2)
+        ref.grad = g.clone()
+        opt.step()
+    assert torch.allclose(x, ref.detach(), rtol=1e-6, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------- held-out stream
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"index": int(i)}
+
+
+def _collate(records):
+    return [r["index"] for r in records]
+
+
+def test_the_held_out_part_is_the_last_items_and_the_train_loader_never_draws_them():
+    ds, h = _Items(40), 12
+    loader = build_train_loader(ds, lambda recs: [r["index"] for r in recs], 4, 0, 1, seed=0, heldout=h)
+    seen = set()
+    for epoch in range(3):
+        set_epoch(loader, epoch)
+        seen |= {i for batch in loader for i in batch}
+    assert seen == set(range(40 - h))
+    stream = HeldoutStream(ds, _collate, h, 4, 0, 1, seed=0)
+    assert {i for _ in range(9) for i in stream.next_batch()} == set(range(40 - h, 40))
+
+
+def test_two_ranks_draw_together_the_single_process_held_out_batches_and_resume_where_they_stopped():
+    ds, h, b = _Items(50), 20, 3
+    single = HeldoutStream(ds, _collate, h, 2 * b, 0, 1, seed=5)
+    ranks = [HeldoutStream(ds, _collate, h, b, r, 2, seed=5) for r in range(2)]
+    batches = []
+    for step in range(7):  # 20 // 6 = 3 global batches per epoch: crosses two epoch boundaries
+        one = single.next_batch()
+        two = [r.next_batch() for r in ranks]
+        assert sorted(one) == sorted(two[0] + two[1]) and not set(two[0]) & set(two[1]), step
+        batches.append(one)
+        if step == 3:
+            state = single.state_dict()
+    assert len({tuple(sorted(x)) for x in batches[:3]}) == 3 and batches[3] != batches[0]  # a new epoch's order
+    again = HeldoutStream(ds, _collate, h, 2 * b, 0, 1, seed=5)
+    again.load_state_dict(state)
+    assert [again.next_batch() for _ in range(3)] == batches[4:]
+    assert again.state_dict() == {**single.state_dict()}
+    with pytest.raises(DataError, match="data.heldout"):
+        HeldoutStream(ds, _collate, h + 1, 2 * b, 0, 1, seed=5).load_state_dict(state)
+
+
+def test_a_held_out_part_smaller_than_a_global_batch_is_refused():
+    with pytest.raises(DataError, match="data.heldout=5 holds out fewer items than one global batch"):
+        HeldoutStream(_Items(50), _collate, 5, 3, 0, 2, seed=0)
+    with pytest.raises(DataError, match="leaves 4 of the 50 training items"):
+        HeldoutStream(_Items(50), _collate, 46, 3, 0, 2, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("method", BILEVEL)
+def test_the_config_refuses_what_a_bilevel_method_cannot_do(method):
+    m = f"weighting.method={method}"
+    (err,) = errors_of(TINY, [m])
+    assert err.startswith("data.heldout:") and "data.heldout=32" in err
+    (err,) = errors_of(TINY, [m, "data.heldout=16", "precision=fp16"])
+    assert err.startswith("precision:") and "bf16" in err
+    (err,) = errors_of(TINY, [m, "data.heldout=16", "ddp.engine=fsdp2", "ddp.strategy=feature_leaf"])
+    assert err.startswith("weighting.method:") and "whole parameter vector" in err
+    errs = errors_of("configs/multi_input.yaml", [m, "data.heldout=16"])
+    assert any(e.startswith("data.per_task:") and "multi-input" in e for e in errs), errs
+    (err,) = errors_of(TINY, [m, "data.heldout=256"])
+    assert err.startswith("data.heldout: 256 is not fewer than data.synthetic.train_size")
+
+
+def test_a_held_out_part_without_a_method_that_reads_it_is_refused():
+    (err,) = errors_of(TINY, ["data.heldout=16"])
+    assert err.startswith("data.heldout: 16 training items would be held out") and "autolambda" in err
+    (err,) = errors_of(TINY, ["weighting.method=autolambda", "data.heldout=-1"])
+    assert err == "data.heldout: must be >= 0 (got -1)"
+
+
+def test_autolambda_primary_tasks_must_be_tasks():
+    (err,) = errors_of(TINY, ["weighting.method=autolambda", "data.heldout=16", "weighting.options.primary=[cls,det]"])
+    assert err.startswith("weighting.options.primary: 'det' not in tasks")
+
+
+# ---------------------------------------------------------------------------------------------- in a trainer
+
+
+def test_the_meta_update_moves_lambda_only_and_leaves_no_gradient(tmp_path):
+    """In a real trainer: the meta update changes neither a parameter nor a .grad nor BatchNorm's statistics,
+    and the step it precedes weighs the losses with the new lambda."""
+    from mtl.dist import all_reduce_sum
+    from mtl.step import restore_running_stats, snapshot_running_stats
+    from mtl.trainer import Trainer
+    from mtl.weighting.bilevel import MetaInputs
+
+    tr = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "weighting.method=autolambda", "data.heldout=32",
+                                    "optim.warmup_steps=0", "model.backbone.norm=batch", "weighting.options.lr=0.01"])
+    try:
+        batch, heldout = next(tr.batches())[1], tr.heldout.next_batch()
+        for head in tr.bare.heads.values():
+            head.prepare(batch, all_reduce_sum)
+            head.prepare(heldout, all_reduce_sum)
+        before = {k: v.clone() for k, v in tr.bare.state_dict().items()}
+        stats_before = snapshot_running_stats(tr.bare)
+        lam = tr.weighting.lam.clone()
+        stats = tr.weighting.meta_step(MetaInputs(tr.bare, batch, heldout, tr.tasks, tr.scheduler.get_last_lr()[0]))
+        assert all(p.grad is None for p in tr.bare.parameters())
+        assert not torch.equal(tr.weighting.lam, lam) and set(stats) >= {"meta_heldout_loss", "meta_hypergrad/cls"}
+        restore_running_stats(stats_before)  # what train_step does after it
+        after = tr.bare.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        loss = torch.tensor(2.0)
+        assert float(tr.weighting.weigh("gen", loss)) == pytest.approx(2.0 * float(tr.weighting.lam[1]))
+        result = tr.step_once()
+        assert result.stepped and "meta_heldout_loss" in result.stats
+        assert tr.trainer_state()["heldout"]["samples"] == 16  # two held-out batches drawn
+    finally:
+        tr.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", BILEVEL)
+def test_a_resumed_bilevel_run_ends_bitwise_equal_to_an_unbroken_one(tmp_path, method):
+    """Cut at step 3 and resumed: the same bytes at step 5 as the unbroken run, through the held-out stream's
+    position (16 held-out items = 2 global batches of 8: the stream changes epoch between the legs)."""
+    import train
+
+    common = ["--config", TINY, f"weighting.method={method}", "data.heldout=16", "checkpoint.every_steps=3",
+              "trainer.eval_every=1000", "trainer.progress=false", "optim.scheduler=constant", "optim.warmup_steps=0"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert train.main([*common, f"output_dir={whole}", "trainer.max_steps=5"]) == 0
+    assert train.main([*common, f"output_dir={cut}", "trainer.max_steps=3"]) == 0
+    state = torch.load(cut / "checkpoints" / "step_3" / "trainer_state.pt", weights_only=True)
+    assert state["heldout"] == {"epoch": 1, "samples": 8, "size": 16}
+    assert train.main([*common, f"output_dir={cut}", "trainer.max_steps=5", "resume=auto"]) == 0
+    a = (whole / "checkpoints" / "step_5" / "model.safetensors").read_bytes()
+    assert a == (cut / "checkpoints" / "step_5" / "model.safetensors").read_bytes()
+    wa = torch.load(whole / "checkpoints" / "step_5" / "trainer_state.pt", weights_only=True)["weighting"]
+    wb = torch.load(cut / "checkpoints" / "step_5" / "trainer_state.pt", weights_only=True)["weighting"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) if torch.is_tensor(wa[k]) else wa[k] == wb[k]
+                                          for k in wa)
