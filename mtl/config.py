@@ -214,6 +214,9 @@ class BenchConfig:
     loss_strategy: str = "feature_leaf"  # ddp.strategy for loss-level methods
     grad_strategy: str = "task_grads"  # ddp.strategy for gradient-level methods (weighting.source=parameters)
     feature_strategy: str = "feature_leaf"  # ddp.strategy for gradient-level methods with source=features
+    # data.heldout of a bilevel method's runs (its meta-objective's items, which it does not train on); 0: a tenth
+    # of data.synthetic.train_size, rounded up to whole global batches (user data: set it)
+    heldout: int = 0
     # name -> {overrides: [key=value, ...], methods: [...] (default: methods), baselines_from: <regime> (reuse that
     # regime's single-task runs), expect: "what this regime should show, stated before the run"}; empty: one
     # regime, "natural", with no overrides

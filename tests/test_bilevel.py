@@ -261,3 +261,28 @@ def test_a_resumed_bilevel_run_ends_bitwise_equal_to_an_unbroken_one(tmp_path, m
     wb = torch.load(cut / "checkpoints" / "step_5" / "trainer_state.pt", weights_only=True)["weighting"]
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) if torch.is_tensor(wa[k]) else wa[k] == wb[k]
                                           for k in wa)
+
+
+def test_the_benchmark_gives_a_bilevel_method_its_held_out_items_and_states_its_cost():
+    """bench.methods accepts a bilevel method: the tool sets data.heldout on its runs (a tenth of the synthetic
+    training set in whole global batches, or bench.heldout), the run's own config check accepts them, the method's
+    refusals reach the sweep's config check, and the cost note names its extra passes."""
+    from mtl.config_check import load_run_config
+    from mtl.tools.bench import meta_cost_note, method_errors, plan
+
+    cfg = load_run_config(TINY, ["bench.methods=[equal, autolambda, 'autolambda(update_every=2)']", "bench.seeds=[0]",
+                                 "bench.baselines=false"])
+    assert method_errors(cfg) == []
+    runs = {r["label"]: r for r in plan(cfg)}
+    assert "data.heldout=32" in runs["autolambda"]["overrides"]  # 256 // 10 = 25 -> whole batches of 8
+    assert not any(o.startswith("data.heldout") for o in runs["equal"]["overrides"])
+    assert load_run_config(TINY, runs["autolambda(update_every=2)"]["overrides"]).data.heldout == 32
+    assert "data.heldout=24" in plan(load_run_config(TINY, ["bench.methods=[autolambda]", "bench.seeds=[0]",
+                                                            "bench.baselines=false", "bench.heldout=24"]))[0]["overrides"]
+    bad = load_run_config(TINY, ["bench.methods=[autolambda]", "precision=bf16", "bench.heldout=4"])
+    assert method_errors(bad) == []  # bf16 runs; a too small held-out part is the run's DataError, at its start
+    fp16 = load_run_config(TINY, ["bench.methods=[equal]", "precision=fp16"])
+    (err,) = method_errors(fp16, ["autolambda"])
+    assert err.startswith("bench.methods[0] 'autolambda': precision:")
+    note = meta_cost_note(weighting_types()["autolambda"], {"update_every": 2}, 32)
+    assert note.startswith("+4 forwards and +2 backward passes") and "once every 2 steps" in note and "32 held-out" in note
