@@ -12,7 +12,8 @@ from mtl.data.loader import build_train_loader, set_epoch
 from mtl.errors import DataError
 from mtl.weighting import weighting_types
 from mtl.weighting.autolambda import autolambda_hypergradient
-from mtl.weighting.bilevel import adam_update
+from mtl.weighting.bilevel import adam_update, unrolled_hypergradients
+from mtl.weighting.moml import moml_direction
 
 from .conftest import TINY
 from .test_config import errors_of
@@ -103,6 +104,39 @@ def test_autolambda_hypergradient_is_zero_when_the_held_out_gradient_is():
     task_losses, _, theta, lam, *_ = _quadratic_problem()
     h, _ = autolambda_hypergradient(task_losses, lambda th: 0.0 * th.sum(), theta, lam, 0.1)
     assert torch.equal(h, torch.zeros_like(lam))
+
+
+def test_unrolled_hypergradients_give_one_row_per_held_out_objective():
+    """MOML's H (M x K): each row is the unrolled derivative of one held-out objective; with one objective it is
+    Auto-Lambda's hypergradient (the same function serves both)."""
+    task_losses, meta_loss, theta, lam, A, a, C, c = _quadratic_problem(seed=3)
+    gen = torch.Generator().manual_seed(9)
+    C2, c2 = _spd(len(theta), gen), torch.randn(len(theta), generator=gen, dtype=torch.float64)
+    metas = [meta_loss, lambda th: _quad(th, C2, c2)]
+    H, values = unrolled_hypergradients(task_losses, lambda th: torch.stack([f(th) for f in metas]), theta, lam, 0.2,
+                                        fd_eps=0.3)
+    assert H.shape == (2, 3) and values.shape == (2,)
+    for m, f in enumerate(metas):
+        assert torch.allclose(H[m], _unrolled(task_losses, f, theta, lam, 0.2), rtol=1e-9, atol=1e-12), m
+    h, _ = autolambda_hypergradient(task_losses, meta_loss, theta, lam, 0.2, fd_eps=0.3)
+    assert torch.equal(h, H[0])
+
+
+def test_moml_direction_is_mgdas_min_norm_point_of_the_hypergradients():
+    """Orthogonal rows: the midpoint; opposed rows: 0 (a Pareto-stationary alpha stays); otherwise the min-norm
+    point of the hull, which no objective's hypergradient opposes: <d, H_m> >= ||d||^2 for every row."""
+    d, gamma = moml_direction(torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64))
+    assert torch.allclose(d, torch.tensor([0.5, 0.5], dtype=torch.float64)) and torch.allclose(gamma.sum(), torch.ones(
+        (), dtype=torch.float64))
+    d, _ = moml_direction(torch.tensor([[2.0, 1.0], [-2.0, -1.0]], dtype=torch.float64))
+    assert d.abs().max() < 1e-12
+    H = torch.randn(3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    H[2] = -0.3 * H[0] + H[2]
+    d, gamma = moml_direction(H)
+    assert (gamma >= -1e-12).all() and abs(float(gamma.sum()) - 1) < 1e-9
+    assert ((H @ d) >= (d @ d) - 1e-9).all(), (H @ d, d @ d)
+    for t in torch.linspace(0, 1, 11, dtype=torch.float64):  # no point of the segment H_0..H_1 is shorter
+        assert (t * H[0] + (1 - t) * H[1]).norm() >= d.norm() - 1e-9
 
 
 def test_adam_update_is_adams_step():
@@ -284,5 +318,5 @@ def test_the_benchmark_gives_a_bilevel_method_its_held_out_items_and_states_its_
     fp16 = load_run_config(TINY, ["bench.methods=[equal]", "precision=fp16"])
     (err,) = method_errors(fp16, ["autolambda"])
     assert err.startswith("bench.methods[0] 'autolambda': precision:")
-    note = meta_cost_note(weighting_types()["autolambda"], {"update_every": 2}, 32)
+    note = meta_cost_note(weighting_types()["autolambda"], {"update_every": 2}, 32, 2)
     assert note.startswith("+4 forwards and +2 backward passes") and "once every 2 steps" in note and "32 held-out" in note

@@ -52,7 +52,7 @@ LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo", "stch"]
 GRAD_METHODS = [*GRAD_FUNCS, "gradnorm", "gradvac"]  # weights from the Gram matrix (GramWeighting)
 STATEFUL_GRAM = ("gradnorm", "gradvac", "modo", "sdmgrad")  # their state moves every time the weights are computed
 ROW_METHODS = ["graddrop", "dbmtl", "excessmtl", "moco"]  # gradient-level, but they need the rows (signs, K x P state)
-BILEVEL_METHODS = ["autolambda"]  # loss-level, with a meta update on a held-out batch: tests/test_bilevel.py
+BILEVEL_METHODS = ["autolambda", "moml"]  # loss-level, with a meta update on a held-out batch: tests/test_bilevel.py
 
 
 def cfg_for(method: str, seed: int = 0, tasks=TASKS, options=None):

@@ -408,15 +408,15 @@ def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int, method: type | 
                 shared += n
             elif not k.endswith("transformer.wte.weight"):  # tied to lm_head.weight: one parameter, counted once
                 heads += n
-    meta = method.meta_cost()["meta_allreduces"] * (shared + heads) * 4 // max(1, every) if method is not None else 0
+    meta = method.meta_cost(num_tasks)["meta_allreduces"] * (shared + heads) * 4 // max(1, every) if method is not None else 0
     return strategy_types()[strategy].allreduce_bytes(num_tasks, shared, heads) + meta
 
 
-def meta_cost_note(method: type, options: dict, heldout: int) -> str:
+def meta_cost_note(method: type, options: dict, heldout: int, num_tasks: int) -> str:
     """What a bilevel method's meta update costs, in words (empty for any other method)."""
     if not method.needs_heldout_batch:
         return ""
-    c, every = method.meta_cost(), int(options.get("update_every", 1))
+    c, every = method.meta_cost(num_tasks), int(options.get("update_every", 1))
     return (f"+{c['meta_forwards']} forwards and +{c['meta_backwards']} backward passes over the whole model, "
             f"{c['meta_allreduces']} whole-model gradient all-reduces and ~{c['meta_param_copies']} parameter-sized "
             f"vectors held, {'every step' if every == 1 else f'once every {every} steps'}; trains on all but the "
@@ -497,7 +497,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
                                                1 if single else len(rcfg.tasks), types[name],
                                                int(options.get("update_every", 1))) / 2**20
                                if first is not None else float("nan"))
-        row["meta_cost"] = meta_cost_note(types[name], options, heldout_for(rcfg)) if not single else ""
+        row["meta_cost"] = meta_cost_note(types[name], options, heldout_for(rcfg), len(rcfg.tasks)) if not single else ""
         row["_seeds"] = ok
         rows.append(row)
     eqrow = next((r for r in rows if r["method"] == "equal"), None)

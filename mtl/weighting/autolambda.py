@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mtl.weighting.bilevel import BilevelWeighting, MetaInputs, ModelVector, adam_update, flat_grad
+from mtl.weighting.bilevel import BilevelWeighting, MetaInputs, ModelVector, adam_update, unrolled_hypergradients
 from mtl.weighting.checks import option_range_errors
 
 AUTOL_INIT = 0.1  # lambda at the start, every task (the paper's code: weight_init=0.1)
@@ -54,24 +54,11 @@ def autolambda_hypergradient(task_losses: Callable[[Tensor], Tensor], meta_loss:
                              mean: Callable[[Tensor], Tensor] = lambda t: t) -> tuple[Tensor, Tensor]:
     """(h, L_val): the finite-difference hypergradient dL_val/dlambda (K,) of the module docstring, and the held-out
     loss at theta'. ``task_losses(theta)`` -> (K,) training losses, ``meta_loss(theta)`` -> the scalar held-out
-    loss, both this rank's share; ``mean`` averages over the ranks (identity in one process). ``eps`` is taken
-    relative to ||v||; a zero v (nothing to learn from the held-out batch) gives h = 0."""
-    theta = theta.detach().requires_grad_(True)
-    g = flat_grad((lam.detach().to(theta.dtype) * task_losses(theta)).sum(), theta, mean)
-    virtual = (theta.detach() - alpha * g).requires_grad_(True)
-    val = meta_loss(virtual)
-    v = flat_grad(val, virtual, mean)
-    val = mean(val.detach().reshape(1))[0]
-    norm = v.norm()
-    if not bool(norm > 0):
-        return torch.zeros_like(lam), val
-    eps = fd_eps / norm
-    with torch.no_grad():
-        plus, minus = task_losses(theta.detach() + eps * v), task_losses(theta.detach() - eps * v)
-        both = mean(torch.cat([plus, minus]).double())
-        plus, minus = both[: len(lam)], both[len(lam):]
-        h = -alpha * (plus - minus) / (2 * eps.double())
-    return h.to(lam.dtype), val
+    loss, both this rank's share; ``mean`` averages over the ranks (identity in one process). A zero v (nothing
+    to learn from the held-out batch) gives h = 0. (``unrolled_hypergradients`` with the one objective L_val.)"""
+    h, values = unrolled_hypergradients(task_losses, lambda th: meta_loss(th).reshape(1), theta, lam, alpha, fd_eps,
+                                        mean)
+    return h[0], values[0]
 
 
 @dataclass

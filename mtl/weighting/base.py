@@ -105,9 +105,10 @@ class Weighting(nn.Module):
         raise NotImplementedError(f"{self.name} has no meta update")
 
     @classmethod
-    def meta_cost(cls) -> dict:
-        """What one meta update adds to a step: forwards, backwards and gradient all-reduces over the whole model,
-        and whole-model-sized tensors held (all 0 for a method without one)."""
+    def meta_cost(cls, num_tasks: int) -> dict:
+        """What one meta update adds to a step with ``num_tasks`` tasks: forwards, backwards and gradient all-reduces
+        over the whole model, and whole-model-sized tensors held (all 0 for a method without one). A method whose
+        cost grows with the tasks overrides it."""
         return {"meta_forwards": cls.meta_forwards, "meta_backwards": cls.meta_backwards,
                 "meta_allreduces": cls.meta_allreduces, "meta_param_copies": cls.meta_param_copies}
 

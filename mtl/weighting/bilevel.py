@@ -78,6 +78,43 @@ def flat_grad(loss: Tensor, theta: Tensor, mean: Callable[[Tensor], Tensor]) -> 
     return mean(g.detach())
 
 
+def unrolled_hypergradients(task_losses: Callable[[Tensor], Tensor], meta_losses: Callable[[Tensor], Tensor],
+                            theta: Tensor, lam: Tensor, alpha: float, fd_eps: float,
+                            mean: Callable[[Tensor], Tensor] = lambda t: t) -> tuple[Tensor, Tensor]:
+    """(H, values): the one-step unrolled hypergradients of M held-out objectives w.r.t. the K task weights, and
+    the objectives' values at theta'. The lower level is ``L_tr(theta, lam) = sum_k lam_k L_k(theta)``
+    (``task_losses(theta)`` -> (K,)), unrolled one gradient step; the upper level is ``meta_losses(theta')`` -> (M,)::
+
+        theta' = theta - alpha g,   g = grad_theta L_tr(theta, lam)
+        H_mk = d F_m(theta') / d lam_k = -alpha grad L_k(theta) . v_m,   v_m = grad F_m(theta')
+             ~ -alpha (L_k(theta + eps_m v_m) - L_k(theta - eps_m v_m)) / (2 eps_m),   eps_m = fd_eps / ||v_m||
+
+    (the Hessian-vector product by central differences, as in DARTS; exact for quadratic L_k). Both callables
+    return this rank's share of the global objective; ``mean`` averages over the ranks (identity in one
+    process): g, every v_m and every loss value used is rank-averaged. A zero v_m gives a zero row."""
+    theta = theta.detach().requires_grad_(True)
+    g = flat_grad((lam.detach().to(theta.dtype) * task_losses(theta)).sum(), theta, mean)
+    virtual = (theta.detach() - alpha * g).requires_grad_(True)
+    values = meta_losses(virtual)
+    m = values.shape[0]
+    vs = mean(torch.stack([torch.autograd.grad(values[i], virtual, retain_graph=i + 1 < m, materialize_grads=True)[0]
+                           for i in range(m)]).detach())
+    values = mean(values.detach())
+    norms = vs.norm(dim=1)
+    live = norms > 0
+    eps = torch.where(live, fd_eps / norms.clamp(min=torch.finfo(norms.dtype).tiny), torch.zeros_like(norms))
+    with torch.no_grad():
+        base = theta.detach()
+        diffs = [torch.cat([task_losses(base + eps[i] * vs[i]), task_losses(base - eps[i] * vs[i])]).double()
+                 if bool(live[i]) else torch.zeros(2 * len(lam), dtype=torch.float64, device=base.device)
+                 for i in range(m)]
+        both = mean(torch.stack(diffs))  # (M, 2K): one collective; v_m is rank-averaged, so every rank branches alike
+        k = len(lam)
+        h = -alpha * (both[:, :k] - both[:, k:]) / (2 * torch.where(live, eps, torch.ones_like(eps)).double()[:, None])
+        h = torch.where(live[:, None], h, torch.zeros_like(h))
+    return h.to(lam.dtype), values
+
+
 def adam_update(x: Tensor, grad: Tensor, m: Tensor, v: Tensor, t: int, lr: float,
                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
     """One Adam step on ``x`` in place (moments ``m``, ``v`` in place; ``t`` counts this step): the optimizer the
