@@ -27,7 +27,7 @@ from mtl.dist import Comm, all_reduce_mean, all_reduce_sum, average_grads
 from mtl.fsdp import clip_ as clip_grads_
 from mtl.fsdp import grad_norm as total_grad_norm
 from mtl.strategies import StepInputs, Strategy
-from mtl.weighting.bilevel import MetaInputs
+from mtl.weighting.bilevel import MetaInputs, add_to_grads_
 
 
 @dataclass
@@ -89,6 +89,9 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
 
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)
     p.amp.unscale_(p.optimizer)
+    extra = w.meta_gradient() if heldout is not None else None  # FORUM: its held-out term of the model's update
+    if extra is not None:
+        add_to_grads_(p.bare, extra)
 
     # 3. the finite check. DDP has averaged the gradients (FSDP2: the norm is taken over every rank's shard), so
     #    their norm is the same on every rank; the losses

@@ -4,6 +4,7 @@ refusals, and (slow) a bitwise resume across the held-out stream. The DDP parity
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from mtl.errors import DataError
 from mtl.weighting import weighting_types
 from mtl.weighting.autolambda import autolambda_hypergradient
 from mtl.weighting.bilevel import adam_update, unrolled_hypergradients
+from mtl.weighting.forum import forum_dual, forum_step, project_scaled_simplex
 from mtl.weighting.moml import moml_direction
 
 from .conftest import TINY
@@ -137,6 +139,82 @@ def test_moml_direction_is_mgdas_min_norm_point_of_the_hypergradients():
     assert ((H @ d) >= (d @ d) - 1e-9).all(), (H @ d, d @ d)
     for t in torch.linspace(0, 1, 11, dtype=torch.float64):  # no point of the segment H_0..H_1 is shorter
         assert (t * H[0] + (1 - t) * H[1]).norm() >= d.norm() - 1e-9
+
+
+def _forum_case(m=3, p=7, seed=0, k=2):
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(m, p, generator=gen, dtype=torch.float64)  # the held-out gradients (grad F_m: omega part)
+    gf = torch.randn(p, generator=gen, dtype=torch.float64)  # grad_omega f
+    gap = torch.rand(k, generator=gen, dtype=torch.float64)  # L(omega) - L(omega_T): grad q's alpha part
+    return g, gf, gap
+
+
+def _forum_direction(g, gf, gap, rho):
+    """FORUM's d over z = (alpha, omega), and the rows (grad F_1..M; grad q) in z-space."""
+    rows = torch.cat([g, gf[None]])
+    lam, nu, phi = forum_step(rows @ rows.T, gap, rho)
+    zF = torch.cat([torch.zeros(len(g), len(gap), dtype=g.dtype), g], dim=1)  # F does not depend on alpha
+    zq = torch.cat([gap, gf])
+    return -(lam @ zF + nu * zq), zF, zq, lam, nu, phi
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_forum_direction_solves_the_papers_constrained_direction_problem(seed):
+    """d = -(sum lam_m grad F_m + nu grad q) solves min_d max_m <grad F_m, d> + |d|^2/2 s.t. <grad q, d> <= -phi:
+    it is feasible, its value equals the dual's (strong duality), and no feasible perturbation does better."""
+    g, gf, gap = _forum_case(seed=seed)
+    d, zF, zq, lam, nu, phi = _forum_direction(g, gf, gap, rho=0.3 + 0.5 * seed)
+    assert (lam >= 0).all() and abs(float(lam.sum()) - 1) < 1e-9 and nu >= 0
+    assert float(zq @ d) <= -phi + 1e-9 * (1 + phi)
+
+    def primal(x):
+        return float((zF @ x).max() + 0.5 * x @ x)
+
+    dual = -0.5 * float(d @ d) + nu * phi
+    assert primal(d) == pytest.approx(dual, rel=1e-7, abs=1e-9)
+    gen = torch.Generator().manual_seed(100 + seed)
+    for _ in range(200):
+        x = d + 0.1 * torch.randn(d.shape, generator=gen, dtype=d.dtype)
+        slack = float(zq @ x) + phi
+        if slack > 0:  # pull it back onto the feasible set along grad q
+            x = x - (slack / float(zq @ zq)) * zq
+        assert primal(x) >= primal(d) - 1e-9
+
+
+def test_forum_multiplier_cases():
+    """grad q orthogonal to every grad F: nu = rho/2 (the constraint alone sets it) and lam is MGDA's; grad q a
+    multiple of a common descent direction with a slack constraint: nu = 0 and d is MGDA's direction."""
+    g = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)
+    gf, gap = torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    _, _, _, lam, nu, _ = _forum_direction(g, gf, gap, rho=0.4)
+    assert nu == pytest.approx(0.2) and torch.allclose(lam, torch.tensor([0.5, 0.5], dtype=torch.float64))
+    _, _, _, lam, nu, _ = _forum_direction(g, torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64) * 0.1, gap, rho=0.1)
+    assert nu == 0 and torch.allclose(lam, torch.tensor([0.5, 0.5], dtype=torch.float64))
+
+
+def test_forum_dual_matches_a_grid_search():
+    g, gf, gap = _forum_case(m=2, seed=4)
+    rows = torch.cat([g, gf[None]])
+    q = (rows @ rows.T).numpy().copy()
+    q[-1, -1] += float(gap @ gap)
+    phi = 0.05 * q[-1, -1]
+    lam, nu = forum_dual(q, phi)
+    best = np.inf
+    for t in np.linspace(0, 1, 2001):  # lam = (t, 1 - t), nu at its closed-form optimum for that lam
+        u = np.array([t, 1 - t, 0.0])
+        u[2] = max(0.0, (phi - q[2, :2] @ u[:2]) / q[2, 2])
+        best = min(best, 0.5 * u @ q @ u - u[2] * phi)
+    u = np.array([*lam, nu])
+    assert 0.5 * u @ q @ u - nu * phi <= best + 1e-9
+
+
+def test_project_scaled_simplex():
+    x = torch.tensor([3.0, -1.0, 0.5], dtype=torch.float64)
+    y = project_scaled_simplex(x, 3.0)
+    assert (y >= 0).all() and float(y.sum()) == pytest.approx(3.0) and torch.allclose(project_scaled_simplex(y, 3.0), y)
+    assert torch.allclose(y, torch.tensor([2.75, 0.0, 0.25], dtype=torch.float64))
+    ones = torch.ones(4, dtype=torch.float64)
+    assert torch.equal(project_scaled_simplex(ones, 4.0), ones)
 
 
 def test_adam_update_is_adams_step():
@@ -270,6 +348,49 @@ def test_the_meta_update_moves_lambda_only_and_leaves_no_gradient(tmp_path):
         result = tr.step_once()
         assert result.stepped and "meta_heldout_loss" in result.stats
         assert tr.trainer_state()["heldout"]["samples"] == 16  # two held-out batches drawn
+    finally:
+        tr.close()
+
+
+def test_forum_moves_the_model_along_its_direction(tmp_path):
+    """One real FORUM step (SGD's first step is theta - lr grad): the model moves by -lr (nu sum_k alpha_k grad L_k +
+    sum_m lam_m g_m), the weighted training gradient through the strategy plus the held-out term the step adds;
+    the held-out term is handed over once."""
+    from mtl.dist import all_reduce_sum
+    from mtl.trainer import Trainer
+
+    tr = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "weighting.method=forum", "data.heldout=32",
+                                    "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0", "optim.weight_decay=0",
+                                    "optim.grad_clip=0", "optim.scheduler=constant"])
+    try:
+        w, seen = tr.weighting, {}
+        take = w.meta_gradient
+
+        def spy():
+            seen["extra"] = take()
+            seen["again"] = take()
+            return seen["extra"]
+
+        w.meta_gradient = spy
+        batch = next(tr.batches())[1]
+        before = [p.detach().clone() for p in tr.bare.parameters() if p.requires_grad]
+        tr.step_once(batch)
+        assert seen["extra"] is not None and seen["again"] is None
+        for head in tr.bare.heads.values():
+            head.prepare(batch, all_reduce_sum)
+        params = [p for p in tr.bare.parameters() if p.requires_grad]
+        with torch.no_grad():
+            moved = [p.detach().clone() for p in params]
+            for p, b in zip(params, before):
+                p.copy_(b)
+        losses = tr.bare(batch)["losses"]
+        grads = torch.autograd.grad(sum(w.coef[i] * losses[t] for i, t in enumerate(w.tasks)), params)
+        expected = torch.cat([g.reshape(-1) for g in grads]) + seen["extra"]
+        step = torch.cat([(b - m).reshape(-1) for b, m in zip(before, moved)]) / 0.05
+        # float32 parameters ~1 moved by lr * step: the step recovered from them carries ~|theta| 6e-8 / lr rounding
+        tol = 4 * float(torch.cat([b.reshape(-1) for b in before]).abs().max()) * 6e-8 / 0.05
+        assert float((step - expected).abs().max()) <= tol, (float((step - expected).abs().max()), tol)
+        assert float(seen["extra"].norm()) > 0.1 * float(expected.norm())  # the held-out term is not negligible
     finally:
         tr.close()
 

@@ -104,6 +104,13 @@ class Weighting(nn.Module):
         returns statistics to log."""
         raise NotImplementedError(f"{self.name} has no meta update")
 
+    def meta_gradient(self) -> Tensor | None:
+        """After ``meta_step``: a term of the model's update beyond the gradient of the weighted losses (FORUM's
+        held-out gradients), as one flat rank-averaged vector over the trainable parameters in
+        ``mtl.weighting.bilevel.ModelVector``'s order, which ``train_step`` adds to ``.grad`` after the backward
+        passes; None (the default) for none. Returned once per meta update."""
+        return None
+
     @classmethod
     def meta_cost(cls, num_tasks: int) -> dict:
         """What one meta update adds to a step with ``num_tasks`` tasks: forwards, backwards and gradient all-reduces

@@ -4,14 +4,17 @@ A bilevel method (Auto-Lambda, FORUM, MOML) sets ``needs_heldout_batch = True``.
 (``wants_heldout(step)``) the trainer draws one global batch of held-out training items (``data.heldout``,
 mtl/data/heldout.py) and ``train_step`` calls ``meta_step(MetaInputs)`` after the heads' ``prepare`` of both
 batches and before the strategy's forward passes; the real step then weighs the losses with the updated weights
-(these methods are loss-level). The class declares what a meta update costs (``meta_forwards``,
+(these methods are loss-level). A method whose model update has a term beyond the weighted losses' gradient
+(FORUM: the held-out gradients) returns it from ``meta_gradient()``, and ``train_step`` adds it to ``.grad`` after
+the backward passes (rank-averaged already, so the replicas stay equal). The class declares what a meta update costs (``meta_forwards``,
 ``meta_backwards``, ``meta_allreduces``, ``meta_param_copies``; ``Weighting.meta_cost``), which the benchmark's
 cost table shows.
 
 Exact under DDP, 2 processes x B == 1 process x 2B:
 - the meta update never runs through the DDP wrapper: it evaluates the bare model at parameter vectors of its
   own with ``torch.func.functional_call`` (``ModelVector``) and takes gradients with ``torch.autograd.grad``,
-  so DDP's reducer sees no backward pass and no ``.grad`` is written (the real step starts from zero gradients);
+  so DDP's reducer sees no backward pass and no ``.grad`` is written during it (the real step starts from zero
+  gradients);
 - every gradient it uses (of the training objective, of the held-out objective) is all-reduced by hand to the
   mean over the ranks, which is the global batch's gradient (each rank's loss is its share of the global mean,
   docs/extending.md), and so is every loss value it uses: the parameters it evaluates at, and the weights it
@@ -70,6 +73,17 @@ class ModelVector:
         params = {n: x.view(s) for n, x, s in zip(self.names, pieces, self.shapes)}
         out = functional_call(self.model, params, (batch,), {"tasks": list(tasks)})["losses"]
         return torch.stack([out[t] for t in tasks])
+
+
+def add_to_grads_(model: nn.Module, flat: Tensor) -> None:
+    """Add ``flat`` (ModelVector's order) to the trainable parameters' ``.grad`` in place (DDP's bucket views stay)."""
+    params = ModelVector(model).params
+    for p, piece in zip(params, torch.split(flat, [q.numel() for q in params])):
+        piece = piece.view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = piece.clone()
+        else:
+            p.grad.add_(piece)
 
 
 def flat_grad(loss: Tensor, theta: Tensor, mean: Callable[[Tensor], Tensor]) -> Tensor:
