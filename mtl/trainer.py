@@ -108,12 +108,12 @@ class Trainer:
         self.mi: MultiInputStream | None = None  # multi-input mode: each task its own data set and sampler
         self.heldout: HeldoutStream | None = None  # a bilevel method's held-out batches (data.heldout)
         if pieces.task_sets is None:
+            if self.weighting.needs_heldout_batch:  # first: its size check names data.heldout
+                self.heldout = HeldoutStream(self.train_ds, normalizing(collate, self.train_ds), cfg.data.heldout,
+                                             cfg.data.batch_size, dist.rank, dist.world_size, cfg.seed)
             self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
                                                    dist.world_size, cfg.seed, cfg.data.num_workers, pin,
                                                    heldout=cfg.data.heldout)
-            if self.weighting.needs_heldout_batch:
-                self.heldout = HeldoutStream(self.train_ds, normalizing(collate, self.train_ds), cfg.data.heldout,
-                                             cfg.data.batch_size, dist.rank, dist.world_size, cfg.seed)
             self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
                                                 dist.world_size, cfg.data.num_workers, pin)
             self.val_loaders = {t: self.val_loader for t in self.tasks}
@@ -147,6 +147,8 @@ class Trainer:
                          + (f"{cfg.data.batch_size} rows per process, each task's drawn per row"
                             if cfg.data.sampling.policy == "mixed" else "per-task rows per process: "
                             + ", ".join(f"{t}={self.mi.plan.batch_sizes[t]}" for t in self.tasks)))
+                      + (f", {cfg.data.heldout} training items held out for {cfg.weighting.method}'s meta update"
+                         if self.heldout is not None else "")
                       + f", {sum(p.numel() for p in self.params):,} parameters")
 
     # ------------------------------------------------------------------ set-up
