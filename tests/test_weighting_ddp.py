@@ -3,9 +3,10 @@
 In-process, no train.py: ONE spawn of three workers. Workers 0 and 1 are a 2-rank gloo run (batch B each);
 worker 2 has no RANK in its environment, so ``init_distributed`` starts no process group, and runs the same
 methods on batch 2B. Each worker builds a ``Trainer`` from configs/tiny.yaml per method (every method in
-``weighting_types()``; gradient-level ones under ``ddp.strategy=task_grads``, loss-level ones under
-``feature_leaf``) and steps it 3 times with ``Trainer.step_once``. GroupNorm (rank-independent), SGD (see
-tests/test_strategies_ddp.py for why not Adam), rlw seeded identically (cfg.seed) in every process.
+``weighting_types()`` but the bilevel ones, which need a held-out part of the data: tests/test_bilevel_ddp.py;
+gradient-level ones under ``ddp.strategy=task_grads``, loss-level ones under ``feature_leaf``) and steps it 3
+times with ``Trainer.step_once``. GroupNorm (rank-independent), SGD (see tests/test_strategies_ddp.py for why
+not Adam), rlw seeded identically (cfg.seed) in every process.
 
 Why float64 and not float32: a 2-rank run sums its gradients in another order than a 1-process run, so
 after one step the parameters differ by ~5e-7 (relative) in float32. That is enough to move a ReLU
