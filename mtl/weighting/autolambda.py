@@ -97,7 +97,7 @@ class AutoLambda(BilevelWeighting):
         self.register_buffer("adam_m", torch.zeros(k))
         self.register_buffer("adam_v", torch.zeros(k))
         self.adam_t = 0
-        self.primary = list(self.options.primary) or list(self.tasks)
+        self.primary = [t for t in self.tasks if t in self.options.primary] or list(self.tasks)
 
     def wants_heldout(self, step):
         return step % int(self.options.update_every) == 0
