@@ -126,7 +126,7 @@ class RunPieces:
             raise ConfigError("data.per_task: this tool reads one shared training loader and does not support "
                               "multi-input mode yet (docs/multi-input.md); run it on a config without data.per_task")
         loader = build_train_loader(self.train_ds, self.collate, batch_size or self.cfg.data.batch_size, rank,
-                                    world_size, self.cfg.seed)
+                                    world_size, self.cfg.seed, heldout=int(self.cfg.data.get("heldout") or 0))
         set_epoch(loader, 0)
         return loader
 

@@ -105,6 +105,10 @@ class DataConfig:
     # (each section's keys: TaskDataConfig, checked by mtl.config_check like a task's options)
     per_task: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # training items held out for a bilevel method's meta-objective (weighting.method=autolambda ...): the LAST
+    # heldout items of the training set, never trained on, drawn data.batch_size per process per meta update
+    # (mtl/data/heldout.py); 0: none (every other method)
+    heldout: int = 0
 
 
 @dataclass
@@ -210,6 +214,9 @@ class BenchConfig:
     loss_strategy: str = "feature_leaf"  # ddp.strategy for loss-level methods
     grad_strategy: str = "task_grads"  # ddp.strategy for gradient-level methods (weighting.source=parameters)
     feature_strategy: str = "feature_leaf"  # ddp.strategy for gradient-level methods with source=features
+    # data.heldout of a bilevel method's runs (its meta-objective's items, which it does not train on); 0: a tenth
+    # of data.synthetic.train_size, rounded up to whole global batches (user data: set it)
+    heldout: int = 0
     # name -> {overrides: [key=value, ...], methods: [...] (default: methods), baselines_from: <regime> (reuse that
     # regime's single-task runs), expect: "what this regime should show, stated before the run"}; empty: one
     # regime, "natural", with no overrides

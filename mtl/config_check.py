@@ -146,6 +146,7 @@ def validate(cfg) -> list[str]:
         errors.append(f"weighting.method: unknown method {cfg.weighting.method!r} (known: {', '.join(methods)})")
     else:
         errors += method.check(cfg)
+        errors += heldout_errors(cfg, method)
         errors += gradient_source_errors(cfg, strategy, method, strategies)
         errors += fsdp_method_check(cfg, method)
     errors += multi_input_check(cfg, strategy, method)  # data.per_task, data.sampling (mtl/multi_input_check.py)
@@ -191,6 +192,21 @@ def gradient_source_errors(cfg, strategy, method, strategies: dict) -> list[str]
                       f"(weighting.source={source}), which ddp.strategy={cfg.ddp.strategy} does not give; use "
                       f"ddp.strategy={' or '.join(serving)}{hint}")
     return errors
+
+
+def heldout_errors(cfg, method) -> list[str]:
+    """data.heldout: a part of the training set that only a bilevel method reads (mtl/data/heldout.py)."""
+    h = int(cfg.data.heldout)
+    if h < 0:
+        return [f"data.heldout: must be >= 0 (got {h})"]
+    if h and not method.needs_heldout_batch:
+        users = sorted(n for n, m in weighting_types().items() if m.needs_heldout_batch)
+        return [f"data.heldout: {h} training items would be held out, and weighting.method={method.name} never reads "
+                f"them (only {', '.join(users)} do); remove data.heldout to train on every item"]
+    if h and cfg.data.source == "synthetic" and h >= cfg.data.synthetic.train_size:
+        return [f"data.heldout: {h} is not fewer than data.synthetic.train_size ({cfg.data.synthetic.train_size}); "
+                "hold out a part of the training set, leaving at least one global batch to train on"]
+    return []
 
 
 def _task_checks(errors, cfg, tasks) -> None:

@@ -120,5 +120,5 @@ def _absent_task_errors(cfg, strategy, method) -> list[str]:
 
 def present_only_methods() -> list[str]:
     """The registered weighting methods allowed with policies that leave tasks out of a step."""
-    return sorted(n for n, m in weighting_types().items()
-                  if (m.level == "loss" and m.end_step is Weighting.end_step) or m.updates_from_present_tasks)
+    return sorted(n for n, m in weighting_types().items() if not m.needs_heldout_batch
+                  and ((m.level == "loss" and m.end_step is Weighting.end_step) or m.updates_from_present_tasks))

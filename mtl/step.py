@@ -2,6 +2,7 @@
 
 ``train_step(parts, batch, step, stop_requested) -> StepResult`` reads nothing but its arguments:
 
+0. a bilevel weighting method's meta update, at the steps it asks for a held-out batch (mtl/weighting/bilevel.py);
 1. forward and one backward pass per task, through the strategy (mtl/strategies/), which leaves the
    rank-averaged gradient of the weighted objective in ``.grad``;
 2. unscale (fp16 scaled each task's loss);
@@ -26,6 +27,7 @@ from mtl.dist import Comm, all_reduce_mean, all_reduce_sum, average_grads
 from mtl.fsdp import clip_ as clip_grads_
 from mtl.fsdp import grad_norm as total_grad_norm
 from mtl.strategies import StepInputs, Strategy
+from mtl.weighting.bilevel import MetaInputs, add_to_grads_
 
 
 @dataclass
@@ -55,14 +57,25 @@ class StepResult:
     stats: dict = field(default_factory=dict)
 
 
-def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False) -> StepResult:
-    """One optimizer step on ``batch`` (on the device); ``step`` is the number of steps taken before it."""
+def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False,
+               heldout: dict | None = None) -> StepResult:
+    """One optimizer step on ``batch`` (on the device); ``step`` is the number of steps taken before it.
+    ``heldout``: a bilevel method's held-out batch, at the steps it asks for one (``wants_heldout``)."""
     w = p.weighting
     tasks = present_tasks(batch, p.tasks)  # multi-input: the tasks this step holds (the same on every rank)
     w.begin_step(step, tasks)  # the method weighs / combines these tasks only (mtl/weighting/base.py)
     for t in tasks:  # collectives a loss needs first, e.g. the global caption-token count
         p.bare.heads[t].prepare(task_batch(batch, t), all_reduce_sum)
     running_stats = snapshot_running_stats(p.bare)  # the forward updates BatchNorm's; a skipped step puts them back
+
+    # 0. bilevel methods: the meta update of the task weights, on the bare model (never through DDP; no .grad)
+    meta_stats = {}
+    if heldout is not None:
+        for t in tasks:
+            p.bare.heads[t].prepare(heldout, all_reduce_sum)
+        meta_stats = w.meta_step(MetaInputs(model=p.bare, batch=batch, heldout=heldout, tasks=tasks,
+                                            lr=p.scheduler.get_last_lr()[0], comm=p.comm))
+        restore_running_stats(running_stats)  # its forwards must not move BatchNorm's statistics
 
     # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
     losses, stats = p.strategy.forward_backward(StepInputs(
@@ -76,6 +89,9 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
 
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)
     p.amp.unscale_(p.optimizer)
+    extra = w.meta_gradient() if heldout is not None else None  # FORUM: its held-out term of the model's update
+    if extra is not None:
+        add_to_grads_(p.bare, extra)
 
     # 3. the finite check. DDP has averaged the gradients (FSDP2: the norm is taken over every rank's shard), so
     #    their norm is the same on every rank; the losses
@@ -107,7 +123,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     overflow = p.amp.scaler is not None and losses_ok and not grads_ok  # the GradScaler's business, not a bad step
     gn = float(grad_norm)
     return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=ok,
-                      nonfinite=not ok and not overflow, stop_agreed=stop_agreed, stats=stats)
+                      nonfinite=not ok and not overflow, stop_agreed=stop_agreed, stats={**meta_stats, **stats})
 
 
 def present_tasks(batch: dict, tasks: list[str]) -> list[str]:

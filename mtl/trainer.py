@@ -25,7 +25,15 @@ from mtl.build import (
     wrap_model,
 )
 from mtl.config import config_summary, to_yaml
-from mtl.data.loader import build_eval_loader, build_train_loader, data_position, resume_position, set_epoch
+from mtl.data.heldout import HeldoutStream
+from mtl.data.loader import (
+    build_eval_loader,
+    build_train_loader,
+    data_position,
+    normalizing,
+    resume_position,
+    set_epoch,
+)
 from mtl.data.multi_input import MultiInputStream
 from mtl.dist import DistInfo, all_gather_objects, barrier, broadcast_object, init_distributed
 from mtl.errors import CheckpointError, ConfigError, TrainingError
@@ -99,9 +107,14 @@ class Trainer:
         pin = self.device.type == "cuda"
         collate = pieces.collate
         self.mi: MultiInputStream | None = None  # multi-input mode: each task its own data set and sampler
+        self.heldout: HeldoutStream | None = None  # a bilevel method's held-out batches (data.heldout)
         if pieces.task_sets is None:
+            if self.weighting.needs_heldout_batch:  # first: its size check names data.heldout
+                self.heldout = HeldoutStream(self.train_ds, normalizing(collate, self.train_ds), cfg.data.heldout,
+                                             cfg.data.batch_size, dist.rank, dist.world_size, cfg.seed)
             self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
-                                                   dist.world_size, cfg.seed, cfg.data.num_workers, pin)
+                                                   dist.world_size, cfg.seed, cfg.data.num_workers, pin,
+                                                   heldout=cfg.data.heldout)
             self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
                                                 dist.world_size, cfg.data.num_workers, pin)
             self.val_loaders = {t: self.val_loader for t in self.tasks}
@@ -135,6 +148,8 @@ class Trainer:
                          + (f"{cfg.data.batch_size} rows per process, each task's drawn per row"
                             if cfg.data.sampling.policy == "mixed" else "per-task rows per process: "
                             + ", ".join(f"{t}={self.mi.plan.batch_sizes[t]}" for t in self.tasks)))
+                      + (f", {cfg.data.heldout} training items held out for {cfg.weighting.method}'s meta update"
+                         if self.heldout is not None else "")
                       + f", {sum(p.numel() for p in self.params):,} parameters")
 
     # ------------------------------------------------------------------ set-up
@@ -238,6 +253,8 @@ class Trainer:
             self._load_data_state(state.get("data") or data_position(  # v1: batches per rank, its own batch size
                 state["epoch"], state["batch_in_epoch"], saved_config(path)["data"]["batch_size"],
                 int(state.get("world_size") or 1)))
+        if self.heldout is not None:
+            self.heldout.load_state_dict(state["heldout"])
         ckpt.set_rng_state(rng)
 
     def data_state(self) -> dict:
@@ -274,6 +291,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(), "scaler": self.amp.state_dict(),
             "weighting": self.weighting.state_dict(),
             **({"multi_input": self.mi.state_dict()} if self.mi is not None else {}),
+            **({"heldout": self.heldout.state_dict()} if self.heldout is not None else {}),
         }
 
     def save(self) -> str:
@@ -322,8 +340,11 @@ class Trainer:
             self.batch_in_epoch = i + 1
         poison(batch, self.cfg.trainer.poison, self.step + 1, self.dist.rank)  # testing only: a NaN or a crash
         batch = to_device(batch, self.device)
+        heldout = None
+        if self.heldout is not None and self.weighting.wants_heldout(self.step):
+            heldout = to_device(self.heldout.next_batch(), self.device)
         try:
-            result = train_step(self.parts, batch, self.step, self.stop_requested)
+            result = train_step(self.parts, batch, self.step, self.stop_requested, heldout)
         except RuntimeError as e:
             raise explain_ddp_error(e, self, batch) or e from None
         self.step += 1

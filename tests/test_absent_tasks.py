@@ -196,7 +196,8 @@ def test_the_config_check_allows_exactly_the_methods_that_say_so_and_names_the_o
     allowed = set(present_only_methods())
     assert {"famo", "gradnorm", "dwa", "gradvac", "graddrop", "equal", *STATELESS} <= allowed
     for name, cls in weighting_types().items():
-        stateful = cls.level == "grad" or cls.end_step is not weighting_types()["equal"].end_step
+        stateful = (cls.level == "grad" or cls.end_step is not weighting_types()["equal"].end_step
+                    or cls.needs_heldout_batch)  # a bilevel method's meta update moves its weights
         if name not in allowed:
             assert stateful and cls.absent_task_refusal, name  # a refused method says why
         elif stateful:

@@ -285,7 +285,9 @@ GRAD_DDP_TOO = ["pcgrad", "graddrop"]
 LOSS_METHODS = ["gls"]  # task_grads with a loss-level method: the rows just add up (w = 1)
 # the other loss-level methods (equal and gls run with every strategy above), under feature_leaf; uw's learned
 # loss weights are plain parameters beside the model's DTensors (averaged by hand, in the global gradient norm)
-OTHER_LOSS_METHODS = sorted(m for m, c in weighting_types().items() if c.level == "loss" and m not in METHODS)
+# (bilevel methods are refused under FSDP2: tests/test_bilevel.py)
+OTHER_LOSS_METHODS = sorted(m for m, c in weighting_types().items() if c.level == "loss" and m not in METHODS
+                            and c.fsdp2_problem() is None)
 COUNTED = "pcgrad"  # its steps run under the counting dispatch mode
 
 

@@ -79,7 +79,9 @@ def model_bytes(run_dir, step):
     (2, MULTI_INPUT, ["ddp.strategy=find_unused", "data.sampling.policy=mixed", "data.per_task.gen.ratio=0.5",
                       "data.per_task.gen.train_size=12", "data.per_task.cls.train_size=40"]),
     (2, TINY, ["ddp.strategy=task_grads", "weighting.method=pcgrad"]),  # a gradient-level method
-], ids=["multi_input-find_unused", "task_grads-pcgrad"])
+    # a bilevel method: its held-out stream (one global batch of 2 x 8: a new epoch every step) and its meta state
+    (2, TINY, ["weighting.method=autolambda", "data.heldout=16"]),
+], ids=["multi_input-find_unused", "task_grads-pcgrad", "bilevel-autolambda"])
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, config, overrides):
     args = ["--config", config, "trainer.max_steps=10", "model.decoder.dropout=0.1", *FAST, *overrides]
     ref, cut = str(tmp_path / "ref"), str(tmp_path / "cut")

@@ -52,6 +52,7 @@ LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo", "stch"]
 GRAD_METHODS = [*GRAD_FUNCS, "gradnorm", "gradvac"]  # weights from the Gram matrix (GramWeighting)
 STATEFUL_GRAM = ("gradnorm", "gradvac", "modo", "sdmgrad")  # their state moves every time the weights are computed
 ROW_METHODS = ["graddrop", "dbmtl", "excessmtl", "moco"]  # gradient-level, but they need the rows (signs, K x P state)
+BILEVEL_METHODS = ["autolambda", "moml", "forum"]  # loss-level, with a meta update on a held-out batch: tests/test_bilevel.py
 
 
 def cfg_for(method: str, seed: int = 0, tasks=TASKS, options=None):
@@ -110,10 +111,20 @@ def test_every_method_is_discovered_with_its_level():
         assert types[m].level == "loss", m
     for m in GRAD_METHODS + ROW_METHODS:
         assert types[m].level == "grad", m
-    assert set(types) == {*LOSS_METHODS, *GRAD_METHODS, *ROW_METHODS, "equal", "static"}  # every method is tested here
+    assert set(types) == {*LOSS_METHODS, *GRAD_METHODS, *ROW_METHODS, *BILEVEL_METHODS, "equal", "static"}
     for m in LOSS_METHODS + GRAD_METHODS + ROW_METHODS:
         assert types[m].check(cfg_for(m)) == []
         roundtrip(make(m))  # every state_dict loads (strictly) into a fresh instance
+    for m in BILEVEL_METHODS:
+        assert types[m].level == "loss" and types[m].needs_heldout_batch
+        cfg = cfg_for(m)
+        assert types[m].check(cfg) and types[m].check(OmegaConf.merge(cfg, {"data": {"heldout": 32}})) == []
+        w = make(m)
+        w.lam.add_(torch.tensor([0.25, -0.5], dtype=w.lam.dtype))
+        if hasattr(w, "adam_t"):  # the step count of lambda's Adam: extra state
+            w.adam_t = 3
+        fresh = roundtrip(w)
+        assert fresh.weights() == w.weights() and getattr(fresh, "adam_t", 3) == 3
 
 
 @pytest.mark.parametrize("method", GRAD_METHODS)

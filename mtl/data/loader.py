@@ -200,7 +200,7 @@ class TrainLoader(DataLoader):
         return super().__iter__()
 
 
-def _normalizing(collate, ds: Dataset):
+def normalizing(collate, ds: Dataset):
     norm = getattr(ds, "normalization", None)
     return Normalized(collate, *norm) if norm else collate
 
@@ -222,8 +222,10 @@ def build_train_loader(
     seed: int,
     num_workers: int = 0,
     pin_memory: bool = False,
+    heldout: int = 0,
 ) -> DataLoader:
-    """Shuffled, equal-size batches on every rank (``drop_last`` in the sampler and the loader).
+    """Shuffled, equal-size batches on every rank (``drop_last`` in the sampler and the loader), from the first
+    ``len(ds) - heldout`` items (``data.heldout``: the last ones are the held-out part, mtl/data/heldout.py).
 
     The sampler permutes all indices with a generator seeded by ``seed + epoch`` only, and rank r
     takes permuted positions r, r+W, r+2W, ... So with W ranks of per-process batch B, rank r's
@@ -234,17 +236,19 @@ def build_train_loader(
     sizes comparable. (A resume still needs the world size of the checkpoint: the per-rank RNG
     states do not map onto another number of ranks, and the resume refuses it.) Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
     """
-    check_train_size(len(ds), batch_size, world_size)
+    check_train_size(len(ds) - heldout, batch_size, world_size)
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
     cls = EpochDistributedSampler if hasattr(ds, "set_epoch") else ResumableDistributedSampler
-    sampler = cls(ds, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    # the sampler reads only the length of what it is given: the first len(ds) - heldout indices
+    items = range(len(ds) - heldout) if heldout else ds
+    sampler = cls(items, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     # the loader's own generator: making an iterator (at each epoch, and at a resume) must not draw
     # from the global torch RNG, or a resumed run's dropout would see a shifted random stream
     return TrainLoader(
         ds,
         batch_size=batch_size,
         sampler=sampler,
-        collate_fn=_normalizing(collate, ds),
+        collate_fn=normalizing(collate, ds),
         drop_last=True,
         generator=torch.Generator().manual_seed(seed),
         **_loader_kwargs(num_workers, pin_memory),
@@ -271,7 +275,7 @@ def build_eval_loader(
         batch_size=batch_size,
         sampler=list(range(rank, len(ds), world_size)),
         shuffle=False,
-        collate_fn=_normalizing(collate, ds),
+        collate_fn=normalizing(collate, ds),
         drop_last=False,
         **_loader_kwargs(num_workers, pin_memory),
     )

@@ -111,6 +111,17 @@ def strategy_for(cfg, level: str, source: str) -> str:
     return cfg.bench.feature_strategy if source == "features" else cfg.bench.grad_strategy
 
 
+def heldout_for(cfg) -> int:
+    """``data.heldout`` for a bilevel method's runs (``needs_heldout_batch``): ``bench.heldout``, else a tenth of the
+    synthetic training set rounded up to whole global batches (0 on user data: the method's check then asks)."""
+    if cfg.bench.heldout:
+        return int(cfg.bench.heldout)
+    if cfg.data.source != "synthetic":
+        return 0
+    glob = int(cfg.data.batch_size) * max(1, int(cfg.bench.nproc))
+    return -(-int(cfg.data.synthetic.train_size) // 10 // glob) * glob
+
+
 def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> list[str]:
     """Every problem of a list of methods (default ``bench.methods``), each naming the entry: unknown or repeated
     entries, the options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
@@ -139,7 +150,12 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
         run_cfg = copy.deepcopy(cfg)
         run_cfg.weighting.method, run_cfg.weighting.options, run_cfg.weighting.source = name, options, source
         run_cfg.ddp.strategy = strategy_for(cfg, types[name].level, source)
-        found += [e for e in types[name].check(run_cfg) if e.startswith("weighting.options")]
+        if types[name].needs_heldout_batch:  # the tool gives it its held-out items; what else it refuses, it says
+            run_cfg.data.heldout = heldout_for(cfg)
+            found += [e if e.startswith("weighting.options") else e.replace("data.heldout:", "bench.heldout:", 1)
+                      for e in types[name].check(run_cfg)]
+        else:
+            found += [e for e in types[name].check(run_cfg) if e.startswith("weighting.options")]
         found += gradient_source_errors(run_cfg, strategies.get(run_cfg.ddp.strategy), types[name], strategies)
         errors += [f"{where}: {e}" for e in found]
     return errors
@@ -232,6 +248,8 @@ def plan(cfg, config_path: str | None = None, base_overrides: list[str] | None =
                     name, _, source = method_spec(label)
                     level = types[name].level
                     over = [*method_overrides(label), f"ddp.strategy={strategy_for(cfg, level, source)}"]
+                    if types[name].needs_heldout_batch:
+                        over.append(f"data.heldout={heldout_for(rcfg)}")
                 out = os.path.join(cfg.output_dir, "runs", regime, run_folder(label), f"seed{seed}")
                 runs.append({"regime": regime, "label": label, "seed": seed, "dir": out, "level": level,
                              "overrides": [*spec["overrides"], *over, f"seed={seed}", f"output_dir={out}",
@@ -371,8 +389,9 @@ def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
     return out
 
 
-def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int) -> int:
-    """Bytes each process all-reduces per step with two or more processes (from the model's sizes)."""
+def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int, method: type | None = None, every: int = 1) -> int:
+    """Bytes each process all-reduces per step with two or more processes (from the model's sizes): the strategy's,
+    plus a bilevel ``method``'s whole-model gradients (``meta_allreduces``) once in ``every`` steps."""
     from safetensors import safe_open
 
     from mtl.checkpoint import list_checkpoints
@@ -389,7 +408,19 @@ def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int) -> int:
                 shared += n
             elif not k.endswith("transformer.wte.weight"):  # tied to lm_head.weight: one parameter, counted once
                 heads += n
-    return strategy_types()[strategy].allreduce_bytes(num_tasks, shared, heads)
+    meta = method.meta_cost(num_tasks)["meta_allreduces"] * (shared + heads) * 4 // max(1, every) if method is not None else 0
+    return strategy_types()[strategy].allreduce_bytes(num_tasks, shared, heads) + meta
+
+
+def meta_cost_note(method: type, options: dict, heldout: int, num_tasks: int) -> str:
+    """What a bilevel method's meta update costs, in words (empty for any other method)."""
+    if not method.needs_heldout_batch:
+        return ""
+    c, every = method.meta_cost(num_tasks), int(options.get("update_every", 1))
+    return (f"+{c['meta_forwards']} forwards and +{c['meta_backwards']} backward passes over the whole model, "
+            f"{c['meta_allreduces']} whole-model gradient all-reduces and ~{c['meta_param_copies']} parameter-sized "
+            f"vectors held, {'every step' if every == 1 else f'once every {every} steps'}; trains on all but the "
+            f"{heldout} held-out items (data.heldout)")
 
 
 def delta(d: dict, base: dict, specs: list) -> tuple[float, float]:
@@ -434,7 +465,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         seeds = (bdata if label.startswith("single_") else data).get(label, {})
         ok = {s: d for s, d in seeds.items() if d}
         single = label.startswith("single_")
-        name, _, source = ("equal", {}, "") if single else method_spec(label)
+        name, options, source = ("equal", {}, "") if single else method_spec(label)
         level = "single-task" if single else types[name].level
         row = {"regime": regime, "method": label, "level": level, "source": source if level == "grad" else "",
                "runs_ok": len(ok), "runs": len(seeds),
@@ -463,8 +494,10 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         row["strategy"] = strategy
         first = next(iter(ok), None)
         row["allreduce_mb"] = (allreduce_bytes(_run_dir(baseline_runs if single else runs, label, first), strategy,
-                                               1 if single else len(rcfg.tasks)) / 2**20
+                                               1 if single else len(rcfg.tasks), types[name],
+                                               int(options.get("update_every", 1))) / 2**20
                                if first is not None else float("nan"))
+        row["meta_cost"] = meta_cost_note(types[name], options, heldout_for(rcfg), len(rcfg.tasks)) if not single else ""
         row["_seeds"] = ok
         rows.append(row)
     eqrow = next((r for r in rows if r["method"] == "equal"), None)
@@ -569,6 +602,10 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
                      + " | ".join(_pm(r[k + "_slope"], r[k + "_slope_ci"], 4) if k in base and r[k] == r[k] else "—"
                                   for k in keys)
                      + " | " + ("yes" if r["plateau"] else "no: " + ", ".join(r["moving"])) + " |")
+    notes = [f"- `{r['method']}`: {r['meta_cost']}" for r in methods if r.get("meta_cost")]
+    if notes:
+        lines += ["", "Bilevel methods: what each meta update adds to a step (declared by the class, "
+                      "``Weighting.meta_cost``; the step time and memory above are measured):", *notes]
     failures = [f"- `{r['method']}` {x}" for r in rows for x in r["failed"]]
     if failures:
         lines += ["", "Failed runs (their errors: runs.jsonl, errors.log):", *failures]

@@ -70,6 +70,14 @@ class Weighting(nn.Module):
     # correct when a step holds only some tasks (see the module docstring); else why not, for the config refusal
     updates_from_present_tasks: bool = False
     absent_task_refusal: str = ""
+    # Bilevel methods (mtl/weighting/bilevel.py): a meta update before some steps' real step, on a held-out batch
+    # (``data.heldout``) that the trainer draws when ``wants_heldout(step)``. What one meta update costs, beyond the
+    # step itself, in passes over the whole model (the cost tables read these, never a method's name):
+    needs_heldout_batch: bool = False
+    meta_forwards: int = 0
+    meta_backwards: int = 0
+    meta_allreduces: int = 0  # all-reduces of a whole-model gradient (P numbers) under DDP
+    meta_param_copies: int = 0  # whole-model-sized tensors (P numbers) held during the meta update
 
     def __init__(self, cfg, tasks: list[str]):
         super().__init__()
@@ -86,6 +94,30 @@ class Weighting(nn.Module):
         """Called once before the step's forward passes, with the tasks the step holds (None: all of them).
         A subclass that overrides it calls ``super().begin_step(step, present)``."""
         self.present = list(self.tasks) if present is None else [t for t in self.tasks if t in present]
+
+    def wants_heldout(self, step: int) -> bool:
+        """A bilevel method: whether step ``step`` begins with a meta update (the trainer draws a held-out batch)."""
+        return False
+
+    def meta_step(self, meta) -> dict:
+        """A bilevel method's meta update (``mtl.weighting.bilevel.MetaInputs``), before the step's forward passes;
+        returns statistics to log."""
+        raise NotImplementedError(f"{self.name} has no meta update")
+
+    def meta_gradient(self) -> Tensor | None:
+        """After ``meta_step``: a term of the model's update beyond the gradient of the weighted losses (FORUM's
+        held-out gradients), as one flat rank-averaged vector over the trainable parameters in
+        ``mtl.weighting.bilevel.ModelVector``'s order, which ``train_step`` adds to ``.grad`` after the backward
+        passes; None (the default) for none. Returned once per meta update."""
+        return None
+
+    @classmethod
+    def meta_cost(cls, num_tasks: int) -> dict:
+        """What one meta update adds to a step with ``num_tasks`` tasks: forwards, backwards and gradient all-reduces
+        over the whole model, and whole-model-sized tensors held (all 0 for a method without one). A method whose
+        cost grows with the tasks overrides it."""
+        return {"meta_forwards": cls.meta_forwards, "meta_backwards": cls.meta_backwards,
+                "meta_allreduces": cls.meta_allreduces, "meta_param_copies": cls.meta_param_copies}
 
     def weigh(self, task: str, loss: torch.Tensor) -> torch.Tensor:
         """The term whose backward pass the step runs for ``task``."""

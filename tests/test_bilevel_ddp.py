@@ -1,0 +1,122 @@
+"""The bilevel weighting methods, proven under DDP: 2 processes x batch B == 1 process x batch 2B after 2 steps,
+held-out batches included (the one proof of the claim in mtl/weighting/bilevel.py; kept in the fast tier).
+
+One spawn of three workers, as tests/test_weighting_ddp.py (see its docstring for float64, SGD and GroupNorm):
+workers 0 and 1 are a 2-rank gloo run with data.batch_size=B, worker 2 a single process with 2B. Each runs every
+method with ``needs_heldout_batch`` for 2 steps with a meta update at each, 8 held-out items (one global batch:
+the held-out stream changes epoch between the steps), and compares the parameters, the weights and the
+method's state. The negative control: Auto-Lambda's hypergradient at step 0 from each rank's LOCAL gradients (no
+rank average) misses the single process's by far, while the rank-averaged one the method used matches it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mtl.weighting import weighting_types
+
+from .conftest import TINY, run_spawn, spawn_env
+from .test_weighting_ddp import DTYPE, bitwise_equal, max_rel_diff
+
+B = 4
+STEPS = 2
+TOL = 1e-5
+# the method's state (Adam's moments of lambda): the hypergradient is a central difference of the float32 losses the
+# model returns, (L(+) - L(-)) / 2 eps, which divides their rounding (~1e-7 relative) by a small difference (5e-6 seen)
+STATE_TOL = 1e-4
+METHODS = sorted(n for n, c in weighting_types().items() if c.needs_heldout_batch)
+DEADLINE_S = 300
+# options that move the weights visibly within the steps
+EXTRA = {"autolambda": ["weighting.options.lr=0.01"], "moml": ["weighting.options.lr=0.01"],
+         "forum": ["weighting.options.rho=1.0"]}
+
+
+def _to64(batch):
+    return {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def _worker(index, port, out_dir):
+    world = spawn_env(index, port)
+    from mtl import dist
+    from mtl.trainer import Trainer
+    from mtl.weighting.autolambda import autolambda_hypergradient
+    from mtl.weighting.bilevel import ModelVector
+
+    torch.set_num_threads(1)
+    torch.set_default_dtype(DTYPE)
+    who = f"rank{index}" if world > 1 else "single"
+    results, captured = {}, {}
+    try:
+        for method in METHODS:
+            trainer = Trainer.from_config(TINY, [
+                f"output_dir={os.path.join(out_dir, f'world{world}', method)}", f"data.batch_size={2 * B // world}",
+                "optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0", "optim.warmup_steps=0",
+                "trainer.progress=false", "ddp.timeout_s=60", f"weighting.method={method}", "data.heldout=8",
+                *EXTRA.get(method, [])])
+            assert trainer.dist.world_size == world
+            collate = trainer.heldout.collate
+            trainer.heldout.collate = lambda recs, c=collate: _to64(c(recs))
+            if method == "autolambda":  # the negative control: the same hypergradient without the rank averages
+                meta_step = trainer.weighting.meta_step
+
+                def spy(meta, w=trainer.weighting, meta_step=meta_step):
+                    if "local" not in captured:
+                        mv = ModelVector(meta.model)
+                        captured["local"] = autolambda_hypergradient(
+                            lambda th: mv.losses(th, meta.batch, w.tasks), lambda th: mv.losses(th, meta.heldout,
+                                                                                                w.primary).sum(),
+                            mv.vector(), w.lam, float(meta.lr), float(w.options.fd_eps))[0]
+                    stats = meta_step(meta)
+                    captured.setdefault("reduced", torch.stack([stats[f"meta_hypergrad/{t}"] for t in w.tasks]))
+                    return stats
+
+                trainer.weighting.meta_step = spy
+            batches = trainer.batches()
+            trainer.bare.train()
+            for _ in range(STEPS):
+                trainer.step_once(_to64(next(batches)[1]))
+            results[method] = {
+                "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
+                "weighting": trainer.weighting.state_dict(), "weights": trainer.weighting.weights(),
+                "heldout": trainer.heldout.state_dict(),
+            }
+            trainer.close()
+        torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{who}.pt"))
+    finally:
+        dist.destroy()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bilevel_ddp")
+    run_spawn(_worker, out, DEADLINE_S, "bilevel DDP")
+    return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_processes_equal_one_process_on_the_global_batch_held_out_batches_included(runs, method):
+    r0, r1, single = (runs[k]["results"][method] for k in ("rank0", "rank1", "single"))
+    for part in ("model", "weighting", "weights", "heldout"):  # the two ranks are replicas, bit for bit
+        assert bitwise_equal(r0[part], r1[part]), (method, part)
+    assert r0["heldout"] == single["heldout"] == {"epoch": 1, "samples": 8, "size": 8}  # the stream's global position
+    model, weights = max_rel_diff(single["model"], r0["model"]), max_rel_diff(single["weights"], r0["weights"])
+    state = max_rel_diff(single["weighting"], r0["weighting"])
+    init = weighting_types()[method].Options().init
+    moved = max(abs(v - init) for v in single["weights"].values())
+    print(f"{method}: parameters {model:.1e}, weights {weights:.1e}, state {state:.1e}; weights moved {moved:.1e}")
+    assert moved > 1e-4  # the meta updates did move the weights (else the comparison would test nothing)
+    assert model <= TOL and weights <= TOL and state <= STATE_TOL, (method, model, weights, state)
+
+
+def test_the_hypergradient_without_rank_averages_misses_the_bar(runs):
+    truth = runs["single"]["captured"]["reduced"]  # no process group: the global batch's
+    right, local = runs["rank0"]["captured"]["reduced"], runs["rank0"]["captured"]["local"]
+
+    def rel(a, b):
+        return float((a - b).abs().max() / a.abs().max())
+
+    print(f"hypergradient: rank-averaged {rel(truth, right):.1e}, rank 0's local {rel(truth, local):.1e}")
+    assert rel(truth, right) <= STATE_TOL and rel(truth, local) > 1e3 * STATE_TOL
