@@ -1,5 +1,5 @@
 """The bilevel weighting methods, proven under DDP: 2 processes x batch B == 1 process x batch 2B after 2 steps,
-held-out batches included (the one proof of the claim in mtl/weighting/bilevel.py; kept in the fast tier).
+held-out batches included (the one proof of the claim in mtl/weighting/bilevel.py; in the full suite, like the other parity proofs).
 
 One spawn of three workers, as tests/test_weighting_ddp.py (see its docstring for float64, SGD and GroupNorm):
 workers 0 and 1 are a 2-rank gloo run with data.batch_size=B, worker 2 a single process with 2B. Each runs every
@@ -96,6 +96,7 @@ def runs(tmp_path_factory):
     return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
 
 
+@pytest.mark.slow  # one 3-process spawn, about 30 s: the full suite's, like the other parity proofs
 @pytest.mark.parametrize("method", METHODS)
 def test_two_processes_equal_one_process_on_the_global_batch_held_out_batches_included(runs, method):
     r0, r1, single = (runs[k]["results"][method] for k in ("rank0", "rank1", "single"))
@@ -111,6 +112,7 @@ def test_two_processes_equal_one_process_on_the_global_batch_held_out_batches_in
     assert model <= TOL and weights <= TOL and state <= STATE_TOL, (method, model, weights, state)
 
 
+@pytest.mark.slow
 def test_the_hypergradient_without_rank_averages_misses_the_bar(runs):
     truth = runs["single"]["captured"]["reduced"]  # no process group: the global batch's
     right, local = runs["rank0"]["captured"]["reduced"], runs["rank0"]["captured"]["local"]
