@@ -270,3 +270,21 @@ def test_stch_on_the_present_tasks_is_stch_on_those_tasks_alone():
                            options={"warmup_steps": 2, "nadir_steps": 1})  # past the warm-up: the weights move
     b = ALL.index("b")
     assert sub.steps[b] == 0 and sub.prev[b] is None and sub.nadir_sum[b] == 0.0
+
+
+def test_graddrop_per_shard_on_a_subset_names_the_present_tasks():
+    """FSDP2 with a step that holds K' < K tasks: the kept fractions ``finish_shard`` records are the present
+    tasks', under their own names, and equal ``combine``'s on the whole rows."""
+    whole, shards = make("graddrop", seed=3, tasks=ALL), make("graddrop", seed=3, tasks=ALL)
+    whole.begin_step(2, PRESENT)
+    shards.begin_step(2, PRESENT)
+    grads = random_grads(len(PRESENT), 31, 2)
+    grads[2, :15] = -grads[0, :15]  # conflicting coordinates: something is dropped, by task
+    whole.combine(grads)
+    sums = 0
+    for index in (torch.arange(0, 31, 2), torch.arange(1, 31, 2)):
+        sums = sums + shards.combine_shard(grads[:, index], index, 31)[1]
+    shards.finish_shard(sums, grads @ grads.T)
+    assert set(shards.step_weights()) == set(PRESENT)
+    assert shards.step_weights() == pytest.approx(whole.step_weights(), rel=1e-12)
+    assert min(whole.step_weights().values()) < 0.99

@@ -257,8 +257,7 @@ class GramWeighting(Weighting):
 
     def __init__(self, cfg, tasks: list[str]):
         super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-        self._alpha_tasks: list[str] = list(self.tasks)
+        self._alpha: Tensor | None = None  # the last combination's weights, one per present task
 
     def weigh(self, task: str, loss: Tensor) -> Tensor:
         return loss  # the combination happens on the gradients
@@ -267,7 +266,7 @@ class GramWeighting(Weighting):
         """Coefficients of the last combination (d = sum_t w_t g_t) of the tasks it combined; 1.0 before the first."""
         if self._alpha is None:
             return {t: 1.0 for t in self.tasks}
-        return dict(zip(self._alpha_tasks, self._alpha.tolist()))
+        return dict(zip(self.present, self._alpha.tolist()))
 
     def weights_from_gram(self, gram: Tensor, losses: Tensor | None, dtype: torch.dtype) -> Tensor:
         """(K, K) float64 Gram matrix -> (K,) weights w of the update ``w^T G``."""
@@ -279,7 +278,6 @@ class GramWeighting(Weighting):
         """The method's weights for ``gram`` (K' x K', the present tasks), recorded for ``weights()``."""
         check_present(self, gram.shape[0])
         self._alpha = self.weights_from_gram(gram, losses, dtype)
-        self._alpha_tasks = list(self.present)
         return self._alpha
 
     @classmethod
