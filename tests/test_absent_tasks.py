@@ -288,3 +288,24 @@ def test_graddrop_per_shard_on_a_subset_names_the_present_tasks():
     assert set(shards.step_weights()) == set(PRESENT)
     assert shards.step_weights() == pytest.approx(whole.step_weights(), rel=1e-12)
     assert min(whole.step_weights().values()) < 0.99
+
+
+@pytest.mark.parametrize("name", ["famo", "stch", "gls", "excessmtl", "gradnorm", "dwa", "uw"])
+def test_weights_reports_every_task_and_step_weights_is_the_filter(name):
+    """A method with a weight per task in its state reports an absent task's too (at its unchanged value);
+    ``step_weights()``, what the trainer logs, is ``weights()`` on the present tasks."""
+    m = make(name, tasks=ALL, options={"warmup_steps": 1, "nadir_steps": 1} if name == "stch" else None)
+    for step in range(4):
+        m.begin_step(step, PRESENT)
+        if m.level == "grad":
+            m.combine(random_grads(len(PRESENT), 20, step), torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64))
+        m.end_step({t: 1.0 / (step + 1) + i for i, t in enumerate(PRESENT)})
+    m.begin_step(4, PRESENT)
+    w = m.weights()
+    assert list(w) == ALL
+    assert m.step_weights() == {t: w[t] for t in PRESENT}
+    if name in ("excessmtl", "gradnorm"):
+        assert w["b"] == 1.0 and w != pytest.approx(dict.fromkeys(ALL, 1.0))  # b's weight never moved; others did
+    if name == "famo":  # b's logit (0) on the present tasks' scale; the present ones sum to 1
+        assert sum(w[t] for t in PRESENT) == pytest.approx(1.0, rel=1e-6)
+        assert w["b"] == pytest.approx(1.0 / float(m.logits[[0, 2, 3]].exp().sum()), rel=1e-6)

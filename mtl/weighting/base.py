@@ -25,8 +25,11 @@ the step's tasks, kept in ``self.present`` (every task when ``present`` is None)
 weighs only those tasks (``weigh`` is called for them only, ``end_step`` gets their losses only); a
 gradient-level method gets the K' x P rows of the present tasks only, in task order, and combines them as the
 K'-task problem (its Gram matrix is K' x K'): an absent task is no row at all, never a zero row, since a zero row
-changes most methods' answer (MGDA's min-norm point is then 0). ``step_weights()``, what the trainer logs, holds
-the present tasks only: an absent task has no weight in that step, and is left out rather than reported as 0.
+changes most methods' answer (MGDA's min-norm point is then 0). ``weights()`` does not filter: it reports every
+task the method has a weight for (a method with a weight per task in its state: every task, an absent one at its
+current value; a weight made for one step, a combination's coefficients or RLW's draw: the step's tasks).
+``step_weights()``, what the trainer logs, is the one filter to the present tasks: an absent task has no weight in
+that step, and is left out rather than reported as 0.
 A method is allowed with policies that leave tasks out (mtl/multi_input_check.py) when its update reads the
 present tasks only: loss-level methods whose ``end_step`` keeps nothing, and every method that sets
 ``updates_from_present_tasks = True``, which says that its state moves only from the present tasks (DWA, FAMO,
@@ -124,11 +127,13 @@ class Weighting(nn.Module):
         return loss * self.weights()[task]
 
     def weights(self) -> dict[str, float]:
-        """The current per-task loss weights (for the step and for logging)."""
+        """The current per-task weights, unfiltered (an absent task's too, where the method keeps one: see the
+        module docstring); ``step_weights()`` is what the trainer logs."""
         return {t: 1.0 for t in self.tasks}
 
     def step_weights(self) -> dict[str, float]:
-        """``weights()`` of the step's present tasks only (what the trainer logs; an absent task is left out)."""
+        """``weights()`` of the step's present tasks only: the one filter (what the trainer logs; an absent task is
+        left out)."""
         w = self.weights()
         return {t: w[t] for t in self.present if t in w}
 

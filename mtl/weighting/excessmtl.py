@@ -82,8 +82,7 @@ class ExcessMTL(Weighting):
         return loss  # the combination happens on the gradients
 
     def weights(self):
-        idx = [self.tasks.index(t) for t in self.present]
-        return dict(zip(self.present, self.task_weights[idx].tolist()))
+        return dict(zip(self.tasks, self.task_weights.tolist()))
 
     @torch.no_grad()
     def combine(self, grads, losses=None):

@@ -105,7 +105,7 @@ class STCH(Weighting):
         return self._w[self._index[task]] * loss / all_reduce_mean(loss.detach()).clamp_min(STCH_EPS)
 
     def weights(self):
-        return {t: self._w[self._index[t]] for t in self.present}
+        return dict(zip(self.tasks, self._w))  # an absent task: 1.0 (it has no term in the step)
 
     def end_step(self, losses):
         o = self.options
