@@ -21,7 +21,8 @@ rows (per-coordinate signs, as GradDrop's) subclasses ``Weighting`` with ``level
 overrides ``combine`` itself.
 
 Steps that hold only some tasks (multi-input mode, docs/multi-input.md): ``begin_step(step, present)`` names
-the step's tasks, kept in ``self.present`` (every task when ``present`` is None). A loss-level method then
+the step's tasks, kept in ``self.present`` (every task when ``present`` is None; their positions in ``self.tasks``
+in ``self.present_index``). A loss-level method then
 weighs only those tasks (``weigh`` is called for them only, ``end_step`` gets their losses only); a
 gradient-level method gets the K' x P rows of the present tasks only, in task order, and combines them as the
 K'-task problem (its Gram matrix is K' x K'): an absent task is no row at all, never a zero row, since a zero row
@@ -86,6 +87,8 @@ class Weighting(nn.Module):
         super().__init__()
         self.tasks = list(tasks)
         self.present = list(self.tasks)  # the tasks of the current step (begin_step)
+        self.present_index = list(range(len(self.tasks)))  # their positions in self.tasks
+        self.step = 0  # the step begin_step was last called for (the trainer's step count before it)
         self.options = options_of(type(self).Options, cfg.weighting.get("options"), "weighting.options")
 
     @classmethod
@@ -94,9 +97,12 @@ class Weighting(nn.Module):
         return []
 
     def begin_step(self, step: int, present: list[str] | None = None) -> None:
-        """Called once before the step's forward passes, with the tasks the step holds (None: all of them).
-        A subclass that overrides it calls ``super().begin_step(step, present)``."""
+        """Called once before the step's forward passes, with the tasks the step holds (None: all of them): sets
+        ``self.step``, ``self.present`` and ``self.present_index``. A subclass that overrides it calls
+        ``super().begin_step(step, present)``."""
+        self.step = int(step)
         self.present = list(self.tasks) if present is None else [t for t in self.tasks if t in present]
+        self.present_index = [self.tasks.index(t) for t in self.present]
 
     def wants_heldout(self, step: int) -> bool:
         """A bilevel method: whether step ``step`` begins with a meta update (the trainer draws a held-out batch)."""
@@ -206,15 +212,15 @@ def like_gram(x, gram: Tensor) -> Tensor:
     return torch.as_tensor(np.asarray(x, dtype=np.float64), dtype=gram.dtype, device=gram.device)
 
 
-def simplex_part(state: Tensor, tasks: list[str], present: list[str]) -> tuple[Tensor | None, Tensor, Tensor | None]:
+def simplex_part(state: Tensor, index: list[int]) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """A method whose state is a point of the simplex over the tasks (MoDo's lambda, SDMGrad's w), on a step
-    that holds ``present``: (index, the present tasks' part renormalised to sum 1, that part's mass). With every
-    task present: (None, ``state`` itself, None). ``put_simplex_part`` writes the new part back at the same mass,
-    so the absent tasks' shares do not move and the method over K tasks of which only S appear is the method
-    over S."""
-    if len(present) == len(tasks):
+    that holds the tasks at ``index`` (``Weighting.present_index``): (index, the present tasks' part renormalised to
+    sum 1, that part's mass). With every task present: (None, ``state`` itself, None). ``put_simplex_part`` writes
+    the new part back at the same mass, so the absent tasks' shares do not move and the method over K tasks of which
+    only S appear is the method over S."""
+    if len(index) == state.shape[0]:
         return None, state, None
-    idx = torch.tensor([tasks.index(t) for t in present], device=state.device)
+    idx = torch.tensor(index, device=state.device)
     part = state[idx]
     mass = part.sum()
     return idx, part / mass, mass

@@ -100,7 +100,7 @@ class DBMTL(Weighting):
             raise ValueError("dbmtl needs the task losses (the gradient of log L_t is g_t / L_t)")
         check_present(self, grads.shape[0])
         work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
-        idx = [self.tasks.index(t) for t in self.present]
+        idx = self.present_index
         counts = {self.updates[i] for i in idx}
         if len(counts) == 1:  # the usual case (always, with every task in every step): one scalar rate
             beta = self.options.beta / (counts.pop() + 1) ** self.options.sigma

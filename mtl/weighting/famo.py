@@ -97,7 +97,7 @@ class FAMO(Weighting):
     def _coefficients(self) -> dict[str, torch.Tensor]:
         """c * z_S per present task, the coefficient of log(L_t + eps) in its term (cached for the step)."""
         if self._coef is None or next(iter(self._coef.values())).device != self.logits.device:
-            idx = [self._index[t] for t in self.present]
+            idx = self.present_index
             z = torch.softmax(self.logits[idx], dim=0)
             prev = [self.prev_losses[i] for i in idx]
             if any(x is None for x in prev):
@@ -119,7 +119,7 @@ class FAMO(Weighting):
     def weights(self):
         """z: the softmax over the present tasks' logits, and an absent task's logit on the same scale,
         exp(xi_t) / sum_{s present} exp(xi_s) (with every task present: softmax(xi))."""
-        idx = [self._index[t] for t in self.present]
+        idx = self.present_index
         z = torch.exp(self.logits - torch.logsumexp(self.logits[idx], dim=0))
         z[idx] = torch.softmax(self.logits[idx], dim=0)  # the step's z to the last bit
         return dict(zip(self.tasks, z.tolist()))

@@ -103,12 +103,7 @@ class GradDrop(Weighting):
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         self.seed = int(cfg.seed)
-        self.step = 0
         self._kept: Tensor | None = None  # the last step's kept fractions, one per present task
-
-    def begin_step(self, step, present=None):
-        super().begin_step(step, present)
-        self.step = int(step)
 
     def weigh(self, task, loss):
         return loss  # the combination happens on the gradients

@@ -120,7 +120,7 @@ class GradNorm(GramWeighting):
 
     def weights_from_gram(self, gram, losses, dtype):
         """This step's w_S; then w_S moves using the norms ||g_t|| = sqrt(diag(gram))."""
-        idx = [self.tasks.index(t) for t in self.present]
+        idx = self.present_index
         out = self.task_weights[idx].clone()
         if all(self.initial_losses[i] is not None and self.last_losses[i] is not None for i in idx):
             self._update(idx, gram.diagonal().clamp_min(0.0).sqrt().to(self.task_weights.dtype))

@@ -86,7 +86,7 @@ class STCH(Weighting):
         self._w = [1.0] * len(self.tasks)
 
     def _refresh(self):
-        o, idx = self.options, [self._index[t] for t in self.present]
+        o, idx = self.options, self.present_index
         self._w = [1.0] * len(self.tasks)
         if self.prev is not None and all(self.steps[i] > o.warmup_steps and self.prev[i] is not None for i in idx):
             nadir = self.nadir()
