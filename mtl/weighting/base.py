@@ -44,6 +44,7 @@ checkpoints: learnable weights as parameters or buffers, everything else through
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -149,6 +150,18 @@ class Weighting(nn.Module):
     def combine(self, grads: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
         """Gradient-level methods: (K', P) rank-averaged gradients of the present tasks -> (P,) update direction."""
         raise NotImplementedError(f"{self.name} is a loss-level method")
+
+    def grad_hooks(self) -> dict[str, Callable | None]:
+        """What a strategy calls to combine the task gradients, as the ``StepInputs`` fields of those names:
+        ``combine`` (a gradient-level method), ``gram_weights`` (a Gram-only one's ``weights_for_gram``),
+        ``combine_shard`` and ``finish_shard`` (one exact per FSDP2 shard); None where the method has no such form
+        (all four for a loss-level method)."""
+        grad = self.level == "grad"
+        shards = grad and self.shards_exactly()
+        return {"combine": self.combine if grad else None,
+                "gram_weights": self.weights_for_gram if grad and self.gram_only() else None,
+                "combine_shard": self.combine_shard if shards else None,
+                "finish_shard": self.finish_shard if shards else None}
 
     @classmethod
     def gram_only(cls) -> bool:
