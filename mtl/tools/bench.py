@@ -64,12 +64,6 @@ def metric_specs(cfg) -> list[tuple[str, str, bool]]:
     return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
 
 
-def method_types(cfg) -> dict[str, type]:
-    from mtl.weighting import weighting_types
-
-    return weighting_types(cfg.get("weighting_modules") or ())
-
-
 # ---------------------------------------------------------------------------------------------- methods
 
 _ENTRY = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$")
@@ -126,11 +120,12 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
     """Every problem of a list of methods (default ``bench.methods``), each naming the entry: unknown or repeated
     entries, the options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
     by the method's ``check``), and the gradient source against the method (as ``weighting.source``)."""
+    from mtl.build import run_method_types
     from mtl.config import check_options
     from mtl.config_check import gradient_source_errors
     from mtl.strategies import strategy_types
 
-    types, strategies, errors, seen = method_types(cfg), strategy_types(), [], set()
+    types, strategies, errors, seen = run_method_types(cfg), strategy_types(), [], set()
     for i, entry in enumerate(cfg.bench.methods if entries is None else entries):
         where = f"{where_prefix}[{i}] {entry!r}"
         try:
@@ -228,13 +223,15 @@ def plan(cfg, config_path: str | None = None, base_overrides: list[str] | None =
          loaded: dict | None = None) -> list[dict]:
     """Every run of the sweep: ``{regime, label, seed, dir, overrides, level}``; the baselines as ``single_<task>``
     (in a regime with ``baselines_from``, the other regime's baseline runs stand in: not planned twice)."""
+    from mtl.build import run_method_types
+
     if loaded is None:
         loaded = {name: (spec, cfg) for name, spec in regimes(cfg).items()}
         if config_path is not None:
             loaded, _ = regime_configs(cfg, config_path, base_overrides or [])
     runs = []
     for regime, (spec, rcfg) in loaded.items():
-        types = method_types(rcfg)
+        types = run_method_types(rcfg)
         labels = list(spec["methods"])
         if cfg.bench.baselines and spec["baselines_from"] is None:
             labels += [f"single_{t}" for t in rcfg.tasks]
@@ -447,8 +444,10 @@ def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
 
 def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_runs: list[dict]) -> tuple[list, dict]:
     """One regime's rows (one per method, then one per baseline) and its baselines ``{metric: mean}``."""
+    from mtl.build import run_method_types
+
     specs = metric_specs(rcfg)
-    types = method_types(rcfg)
+    types = run_method_types(rcfg)
     data = per_seed(runs, cfg.bench.last_k, specs)
     bdata = per_seed(baseline_runs, cfg.bench.last_k, specs)
     base = {}

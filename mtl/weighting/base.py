@@ -97,6 +97,14 @@ class Weighting(nn.Module):
         """Config errors specific to this method (each one names the key and the fix)."""
         return []
 
+    @classmethod
+    def allows_absent_tasks(cls) -> bool:
+        """Whether the method is correct on steps that hold only some tasks (module docstring): a loss-level method
+        whose ``end_step`` keeps nothing, or one that sets ``updates_from_present_tasks``. The config check
+        (mtl/multi_input_check.py) refuses any other with a policy that leaves tasks out, quoting
+        ``absent_task_refusal``."""
+        return (cls.level == "loss" and cls.end_step is Weighting.end_step) or cls.updates_from_present_tasks
+
     def begin_step(self, step: int, present: list[str] | None = None) -> None:
         """Called once before the step's forward passes, with the tasks the step holds (None: all of them): sets
         ``self.step``, ``self.present`` and ``self.present_index``. A subclass that overrides it calls
