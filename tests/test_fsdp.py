@@ -724,3 +724,20 @@ def test_gathered_now_counts_each_units_own_parameters_once():
     assert got["heads.gen"] == sum(p.numel() * p.element_size() for p in head.parameters()) - 2 * block
     assert "" not in got  # the root owns no parameter of its own
     assert sum(got.values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_task_grads_builds_the_shard_index_once_per_set_of_parameters(monkeypatch):
+    """The FSDP2 path's coordinates of this rank's shards (``shard_index``) are built the first step and kept; other
+    parameters get their own."""
+    import mtl.strategies.task_grads as tg
+    from mtl.config_check import load_run_config
+
+    calls = []
+    monkeypatch.setattr(tg, "shard_index", lambda params: calls.append(1) or torch.arange(sum(p.numel() for p in params)))
+    strategy = tg.TaskGrads(load_run_config(TINY, ["ddp.strategy=task_grads"]))
+    shared = [torch.zeros(3, 2), torch.zeros(4)]
+    first = strategy._shard_index(shared, torch.device("cpu"))
+    again = strategy._shard_index(shared, torch.device("cpu"))
+    assert again[0] is first[0] and first[1] == 10 and len(calls) == 1
+    other = strategy._shard_index([torch.zeros(5)], torch.device("cpu"))
+    assert other[1] == 5 and len(calls) == 2
