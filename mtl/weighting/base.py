@@ -20,19 +20,18 @@ K x K Gram matrix ``G G^T`` (plus the losses and the method's state), so they su
 rows (per-coordinate signs, as GradDrop's) subclasses ``Weighting`` with ``level = "grad"`` and
 overrides ``combine`` itself.
 
-Steps that hold only some tasks (multi-input mode, docs/multi-input.md): ``begin_step(step, present)`` names
-the step's tasks, kept in ``self.present`` (every task when ``present`` is None; their positions in ``self.tasks``
-in ``self.present_index``). A loss-level method then
-weighs only those tasks (``weigh`` is called for them only, ``end_step`` gets their losses only); a
-gradient-level method gets the K' x P rows of the present tasks only, in task order, and combines them as the
-K'-task problem (its Gram matrix is K' x K'): an absent task is no row at all, never a zero row, since a zero row
-changes most methods' answer (MGDA's min-norm point is then 0). ``weights()`` does not filter: it reports every
-task the method has a weight for (a method with a weight per task in its state: every task, an absent one at its
-current value; a weight made for one step, a combination's coefficients or RLW's draw: the step's tasks).
-``step_weights()``, what the trainer logs, is the one filter to the present tasks: an absent task has no weight in
-that step, and is left out rather than reported as 0.
-A method is allowed with policies that leave tasks out (mtl/multi_input_check.py) when its update reads the
-present tasks only: loss-level methods whose ``end_step`` keeps nothing, and every method that sets
+Steps that hold only some tasks (multi-input mode, docs/multi-input.md): ``begin_step(step, present)`` names the
+step's tasks, kept in ``self.present`` (every task when ``present`` is None; their positions in ``self.tasks`` in
+``self.present_index``). A loss-level method then weighs only those tasks (``weigh`` is called for them only,
+``end_step`` gets their losses only); a gradient-level method gets the K' x P rows of the present tasks only, in
+task order, and combines them as the K'-task problem (its Gram matrix is K' x K'): an absent task is no row at all,
+never a zero row, since a zero row changes most methods' answer (MGDA's min-norm point is then 0). ``weights()``
+does not filter: it reports every task the method has a weight for (a method with a weight per task in its state:
+every task, an absent one at its current value; a weight made for one step, a combination's coefficients or RLW's
+draw: the step's tasks). ``step_weights()``, what the trainer logs, is the one filter to the present tasks: an
+absent task has no weight in that step, and is left out rather than reported as 0. A method is allowed with policies
+that leave tasks out (mtl/multi_input_check.py, ``allows_absent_tasks()``) when its update reads the present tasks
+only: loss-level methods whose ``end_step`` keeps nothing, and every method that sets
 ``updates_from_present_tasks = True``, which says that its state moves only from the present tasks (DWA, FAMO,
 GradNorm) or that it keeps none (the stateless Gram methods). A method that does not says why in
 ``absent_task_refusal``, which the refusal quotes.
