@@ -61,7 +61,7 @@ class TaskGrads(Strategy):
     def __init__(self, cfg):
         super().__init__(cfg)
         self._buf: torch.Tensor | None = None  # [K losses, G (K x P)], kept between steps
-        self._shards: tuple | None = None  # FSDP2: (the parameters' ids, device, shard_index on it, P), built once
+        self._shards: tuple | None = None  # FSDP2: ((parameter ids, device), shard_index on it, P), built once
 
     @classmethod
     def allreduce_bytes(cls, num_tasks, shared_params, head_params, elem=4):
