@@ -25,6 +25,7 @@ class Amp:
     def __init__(self, precision: str, device: torch.device, sharded: bool = False):
         self.precision = precision
         self.device_type = device.type
+        self.sharded = sharded
         self.scaler = None
         if precision == "fp16" and sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -41,10 +42,14 @@ class Amp:
         return self.scaler.get_scale() if self.scaler is not None else 1.0
 
     def unscale_(self, optimizer) -> None:
-        if self.scaler is not None:
-            with warnings.catch_warnings():  # ShardedGradScaler's (1,)-shaped inverse scale meets DTensor gradients
-                warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
-                self.scaler.unscale_(optimizer)
+        if self.scaler is None:
+            return
+        if not self.sharded:
+            self.scaler.unscale_(optimizer)
+            return
+        with warnings.catch_warnings():  # ShardedGradScaler's (1,)-shaped inverse scale meets DTensor gradients
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            self.scaler.unscale_(optimizer)
 
     def update(self) -> None:
         """After the step (taken or skipped): the GradScaler backs its scale off if ``unscale_`` found an

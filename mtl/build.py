@@ -88,6 +88,11 @@ def run_task_types(cfg) -> dict[str, type]:
     return {t: types[t] for t in cfg.tasks}
 
 
+def run_method_types(cfg) -> dict[str, type]:
+    """The weighting methods a run can name: mtl/weighting/ and the config's ``weighting_modules``."""
+    return weighting_types(cfg.get("weighting_modules") or ())
+
+
 def build_collate(cfg, num_classes: int, class_names: list, tokenizer) -> BatchCollate:
     """The loaders' collate: ``image``, ``index`` and each of the run's tasks' own batch fields."""
     return BatchCollate(run_task_types(cfg), DataInfo(cfg=cfg, num_classes=num_classes, class_names=list(class_names),
@@ -165,7 +170,7 @@ def build_strategy(cfg):
 
 
 def build_weighting(cfg):
-    return weighting_types(cfg.get("weighting_modules") or ())[cfg.weighting.method](cfg, list(cfg.tasks))
+    return run_method_types(cfg)[cfg.weighting.method](cfg, list(cfg.tasks))
 
 
 def wrap_ddp(model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Module:

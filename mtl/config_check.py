@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from mtl.build import run_method_types
 from mtl.config import check_options, config_keys, load_config_collecting
 from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
@@ -137,7 +138,7 @@ def validate(cfg) -> list[str]:
     errors += fsdp_check(cfg, strategy)
 
     try:
-        methods = weighting_types(cfg.weighting_modules)
+        methods = run_method_types(cfg)
     except ConfigError as e:
         errors += e.errors
         methods = weighting_types()
@@ -149,7 +150,7 @@ def validate(cfg) -> list[str]:
         errors += heldout_errors(cfg, method)
         errors += gradient_source_errors(cfg, strategy, method, strategies)
         errors += fsdp_method_check(cfg, method)
-    errors += multi_input_check(cfg, strategy, method)  # data.per_task, data.sampling (mtl/multi_input_check.py)
+    errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/multi_input_check.py)
     _options(errors, cfg, tasks, method)
     _loss_scale(errors, cfg, tasks)
     return errors
@@ -237,7 +238,7 @@ def _options(errors, cfg, tasks, method) -> None:
 def option_defaults(cfg) -> dict:
     """The options the config's tasks and method take when none are given, shaped like the config."""
     tasks = task_types(cfg.get("task_modules") or ())
-    method = weighting_types(cfg.get("weighting_modules") or ()).get(cfg.weighting.method)
+    method = run_method_types(cfg).get(cfg.weighting.method)
     return {"task_options": {t: check_options({}, tasks[t].Options, "", []) for t in cfg.tasks if t in tasks},
             "weighting": {"options": check_options({}, method.Options, "", []) if method else {}}}
 

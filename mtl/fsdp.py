@@ -37,6 +37,8 @@ import math
 import torch
 from torch import nn
 
+from mtl.errors import ConfigError
+
 ENGINES = ("ddp", "fsdp2")
 
 
@@ -115,18 +117,21 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _check_no_shared_parameters(name: str, head: nn.Module, inner: list[tuple[str, nn.Module]]) -> None:
     """A parameter lives in one FSDP2 unit: a tied weight (GPT-2's wte and LM head) split over two units would be
     sharded twice and stop being one parameter. Refuse a head whose declared units share a parameter with each
-    other or with the rest of the head."""
+    other or with the rest of the head: a ConfigError (one message for the job, not a traceback per rank) naming
+    the head and ``TaskHead.shard_units``, the code to change."""
     owner = {}
+    fix = "keep tied weights in one FSDP2 unit (declare neither end, or a module holding both), or use ddp.engine=ddp"
     for sub, m in inner:
         for p in m.parameters():
             if id(p) in owner:
-                raise ValueError(f"heads.{name}: the shard units {owner[id(p)]} and {sub} share a parameter")
+                raise ConfigError(f"heads.{name}: the shard units {owner[id(p)]} and {sub} its TaskHead.shard_units "
+                                  f"declares share a parameter; {fix}")
             owner[id(p)] = sub
     inside = {id(p) for _, m in inner for p in m.parameters()}
     for pname, p in head.named_parameters(remove_duplicate=False):
         if id(p) in inside and not any(pname.startswith(f"{sub}.") for sub, _ in inner):
-            raise ValueError(f"heads.{name}.{pname} is tied to a parameter of the shard unit {owner[id(p)]}: "
-                             "keep tied weights in one unit (out of TaskHead.shard_units)")
+            raise ConfigError(f"heads.{name}: its parameter {pname} is tied to a parameter of the shard unit "
+                              f"{owner[id(p)]} that its TaskHead.shard_units declares; {fix}")
 
 
 def gathered_now(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, int]:
@@ -321,7 +326,7 @@ def load_full_model_state(model: nn.Module, state: dict) -> None:
     set_model_state_dict(model, state, options=_options(strict=True))
 
 
-class _Owner(nn.Module):
+class Owner(nn.Module):
     """The modules whose parameters the optimizer holds (the model, and learned loss weights), so that
     optimizer state is keyed by their names (``model.backbone...``, ``weighting...``)."""
 
@@ -334,10 +339,10 @@ def full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer) -> d
     """Collective: the optimizer's full state keyed by parameter name, on CPU on rank 0 (empty elsewhere)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(_Owner(model, weighting), optimizer, options=_options(cpu_offload=True))
+    return get_optimizer_state_dict(Owner(model, weighting), optimizer, options=_options(cpu_offload=True))
 
 
 def load_full_optimizer_state(model: nn.Module, weighting: nn.Module, optimizer, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(_Owner(model, weighting), optimizer, state, options=_options())
+    set_optimizer_state_dict(Owner(model, weighting), optimizer, state, options=_options())

@@ -17,10 +17,11 @@ Which strategies and weighting methods a sampling policy allows, and why:
   mtl/strategies/absent.py). ``combined`` and ``detach`` (find_unused_parameters=false) are refused.
   Weighting (mtl/weighting/base.py): the method is told the step's tasks (``begin_step(step, present)``); a
   loss-level method weighs the present tasks only, a gradient-level one combines their K' rows only (the
-  K'-task problem, no zero row for an absent task). Allowed: loss-level methods whose ``end_step`` keeps nothing,
-  and methods with ``updates_from_present_tasks`` (state moved only by the present tasks: DWA, FAMO, GradNorm,
-  GradVac, Nash-MTL, MoDo, SDMGrad, DB-MTL, ExcessMTL, STCH; or no state: the other Gram methods and GradDrop).
-  Every other method is refused with its own reason (``absent_task_refusal``: MoCo).
+  K'-task problem, no zero row for an absent task). Allowed (``Weighting.allows_absent_tasks()``): loss-level
+  methods whose ``end_step`` keeps nothing, and methods with ``updates_from_present_tasks`` (state moved only by
+  the present tasks: DWA, FAMO, GradNorm, GradVac, Nash-MTL, MoDo, SDMGrad, DB-MTL, ExcessMTL, STCH; or no state:
+  the other Gram methods and GradDrop). Every other method is refused with its own reason (``absent_task_refusal``:
+  MoCo; a bilevel method refuses multi-input mode as a whole in its own check).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import difflib
 from mtl.config import TaskDataConfig, check_options
 from mtl.data.multi_input import ABSENT_POLICIES, POLICIES, SOURCES
 from mtl.weighting import weighting_types
-from mtl.weighting.base import Weighting
 
 
 def _near(value: str, allowed) -> str:
@@ -38,8 +38,10 @@ def _near(value: str, allowed) -> str:
     return f" — did you mean {close[0]!r}?" if close else ""
 
 
-def check(cfg, strategy, method) -> list[str]:
-    """Errors of ``data.per_task`` / ``data.sampling``; fills each task's section with its defaults."""
+def check(cfg, strategy, method, methods: dict[str, type] | None = None) -> list[str]:
+    """Errors of ``data.per_task`` / ``data.sampling``; fills each task's section with its defaults. ``methods``: the
+    weighting methods the run can name (``build.run_method_types``; default: the shipped ones), for the refusal's
+    list of allowed methods."""
     errors: list[str] = []
     per_task, sp = cfg.data.get("per_task") or {}, cfg.data.sampling
     if not per_task:
@@ -90,35 +92,35 @@ def check(cfg, strategy, method) -> list[str]:
     if cfg.ddp.get("engine", "ddp") == "fsdp2":
         errors.append("data.per_task: multi-input mode is tested under ddp.engine=ddp only; use ddp.engine=ddp")
     if sp.policy in ABSENT_POLICIES:
-        errors += _absent_task_errors(cfg, strategy, method)
+        errors += _absent_task_errors(cfg, strategy, method, methods)
     return errors
 
 
-def _absent_task_errors(cfg, strategy, method) -> list[str]:
+def _absent_task_errors(cfg, strategy, method, methods) -> list[str]:
     errors = []
     why = (f"data.sampling.policy={cfg.data.sampling.policy}, which leaves tasks out of whole steps (an absent "
            "task's head gets no gradient)")
     if strategy is not None and not cfg.ddp.unsafe:
         fu = cfg.ddp.find_unused_parameters
         told = strategy.find_unused_parameters if fu is None else bool(fu)
-        if not told and not getattr(strategy, "covers_unused_parameters", False):
+        if not told and not strategy.covers_unused_parameters:
             errors.append(
                 f"ddp.strategy: {strategy.name} builds DDP with find_unused_parameters=false, and {why}: under DDP the "
                 "next step fails with 'Expected to have finished reduction in the prior iteration'. Use "
                 "ddp.strategy=find_unused, accumulate, placeholder, feature_leaf or task_grads (or combined with "
                 "ddp.find_unused_parameters=true), or data.sampling.policy=all or mixed (every task in every step)")
-    if method is not None and (method.level == "grad" or method.end_step is not Weighting.end_step) \
-            and not getattr(method, "updates_from_present_tasks", False):
-        reason = getattr(method, "absent_task_refusal", "") or (
+    # a bilevel method refuses multi-input mode as a whole in its own check (one message, not two)
+    if method is not None and not method.allows_absent_tasks() and not method.needs_heldout_batch:
+        reason = method.absent_task_refusal or (
             "a gradient-level method combines the step's task gradients" if method.level == "grad" else
             "it updates its state from every task's loss after each step") + "; not yet defined for a step without some tasks"
         errors.append(f"weighting.method: {method.name} is not supported with {why}: {reason}. Use a method that "
-                      f"weighs or combines the present tasks only ({', '.join(present_only_methods())}), or "
+                      f"weighs or combines the present tasks only ({', '.join(present_only_methods(methods))}), or "
                       "data.sampling.policy=all or mixed")
     return errors
 
 
-def present_only_methods() -> list[str]:
-    """The registered weighting methods allowed with policies that leave tasks out of a step."""
-    return sorted(n for n, m in weighting_types().items() if not m.needs_heldout_batch
-                  and ((m.level == "loss" and m.end_step is Weighting.end_step) or m.updates_from_present_tasks))
+def present_only_methods(methods: dict[str, type] | None = None) -> list[str]:
+    """The weighting methods (of ``methods``; default: the shipped ones) allowed with policies that leave tasks out
+    of a step."""
+    return sorted(n for n, m in (methods or weighting_types()).items() if m.allows_absent_tasks())

@@ -79,12 +79,8 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
 
     # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
     losses, stats = p.strategy.forward_backward(StepInputs(
-        model=p.model, batch=batch, tasks=tasks, weigh=w.weigh, scale=p.amp.scale,
-        combine=w.combine if w.level == "grad" else None,
-        gram_weights=w.weights_for_gram if w.level == "grad" and w.gram_only() else None,
-        combine_shard=w.combine_shard if w.level == "grad" and w.shards_exactly() else None,
-        finish_shard=w.finish_shard if w.level == "grad" and w.shards_exactly() else None,
-        loss_scale=p.amp.loss_scale, comm=p.comm))
+        model=p.model, batch=batch, tasks=tasks, weigh=w.weigh, scale=p.amp.scale, loss_scale=p.amp.loss_scale,
+        comm=p.comm, **w.grad_hooks()))  # a gradient-level method's combine (and its Gram / FSDP2-shard forms)
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)

@@ -23,9 +23,9 @@ MODEL, OPTIM = "model", "optim"
 
 
 def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
-    from mtl.fsdp import _Owner  # the modules whose parameters the optimizer holds, for parameter names
+    from mtl.fsdp import Owner  # the modules whose parameters the optimizer holds, for parameter names
 
-    return _Owner(model, weighting)
+    return Owner(model, weighting)
 
 
 def _no_dist() -> bool:

@@ -270,3 +270,42 @@ def test_stch_on_the_present_tasks_is_stch_on_those_tasks_alone():
                            options={"warmup_steps": 2, "nadir_steps": 1})  # past the warm-up: the weights move
     b = ALL.index("b")
     assert sub.steps[b] == 0 and sub.prev[b] is None and sub.nadir_sum[b] == 0.0
+
+
+def test_graddrop_per_shard_on_a_subset_names_the_present_tasks():
+    """FSDP2 with a step that holds K' < K tasks: the kept fractions ``finish_shard`` records are the present
+    tasks', under their own names, and equal ``combine``'s on the whole rows."""
+    whole, shards = make("graddrop", seed=3, tasks=ALL), make("graddrop", seed=3, tasks=ALL)
+    whole.begin_step(2, PRESENT)
+    shards.begin_step(2, PRESENT)
+    grads = random_grads(len(PRESENT), 31, 2)
+    grads[2, :15] = -grads[0, :15]  # conflicting coordinates: something is dropped, by task
+    whole.combine(grads)
+    sums = 0
+    for index in (torch.arange(0, 31, 2), torch.arange(1, 31, 2)):
+        sums = sums + shards.combine_shard(grads[:, index], index, 31)[1]
+    shards.finish_shard(sums, grads @ grads.T)
+    assert set(shards.step_weights()) == set(PRESENT)
+    assert shards.step_weights() == pytest.approx(whole.step_weights(), rel=1e-12)
+    assert min(whole.step_weights().values()) < 0.99
+
+
+@pytest.mark.parametrize("name", ["famo", "stch", "gls", "excessmtl", "gradnorm", "dwa", "uw"])
+def test_weights_reports_every_task_and_step_weights_is_the_filter(name):
+    """A method with a weight per task in its state reports an absent task's too (at its unchanged value);
+    ``step_weights()``, what the trainer logs, is ``weights()`` on the present tasks."""
+    m = make(name, tasks=ALL, options={"warmup_steps": 1, "nadir_steps": 1} if name == "stch" else None)
+    for step in range(4):
+        m.begin_step(step, PRESENT)
+        if m.level == "grad":
+            m.combine(random_grads(len(PRESENT), 20, step), torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64))
+        m.end_step({t: 1.0 / (step + 1) + i for i, t in enumerate(PRESENT)})
+    m.begin_step(4, PRESENT)
+    w = m.weights()
+    assert list(w) == ALL
+    assert m.step_weights() == {t: w[t] for t in PRESENT}
+    if name in ("excessmtl", "gradnorm"):
+        assert w["b"] == 1.0 and w != pytest.approx(dict.fromkeys(ALL, 1.0))  # b's weight never moved; others did
+    if name == "famo":  # b's logit (0) on the present tasks' scale; the present ones sum to 1
+        assert sum(w[t] for t in PRESENT) == pytest.approx(1.0, rel=1e-6)
+        assert w["b"] == pytest.approx(1.0 / float(m.logits[[0, 2, 3]].exp().sum()), rel=1e-6)

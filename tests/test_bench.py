@@ -289,7 +289,7 @@ def _fake_run(run_dir, evals, step_time=0.1, peak=500.0, combine=None):
         json.dump({"wall_time_s": 12.0}, f)
 
 
-def test_the_table_from_known_runs(tmp_path):
+def test_the_table_from_known_runs(tmp_path, monkeypatch):
     """summarize + write_results on hand-made runs with known numbers: Δm and its t-interval, the paired
     bootstrap marks against equal (▲ for a method better on every seed, none for one better on some), the slope
     and plateau columns, peak memory per run (never n/a), and the between-regimes table."""
@@ -364,6 +364,29 @@ def test_the_table_from_known_runs(tmp_path):
                                                                ("natural", "single_gen")}
     with open(tmp_path / "runs.csv") as f:
         assert len(list(csv.DictReader(f))) == len([r for r in runs if r["status"] == "ok"])  # the finished runs
+    # the TensorBoard hparams view: one entry per finished run, from the rows summarize read (no run read again)
+    from mtl.tools.bench import write_hparams
+
+    entries = []
+
+    class Writer:
+        def __init__(self, logdir):
+            pass
+
+        def add_hparams(self, hparams, metrics, run_name):
+            entries.append((hparams, metrics))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", Writer)
+    monkeypatch.setattr("mtl.tools.bench.read_run", lambda *a: pytest.fail("write_hparams read a run again"))
+    write_hparams(cfg, per_regime, {k: v[0] for k, v in loaded.items()})
+    assert sorted((h["regime"], h["method"], h["seed"]) for h, _ in entries) == \
+        sorted((r["regime"], r["label"], r["seed"]) for r in runs if r["status"] == "ok")
+    uw = next(m for h, m in entries if (h["regime"], h["method"], h["seed"]) == ("natural", "uw", 0))
+    assert uw["hparam/step_time_s"] == 0.2 and uw["hparam/peak_mem_mb"] == 500.0
+    assert abs(uw["hparam/cls_acc"] - 0.701) < 1e-9 and uw["hparam/gen_bleu4"] == 0.5
 
 
 # ------------------------------------------------------------------------------------------ a user's method

@@ -704,8 +704,16 @@ def test_a_head_whose_shard_units_split_a_tied_weight_is_refused():
     assert [n for n, _ in head.shard_units()] == ["decoder.lm.transformer.h.0"]
     assert model.heads["cls"].shard_units() == []  # the default: the whole head is one unit
     head.shard_units = lambda: [("decoder.lm.lm_head", head.decoder.lm.lm_head)]
-    with pytest.raises(ValueError, match=r"heads.gen.decoder.lm.transformer.wte.weight is tied to a parameter of "
-                                         r"the shard unit decoder.lm.lm_head"):
+    with pytest.raises(ConfigError, match=r"heads.gen: its parameter decoder.lm.transformer.wte.weight is tied to a "
+                                          r"parameter of the shard unit decoder.lm.lm_head that its TaskHead.shard_units "
+                                          r"declares; keep tied weights in one FSDP2 unit") as e:
+        shard_units(model)
+    assert e.value.exit_code == 2 and len(e.value.errors) == 1
+    head.shard_units = lambda: [("decoder.lm.lm_head", head.decoder.lm.lm_head),
+                                ("decoder.lm.transformer.wte", head.decoder.lm.transformer.wte)]
+    with pytest.raises(ConfigError, match=r"heads.gen: the shard units decoder.lm.lm_head and "
+                                          r"decoder.lm.transformer.wte its TaskHead.shard_units declares share a "
+                                          r"parameter"):
         shard_units(model)
 
 
@@ -724,3 +732,40 @@ def test_gathered_now_counts_each_units_own_parameters_once():
     assert got["heads.gen"] == sum(p.numel() * p.element_size() for p in head.parameters()) - 2 * block
     assert "" not in got  # the root owns no parameter of its own
     assert sum(got.values()) == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_task_grads_builds_the_shard_index_once_per_set_of_parameters(monkeypatch):
+    """The FSDP2 path's coordinates of this rank's shards (``shard_index``) are built the first step and kept; other
+    parameters get their own."""
+    import mtl.strategies.task_grads as tg
+    from mtl.config_check import load_run_config
+
+    calls = []
+    monkeypatch.setattr(tg, "shard_index", lambda params: calls.append(1) or torch.arange(sum(p.numel() for p in params)))
+    strategy = tg.TaskGrads(load_run_config(TINY, ["ddp.strategy=task_grads"]))
+    shared = [torch.zeros(3, 2), torch.zeros(4)]
+    first = strategy._shard_index(shared, torch.device("cpu"))
+    again = strategy._shard_index(shared, torch.device("cpu"))
+    assert again[0] is first[0] and first[1] == 10 and len(calls) == 1
+    other = strategy._shard_index([torch.zeros(5)], torch.device("cpu"))
+    assert other[1] == 5 and len(calls) == 2
+
+
+def test_only_the_sharded_scaler_unscales_under_a_warning_filter(monkeypatch):
+    """The ShardedGradScaler's DTensor warning is filtered around its ``unscale_`` only: a DDP fp16 step (the plain
+    GradScaler) enters no ``warnings.catch_warnings`` and unscales as before."""
+    import contextlib
+    import types
+
+    import mtl.amp as amp
+
+    entered = []
+    monkeypatch.setattr(amp, "warnings", types.SimpleNamespace(
+        catch_warnings=lambda: entered.append(1) or contextlib.nullcontext(), filterwarnings=lambda *a, **k: None))
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    a = amp.Amp("fp16", torch.device("cpu"))
+    a.scale((2.0 * p).sum()).backward()
+    assert torch.equal(p.grad, torch.full((3,), 2.0 * a.loss_scale()))
+    a.unscale_(opt)
+    assert entered == [] and torch.equal(p.grad, torch.full((3,), 2.0))

@@ -286,3 +286,15 @@ def test_dwa_moves_each_tasks_history_on_only_in_the_steps_that_hold_it():
     again.end_step({"cls": 0.25})
     again.end_step({"gen": 1.0})
     assert again.weights() == w.weights()
+
+
+def test_a_users_method_is_judged_and_listed_like_a_shipped_one(tmp_path):
+    """weighting_modules: a user's stateless loss-level method is allowed with a policy that leaves tasks out, and a
+    refused method's message lists it among the methods that would do."""
+    path = tmp_path / "halves.py"
+    path.write_text("from mtl.weighting.base import Weighting\n\n\nclass Halves(Weighting):\n    name = 'halves'\n\n"
+                    "    def weights(self):\n        return {t: 0.5 for t in self.tasks}\n")
+    over = ["data.sampling.policy=round_robin", "ddp.strategy=task_grads", f"weighting_modules=[{path}]"]
+    load_run_config(MI, [*over, "weighting.method=halves"])
+    text = errors_of([*over, "weighting.method=moco"])
+    assert "weighting.method: moco is not supported" in text and "halves" in text.split("present tasks only (")[1]

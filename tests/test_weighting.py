@@ -1441,3 +1441,19 @@ def test_moco_follows_its_update_and_tracks_the_gradients():
         make("moco").combine(g, None)
     close(make("moco", options={"normalize": False}).combine(g, None), 0.5 * g.T @ torch.softmax(
         torch.tensor([0.5 - 0.1 * 0.5 * 2.25, 0.5 - 0.1 * 0.5 * 0.25], dtype=torch.float64), 0), 1e-12)
+
+
+@pytest.mark.parametrize("name", LOSS_METHODS + GRAD_METHODS + ROW_METHODS)
+def test_grad_hooks_are_the_forms_of_combine_the_method_has(name):
+    """What train_step hands the strategy: nothing for a loss-level method; ``combine`` for every gradient-level
+    one; ``weights_for_gram`` for a Gram-only one; ``combine_shard`` / ``finish_shard`` for one exact per shard."""
+    w = make(name)
+    hooks = w.grad_hooks()
+    assert set(hooks) == {"combine", "gram_weights", "combine_shard", "finish_shard"}
+    grad = w.level == "grad"
+    assert (hooks["combine"] == w.combine) if grad else hooks["combine"] is None
+    assert (hooks["gram_weights"] == w.weights_for_gram) if grad and name in GRAD_METHODS \
+        else hooks["gram_weights"] is None
+    shards = name == "graddrop"  # the one row method exact column by column (FSDP2)
+    assert (hooks["combine_shard"] == w.combine_shard) if shards else hooks["combine_shard"] is None
+    assert (hooks["finish_shard"] == w.finish_shard) if shards else hooks["finish_shard"] is None

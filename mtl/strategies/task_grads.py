@@ -61,6 +61,7 @@ class TaskGrads(Strategy):
     def __init__(self, cfg):
         super().__init__(cfg)
         self._buf: torch.Tensor | None = None  # [K losses, G (K x P)], kept between steps
+        self._shards: tuple | None = None  # FSDP2: ((parameter ids, device), shard_index on it, P), built once
 
     @classmethod
     def allreduce_bytes(cls, num_tasks, shared_params, head_params, elem=4):
@@ -123,15 +124,10 @@ class TaskGrads(Strategy):
         else:  # a method that needs the rows
             w = None
             direction = s.combine(rows / scale, loss_vec) * scale
-        if w is not None:  # sum_t w_t g_t, in place in .grad (which holds the last row)
-            views = [list(torch.split(rows[i], [p.numel() for p in shared])) for i in range(k)]
-            torch._foreach_mul_(grads, w[k - 1])
-            for i in range(k - 1):
-                torch._foreach_add_(grads, [v.view_as(x) for v, x in zip(views[i], grads)], alpha=w[i])
+        if w is not None:
+            add_weighted_rows_(grads, rows, w)
         else:
-            torch._foreach_copy_(grads, [v.view_as(x) for v, x in
-                                         zip(torch.split(direction.to(grads[0].dtype), [p.numel() for p in shared]),
-                                             grads)])
+            copy_flat_(grads, direction)
         if rows.is_cuda:
             torch.cuda.synchronize(rows.device)
         stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
@@ -164,8 +160,8 @@ class TaskGrads(Strategy):
             raise RuntimeError("a method that needs the rows of G whole cannot run under ddp.engine=fsdp2 "
                                "(mtl.fsdp.check_method refuses it at config time)")
         if s.gram_weights is None and s.combine_shard is not None:  # a row method, exact per shard (GradDrop)
-            index = shard_index(shared)
-            direction, partial = s.combine_shard(rows / scale, index, self._numel(shared))
+            index, total = self._shard_index(shared, rows.device)
+            direction, partial = s.combine_shard(rows / scale, index, total)
             direction = direction * scale  # partial: sums over the unscaled rows already
         # ONE collective: the sum over ranks of the shards' Gram matrices, the mean of the losses, and the method's
         # partial sums; every rank then holds the same numbers
@@ -176,23 +172,37 @@ class TaskGrads(Strategy):
         loss_avg = (reduced[k * k: k * k + k] / world).to(rows.dtype)
         if direction is not None:
             s.finish_shard(reduced[k * k + k:], gram / (scale * scale))
-            torch._foreach_copy_(grads, [v.view_as(x) for v, x in
-                                         zip(torch.split(direction.to(grads[0].dtype), [g.numel() for g in grads]),
-                                             grads)])
+            copy_flat_(grads, direction)
         else:
             if s.gram_weights is not None:
                 w = s.gram_weights(gram / (scale * scale), loss_avg, rows.dtype).tolist()
             else:  # loss-level weighting: the weighted rows just add up
                 w = [1.0] * k
-            views = [list(torch.split(rows[i], [g.numel() for g in grads])) for i in range(k)]
-            torch._foreach_mul_(grads, w[k - 1])  # .grad holds the last row's shard
-            for i in range(k - 1):
-                torch._foreach_add_(grads, [v.view_as(x) for v, x in zip(views[i], grads)], alpha=w[i])
+            add_weighted_rows_(grads, rows, w)  # .grad holds the last row's shard
         if rows.is_cuda:
             torch.cuda.synchronize(rows.device)
         stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
         return {t: v.detach() for t, v in losses.items()}, stats
 
-    @staticmethod
-    def _numel(params) -> int:
-        return sum(p.numel() for p in params)  # a DTensor's numel is the full parameter's
+    def _shard_index(self, shared: list, device: torch.device) -> tuple[torch.Tensor, int]:
+        """FSDP2: (this rank's coordinates in the full flat vector of ``shared``, on ``device``; P), built the first
+        time and kept: the shards of the same parameters do not move between steps."""
+        key = (tuple(id(p) for p in shared), device)
+        if self._shards is None or self._shards[0] != key:
+            total = sum(p.numel() for p in shared)  # a DTensor's numel is the full parameter's
+            self._shards = (key, shard_index(shared).to(device), total)
+        return self._shards[1], self._shards[2]
+
+
+def add_weighted_rows_(grads: list[torch.Tensor], rows: torch.Tensor, w: list[float]) -> None:
+    """``grads`` (which hold the last row, split like it) becomes sum_t w_t rows[t], in place."""
+    sizes = [g.numel() for g in grads]
+    torch._foreach_mul_(grads, w[-1])
+    for i in range(len(w) - 1):
+        torch._foreach_add_(grads, [v.view_as(x) for v, x in zip(torch.split(rows[i], sizes), grads)], alpha=w[i])
+
+
+def copy_flat_(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """``grads`` become the matching pieces of the flat vector ``flat`` (in their dtype)."""
+    pieces = torch.split(flat.to(grads[0].dtype), [g.numel() for g in grads])
+    torch._foreach_copy_(grads, [v.view_as(x) for v, x in zip(pieces, grads)])

@@ -64,12 +64,6 @@ def metric_specs(cfg) -> list[tuple[str, str, bool]]:
     return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
 
 
-def method_types(cfg) -> dict[str, type]:
-    from mtl.weighting import weighting_types
-
-    return weighting_types(cfg.get("weighting_modules") or ())
-
-
 # ---------------------------------------------------------------------------------------------- methods
 
 _ENTRY = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$")
@@ -126,11 +120,12 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
     """Every problem of a list of methods (default ``bench.methods``), each naming the entry: unknown or repeated
     entries, the options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
     by the method's ``check``), and the gradient source against the method (as ``weighting.source``)."""
+    from mtl.build import run_method_types
     from mtl.config import check_options
     from mtl.config_check import gradient_source_errors
     from mtl.strategies import strategy_types
 
-    types, strategies, errors, seen = method_types(cfg), strategy_types(), [], set()
+    types, strategies, errors, seen = run_method_types(cfg), strategy_types(), [], set()
     for i, entry in enumerate(cfg.bench.methods if entries is None else entries):
         where = f"{where_prefix}[{i}] {entry!r}"
         try:
@@ -224,17 +219,17 @@ def regime_configs(cfg, config_path: str, base_overrides: list[str]) -> tuple[di
 
 # ---------------------------------------------------------------------------------------------- runs
 
-def plan(cfg, config_path: str | None = None, base_overrides: list[str] | None = None,
-         loaded: dict | None = None) -> list[dict]:
+def plan(cfg, loaded: dict | None = None) -> list[dict]:
     """Every run of the sweep: ``{regime, label, seed, dir, overrides, level}``; the baselines as ``single_<task>``
-    (in a regime with ``baselines_from``, the other regime's baseline runs stand in: not planned twice)."""
+    (in a regime with ``baselines_from``, the other regime's baseline runs stand in: not planned twice). ``loaded``:
+    ``regime_configs``' regimes (default: every regime with ``cfg`` itself)."""
+    from mtl.build import run_method_types
+
     if loaded is None:
         loaded = {name: (spec, cfg) for name, spec in regimes(cfg).items()}
-        if config_path is not None:
-            loaded, _ = regime_configs(cfg, config_path, base_overrides or [])
     runs = []
     for regime, (spec, rcfg) in loaded.items():
-        types = method_types(rcfg)
+        types = run_method_types(rcfg)
         labels = list(spec["methods"])
         if cfg.bench.baselines and spec["baselines_from"] is None:
             labels += [f"single_{t}" for t in rcfg.tasks]
@@ -447,8 +442,10 @@ def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
 
 def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_runs: list[dict]) -> tuple[list, dict]:
     """One regime's rows (one per method, then one per baseline) and its baselines ``{metric: mean}``."""
+    from mtl.build import run_method_types
+
     specs = metric_specs(rcfg)
-    types = method_types(rcfg)
+    types = run_method_types(rcfg)
     data = per_seed(runs, cfg.bench.last_k, specs)
     bdata = per_seed(baseline_runs, cfg.bench.last_k, specs)
     base = {}
@@ -647,15 +644,8 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
     with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=run_fields, extrasaction="ignore")
         w.writeheader()
-        written = set()
-        for regime, (_, rows, _) in per_regime.items():
-            for r in rows:
-                # a baseline borrowed from another regime (baselines_from) is that regime's run: written once
-                home = (meta["regimes"][regime].get("baselines_from") or regime) if r["level"] == "single-task" else regime
-                for seed, d in r["_seeds"].items():
-                    if (home, r["method"], seed) not in written:
-                        written.add((home, r["method"], seed))
-                        w.writerow({**d, "regime": home, "method": r["method"], "seed": seed})
+        for regime, method, seed, d in finished_runs(per_regime, meta["regimes"]):
+            w.writerow({**d, "regime": regime, "method": method, "seed": seed})
     blocks = []
     for regime, (rcfg, rows, base) in per_regime.items():
         spec = meta["regimes"][regime]
@@ -674,19 +664,31 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
     return text
 
 
-def write_hparams(cfg, runs: list[dict], specs_of: dict) -> None:
+def finished_runs(per_regime: dict, regime_specs: dict) -> list[tuple[str, str, int, dict]]:
+    """(regime, method, seed, its data) of every finished run, from the rows ``summarize`` read them into, once each:
+    a baseline borrowed from another regime (baselines_from) is that regime's run."""
+    out, seen = [], set()
+    for regime, (_, rows, _) in per_regime.items():
+        for r in rows:
+            home = (regime_specs[regime].get("baselines_from") or regime) if r["level"] == "single-task" else regime
+            for seed, d in r["_seeds"].items():
+                if (home, r["method"], seed) not in seen:
+                    seen.add((home, r["method"], seed))
+                    out.append((home, r["method"], seed, d))
+    return out
+
+
+def write_hparams(cfg, per_regime: dict, regime_specs: dict) -> None:
+    """The TensorBoard hparams view (``tb/``): one entry per finished run, from ``summarize``'s rows."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
-    for r in runs:
-        specs = specs_of[r["regime"]]
-        d = read_run(r["dir"], cfg.bench.last_k, specs) if r.get("status") == "ok" else None
-        if d:
-            metrics = {f"hparam/{k}": d[k] for k, _, _ in specs if k in d}
-            metrics["hparam/step_time_s"] = d["step_time_s"]
-            metrics["hparam/peak_mem_mb"] = d["peak_mem_mb"]
-            writer.add_hparams({"regime": r["regime"], "method": r["label"], "seed": r["seed"]}, metrics,
-                               run_name=f"{r['regime']}-{r['label']}-seed{r['seed']}")
+    for regime, method, seed, d in finished_runs(per_regime, regime_specs):
+        metrics = {f"hparam/{k}": d[k] for k, _, _ in metric_specs(per_regime[regime][0]) if k in d}
+        metrics["hparam/step_time_s"] = d["step_time_s"]
+        metrics["hparam/peak_mem_mb"] = d["peak_mem_mb"]
+        writer.add_hparams({"regime": regime, "method": method, "seed": seed}, metrics,
+                           run_name=f"{regime}-{method}-seed{seed}")
     writer.close()
 
 
@@ -734,21 +736,21 @@ def main(argv: list[str] | None = None) -> int:
             return
         tic = time.time()
         run_all(cfg, config, a.overrides, runs)
-        per_regime, specs_of = {}, {}
+        per_regime = {}
         for regime, (spec, rcfg) in loaded.items():
             source = spec["baselines_from"] or regime
             mine = [r for r in runs if r["regime"] == regime and not r["label"].startswith("single_")]
             baselines = [r for r in runs if r["regime"] == source and r["label"].startswith("single_")]
             rows, base = summarize(cfg, regime, spec, rcfg, mine, baselines)
             per_regime[regime] = (rcfg, rows, base)
-            specs_of[regime] = metric_specs(rcfg)
             data = {r["method"]: list(r["_seeds"].values()) for r in rows if r["_seeds"]}
-            write_plots(rcfg, specs_of[regime], data, os.path.join(cfg.output_dir, regime), list(spec["methods"]))
+            write_plots(rcfg, metric_specs(rcfg), data, os.path.join(cfg.output_dir, regime), list(spec["methods"]))
         first_cfg = next(iter(loaded.values()))[1]
         report = examine(first_cfg, batches=1)  # F and B of the bench model, one process
+        regime_specs = {k: v[0] for k, v in loaded.items()}
         text = write_results(cfg, per_regime, {"forward_s": report["forward_s"], "backward_s": report["backward_s"],
-                                               "regimes": {k: v[0] for k, v in loaded.items()}})
-        write_hparams(cfg, runs, specs_of)
+                                               "regimes": regime_specs})
+        write_hparams(cfg, per_regime, regime_specs)
         print(text)
         print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
 

@@ -56,10 +56,9 @@ def _timed(fn, reps: int = 3) -> float:
 
 
 def examine(cfg, batches: int = 8) -> dict:
-    from mtl.build import build_run_pieces, init_from_weights
+    from mtl.build import build_run_pieces, init_from_weights, run_method_types
     from mtl.gradient_reach import nonfinite_parameters, reach_table, task_gradients
     from mtl.strategies import strategy_types
-    from mtl.weighting import weighting_types
 
     run = build_run_pieces(cfg)  # the run's own data, tokenizer, model and collate; read-only (no output_dir)
     model = run.model.train()
@@ -128,7 +127,7 @@ def examine(cfg, batches: int = 8) -> dict:
         costs[name] = {**c, "bytes_allreduced": reduced, "extra_memory_bytes": extra,
                        "est_time_vs_combined": round(estimate, 2), "exact_combined_gradient": not cls.changes_objective,
                        "task_gradients": cls.task_gradients, "summary": cls.summary}
-    method = weighting_types(cfg.get("weighting_modules") or ())[cfg.weighting.method]
+    method = run_method_types(cfg)[cfg.weighting.method]
     if method.level == "grad":
         rec = ("task_grads", f"weighting.method={cfg.weighting.method} needs each task's rank-averaged gradient of the "
                "shared parameters; task_grads gives it with one backbone forward and one all-reduce")

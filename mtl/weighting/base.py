@@ -20,15 +20,18 @@ K x K Gram matrix ``G G^T`` (plus the losses and the method's state), so they su
 rows (per-coordinate signs, as GradDrop's) subclasses ``Weighting`` with ``level = "grad"`` and
 overrides ``combine`` itself.
 
-Steps that hold only some tasks (multi-input mode, docs/multi-input.md): ``begin_step(step, present)`` names
-the step's tasks, kept in ``self.present`` (every task when ``present`` is None). A loss-level method then
-weighs only those tasks (``weigh`` is called for them only, ``end_step`` gets their losses only); a
-gradient-level method gets the K' x P rows of the present tasks only, in task order, and combines them as the
-K'-task problem (its Gram matrix is K' x K'): an absent task is no row at all, never a zero row, since a zero row
-changes most methods' answer (MGDA's min-norm point is then 0). ``step_weights()``, what the trainer logs, holds
-the present tasks only: an absent task has no weight in that step, and is left out rather than reported as 0.
-A method is allowed with policies that leave tasks out (mtl/multi_input_check.py) when its update reads the
-present tasks only: loss-level methods whose ``end_step`` keeps nothing, and every method that sets
+Steps that hold only some tasks (multi-input mode, docs/multi-input.md): ``begin_step(step, present)`` names the
+step's tasks, kept in ``self.present`` (every task when ``present`` is None; their positions in ``self.tasks`` in
+``self.present_index``). A loss-level method then weighs only those tasks (``weigh`` is called for them only,
+``end_step`` gets their losses only); a gradient-level method gets the K' x P rows of the present tasks only, in
+task order, and combines them as the K'-task problem (its Gram matrix is K' x K'): an absent task is no row at all,
+never a zero row, since a zero row changes most methods' answer (MGDA's min-norm point is then 0). ``weights()``
+does not filter: it reports every task the method has a weight for (a method with a weight per task in its state:
+every task, an absent one at its current value; a weight made for one step, a combination's coefficients or RLW's
+draw: the step's tasks). ``step_weights()``, what the trainer logs, is the one filter to the present tasks: an
+absent task has no weight in that step, and is left out rather than reported as 0. A method is allowed with policies
+that leave tasks out (mtl/multi_input_check.py, ``allows_absent_tasks()``) when its update reads the present tasks
+only: loss-level methods whose ``end_step`` keeps nothing, and every method that sets
 ``updates_from_present_tasks = True``, which says that its state moves only from the present tasks (DWA, FAMO,
 GradNorm) or that it keeps none (the stateless Gram methods). A method that does not says why in
 ``absent_task_refusal``, which the refusal quotes.
@@ -40,6 +43,7 @@ checkpoints: learnable weights as parameters or buffers, everything else through
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -83,6 +87,8 @@ class Weighting(nn.Module):
         super().__init__()
         self.tasks = list(tasks)
         self.present = list(self.tasks)  # the tasks of the current step (begin_step)
+        self.present_index = list(range(len(self.tasks)))  # their positions in self.tasks
+        self.step = 0  # the step begin_step was last called for (the trainer's step count before it)
         self.options = options_of(type(self).Options, cfg.weighting.get("options"), "weighting.options")
 
     @classmethod
@@ -90,10 +96,21 @@ class Weighting(nn.Module):
         """Config errors specific to this method (each one names the key and the fix)."""
         return []
 
+    @classmethod
+    def allows_absent_tasks(cls) -> bool:
+        """Whether the method is correct on steps that hold only some tasks (module docstring): a loss-level method
+        whose ``end_step`` keeps nothing, or one that sets ``updates_from_present_tasks``. The config check
+        (mtl/multi_input_check.py) refuses any other with a policy that leaves tasks out, quoting
+        ``absent_task_refusal``."""
+        return (cls.level == "loss" and cls.end_step is Weighting.end_step) or cls.updates_from_present_tasks
+
     def begin_step(self, step: int, present: list[str] | None = None) -> None:
-        """Called once before the step's forward passes, with the tasks the step holds (None: all of them).
-        A subclass that overrides it calls ``super().begin_step(step, present)``."""
+        """Called once before the step's forward passes, with the tasks the step holds (None: all of them): sets
+        ``self.step``, ``self.present`` and ``self.present_index``. A subclass that overrides it calls
+        ``super().begin_step(step, present)``."""
+        self.step = int(step)
         self.present = list(self.tasks) if present is None else [t for t in self.tasks if t in present]
+        self.present_index = [self.tasks.index(t) for t in self.present]
 
     def wants_heldout(self, step: int) -> bool:
         """A bilevel method: whether step ``step`` begins with a meta update (the trainer draws a held-out batch)."""
@@ -124,11 +141,13 @@ class Weighting(nn.Module):
         return loss * self.weights()[task]
 
     def weights(self) -> dict[str, float]:
-        """The current per-task loss weights (for the step and for logging)."""
+        """The current per-task weights, unfiltered (an absent task's too, where the method keeps one: see the
+        module docstring); ``step_weights()`` is what the trainer logs."""
         return {t: 1.0 for t in self.tasks}
 
     def step_weights(self) -> dict[str, float]:
-        """``weights()`` of the step's present tasks only (what the trainer logs; an absent task is left out)."""
+        """``weights()`` of the step's present tasks only: the one filter (what the trainer logs; an absent task is
+        left out)."""
         w = self.weights()
         return {t: w[t] for t in self.present if t in w}
 
@@ -138,6 +157,18 @@ class Weighting(nn.Module):
     def combine(self, grads: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
         """Gradient-level methods: (K', P) rank-averaged gradients of the present tasks -> (P,) update direction."""
         raise NotImplementedError(f"{self.name} is a loss-level method")
+
+    def grad_hooks(self) -> dict[str, Callable | None]:
+        """What a strategy calls to combine the task gradients, as the ``StepInputs`` fields of those names:
+        ``combine`` (a gradient-level method), ``gram_weights`` (a Gram-only one's ``weights_for_gram``),
+        ``combine_shard`` and ``finish_shard`` (one exact per FSDP2 shard); None where the method has no such form
+        (all four for a loss-level method)."""
+        grad = self.level == "grad"
+        shards = grad and self.shards_exactly()
+        return {"combine": self.combine if grad else None,
+                "gram_weights": self.weights_for_gram if grad and self.gram_only() else None,
+                "combine_shard": self.combine_shard if shards else None,
+                "finish_shard": self.finish_shard if shards else None}
 
     @classmethod
     def gram_only(cls) -> bool:
@@ -201,15 +232,15 @@ def like_gram(x, gram: Tensor) -> Tensor:
     return torch.as_tensor(np.asarray(x, dtype=np.float64), dtype=gram.dtype, device=gram.device)
 
 
-def simplex_part(state: Tensor, tasks: list[str], present: list[str]) -> tuple[Tensor | None, Tensor, Tensor | None]:
+def simplex_part(state: Tensor, index: list[int]) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """A method whose state is a point of the simplex over the tasks (MoDo's lambda, SDMGrad's w), on a step
-    that holds ``present``: (index, the present tasks' part renormalised to sum 1, that part's mass). With every
-    task present: (None, ``state`` itself, None). ``put_simplex_part`` writes the new part back at the same mass,
-    so the absent tasks' shares do not move and the method over K tasks of which only S appear is the method
-    over S."""
-    if len(present) == len(tasks):
+    that holds the tasks at ``index`` (``Weighting.present_index``): (index, the present tasks' part renormalised to
+    sum 1, that part's mass). With every task present: (None, ``state`` itself, None). ``put_simplex_part`` writes
+    the new part back at the same mass, so the absent tasks' shares do not move and the method over K tasks of which
+    only S appear is the method over S."""
+    if len(index) == state.shape[0]:
         return None, state, None
-    idx = torch.tensor([tasks.index(t) for t in present], device=state.device)
+    idx = torch.tensor(index, device=state.device)
     part = state[idx]
     mass = part.sum()
     return idx, part / mass, mass
@@ -257,8 +288,7 @@ class GramWeighting(Weighting):
 
     def __init__(self, cfg, tasks: list[str]):
         super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None
-        self._alpha_tasks: list[str] = list(self.tasks)
+        self._alpha: Tensor | None = None  # the last combination's weights, one per present task
 
     def weigh(self, task: str, loss: Tensor) -> Tensor:
         return loss  # the combination happens on the gradients
@@ -267,7 +297,7 @@ class GramWeighting(Weighting):
         """Coefficients of the last combination (d = sum_t w_t g_t) of the tasks it combined; 1.0 before the first."""
         if self._alpha is None:
             return {t: 1.0 for t in self.tasks}
-        return dict(zip(self._alpha_tasks, self._alpha.tolist()))
+        return dict(zip(self.present, self._alpha.tolist()))
 
     def weights_from_gram(self, gram: Tensor, losses: Tensor | None, dtype: torch.dtype) -> Tensor:
         """(K, K) float64 Gram matrix -> (K,) weights w of the update ``w^T G``."""
@@ -279,7 +309,6 @@ class GramWeighting(Weighting):
         """The method's weights for ``gram`` (K' x K', the present tasks), recorded for ``weights()``."""
         check_present(self, gram.shape[0])
         self._alpha = self.weights_from_gram(gram, losses, dtype)
-        self._alpha_tasks = list(self.present)
         return self._alpha
 
     @classmethod

@@ -165,5 +165,9 @@ class BilevelWeighting(Weighting):
         return errors
 
     @classmethod
+    def allows_absent_tasks(cls) -> bool:  # its check above refuses multi-input mode as a whole
+        return False
+
+    @classmethod
     def fsdp2_problem(cls) -> str | None:  # ddp.engine=fsdp2 is refused with this reason (mtl/fsdp.py check_method)
         return cls.fsdp2_refusal

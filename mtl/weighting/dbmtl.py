@@ -84,8 +84,7 @@ class DBMTL(Weighting):
         super().__init__(cfg, tasks)
         self.updates = [0] * len(self.tasks)  # per task: combinations that moved its average so far (k - 1)
         self.average: Tensor | None = None  # (K, P) h, created at the first combination
-        self._factor: Tensor | None = None
-        self._factor_tasks: list[str] = list(self.tasks)
+        self._factor: Tensor | None = None  # the last step's factors, one per present task
 
     def weigh(self, task, loss):
         return loss  # the combination happens on the gradients
@@ -93,7 +92,7 @@ class DBMTL(Weighting):
     def weights(self):
         if self._factor is None:
             return {t: 1.0 for t in self.tasks}
-        return dict(zip(self._factor_tasks, self._factor.tolist()))
+        return dict(zip(self.present, self._factor.tolist()))
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
@@ -101,7 +100,7 @@ class DBMTL(Weighting):
             raise ValueError("dbmtl needs the task losses (the gradient of log L_t is g_t / L_t)")
         check_present(self, grads.shape[0])
         work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
-        idx = [self.tasks.index(t) for t in self.present]
+        idx = self.present_index
         counts = {self.updates[i] for i in idx}
         if len(counts) == 1:  # the usual case (always, with every task in every step): one scalar rate
             beta = self.options.beta / (counts.pop() + 1) ** self.options.sigma
@@ -128,7 +127,6 @@ class DBMTL(Weighting):
         scales = dbmtl_scales(new)
         rate = 1.0 - beta if isinstance(beta, float) else (1.0 - beta[:, 0])
         self._factor = scales * rate / losses.to(work.device, work.dtype).clamp_min(DBMTL_EPS)
-        self._factor_tasks = list(self.present)
         return (scales @ new).to(grads.dtype)
 
     def get_extra_state(self):

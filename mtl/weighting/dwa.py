@@ -66,7 +66,7 @@ class DWA(Weighting):
         return [row for row in (self.prev, self.last) if any(x is not None for x in row)]
 
     def _refresh(self):
-        idx = [self.tasks.index(t) for t in self.present]
+        idx = self.present_index
         self._w = {t: 1.0 for t in self.tasks}
         if all(self.prev[i] is not None and self.last[i] is not None for i in idx):
             w = dwa_weights([self.last[i] for i in idx], [self.prev[i] for i in idx], self.options.T)

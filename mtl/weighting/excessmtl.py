@@ -82,13 +82,12 @@ class ExcessMTL(Weighting):
         return loss  # the combination happens on the gradients
 
     def weights(self):
-        idx = [self.tasks.index(t) for t in self.present]
-        return dict(zip(self.present, self.task_weights[idx].tolist()))
+        return dict(zip(self.tasks, self.task_weights.tolist()))
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
         check_present(self, grads.shape[0])
-        idx = [self.tasks.index(t) for t in self.present]
+        idx = self.present_index
         if len(idx) < len(self.tasks):
             return self._combine_present(grads, idx)
         work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()

@@ -36,7 +36,8 @@ After the step, the update runs over U, the tasks of S observed before: ``delta_
 in U (its loss now against its last observation, however many steps ago), the direction ``J_softmax(xi_U)^T
 delta_U + gamma xi_U``, and one Adam step on xi_U with per-task step counts (each task's moments and bias
 correction move only in the steps that update it). An absent task's logit, moments, step count and last loss do
-not change. With every task in every step this is the update above, exactly. ``weights()`` reports z_S.
+not change. With every task in every step this is the update above, exactly. ``weights()`` reports z_S (an absent
+task's exp(xi_t) on the same scale: its share against the present ones).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class FAMO(Weighting):
     def _coefficients(self) -> dict[str, torch.Tensor]:
         """c * z_S per present task, the coefficient of log(L_t + eps) in its term (cached for the step)."""
         if self._coef is None or next(iter(self._coef.values())).device != self.logits.device:
-            idx = [self._index[t] for t in self.present]
+            idx = self.present_index
             z = torch.softmax(self.logits[idx], dim=0)
             prev = [self.prev_losses[i] for i in idx]
             if any(x is None for x in prev):
@@ -116,9 +117,12 @@ class FAMO(Weighting):
         return coef * loss / (all_reduce_mean(loss.detach()) + FAMO_EPS)
 
     def weights(self):
-        """z over the present tasks (every task outside a step)."""
-        idx = [self._index[t] for t in self.present]
-        return dict(zip(self.present, torch.softmax(self.logits[idx], dim=0).tolist()))
+        """z: the softmax over the present tasks' logits, and an absent task's logit on the same scale,
+        exp(xi_t) / sum_{s present} exp(xi_s) (with every task present: softmax(xi))."""
+        idx = self.present_index
+        z = torch.exp(self.logits - torch.logsumexp(self.logits[idx], dim=0))
+        z[idx] = torch.softmax(self.logits[idx], dim=0)  # the step's z to the last bit
+        return dict(zip(self.tasks, z.tolist()))
 
     @torch.no_grad()
     def end_step(self, losses):

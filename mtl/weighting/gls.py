@@ -42,4 +42,4 @@ class GLS(Weighting):
         return loss / (len(self.present) * all_reduce_mean(loss.detach()).clamp_min(GLS_EPS))
 
     def weights(self):
-        return {t: 1.0 / len(self.present) for t in self.present}
+        return {t: 1.0 / len(self.present) for t in self.tasks}  # the coefficient of log L_t in this step

@@ -103,13 +103,7 @@ class GradDrop(Weighting):
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         self.seed = int(cfg.seed)
-        self.step = 0
-        self._kept: Tensor | None = None
-        self._kept_tasks: list[str] = list(self.tasks)
-
-    def begin_step(self, step, present=None):
-        super().begin_step(step, present)
-        self.step = int(step)
+        self._kept: Tensor | None = None  # the last step's kept fractions, one per present task
 
     def weigh(self, task, loss):
         return loss  # the combination happens on the gradients
@@ -118,7 +112,7 @@ class GradDrop(Weighting):
         """The fraction of each task's squared gradient norm kept at the last step (1.0 before the first)."""
         if self._kept is None:
             return {t: 1.0 for t in self.tasks}
-        return dict(zip(self._kept_tasks, self._kept.tolist()))
+        return dict(zip(self.present, self._kept.tolist()))
 
     def uniform(self, n: int, device) -> Tensor:
         """This step's (n,) uniform draws, the same on every rank."""
@@ -129,7 +123,7 @@ class GradDrop(Weighting):
     def combine(self, grads, losses=None):
         check_present(self, grads.shape[0])
         d, kept = graddrop(grads, self.uniform(grads.shape[1], grads.device), self.options.leak)
-        self._kept, self._kept_tasks = kept, list(self.present)
+        self._kept = kept
         return d
 
     @torch.no_grad()

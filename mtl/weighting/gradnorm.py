@@ -28,7 +28,7 @@ only w_S moves, by the rule above over S alone (means over S; L_t(0) is task t's
 latest, each from the steps that held it; no move until every task of S has both), one Adam step with per-task
 step counts, the clamp, and ``w_S <- w_S * (K - sum of the absent tasks' w) / sum(w_S)``, so every weight keeps
 its place and the sum of all K stays K. An absent task's weight, moments, step count and losses do not change.
-``weights()`` reports w of the present tasks.
+``weights()`` reports w (an absent task's unchanged weight too).
 
 w, the Adam moments and the per-task Adam step counts are buffers; L(0) and the latest losses are extra state:
 all of it is in ``state_dict()``. w is not an nn.Parameter (it is not updated by the model's optimizer).
@@ -115,13 +115,12 @@ class GradNorm(GramWeighting):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def weights(self):
-        """The task weights w of the next combination (d = sum_t w_t g_t), of the present tasks."""
-        idx = [self.tasks.index(t) for t in self.present]
-        return dict(zip(self.present, self.task_weights[idx].tolist()))
+        """The task weights w of the next combination (d = sum_t w_t g_t), an absent task's included."""
+        return dict(zip(self.tasks, self.task_weights.tolist()))
 
     def weights_from_gram(self, gram, losses, dtype):
         """This step's w_S; then w_S moves using the norms ||g_t|| = sqrt(diag(gram))."""
-        idx = [self.tasks.index(t) for t in self.present]
+        idx = self.present_index
         out = self.task_weights[idx].clone()
         if all(self.initial_losses[i] is not None and self.last_losses[i] is not None for i in idx):
             self._update(idx, gram.diagonal().clamp_min(0.0).sqrt().to(self.task_weights.dtype))

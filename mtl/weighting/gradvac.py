@@ -120,17 +120,12 @@ class GradVac(GramWeighting):
         k = len(self.tasks)
         self.register_buffer("targets", torch.zeros(k, k, dtype=torch.float64))
         self.seed = int(cfg.seed)
-        self.step = 0
-
-    def begin_step(self, step, present=None):
-        super().begin_step(step, present)
-        self.step = int(step)
 
     def weights_from_gram(self, gram, losses, dtype):
         k = gram.shape[0]
         gen = step_generator(self.seed, self.step, "gradvac") if k > 2 else None
         # a step with some tasks only: the targets of the present pairs, and only those move (base.py)
-        idx = torch.tensor([self.tasks.index(t) for t in self.present], dtype=torch.long)
+        idx = torch.tensor(self.present_index, dtype=torch.long)
         targets = self.targets.detach().cpu()[idx][:, idx]
         w, new = gradvac_weights(gram, targets.numpy(), self.options.beta, gen)
         self.targets[idx.to(self.targets.device)[:, None], idx.to(self.targets.device)[None, :]] = \

@@ -89,7 +89,7 @@ class MoDo(GramWeighting):
         self.register_buffer("lambd", torch.full((k,), 1.0 / k, dtype=torch.float64))
 
     def weights_from_gram(self, gram, losses, dtype):
-        idx, lambd, mass = simplex_part(self.lambd, self.tasks, self.present)
+        idx, lambd, mass = simplex_part(self.lambd, self.present_index)
         new = modo_weights(gram, lambd, self.options.gamma, self.options.rho)
         put_simplex_part(self.lambd, idx, new, mass)
         return new

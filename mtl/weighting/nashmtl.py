@@ -176,13 +176,8 @@ class NashMTL(GramWeighting):
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
-        self.step = 0
         self.cached: list[float] | None = None  # the last solved alpha (reused while step % update_every != 0)
         self.cached_tasks: list[str] | None = None  # the tasks it was solved for (multi-input: maybe a subset)
-
-    def begin_step(self, step, present=None):
-        super().begin_step(step, present)
-        self.step = int(step)
 
     def weights_from_gram(self, gram, losses, dtype):
         if self.cached is None or len(self.cached) != gram.shape[0] or self.cached_tasks != self.present \

@@ -86,11 +86,6 @@ class PCGrad(GramWeighting):
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         self.seed = int(cfg.seed)
-        self.step = 0
-
-    def begin_step(self, step, present=None):
-        super().begin_step(step, present)
-        self.step = int(step)
 
     def weights_from_gram(self, gram, losses, dtype):
         k = gram.shape[0]

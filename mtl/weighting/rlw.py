@@ -36,7 +36,6 @@ class RLW(Weighting):
 
     def begin_step(self, step, present=None):
         super().begin_step(step, present)
-        self.step = int(step)
         self._w = dict(zip(self.present, rlw_weights(self.seed, self.step, len(self.present))))
 
     def weigh(self, task, loss):

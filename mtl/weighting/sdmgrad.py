@@ -107,7 +107,7 @@ class SDMGrad(GramWeighting):
         self.register_buffer("w", torch.full((k,), 1.0 / k, dtype=torch.float64))
 
     def weights_from_gram(self, gram, losses, dtype):
-        idx, w, mass = simplex_part(self.w, self.tasks, self.present)
+        idx, w, mass = simplex_part(self.w, self.present_index)
         alpha, new = sdmgrad_weights(gram, w, self.options.lamda, self.options.niter)
         put_simplex_part(self.w, idx, new, mass)
         return alpha

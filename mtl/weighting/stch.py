@@ -86,7 +86,7 @@ class STCH(Weighting):
         self._w = [1.0] * len(self.tasks)
 
     def _refresh(self):
-        o, idx = self.options, [self._index[t] for t in self.present]
+        o, idx = self.options, self.present_index
         self._w = [1.0] * len(self.tasks)
         if self.prev is not None and all(self.steps[i] > o.warmup_steps and self.prev[i] is not None for i in idx):
             nadir = self.nadir()
@@ -105,7 +105,7 @@ class STCH(Weighting):
         return self._w[self._index[task]] * loss / all_reduce_mean(loss.detach()).clamp_min(STCH_EPS)
 
     def weights(self):
-        return {t: self._w[self._index[t]] for t in self.present}
+        return dict(zip(self.tasks, self._w))  # an absent task: 1.0 (it has no term in the step)
 
     def end_step(self, losses):
         o = self.options
