@@ -38,11 +38,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
-from mtl.weighting.bilevel import BilevelWeighting, MetaInputs, ModelVector, adam_update, unrolled_hypergradients
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.bilevel import LearnedLambda, MetaInputs, ModelVector, unrolled_hypergradients
 
 AUTOL_INIT = 0.1  # lambda at the start, every task (the paper's code: weight_init=0.1)
 AUTOL_LR = 1e-4  # Adam learning rate of lambda (the paper's code: autol_lr=1e-4)
@@ -70,7 +68,7 @@ class AutoLambdaOptions:
     primary: list[str] = field(default_factory=list)  # the tasks of the meta-objective; empty: every task
 
 
-class AutoLambda(BilevelWeighting):
+class AutoLambda(LearnedLambda):
     name = "autolambda"
     Options = AutoLambdaOptions
     meta_forwards = 4
@@ -78,51 +76,11 @@ class AutoLambda(BilevelWeighting):
     meta_allreduces = 2
     meta_param_copies = 4
 
-    @classmethod
-    def check(cls, cfg):
-        errors = super().check(cfg) + option_range_errors(cfg, {
-            "init": (lambda v: v > 0, "must be > 0"), "lr": (lambda v: v > 0, "must be > 0"),
-            "update_every": (lambda v: v >= 1, "must be >= 1"), "fd_eps": (lambda v: v > 0, "must be > 0")})
-        primary = (cfg.weighting.get("options") or {}).get("primary") or []
-        unknown = [t for t in primary if t not in cfg.tasks]
-        if unknown:
-            errors.append(f"weighting.options.primary: {', '.join(map(repr, unknown))} not in tasks "
-                          f"({', '.join(cfg.tasks)}); name primary tasks among them, or [] for every task")
-        return errors
-
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        k = len(self.tasks)
-        self.register_buffer("lam", torch.full((k,), float(self.options.init)))
-        self.register_buffer("adam_m", torch.zeros(k))
-        self.register_buffer("adam_v", torch.zeros(k))
-        self.adam_t = 0
-        self.primary = [t for t in self.tasks if t in self.options.primary] or list(self.tasks)
-
-    def wants_heldout(self, step):
-        return step % int(self.options.update_every) == 0
-
     def meta_step(self, meta: MetaInputs) -> dict:
         mv = ModelVector(meta.model)
         h, val = autolambda_hypergradient(
             lambda th: mv.losses(th, meta.batch, self.tasks),
             lambda th: mv.losses(th, meta.heldout, self.primary).sum(),
             mv.vector(), self.lam, float(meta.lr), float(self.options.fd_eps), meta.comm.all_reduce_mean)
-        stats = {"meta_heldout_loss": val.detach(), **{f"meta_hypergrad/{t}": h[i] for i, t in enumerate(self.tasks)}}
-        if bool(torch.isfinite(h).all()):  # the same decision on every rank: h is rank-averaged
-            with torch.no_grad():
-                self.adam_t += 1
-                adam_update(self.lam, h, self.adam_m, self.adam_v, self.adam_t, float(self.options.lr))
-        return stats
-
-    def weigh(self, task, loss):
-        return self.lam[self.tasks.index(task)] * loss
-
-    def weights(self):
-        return dict(zip(self.tasks, self.lam.tolist()))
-
-    def get_extra_state(self):
-        return {"adam_t": self.adam_t}
-
-    def set_extra_state(self, state):
-        self.adam_t = int(state["adam_t"])
+        self.adam_step(h)
+        return {"meta_heldout_loss": val.detach(), **{f"meta_hypergrad/{t}": h[i] for i, t in enumerate(self.tasks)}}

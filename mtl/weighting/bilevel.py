@@ -39,6 +39,7 @@ from torch.func import functional_call
 
 from mtl.dist import Comm
 from mtl.weighting.base import Weighting
+from mtl.weighting.checks import option_range_errors
 
 
 @dataclass
@@ -162,7 +163,17 @@ class BilevelWeighting(Weighting):
         if cfg.precision == "fp16":
             errors.append(f"precision: weighting.method={n} does not run with fp16: its meta update's backward "
                           "passes have no loss scaling; use precision=bf16 or fp32")
+        primary = (cfg.weighting.get("options") or {}).get("primary") or []  # every method's meta-objective tasks
+        unknown = [t for t in primary if t not in cfg.tasks]
+        if unknown:
+            errors.append(f"weighting.options.primary: {', '.join(map(repr, unknown))} not in tasks "
+                          f"({', '.join(cfg.tasks)}); name the meta-objective's tasks among them, or [] for every task")
         return errors
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        # the tasks of the meta-objective (``weighting.options.primary``; empty: every task), in task order
+        self.primary = [t for t in self.tasks if t in self.options.primary] or list(self.tasks)
 
     @classmethod
     def allows_absent_tasks(cls) -> bool:  # its check above refuses multi-input mode as a whole
@@ -171,3 +182,46 @@ class BilevelWeighting(Weighting):
     @classmethod
     def fsdp2_problem(cls) -> str | None:  # ddp.engine=fsdp2 is refused with this reason (mtl/fsdp.py check_method)
         return cls.fsdp2_refusal
+
+
+class LearnedLambda(BilevelWeighting):
+    """Task weights lambda (K,) that move by Adam along a meta direction every ``update_every`` steps, starting at
+    ``init`` (Auto-Lambda, MOML). A subclass's ``meta_step`` computes the direction and calls ``adam_step``; its
+    Options has ``init``, ``lr``, ``update_every`` and ``fd_eps``."""
+
+    @classmethod
+    def check(cls, cfg):
+        return super().check(cfg) + option_range_errors(cfg, {
+            "init": (lambda v: v > 0, "must be > 0"), "lr": (lambda v: v > 0, "must be > 0"),
+            "update_every": (lambda v: v >= 1, "must be >= 1"), "fd_eps": (lambda v: v > 0, "must be > 0")})
+
+    def __init__(self, cfg, tasks):
+        super().__init__(cfg, tasks)
+        k = len(self.tasks)
+        self.register_buffer("lam", torch.full((k,), float(self.options.init)))
+        self.register_buffer("adam_m", torch.zeros(k))
+        self.register_buffer("adam_v", torch.zeros(k))
+        self.adam_t = 0
+
+    def wants_heldout(self, step):
+        return step % int(self.options.update_every) == 0
+
+    def adam_step(self, direction: Tensor) -> None:
+        """One Adam step of lambda along ``direction`` (rank-averaged, so the same on every rank); none when it is
+        not finite (the same decision on every rank)."""
+        if bool(torch.isfinite(direction).all()):
+            with torch.no_grad():
+                self.adam_t += 1
+                adam_update(self.lam, direction, self.adam_m, self.adam_v, self.adam_t, float(self.options.lr))
+
+    def weigh(self, task, loss):
+        return self.lam[self.tasks.index(task)] * loss
+
+    def weights(self):
+        return dict(zip(self.tasks, self.lam.tolist()))
+
+    def get_extra_state(self):
+        return {"adam_t": self.adam_t}
+
+    def set_extra_state(self, state):
+        self.adam_t = int(state["adam_t"])

@@ -131,23 +131,16 @@ class FORUM(BilevelWeighting):
 
     @classmethod
     def check(cls, cfg):
-        errors = super().check(cfg) + option_range_errors(cfg, {
+        return super().check(cfg) + option_range_errors(cfg, {
             "rho": (lambda v: v > 0, "must be > 0"), "inner_steps": (lambda v: v >= 1, "must be >= 1"),
             "inner_lr": (lambda v: v >= 0, "must be >= 0 (0: the optimizer's learning rate)"),
             "init": (lambda v: v > 0, "must be > 0")})
-        primary = (cfg.weighting.get("options") or {}).get("primary") or []
-        unknown = [t for t in primary if t not in cfg.tasks]
-        if unknown:
-            errors.append(f"weighting.options.primary: {', '.join(map(repr, unknown))} not in tasks "
-                          f"({', '.join(cfg.tasks)}); name the upper level's tasks among them, or [] for every task")
-        return errors
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         k = len(self.tasks)
         self.register_buffer("lam", torch.full((k,), float(self.options.init)))  # alpha, the task weights
         self.register_buffer("coef", torch.full((k,), float(self.options.init)))  # nu alpha: the step's weights
-        self.primary = [t for t in self.tasks if t in self.options.primary] or list(self.tasks)
         self._extra: Tensor | None = None
 
     def wants_heldout(self, step):  # every step is a FORUM step (its direction needs the held-out gradients)

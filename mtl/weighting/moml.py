@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtl.weighting.bilevel import BilevelWeighting, MetaInputs, ModelVector, adam_update, unrolled_hypergradients
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.bilevel import LearnedLambda, MetaInputs, ModelVector, unrolled_hypergradients
 from mtl.weighting.mgda import mgda_weights
 
 MOML_INIT = 1.0  # alpha at the start: equal weights
@@ -57,7 +56,7 @@ class MOMLOptions:
     primary: list[str] = field(default_factory=list)  # the upper level's objectives; empty: every task
 
 
-class MOML(BilevelWeighting):
+class MOML(LearnedLambda):
     name = "moml"
     Options = MOMLOptions
 
@@ -65,30 +64,6 @@ class MOML(BilevelWeighting):
     def meta_cost(cls, num_tasks: int) -> dict:  # M = num_tasks objectives (fewer with ``primary``)
         return {"meta_forwards": 2 + 2 * num_tasks, "meta_backwards": 1 + num_tasks,
                 "meta_allreduces": 1 + num_tasks, "meta_param_copies": 3 + num_tasks}
-
-    @classmethod
-    def check(cls, cfg):
-        errors = super().check(cfg) + option_range_errors(cfg, {
-            "init": (lambda v: v > 0, "must be > 0"), "lr": (lambda v: v > 0, "must be > 0"),
-            "update_every": (lambda v: v >= 1, "must be >= 1"), "fd_eps": (lambda v: v > 0, "must be > 0")})
-        primary = (cfg.weighting.get("options") or {}).get("primary") or []
-        unknown = [t for t in primary if t not in cfg.tasks]
-        if unknown:
-            errors.append(f"weighting.options.primary: {', '.join(map(repr, unknown))} not in tasks "
-                          f"({', '.join(cfg.tasks)}); name the upper level's tasks among them, or [] for every task")
-        return errors
-
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        k = len(self.tasks)
-        self.register_buffer("lam", torch.full((k,), float(self.options.init)))
-        self.register_buffer("adam_m", torch.zeros(k))
-        self.register_buffer("adam_v", torch.zeros(k))
-        self.adam_t = 0
-        self.primary = [t for t in self.tasks if t in self.options.primary] or list(self.tasks)
-
-    def wants_heldout(self, step):
-        return step % int(self.options.update_every) == 0
 
     def meta_step(self, meta: MetaInputs) -> dict:
         mv = ModelVector(meta.model)
@@ -99,19 +74,5 @@ class MOML(BilevelWeighting):
         if bool(torch.isfinite(hyper).all()):  # the same decision on every rank: H is rank-averaged
             d, gamma = moml_direction(hyper)
             stats.update({f"meta_gamma/{t}": gamma[i] for i, t in enumerate(self.primary)})
-            with torch.no_grad():
-                self.adam_t += 1
-                adam_update(self.lam, d, self.adam_m, self.adam_v, self.adam_t, float(self.options.lr))
+            self.adam_step(d)
         return stats
-
-    def weigh(self, task, loss):
-        return self.lam[self.tasks.index(task)] * loss
-
-    def weights(self):
-        return dict(zip(self.tasks, self.lam.tolist()))
-
-    def get_extra_state(self):
-        return {"adam_t": self.adam_t}
-
-    def set_extra_state(self, state):
-        self.adam_t = int(state["adam_t"])
