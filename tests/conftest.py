@@ -49,6 +49,16 @@ def run_spawn(worker, out_dir, deadline_s: float, what: str) -> None:
                 p.join(5)
 
 
+def spawn_parity_runs(worker, tmp_path_factory, name: str, deadline_s: float, what: str) -> dict:
+    """``run_spawn`` in a fresh folder ``name``, then what each worker saved there as ``<who>.pt``: the
+    {"rank0", "rank1", "single"} results a 2-processes-equal-1-process test compares."""
+    import torch
+
+    out = tmp_path_factory.mktemp(name)
+    run_spawn(worker, out, deadline_s, what)
+    return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
+
+
 def run_train(args: list[str], nproc: int = 1, timeout: int = 300, env: dict | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
     """Run the real train.py, in one process or under torchrun with gloo (no fixed ports)."""

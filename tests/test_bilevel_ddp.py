@@ -18,7 +18,7 @@ import torch
 
 from mtl.weighting import weighting_types
 
-from .conftest import TINY, run_spawn, spawn_env
+from .conftest import TINY, spawn_env, spawn_parity_runs
 from .test_weighting_ddp import DTYPE, bitwise_equal, max_rel_diff
 
 B = 4
@@ -91,9 +91,7 @@ def _worker(index, port, out_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bilevel_ddp")
-    run_spawn(_worker, out, DEADLINE_S, "bilevel DDP")
-    return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
+    return spawn_parity_runs(_worker, tmp_path_factory, "bilevel_ddp", DEADLINE_S, "bilevel DDP")
 
 
 @pytest.mark.slow  # one 3-process spawn, about 30 s: the full suite's, like the other parity proofs

@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 
-from .conftest import ROOT, run_spawn, spawn_env
+from .conftest import ROOT, spawn_env, spawn_parity_runs
 
 MI = os.path.join(ROOT, "configs", "multi_input.yaml")
 B_CLS, B_GEN, B_MIXED = 2, 2, 4  # per process, at 2 processes (the single process takes twice these)
@@ -133,9 +133,7 @@ def _worker(index, port, out_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("multi_input_ddp")
-    run_spawn(_worker, out, DEADLINE_S, "multi-input DDP")
-    return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
+    return spawn_parity_runs(_worker, tmp_path_factory, "multi_input_ddp", DEADLINE_S, "multi-input DDP")
 
 
 def max_rel_diff(a: dict, b: dict) -> float:

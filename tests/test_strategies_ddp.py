@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from mtl.strategies import strategy_types
 
-from .conftest import TINY, run_spawn, run_train, spawn_env
+from .conftest import TINY, run_train, spawn_env, spawn_parity_runs
 
 COMMON = ["optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.max_steps=3",
           "trainer.eval_every=3", "trainer.eval_max_batches=1", "checkpoint.every_steps=0",
@@ -74,9 +74,7 @@ def _worker(index, port, out_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("strategies_ddp")
-    run_spawn(_worker, out, DEADLINE_S, "strategy DDP")
-    return {who: torch.load(os.path.join(out, f"{who}.pt")) for who in ("rank0", "rank1", "single")}
+    return spawn_parity_runs(_worker, tmp_path_factory, "strategies_ddp", DEADLINE_S, "strategy DDP")
 
 
 def test_every_strategy_is_in_the_parity_run():

@@ -37,7 +37,7 @@ import torch
 
 from mtl.weighting import weighting_types
 
-from .conftest import TINY, run_spawn, spawn_env
+from .conftest import TINY, spawn_env, spawn_parity_runs
 
 B = 4
 STEPS = 3
@@ -138,9 +138,7 @@ def _worker(index, port, out_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("weighting_ddp")
-    run_spawn(_worker, out, DEADLINE_S, "weighting DDP")
-    return {who: torch.load(out / f"{who}.pt", weights_only=False) for who in ("rank0", "rank1", "single")}
+    return spawn_parity_runs(_worker, tmp_path_factory, "weighting_ddp", DEADLINE_S, "weighting DDP")
 
 
 def _leaves(obj, prefix=""):
