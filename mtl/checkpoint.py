@@ -366,11 +366,26 @@ def verify_checkpoint(path: str) -> dict:
         raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
     needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
     if state.get("state"):
-        needed.append(f"{state['state']}/.metadata")
+        if state["state"] != STATE_DIR:
+            raise CheckpointError(f"checkpoint {name}: trainer_state.pt names the sharded state {state['state']!r}, "
+                                  f"not {STATE_DIR!r}")
+        needed.append(f"{STATE_DIR}/.metadata")
     for rel in needed:
         if rel not in listed:
             raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
+    if state.get("state"):
+        _check_index(path, name)
     return state
+
+
+def _check_index(path: str, name: str) -> None:
+    """The sharded state's index reads as data (``mtl.train_state.read_metadata``: a crafted one is refused unrun)."""
+    from mtl.train_state import read_metadata
+
+    try:
+        read_metadata(os.path.join(path, STATE_DIR))
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {name}: {e.message}") from None
 
 
 def find_resumable(output_dir: str) -> tuple[str | None, list[str]]:
@@ -479,6 +494,11 @@ def load_state(path: str, model: torch.nn.Module, weighting: torch.nn.Module, op
     folder = os.path.join(path, STATE_DIR)
     try:
         load_sharded(folder, model, weighting, optimizer)
+    except CheckpointError:
+        raise
     except (Exception, DcpError) as e:  # DCP names the missing or misfitting key
+        refused = [x for x, _ in getattr(e, "failures", {}).values() if isinstance(x, CheckpointError)]
+        if refused:  # mtl.train_state refused a value that is not plain data
+            raise CheckpointError(refused[0].message) from None
         raise CheckpointError(f"checkpoint {folder!r} does not fit this run's model and optimizer ({str(e)[:500]}). "
                               "Was it written with another model or optimizer config?") from None

@@ -9,15 +9,26 @@ DCP stores every tensor with its global shape and each shard's offset, so a load
 checkpoint written by W processes under one engine loads into W' processes under the other (2 -> 1, 1 -> 2,
 DDP <-> FSDP2); each rank reads the parts it needs. Optimizer state is keyed by parameter name
 (``model.backbone...``, ``weighting...``), never by position.
+
+A checkpoint is data: DCP pickles its index (``state/.metadata``) and the non-tensor values of the state (the
+optimizer's hyperparameters), and its own reader unpickles both with no restriction, so a crafted file could run
+code. Here the index is read by :func:`read_metadata`, whose unpickler admits only the classes a DCP index is made
+of (refusing anything else by name), and the values load with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
+import os
+import pickle
 import warnings
 
+import torch
 from torch import nn
+
+from mtl.errors import CheckpointError
 
 MODEL, OPTIM = "model", "optim"
 
@@ -75,11 +86,93 @@ def write_sharded(folder: str, state: dict) -> None:
         raise OSError(errno.EIO, f"torch.distributed.checkpoint failed: {e}", folder) from None
 
 
+# what a DCP index is made of: its own dataclasses, torch.Size and dtypes, the layout helper, the folder's path
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_INDEX_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Admits only the globals of a DCP index (``_INDEX_GLOBALS``, the metadata module's classes, torch dtypes)."""
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.metadata as md
+
+        if (module, name) in _INDEX_GLOBALS or (module == _METADATA_MODULE and (name in md.__all__
+                                                                                 or name == "_MEM_FORMAT_ENCODING")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def read_metadata(folder: str):
+    """The DCP index of ``folder`` (``.metadata``), read through :class:`_IndexUnpickler`; a CheckpointError naming
+    the file if it holds anything a DCP index never holds (a crafted file: nothing in it is run) or is unreadable."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path!r} refers to {e}, which a checkpoint index never holds: refused unread (a "
+                              "crafted or corrupt file; loading it could run code). Point resume at another "
+                              "checkpoint") from None
+    except Exception as e:
+        raise CheckpointError(f"{path!r} cannot be read ({type(e).__name__}): it is truncated or corrupt") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path!r} is not a checkpoint index (it holds a {type(metadata).__name__})")
+    return metadata
+
+
+def _safe_reader(folder: str):
+    """DCP's file reader, reading its index through :func:`read_metadata`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # per-rank index files: mtl writes one index only
+                raise CheckpointError(f"{folder!r}: a per-rank checkpoint index was asked for; mtl writes one")
+            metadata = read_metadata(folder)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(folder)
+
+
+def _safe_planner(folder: str):
+    """DCP's load planner, loading the non-tensor values with ``weights_only=True`` (DCP's own uses False)."""
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise CheckpointError(f"{folder!r}: the saved value of {read_item.dest_index.fqn} is not plain data "
+                                      "(a crafted or corrupt file; loading it could run code): refused unloaded. "
+                                      "Point resume at another checkpoint") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Planner()
+
+
 def saved_keys(folder: str) -> set[str]:
     """The flattened keys in a DCP folder's index (``optim.state.<parameter>.<name>`` ...)."""
-    import torch.distributed.checkpoint as dcp
-
-    return set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    return set(read_metadata(folder).state_dict_metadata)
 
 
 def load_sharded(folder: str, model: nn.Module, weighting: nn.Module, optimizer) -> None:
@@ -103,7 +196,7 @@ def load_sharded(folder: str, model: nn.Module, weighting: nn.Module, optimizer)
     stepped = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in keys if k.startswith(f"{OPTIM}.state.")}
     state[OPTIM]["state"] = {p: v for p, v in state[OPTIM]["state"].items() if p in stepped}
     with _quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=_no_dist())
+        dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(folder), no_dist=_no_dist())
     set_model_state_dict(model, state[MODEL])
     # strict=False: a parameter without saved state (it had not stepped) is left without state, not refused
     set_optimizer_state_dict(owner, optimizer, state[OPTIM], options=StateDictOptions(strict=False))

@@ -1,0 +1,109 @@
+"""A checkpoint is data: what a load path reads from one is checked, and nothing in it runs (issue 24).
+
+In-process: a checkpoint with sharded state written as the trainer writes it, then tampered with as an attacker
+would (the manifest refreshed, since it is a checksum, not a signature)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mtl import checkpoint as ckpt
+from mtl import train_state as ts
+from mtl.errors import CheckpointError
+
+from .test_checkpoint import config, decide, to_yaml
+
+
+def _parts(seed=0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    weighting = torch.nn.Module()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return net, weighting, opt
+
+
+def save_sharded(out, step, tamper_state=None):
+    """A checkpoint with ``state/`` (``mtl.train_state``); ``tamper_state(state)`` may edit the sharded state first."""
+    net, weighting, opt = _parts(step)
+    state = ts.sharded_state(net, weighting, opt)
+    if tamper_state:
+        tamper_state(state)
+    trainer_state = {"step": step, "epoch": 0, "batch_in_epoch": step, "world_size": 1}
+    return ckpt.save_checkpoint(str(out), step, net, trainer_state, to_yaml(config(out)), 0, sharded=state)
+
+
+def refresh_manifest(path):
+    """What an attacker does after editing a file: the manifest is a checksum, not a signature."""
+    with open(os.path.join(path, ckpt.MANIFEST), "w") as f:
+        json.dump(ckpt._manifest(path), f)
+
+
+class Evil:
+    """Pickles as a call of os.system: what a crafted checkpoint holds."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_checkpoint_index_is_refused_and_runs_nothing(tmp_path):
+    good = save_sharded(tmp_path, 2)
+    newest = save_sharded(tmp_path, 4)
+    marker = tmp_path / "pwned"
+    index = os.path.join(newest, ckpt.STATE_DIR, ".metadata")
+    with open(index, "rb") as f:
+        real = f.read()
+    # os.system("touch marker"), its result dropped, then the real index: the load returns the real metadata
+    crafted = b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR0" + real
+    with open(index, "wb") as f:
+        f.write(crafted)
+    refresh_manifest(newest)
+    import pickle
+
+    assert pickle.loads(crafted).state_dict_metadata  # the fault: a plain unpickler returns the real index ...
+    assert marker.exists()  # ... and runs the command
+    marker.unlink()
+
+    with pytest.raises(CheckpointError) as e:
+        ckpt.verify_checkpoint(newest)
+    assert e.value.exit_code == 4 and "os.system" in e.value.message and ".metadata" in e.value.message
+    with pytest.raises(CheckpointError, match="os.system"):
+        decide(tmp_path, f"resume={newest}")
+    assert decide(tmp_path, "resume=auto") == good  # resume=auto skips it, naming why
+    net, weighting, opt = _parts(9)
+    with pytest.raises(CheckpointError, match="os.system"):  # the loader itself reads the index the same way
+        ckpt.load_state(newest, net, weighting, opt)
+    assert not marker.exists()
+
+
+def test_a_crafted_value_in_the_sharded_state_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+
+    def plant(state):
+        state[ts.OPTIM]["param_groups"][0]["weight_decay"] = Evil(marker)
+
+    path = save_sharded(tmp_path, 2, plant)
+    assert not marker.exists()
+    net, weighting, opt = _parts(9)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load_state(path, net, weighting, opt)
+    assert e.value.exit_code == 4 and "weight_decay is not plain data" in e.value.message
+    assert not marker.exists()
+
+
+def test_an_honest_sharded_checkpoint_still_loads(tmp_path):
+    path = save_sharded(tmp_path, 2)
+    ckpt.verify_checkpoint(path)
+    net, weighting, opt = _parts(9)
+    ckpt.load_state(path, net, weighting, opt)
+    ref, _, ref_opt = _parts(2)
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), ref.state_dict().values()))
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
