@@ -8,7 +8,8 @@ resumed run would not be the run that was interrupted; each differing key is lis
 The world size, ``ddp.engine`` and ``data.batch_size`` may change too (the model and optimizer state is
 sharded, ``mtl/train_state.py``, and reshards on load): :func:`reshard_problems` says whether the resumed run
 is still the interrupted one (same global batch, and no per-rank random stream to carry over to another
-number of ranks), and otherwise asks for ``resume_reshard: true``.
+number of ranks, no statistics over each rank's own batch: BatchNorm), and otherwise asks for
+``resume_reshard: true``.
 
 A checkpoint's ``config.yaml`` is data, not a config: it is read with ``yaml.safe_load`` and no
 ``${...}`` interpolation or resolver in it is ever evaluated (a crafted ``seed: ${oc.env:TOKEN}``
@@ -113,11 +114,23 @@ def random_layers(model) -> list[str]:
             and float(getattr(m, "p", 0) or 0) > 0]
 
 
+def batch_statistics_layers(model) -> list[str]:
+    """The modules whose training forward computes statistics over the process's own batch: BatchNorm (every
+    ``_BatchNorm`` but SyncBatchNorm, whose statistics are over the global batch). On another number of processes
+    each one normalises over other samples, so the run is another run. (tests/test_reshard.py checks that no other
+    module of a model mtl builds mixes the samples of a batch.)"""
+    from torch import nn
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+
+
 def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, engine: str,
-                     random: list[str]) -> tuple[list[str], str]:
+                     random: list[str], batch_stats: list[str] = ()) -> tuple[list[str], str]:
     """Why a resume of ``checkpoint_dir`` (its trainer ``state``) by this run (``world_size`` processes, ``engine``
     as it runs: "ddp" in one process, whatever the config says) would not continue the interrupted run, and a
-    note saying what the resume is when it changes the world size or engine. ``random``: ``random_layers``.
+    note saying what the resume is when it changes the world size or engine. ``random``: ``random_layers``;
+    ``batch_stats``: ``batch_statistics_layers``.
 
     An mtl-checkpoint-v1 checkpoint (no sharded ``state/``) cannot reshard at all: a CheckpointError."""
     from mtl.checkpoint import LEGACY_FORMAT
@@ -145,6 +158,11 @@ def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, eng
                         f"{' ...' if len(random) > 3 else ''}): each of the {saved_world} process(es) saved its own "
                         f"random state, which does not carry over to {world_size} (to keep it: {saved_world} "
                         "process(es), or no dropout in the run)")
+    if saved_world != world_size and batch_stats:
+        problems.append(f"the model computes statistics over each process's own batch (BatchNorm: "
+                        f"{', '.join(batch_stats[:3])}{' ...' if len(batch_stats) > 3 else ''}): on {world_size} "
+                        f"process(es) instead of {saved_world} each one normalises over other samples (to keep it: "
+                        f"{saved_world} process(es), or model.backbone.norm=group, frozen or sync in the run)")
     if saved_world != world_size and multi_input(cfg):
         problems.append(f"multi-input mode (data.per_task): each task's rows per process are set per process, so "
                         f"{world_size} process(es) draw other global per-task batches than the {saved_world} that "

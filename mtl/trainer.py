@@ -42,7 +42,7 @@ from mtl.faults import poison
 from mtl.files import write_atomic
 from mtl.fsdp import full_model_state, gathered, is_sharded
 from mtl.logger import RunLogger, trim_metrics
-from mtl.resume import check_resume_config, random_layers, reshard_problems, saved_config
+from mtl.resume import batch_statistics_layers, check_resume_config, random_layers, reshard_problems, saved_config
 from mtl.runlock import LockHeld, RunLock
 from mtl.runtime_checks import check_replicas, explain_ddp_error, locate_nonfinite
 from mtl.signals import StopSignals
@@ -230,7 +230,8 @@ class Trainer:
         world size and engine when they differ (exact up to rounding; otherwise only with resume_reshard)."""
         state = ckpt.read_trainer_state(path)
         rank, engine = self.dist.rank, "fsdp2" if self.sharded else "ddp"
-        problems, note = reshard_problems(path, state, self.cfg, self.dist.world_size, engine, random_layers(self.bare))
+        problems, note = reshard_problems(path, state, self.cfg, self.dist.world_size, engine, random_layers(self.bare),
+                                          batch_statistics_layers(self.bare))
         if problems and not self.cfg.resume_reshard:
             raise CheckpointError(f"cannot resume {path!r} exactly: " + "; ".join(problems) + ". Set "
                                   "resume_reshard=true to resume anyway (the weights, optimizer state and position "
