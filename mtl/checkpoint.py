@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from mtl.dist import all_gather_objects
-from mtl.errors import CheckpointError
+from mtl.errors import CheckpointError, TrainingError
 
 FORMAT = "mtl-checkpoint-v2"
 # before sharded state: the optimizer in trainer_state.pt, the model only in model.safetensors (``load_checkpoint``)
@@ -235,6 +235,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".step_{step}.tmp")
     extra = {_check_extra_name(k): v for k, v in (extra_files or {}).items()}
+    _refuse_nonfinite(step, model, sharded, rank)
 
     def start():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -278,6 +279,24 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
 
     _agree(_attempt(publish, tmp, rank) if rank == 0 else None, tmp, rank, root)
     return final
+
+
+def _refuse_nonfinite(step: int, model, sharded: dict | None, rank: int) -> None:
+    """A collective, before anything is written: a TrainingError on every rank if any rank's part of the model or
+    optimizer state holds a NaN or inf (resume=auto must never pick up a diverged model). (A weighting method's
+    state may hold NaN on purpose: ExcessMTL's normaliser of a task not yet seen.)"""
+    from mtl.finite import first_nonfinite
+
+    if sharded is not None:  # this rank's part of the model and optimizer state (the full model under DDP)
+        bad = first_nonfinite(sharded)
+    else:
+        bad = first_nonfinite({"model": model if isinstance(model, dict) else model.state_dict()}) if rank == 0 else None
+    found = [(r, b) for r, b in enumerate(all_gather_objects(bad)) if b]
+    if found:
+        r, where = found[0]
+        raise TrainingError(f"step {step}: the state to checkpoint holds non-finite values (rank {r}: {where}); the "
+                            "checkpoint was not written, so resume=auto never picks a diverged model. Lower optim.lr "
+                            "or set optim.grad_clip")
 
 
 def _publish(tmp: str, final: str, root: str) -> None:

@@ -8,7 +8,7 @@
 2. unscale (fp16 scaled each task's loss);
 3. the finite check, the same decision on every rank;
 4. clip;
-5. ``optimizer.step()``;
+5. ``optimizer.step()``, then the weights' finite check (a non-finite weight is a bad step that ends the run);
 6. ``scheduler.step()``;
 7. zero the gradients.
 
@@ -24,8 +24,10 @@ import torch
 
 from mtl.amp import Amp
 from mtl.dist import Comm, all_reduce_mean, all_reduce_sum, average_grads
+from mtl.finite import params_finite
 from mtl.fsdp import clip_ as clip_grads_
 from mtl.fsdp import grad_norm as total_grad_norm
+from mtl.fsdp import is_sharded
 from mtl.strategies import StepInputs, Strategy
 from mtl.weighting.bilevel import MetaInputs, add_to_grads_
 
@@ -55,6 +57,7 @@ class StepResult:
     nonfinite: bool  # a NaN/inf loss or gradient (not an fp16 overflow)
     stop_agreed: bool  # some rank asked to stop (SIGTERM/SIGUSR1/SIGINT): every rank saves and exits now
     stats: dict = field(default_factory=dict)
+    weights_nonfinite: bool = False  # the optimizer step made a parameter NaN/inf (the run cannot go on)
 
 
 def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False,
@@ -103,8 +106,10 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
         clip_grads_(p.params, p.grad_clip, grad_norm)
 
     # 5. the optimizer step and 6. the schedule: on every rank, or on none
+    weights_ok = True
     if ok:
         p.optimizer.step()
+        weights_ok = params_finite(p.params, is_sharded(p.bare))  # finite gradients can still blow the weights up
         p.scheduler.step()
     else:
         restore_running_stats(running_stats)
@@ -119,7 +124,8 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     overflow = p.amp.scaler is not None and losses_ok and not grads_ok  # the GradScaler's business, not a bad step
     gn = float(grad_norm)
     return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=ok,
-                      nonfinite=not ok and not overflow, stop_agreed=stop_agreed, stats={**meta_stats, **stats})
+                      nonfinite=(not ok and not overflow) or not weights_ok, stop_agreed=stop_agreed,
+                      stats={**meta_stats, **stats}, weights_nonfinite=not weights_ok)
 
 
 def present_tasks(batch: dict, tasks: list[str]) -> list[str]:

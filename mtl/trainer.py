@@ -40,6 +40,7 @@ from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.faults import poison
 from mtl.files import write_atomic
+from mtl.finite import first_nonfinite, nonfinite_eval
 from mtl.fsdp import full_model_state, gathered, is_sharded
 from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import batch_statistics_layers, check_resume_config, random_layers, reshard_problems, saved_config
@@ -392,7 +393,8 @@ class Trainer:
                 check_replicas(self.bare, self.step)
             if self.step % t.eval_every == 0 and self.step < t.max_steps:
                 self.run_eval()
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps:
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps \
+                    and not self.bad_steps:  # during a run of skipped steps: nothing new, and maybe a poisoned model
                 self.save()
             if self.stop_agreed:  # a rank got SIGTERM/SIGUSR1/SIGINT: all finish this step, save, exit
                 self.log.info(f"step {self.step}: stop signal received; saving a checkpoint and exiting")
@@ -402,6 +404,7 @@ class Trainer:
                     raise KeyboardInterrupt
                 return self.last_eval
         final = self.run_eval()
+        self._check_final_eval(final)
         self.save()
         wall = time.perf_counter() - start
         self._finish(final, wall)
@@ -409,6 +412,8 @@ class Trainer:
 
     def _after_step(self, r, seconds: float, batch: dict) -> None:
         t = self.cfg.trainer
+        if r.weights_nonfinite:
+            self._stop_for_nonfinite_weights()
         if r.nonfinite:
             self.bad_steps += 1
             bad = [k for k, v in r.losses.items() if not np.isfinite(v)] or ["gradient"]
@@ -420,7 +425,9 @@ class Trainer:
             if self.bad_steps >= t.max_bad_steps:
                 raise TrainingError(
                     f"{self.bad_steps} consecutive non-finite steps (trainer.max_bad_steps={t.max_bad_steps}). "
-                    "Lower optim.lr, use precision=bf16/fp32, or check the data; the last good checkpoint is kept")
+                    f"Lower optim.lr, use precision=bf16/fp32, or check the data. No checkpoint was written since step "
+                    f"{self.step - self.bad_steps}, the last good step; {self._kept_checkpoint()} (if the weights "
+                    "it holds blew up, resume from an earlier checkpoint with a lower optim.lr)")
         else:
             self.bad_steps = 0
             if not r.stepped:  # an fp16 overflow: the GradScaler skipped the step and backed off
@@ -441,6 +448,29 @@ class Trainer:
                 values["loss_scale"] = scale
             self.log.record(self.step, values)
             self.log.progress(self.step, {f"loss_{k}": v for k, v in r.losses.items()})
+
+    # ------------------------------------------------------------------ a diverged model is never kept
+
+    def _kept_checkpoint(self) -> str:
+        newest = ckpt.latest_checkpoint(self.cfg.output_dir)
+        return f"the newest checkpoint, {newest}, is kept" if newest else "no checkpoint was written"
+
+    def _stop_for_nonfinite_weights(self) -> None:
+        """The optimizer step made a weight NaN/inf: a bad step that cannot be skipped (the weights are gone)."""
+        bad = first_nonfinite({n: q for n, q in self.bare.named_parameters()}) or "a learned loss weight"
+        self.log.record(self.step, {"bad_step": 1, "nonfinite": "weights", "where": bad}, kind="bad_step")
+        raise TrainingError(f"step {self.step}: the optimizer step made the weights non-finite (on this rank first "
+                            f"in {bad}); they cannot be restored, so the run stops and saves nothing. Lower optim.lr "
+                            f"or set optim.grad_clip; {self._kept_checkpoint()}")
+
+    def _check_final_eval(self, final: dict) -> None:
+        """A run whose final evaluation is NaN/inf diverged: no final checkpoint, not a success (exit 5)."""
+        bad = nonfinite_eval(final, self.tasks)
+        if bad:
+            raise TrainingError(f"the final evaluation at step {self.step} is non-finite ("
+                                + ", ".join(f"{k}={final[k]}" for k in bad) + "): the model diverged, so its final "
+                                f"checkpoint was not written. Lower optim.lr or set optim.grad_clip; "
+                                f"{self._kept_checkpoint()}")
 
     def run_eval(self) -> dict:
         with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
