@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from mtl.errors import ConfigError
 
@@ -506,15 +506,36 @@ def _read_into(path: str, overrides: list[str] | None, errors: list[str]) -> Dic
 
 
 def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
-    """Load ``path`` (and its base chain) and apply ``overrides``, checking keys and types only.
+    """Load ``path`` (and its base chain) and apply ``overrides``, checking keys, types and ``${...}``
+    interpolations only.
 
     Raises ConfigError listing every problem. ``mtl.config_check.load_run_config`` adds the semantic checks.
     """
     errors: list[str] = []
     cfg = _read_into(path, overrides, errors)
+    errors += interpolation_errors(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg
+
+
+def interpolation_errors(node, prefix: str = "") -> list[str]:
+    """One message per key whose ``${...}`` cannot be resolved (a loop, an unset environment variable, a value
+    of the wrong type), naming the key and its text; the resolved value is never shown (it may be a secret)."""
+    errors = []
+    for key in (list(node.keys()) if isinstance(node, DictConfig) else range(len(node))):
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        try:
+            value = node[key]
+        except OmegaConfBaseException as e:
+            raw = node._get_node(key)._value()
+            why = ("it does not give a valid value for this key's type" if isinstance(e, ValidationError)
+                   else str(e).splitlines()[0])
+            errors.append(f"{dotted}: {raw!r} cannot be resolved: {why}. Set the variable, or give the value itself")
+            continue
+        if OmegaConf.is_config(value):
+            errors += interpolation_errors(value, dotted)
+    return errors
 
 
 def load_config_collecting(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:

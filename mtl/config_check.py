@@ -7,12 +7,14 @@ together as one ConfigError (exit code 2).
 from __future__ import annotations
 
 import difflib
+import math
 import os
 
 import torch
+from omegaconf import OmegaConf
 
 from mtl.build import run_method_types
-from mtl.config import check_options, config_keys, load_config_collecting
+from mtl.config import check_options, config_keys, interpolation_errors, load_config_collecting
 from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
@@ -114,8 +116,8 @@ def validate(cfg) -> list[str]:
         if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in [*cfg.tasks, "crash"] or not (parts[2] == "*"
                                                                                              or parts[2].isdigit()):
             errors.append(f"trainer.poison: {cfg.trainer.poison!r} must be STEP:TASK:RANK, e.g. 3:gen:1 or 3:cls:*")
-    if len(cfg.optim.betas) != 2:
-        errors.append(f"optim.betas: needs two values (got {list(cfg.optim.betas)})")
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        errors.append(f"optim.betas: needs two values in [0, 1), Adam's moment decay rates (got {list(cfg.optim.betas)})")
 
     try:
         tasks = task_types(cfg.task_modules)
@@ -153,7 +155,21 @@ def validate(cfg) -> list[str]:
     errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/multi_input_check.py)
     _options(errors, cfg, tasks, method)
     _loss_scale(errors, cfg, tasks)
+    named = {e.split(":")[0] for e in errors}
+    _finite(errors, OmegaConf.to_container(cfg, resolve=True), named)
     return errors
+
+
+def _finite(errors, node, named: set, prefix: str = "") -> None:
+    """NaN and inf are refused in every numeric key (NaN passes every range check: each comparison is false),
+    unless a check above already named the key (``named``)."""
+    for key, value in node.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            _finite(errors, value, named, dotted)
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            if dotted not in named:
+                errors.append(f"{dotted}: must be finite (got {value})")
 
 
 def _loss_scale(errors, cfg, tasks) -> None:
@@ -261,6 +277,9 @@ def load_run_config(path: str, overrides: list[str] | None = None):
     ConfigError (a value that failed its key or type check keeps its default for the checks below)."""
     errors: list[str] = []
     cfg = load_config_collecting(path, overrides, errors)
+    unresolved = interpolation_errors(cfg)
+    if unresolved:  # the checks below would read those keys
+        raise ConfigError(errors + unresolved)
     errors += validate(cfg)
     if errors:
         raise ConfigError(errors)

@@ -256,3 +256,74 @@ def test_each_method_s_options_are_checked_by_name_type_and_range():
     errs = errors_of(TINY, ["weighting.method=stch", "weighting.options.mu=fast", "weighting.options.warmup=3"])
     assert any(e.startswith("weighting.options.mu: bad value 'fast'") for e in errs), errs
     assert any("unknown option 'warmup'" in e and "weighting.options.warmup_steps'" in e for e in errs), errs
+
+
+# ------------------------------------------------------------------ NaN/inf and unresolvable values (issue 24 §3, §7)
+
+
+def _float_keys():
+    """Every float key of the schema, and every float option of every weighting method (with that method)."""
+    from dataclasses import fields
+
+    from mtl.config import TaskDataConfig, config_keys
+    from mtl.tasks import task_types
+    from mtl.weighting import weighting_types
+
+    keys = [([], k) for k, t, _, _ in config_keys() if t in ("float", "float | None", "Optional[float]")]
+    keys += [([], k) for k, t, _, _ in config_keys() if t == "list[float]"]
+    for name, cls in weighting_types().items():
+        keys += [([f"weighting.method={name}"], f"weighting.options.{f.name}") for f in fields(cls.Options)
+                 if f.type in (float, "float")]
+    for name, cls in task_types().items():
+        keys += [([f"tasks=[cls, {name}]"] if name != "cls" else [], f"task_options.{name}.{f.name}")
+                 for f in fields(cls.Options) if f.type in (float, "float")]
+    keys += [(["data.per_task.gen.source=synthetic"], f"data.per_task.cls.{f.name}") for f in fields(TaskDataConfig)
+             if f.type in (float, "float")]
+    return keys
+
+
+def test_nan_and_inf_are_refused_in_every_numeric_key():
+    """NaN passes every range check (each comparison is false): each float key, each float option of each method
+    and task, and a per-task data key, set to nan (inf and -inf: optim.lr) is an error naming the key."""
+    keys = _float_keys()
+    assert {"optim.lr", "optim.weight_decay", "optim.grad_clip", "data.synthetic.noise", "optim.betas",
+            "data.per_task.cls.ratio"} <= {k for _, k in keys} and any(k.startswith("weighting.options.")
+                                                                         for _, k in keys)
+    missed = []
+    for extra, key in keys:
+        for bad in ("nan", "inf", "-inf") if key == "optim.lr" else ("nan",):
+            value = f"[{bad}, {bad}]" if key in ("optim.betas", "data.augment.scale", "data.augment.ratio") else bad
+            with pytest.raises(ConfigError) as e:
+                load_run_config(TINY, [*extra, f"{key}={value}"])
+            if not any(err.startswith(key) for err in e.value.errors):
+                missed.append((key, bad, e.value.errors))
+    assert missed == []
+
+
+@pytest.mark.parametrize("override, key, says", [
+    ("seed=${seed}", "seed", "Recursive interpolation"),
+    ("output_dir=${oc.env:MTL_TEST_NOT_SET}", "output_dir", "MTL_TEST_NOT_SET"),
+    ("optim.lr=nan", "optim.lr", "finite"),
+    ("optim.betas=[2.0,0.999]", "optim.betas", "[0, 1)"),
+])
+def test_configs_that_ended_in_tracebacks_are_one_message(override, key, says):
+    errs = errors_of(TINY, [override])
+    assert len(errs) == 1 and errs[0].startswith(key) and says in errs[0], errs
+
+
+def test_an_interpolation_that_gives_a_bad_value_never_shows_it(monkeypatch):
+    monkeypatch.setenv("MTL_TEST_SECRET", "hunter2")
+    (err,) = errors_of(TINY, ["seed=${oc.env:MTL_TEST_SECRET}"])
+    assert err.startswith("seed:") and "hunter2" not in err and "${oc.env:MTL_TEST_SECRET}" in err
+    monkeypatch.setenv("MTL_TEST_SECRET", "7")
+    assert load_run_config(TINY, ["seed=${oc.env:MTL_TEST_SECRET}"]).seed == 7  # a good one still resolves
+
+
+@pytest.mark.slow  # a real train.py process
+def test_an_unresolvable_config_stops_before_anything_starts(tmp_path):
+    from .conftest import run_train
+
+    out = tmp_path / "run"
+    proc = run_train(["--config", TINY, f"output_dir={out}", "seed=${seed}"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "seed: '${seed}'" in proc.stderr
+    assert not out.exists()
