@@ -137,11 +137,13 @@ def bare_state_dict(model: torch.nn.Module | dict) -> dict:
 
 
 def describe_os_error(e: OSError) -> str:
-    """The cause in words a user acts on."""
+    """The cause in words a user acts on (what mtl's own writers add, such as the bytes a full disk lacked, kept)."""
     causes = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
               errno.EROFS: "read-only file system", errno.EACCES: "permission denied (read-only folder?)",
               errno.EPERM: "permission denied (read-only folder?)"}
-    return causes.get(e.errno, (e.strerror or str(e)).lower())
+    if e.errno in causes and e.strerror and e.strerror.startswith(causes[e.errno]):
+        return e.strerror
+    return causes.get(e.errno, e.strerror or str(e))
 
 
 class _Sink:

@@ -23,6 +23,7 @@ import errno
 import io
 import os
 import pickle
+import shutil
 import warnings
 
 import torch
@@ -77,13 +78,40 @@ def write_sharded(folder: str, state: dict) -> None:
     try:
         with _quiet():
             dcp.save(state, storage_writer=writer, no_dist=_no_dist())
-    except CheckpointException as e:
-        for _, (exc, _tb) in sorted(e.failures.items()):
+    except (CheckpointException, RuntimeError) as e:
+        failures = [exc for _, (exc, _tb) in sorted(e.failures.items())] if isinstance(e, CheckpointException) else [e]
+        for exc in failures:
             if isinstance(exc, OSError):
                 if exc.filename is None:
                     exc.filename = folder
                 raise exc from None
-        raise OSError(errno.EIO, f"torch.distributed.checkpoint failed: {e}", folder) from None
+        # torch's writer reports a short write (a full disk) as a RuntimeError ("unexpected pos ..."): ask the disk
+        needed, free = _tensor_bytes(state), _free_bytes(folder)
+        if free is not None and free < needed:
+            raise OSError(errno.ENOSPC, f"no space left on device ({needed:,} bytes to write here, {free:,} free)",
+                          folder) from None
+        first = failures[0] if failures else e
+        raise OSError(errno.EIO, f"torch.distributed.checkpoint failed: {type(first).__name__}: {first}",
+                      folder) from None
+
+
+def _tensor_bytes(tree) -> int:
+    """The bytes of this rank's part of every tensor in ``tree`` (what its file holds, give or take the index)."""
+    if torch.is_tensor(tree):
+        t = tree.to_local() if hasattr(tree, "to_local") else tree
+        return t.numel() * t.element_size()
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return sum(_tensor_bytes(v) for v in values)
+
+
+def _free_bytes(path: str) -> int | None:
+    """Free bytes on the file system that holds ``path`` (or its nearest existing parent); None if unknown."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return None
 
 
 # what a DCP index is made of: its own dataclasses, torch.Size and dtypes, the layout helper, the folder's path

@@ -337,6 +337,50 @@ def test_a_full_disk_while_the_sharded_state_is_written_leaves_the_previous_chec
     assert ckpt.verify_checkpoint(previous)["step"] == 2
 
 
+TORCH_SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+
+
+@pytest.mark.parametrize("free", [0, 1 << 40])
+def test_torch_s_short_write_error_is_named_as_a_full_disk_in_its_own_words(tmp_path, monkeypatch, free):
+    """On a full disk torch's writer raises a RuntimeError ("unexpected pos"), not an OSError (issue 24 §8): the
+    message says "no space left on device", the path and the bytes, when the disk has less room than the state;
+    otherwise torch's own text, in its own case. Either way the previous checkpoint stays and no .tmp is left."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from mtl import checkpoint as ckpt
+    from mtl.errors import CheckpointError
+    from mtl.train_state import sharded_state
+
+    net, weighting, opt = _stepped(0)
+    previous = ckpt.save_checkpoint(str(tmp_path), 2, net, {"step": 2, "world_size": 1}, "seed: 0\n", 0,
+                                    sharded=sharded_state(net, weighting, opt))
+    fired = []
+
+    def short_write(transforms, stream, data, *args, **kwargs):  # some bytes reach the disk, then it is full
+        stream.write(b"x" * 64)
+        fired.append(1)
+        raise RuntimeError(TORCH_SHORT_WRITE)
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(fs, "_write_item", short_write)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(1 << 41, (1 << 41) - free, free))
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save_checkpoint(str(tmp_path), 4, net, {"step": 4, "world_size": 1}, "seed: 0\n", 0,
+                             sharded=sharded_state(net, weighting, opt))
+    assert fired, "the writer never failed"
+    msg = e.value.message
+    where = os.path.join(str(tmp_path), "checkpoints", ".step_4.tmp", "state")
+    if free == 0:
+        assert f"{where}: no space left on device (" in msg and "bytes to write here, 0 free)" in msg
+    else:
+        assert TORCH_SHORT_WRITE in msg and "RuntimeError" in msg  # not lower-cased
+    assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == ["step_2"]  # no .step_4.tmp
+    assert ckpt.verify_checkpoint(previous)["step"] == 2
+
+
 def test_batchnorm_on_another_world_size_asks_for_the_key(tmp_path):
     """BatchNorm normalises over each process's own batch: another world size is another run (issue 24 §2)."""
     from mtl.resume import reshard_problems
