@@ -82,7 +82,21 @@ def non_utf8_manifest(p):
     return path
 
 
+def one_class_folder(p):
+    """An ImageFolder tree with a single class folder (and no captions file)."""
+    (p / "folder" / "only").mkdir(parents=True)
+    for i in range(10):
+        Image.new("RGB", (16, 16), (20 * i, 10, 10)).save(p / "folder" / "only" / f"{i}.png")
+    return p / "folder"
+
+
 IN_PROCESS = {
+    "one-class image folder": (lambda p: [TINY, "data.source=imagefolder", "tasks=[cls]",
+                                          f"data.train_path={one_class_folder(p)}", f"data.val_path={p / 'folder'}"],
+                               3, ["task 'cls'", "1 class (only)", "at least 2"]),
+    "one-class manifest": (lambda p: [TINY, "data.source=manifest", "tasks=[cls]",
+                                      f"data.train_path={manifest(p, [{'image': good_image(p), 'label': 0, 'caption': 'x'}] * 10)}",
+                                      f"data.val_path={p / 'm.jsonl'}"], 3, ["task 'cls'", "1 class", "m.jsonl"]),
     # 4 training images, batch 8: fewer than one (global) batch
     "training set smaller than a batch": (lambda p: [TINY, "data.synthetic.train_size=4"], 3,
                                           ["data.batch_size=8", "1 process(es)", "4 item(s)"]),

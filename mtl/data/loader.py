@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from mtl.data.images import Augment, Normalized, image_normalization
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
-from mtl.data.synthetic import SyntheticShapes
+from mtl.data.synthetic import MIN_CLASSES, SyntheticShapes
 from mtl.errors import ConfigError, DataError
 
 SOURCES = ("synthetic", "manifest", "imagefolder")
@@ -111,9 +111,19 @@ def provided_fields(ds: Dataset) -> frozenset:
 
 
 def check_task_fields(tasks: dict[str, type], datasets: dict[str, Dataset]) -> None:
-    """Every task's ``requires`` must be in every split's records: one error naming each task, field and fix."""
+    """Every task's ``requires`` must be in every split's records: one error naming each task, field and fix. A
+    task that reads labels needs at least two classes in its training split (one would score 1.0 by
+    construction), whatever the source: the synthetic set's own range, ``MIN_CLASSES``."""
     errors = []
     for name, task in tasks.items():
+        train = datasets.get("training")
+        k = getattr(train, "num_classes", None)
+        if "label" in task.requires and k is not None and k < MIN_CLASSES:
+            names = getattr(train, "class_names", [])
+            errors.append(f"task {name!r} learns to tell classes apart, and {getattr(train, 'source', 'its data')} "
+                          f"has {k} class{'' if k == 1 else 'es'}{' (' + ', '.join(names) + ')' if names else ''}; "
+                          f"it needs at least {MIN_CLASSES} — add images of another class, or remove {name!r} "
+                          "from tasks")
         for split, ds in datasets.items():
             have = provided_fields(ds)
             for field in task.requires:
