@@ -395,18 +395,25 @@ def verify_checkpoint(path: str) -> dict:
         if rel not in listed:
             raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
     if state.get("state"):
-        _check_index(path, name)
+        _check_index(path, name, listed)
     return state
 
 
-def _check_index(path: str, name: str) -> None:
-    """The sharded state's index reads as data (``mtl.train_state.read_metadata``: a crafted one is refused unrun)."""
+def _check_index(path: str, name: str, listed: dict) -> None:
+    """The sharded state's index reads as data (``mtl.train_state.read_metadata``: a crafted one is refused unrun),
+    and every file it refers to is in the manifest (so present and checked): a shard removed from both the folder
+    and the manifest is caught here, not when the resume loads it."""
     from mtl.train_state import read_metadata
 
     try:
-        read_metadata(os.path.join(path, STATE_DIR))
+        metadata = read_metadata(os.path.join(path, STATE_DIR))
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {name}: {e.message}") from None
+    referred = sorted({f"{STATE_DIR}/{info.relative_path}" for info in (metadata.storage_data or {}).values()})
+    for rel in referred:
+        if rel not in listed:
+            raise CheckpointError(f"checkpoint {name}: {rel}, which {STATE_DIR}/.metadata refers to, is not in its "
+                                  f"{MANIFEST} (removed?)")
 
 
 def find_resumable(output_dir: str) -> tuple[str | None, list[str]]:

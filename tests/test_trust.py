@@ -107,3 +107,17 @@ def test_an_honest_sharded_checkpoint_still_loads(tmp_path):
     ref, _, ref_opt = _parts(2)
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), ref.state_dict().values()))
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_a_shard_removed_from_the_folder_and_the_manifest_is_caught_and_skipped(tmp_path):
+    """The index names every shard file; each must be in the manifest (issue 24 §9)."""
+    good = save_sharded(tmp_path, 2)
+    newest = save_sharded(tmp_path, 4)
+    shards = [n for n in os.listdir(os.path.join(newest, ckpt.STATE_DIR)) if n.endswith(".distcp")]
+    assert shards == ["__0_0.distcp"]
+    os.remove(os.path.join(newest, ckpt.STATE_DIR, shards[0]))
+    refresh_manifest(newest)  # the manifest no longer lists it either
+    with pytest.raises(CheckpointError) as e:
+        ckpt.verify_checkpoint(newest)
+    assert "state/__0_0.distcp, which state/.metadata refers to, is not in its manifest.json" in e.value.message
+    assert decide(tmp_path, "resume=auto") == good
