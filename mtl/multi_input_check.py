@@ -27,6 +27,7 @@ Which strategies and weighting methods a sampling policy allows, and why:
 from __future__ import annotations
 
 import difflib
+import os
 
 from mtl.config import TaskDataConfig, check_options
 from mtl.data.multi_input import ABSENT_POLICIES, POLICIES, SOURCES
@@ -73,9 +74,14 @@ def check(cfg, strategy, method, methods: dict[str, type] | None = None) -> list
                 errors.append(f"{key}.{name}: must be > 0 (got {getattr(d, name)})")
         if d.ratio <= 0:
             errors.append(f"{key}.ratio: must be > 0 (got {d.ratio})")
-        if d.source == "synthetic" and d.batch_size > d.train_size:
-            errors.append(f"{key}.batch_size: {d.batch_size} exceeds the task's train_size ({d.train_size}); a step "
-                          "could not be filled")
+        # the GLOBAL rows of a step that holds the task (mixed draws data.batch_size rows instead); torchrun's world
+        # size: the process group starts after this check
+        world = int(os.environ.get("WORLD_SIZE", "1")) if sp.policy != "mixed" else 1
+        if d.source == "synthetic" and d.batch_size * world > d.train_size:
+            errors.append(f"{key}.batch_size: {d.batch_size} per process x {world} process(es) = {d.batch_size * world} "
+                          f"rows in a step that holds {t}, more than the task's train_size ({d.train_size}); such a "
+                          f"step could not be filled. Set {key}.batch_size <= {max(1, d.train_size // world)} or raise "
+                          f"{key}.train_size")
         if d.source != "synthetic" and (not d.train_path or not d.val_path):
             errors.append(f"{key}: source={d.source} needs train_path and val_path")
     cfg.data.per_task = filled
