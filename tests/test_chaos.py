@@ -4,7 +4,9 @@ model of an uninterrupted run. For 1 and 2 processes, with decoder dropout on (s
 
 The kill points come from a seeded plan (``SEED``), so a failure reproduces (up to the machine's timing).
 Each kill waits for a trigger: a delay after launch (start-up), a step's metrics record (mid-step, or the
-evaluation that follows an evaluation step), or a checkpoint's files appearing (save). Where a kill really
+evaluation that follows an evaluation step), or a checkpoint's files appearing (save). Every job that got as far as
+training must have resumed from the newest complete checkpoint on disk (read by the test itself), so a resume that
+silently starts over (or picks an older checkpoint) fails here even though the run would still end identical. Where a kill really
 landed is read from the run's own output when the job is frozen just before the kill, and printed.
 """
 
@@ -142,6 +144,27 @@ def trigger(job: Job, out: str, kind: str, rng: random.Random) -> bool:
     return True
 
 
+def newest_complete(out: str) -> int:
+    """The step of the newest complete checkpoint on disk, read here without mtl: a published ``step_<N>`` holding
+    its manifest (written last), or a ``.step_<N>.old`` copy whose ``step_<N>`` is gone (a re-save cut short,
+    which the next start puts back); 0 if none."""
+    root = os.path.join(out, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    steps = [int(m.group(1)) for n in names if (m := re.match(r"^step_(\d+)$", n))
+             and os.path.isfile(os.path.join(root, n, "manifest.json"))]
+    steps += [int(m.group(1)) for n in names if (m := re.match(r"^\.step_(\d+)\.old$", n))
+              and f"step_{m.group(1)}" not in names and os.path.isfile(os.path.join(root, n, "manifest.json"))]
+    return max(steps, default=0)
+
+
+def check_resumed(job: Job, expected: int, checked: list) -> None:
+    """A job that got as far as training resumed from the newest complete checkpoint (``resume=auto``'s rule), not
+    from an older one or from scratch."""
+    if job.started_training():
+        assert job.resume_step() == expected, f"resumed from step {job.resume_step()}, expected {expected}\n{job.tail()}"
+        checked.append(expected)
+
+
 def model_bytes(out: str) -> bytes:
     with open(os.path.join(out, "checkpoints", f"step_{MAX_STEPS}", "model.safetensors"), "rb") as f:
         return f.read()
@@ -152,7 +175,9 @@ def chaos(nproc: int, out: str, rng: random.Random) -> Counter:
     plan = list(PHASES) + [rng.choice(PHASES) for _ in range(KILLS_PER_WORLD_SIZE - len(PHASES))]
     rng.shuffle(plan)
     landed: Counter = Counter()
+    checked: list[int] = []  # the expected resume step of each job checked
     for kind in plan:
+        expected = newest_complete(out)
         job = Job(nproc, out)
         try:
             if not trigger(job, out, kind, rng):
@@ -166,6 +191,8 @@ def chaos(nproc: int, out: str, rng: random.Random) -> Counter:
         job.proc.wait(timeout=60)
         assert job.proc.returncode == -9, job.tail()  # the kill, not an error, ended it
         landed[where[0]] += 1
+        check_resumed(job, expected, checked)
+    expected = newest_complete(out)
     done = Job(nproc, out)
     try:
         done.proc.wait(timeout=300)
@@ -175,6 +202,8 @@ def chaos(nproc: int, out: str, rng: random.Random) -> Counter:
     for t in done._readers:
         t.join(timeout=10)
     assert done.proc.returncode == 0, done.tail()
+    check_resumed(done, expected, checked)
+    assert expected > 0 and sum(1 for e in checked if e > 0) >= 2, checked  # real resumes were checked
     return landed
 
 
