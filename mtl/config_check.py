@@ -113,7 +113,7 @@ def validate(cfg) -> list[str]:
                       "set tokenizer.path to its directory")
     if cfg.trainer.poison is not None:
         parts = str(cfg.trainer.poison).split(":")
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in [*cfg.tasks, "crash"] or not (parts[2] == "*"
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in [*cfg.tasks, "crash", "stop"] or not (parts[2] == "*"
                                                                                              or parts[2].isdigit()):
             errors.append(f"trainer.poison: {cfg.trainer.poison!r} must be STEP:TASK:RANK, e.g. 3:gen:1 or 3:cls:*")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from mtl import checkpoint as ckpt
+from mtl import heartbeat
 from mtl.amp import Amp
 from mtl.build import (
     build_optimizer,
@@ -306,6 +307,7 @@ class Trainer:
                                     self.dist.rank, self.cfg.checkpoint.keep_last, self.checkpoint_files,
                                     sharded=sharded_state(self.bare, self.weighting, self.optimizer))
         self._saved_step = self.step
+        heartbeat.progress(self.step, saved=self.step)
         self.log.info(f"step {self.step}: checkpoint {path}")
         return path
 
@@ -366,9 +368,16 @@ class Trainer:
         start = time.perf_counter()
         self.bare.train()
         self.signals = self._stop_signals()
+        heartbeat.start(self.dist.rank, self.dist.world_size, self.cfg.ddp.timeout_s)  # names a rank that stops
         try:
             return self._train(start)
+        except RuntimeError as e:  # a collective that timed out: one line naming the rank that did not answer
+            lost = heartbeat.lost_peer(e)
+            if lost is None:
+                raise
+            raise lost from None
         finally:
+            heartbeat.stop()
             self.signals.uninstall()
 
     def _train(self, start: float) -> dict:
@@ -412,6 +421,7 @@ class Trainer:
 
     def _after_step(self, r, seconds: float, batch: dict) -> None:
         t = self.cfg.trainer
+        heartbeat.progress(self.step)
         if r.weights_nonfinite:
             self._stop_for_nonfinite_weights()
         if r.nonfinite:

@@ -292,6 +292,29 @@ def test_too_many_bad_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_p
 
 
 @pytest.mark.slow
+def test_a_stopped_rank_is_named_before_and_at_the_collective_timeout(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) after step 3 (issue 24 §6): rank 0 names it in a warning at half the timeout,
+    then, when the collective times out, in one line with its last step and checkpoint; no traceback; non-zero."""
+    out = str(tmp_path / "run")
+    tic = time.time()
+    proc = run_train(["--config", TINY, "trainer.max_steps=50", *FAST, "checkpoint.every_steps=2",
+                      "trainer.poison=4:stop:1", "ddp.timeout_s=20", f"output_dir={out}"], nproc=2, check=False,
+                      timeout=240)
+    err = proc.stderr
+    assert proc.returncode == 5, err[-3000:]
+    assert "Traceback" not in err
+    warning = re.search(r"\[rank 0\] warning: rank 1 has not answered for (\d+) s \(.*its last heartbeat was at step "
+                        r"3, the last checkpoint saved is step_2\)", err)
+    final = ("[rank 0] error: a collective timed out after ddp.timeout_s=20 s: rank 1 (its last heartbeat at step 3, "
+             "its last checkpoint step_2) did not answer")
+    assert warning and 10 <= int(warning.group(1)) < 20 and final in err, err[-3000:]
+    assert err.index(warning.group(0)) < err.index(final) and err.count(final) == 1
+    assert steps_logged(out) == 3  # the stop really happened after step 3
+    print(f"\nstopped rank: the job ended {time.time() - tic:.0f} s after launch (timeout 20 s, torchrun's 30 s "
+          "grace to SIGKILL the stopped rank)")
+
+
+@pytest.mark.slow
 def test_a_crashing_rank_makes_every_rank_exit(tmp_path):
     tic = time.time()
     proc = run_train(["--config", TINY, "trainer.max_steps=50", *FAST, "trainer.poison=3:crash:1", "ddp.timeout_s=30",
