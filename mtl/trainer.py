@@ -402,8 +402,7 @@ class Trainer:
                 check_replicas(self.bare, self.step)
             if self.step % t.eval_every == 0 and self.step < t.max_steps:
                 self.run_eval()
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps \
-                    and not self.bad_steps:  # during a run of skipped steps: nothing new, and maybe a poisoned model
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0 and self.step < t.max_steps:
                 self.save()
             if self.stop_agreed:  # a rank got SIGTERM/SIGUSR1/SIGINT: all finish this step, save, exit
                 self.log.info(f"step {self.step}: stop signal received; saving a checkpoint and exiting")
@@ -435,9 +434,10 @@ class Trainer:
             if self.bad_steps >= t.max_bad_steps:
                 raise TrainingError(
                     f"{self.bad_steps} consecutive non-finite steps (trainer.max_bad_steps={t.max_bad_steps}). "
-                    f"Lower optim.lr, use precision=bf16/fp32, or check the data. No checkpoint was written since step "
-                    f"{self.step - self.bad_steps}, the last good step; {self._kept_checkpoint()} (if the weights "
-                    "it holds blew up, resume from an earlier checkpoint with a lower optim.lr)")
+                    f"Lower optim.lr, use precision=bf16/fp32, or check the data; {self._kept_checkpoint()}. The "
+                    f"skipped steps changed no weight, so every checkpoint from step {self.step - self.bad_steps} on "
+                    f"holds the weights that gave the first non-finite step ({self.step - self.bad_steps + 1}): if "
+                    f"they blew up, resume from a checkpoint before step {self.step - self.bad_steps}")
         else:
             self.bad_steps = 0
             if not r.stepped:  # an fp16 overflow: the GradScaler skipped the step and backed off

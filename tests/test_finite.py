@@ -1,6 +1,6 @@
 """A diverged model is never kept as good (issue 24 §3): a non-finite weight after a step is a bad step that ends
-the run, no checkpoint holds a NaN/inf weight or optimizer value, a periodic save never runs during a streak of
-skipped steps, and a run whose final evaluation is non-finite does not succeed. (NaN/inf in the config:
+the run, no checkpoint holds a NaN/inf weight or optimizer value, and a run whose final evaluation is non-finite
+does not succeed. (NaN/inf in the config:
 tests/test_config.py.)"""
 
 from __future__ import annotations
