@@ -77,7 +77,7 @@ def stray_label_manifest(p):
 
 
 def non_utf8_manifest(p):
-    path = manifest(p, [{"image": good_image(p), "label": 0, "caption": "x"}] * 2)
+    path = manifest(p, [{"image": good_image(p), "label": i, "caption": "x"} for i in range(2)])  # two classes
     path.write_bytes(path.read_bytes() + b'{"image": "ok.png", "label": 0, "caption": "na\xefve"}\n')
     return path
 
