@@ -110,16 +110,16 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ after a timeout
 
-    def stalled(self) -> list[tuple[int, str, str]]:
+    def stalled(self) -> list[tuple[int, str, str]] | None:
         """(rank, its last step, its last saved step) of every other rank whose beat does not move over two
-        periods; read with a client of this thread's own."""
+        periods, read with a client of this thread's own; None if the store cannot be read."""
         try:
             store = _client()
             before = {r: _read(store, self._key(r)) for r in range(self.world_size) if r != self.rank}
             time.sleep(2 * PERIOD_S + 0.5)
             after = {r: _read(store, self._key(r)) for r in before}
         except Exception:
-            return []
+            return None
         return [(r, *(after[r] or "0 ? None").split()[1:]) for r in before if after[r] == before[r]]
 
 
@@ -163,6 +163,11 @@ def lost_peer(error: BaseException) -> TrainingError | None:
         return None
     stalled = hb.stalled()
     timeout = f"ddp.timeout_s={hb.timeout_s:g} s"
+    if stalled is None:
+        return TrainingError(f"a collective timed out after {timeout}, and the job's key-value store at "
+                             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} no longer answers "
+                             "either: the process or machine that hosts it (rank 0 without torchrun) has stopped or "
+                             "is lost. Restart the job; resume=auto continues from the newest complete checkpoint")
     if not stalled:
         return TrainingError(f"a collective timed out after {timeout} and every rank's heartbeat still moves (a rank "
                              "slower than the timeout, or a network problem); raise ddp.timeout_s if a step or a save "
