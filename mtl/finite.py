@@ -34,15 +34,30 @@ def first_nonfinite(tree, prefix: str = "") -> str | None:
     return None
 
 
+def _norms(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm([_local(p.detach()) for p in params]))
+
+
 def params_finite(params: list[torch.Tensor], sharded: bool) -> bool:
-    """Whether every parameter is finite, the same answer on every rank. ``sharded`` (FSDP2: each rank holds other
-    shards): agreed in a collective; otherwise every rank holds the same replicas and decides alone."""
+    """Whether every parameter tensor has a finite L2 norm (this rank's part): no NaN or inf, and no weights so
+    large that the sum of their squares overflows (|w| around 1e19 in float32, a model that has blown up and
+    whose next forward overflows). One fused norm per step (about 100 times cheaper than an elementwise check on
+    the CPU). The same answer on every rank: ``sharded`` (FSDP2: each rank holds other shards) agrees in a
+    collective; otherwise every rank holds the same replicas and decides alone."""
     if not params:
         return True
-    ok = torch.stack([torch.isfinite(_local(p.detach())).all() for p in params]).all()
+    ok = torch.isfinite(_norms(params)).all()
     if not sharded:
         return bool(ok)
     return bool(all_reduce_sum((~ok).to(torch.float32).reshape(1))[0] == 0)
+
+
+def first_blown_up(named: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor (this rank's part) that :func:`params_finite` refuses, or None."""
+    if not named:
+        return None
+    bad = (~torch.isfinite(_norms(list(named.values())))).nonzero()
+    return list(named)[int(bad[0])] if len(bad) else None
 
 
 def nonfinite_eval(metrics: dict[str, float], tasks: list[str]) -> list[str]:

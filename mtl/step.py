@@ -8,7 +8,7 @@
 2. unscale (fp16 scaled each task's loss);
 3. the finite check, the same decision on every rank;
 4. clip;
-5. ``optimizer.step()``, then the weights' finite check (a non-finite weight is a bad step that ends the run);
+5. ``optimizer.step()``, then the weights' check (a NaN/inf or blown-up weight is a bad step that ends the run);
 6. ``scheduler.step()``;
 7. zero the gradients.
 
@@ -57,7 +57,7 @@ class StepResult:
     nonfinite: bool  # a NaN/inf loss or gradient (not an fp16 overflow)
     stop_agreed: bool  # some rank asked to stop (SIGTERM/SIGUSR1/SIGINT): every rank saves and exits now
     stats: dict = field(default_factory=dict)
-    weights_nonfinite: bool = False  # the optimizer step made a parameter NaN/inf (the run cannot go on)
+    weights_nonfinite: bool = False  # the optimizer step made a parameter NaN/inf or blew it up (the run cannot go on)
 
 
 def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False,

@@ -41,7 +41,7 @@ from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.evaluate import evaluate, to_device
 from mtl.faults import poison
 from mtl.files import write_atomic
-from mtl.finite import first_nonfinite, nonfinite_eval
+from mtl.finite import first_blown_up, nonfinite_eval
 from mtl.fsdp import full_model_state, gathered, is_sharded
 from mtl.logger import RunLogger, trim_metrics
 from mtl.resume import batch_statistics_layers, check_resume_config, random_layers, reshard_problems, saved_config
@@ -467,11 +467,12 @@ class Trainer:
 
     def _stop_for_nonfinite_weights(self) -> None:
         """The optimizer step made a weight NaN/inf: a bad step that cannot be skipped (the weights are gone)."""
-        bad = first_nonfinite({n: q for n, q in self.bare.named_parameters()}) or "a learned loss weight"
+        bad = first_blown_up(dict(self.bare.named_parameters())) or "a learned loss weight"
         self.log.record(self.step, {"bad_step": 1, "nonfinite": "weights", "where": bad}, kind="bad_step")
-        raise TrainingError(f"step {self.step}: the optimizer step made the weights non-finite (on this rank first "
-                            f"in {bad}); they cannot be restored, so the run stops and saves nothing. Lower optim.lr "
-                            f"or set optim.grad_clip; {self._kept_checkpoint()}")
+        raise TrainingError(f"step {self.step}: the optimizer step made the weights non-finite or blew them up past "
+                            f"what float32 holds (on this rank first in {bad}); they cannot be restored, so the run "
+                            f"stops and saves nothing. Lower optim.lr or set optim.grad_clip; "
+                            f"{self._kept_checkpoint()}")
 
     def _check_final_eval(self, final: dict) -> None:
         """A run whose final evaluation is NaN/inf diverged: no final checkpoint, not a success (exit 5)."""

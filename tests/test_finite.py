@@ -15,7 +15,7 @@ import torch
 from mtl import checkpoint as ckpt
 from mtl import train_state as ts
 from mtl.errors import TrainingError
-from mtl.finite import first_nonfinite, nonfinite_eval
+from mtl.finite import first_blown_up, first_nonfinite, nonfinite_eval, params_finite
 
 from .conftest import TINY
 from .test_trust import _parts, config, to_yaml
@@ -36,6 +36,14 @@ def test_a_state_holding_nan_is_never_saved(tmp_path):
                              sharded=ts.sharded_state(net, weighting, opt))
     assert e.value.exit_code == 5 and "exp_avg_sq" in e.value.message and "not written" in e.value.message
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # nothing started: no folder, no .tmp
+
+
+def test_the_weights_check_refuses_nan_inf_and_weights_blown_past_float32():
+    ok = {"a": torch.ones(3), "b": torch.full((4,), 1e18)}
+    assert params_finite(list(ok.values()), sharded=False) and first_blown_up(ok) is None
+    for bad in (math.nan, math.inf, 1e36):  # 1e36: finite, but its square overflows: the model has blown up
+        weights = {**ok, "c": torch.tensor([0.5, bad])}
+        assert not params_finite(list(weights.values()), sharded=False) and first_blown_up(weights) == "c"
 
 
 def test_first_nonfinite_names_the_path_and_the_eval_check_tells_divergence_from_nothing_to_score():
@@ -74,6 +82,22 @@ def test_a_step_that_makes_a_weight_nonfinite_ends_the_run_and_is_never_saved(tm
     with open(out / "metrics.jsonl") as f:
         bad = [json.loads(line) for line in f if '"bad_step"' in line]
     assert [(b["step"], b["nonfinite"]) for b in bad] == [(2, "weights")]
+
+
+@pytest.mark.slow
+def test_a_learning_rate_that_blows_the_weights_up_stops_at_that_step_with_no_checkpoint(tmp_path, capsys):
+    """The issue's run: optim.lr=1e36 made every weight about 1e36 (finite), the next steps were skipped as
+    non-finite, and step_1 to step_3 were kept as good checkpoints of the blown-up model. Now step 1 itself is the
+    bad step: exit 5, and no checkpoint at all."""
+    import train
+
+    out = tmp_path / "run"
+    assert train.main(["--config", TINY, "optim.lr=1e36", "optim.warmup_steps=0", "checkpoint.every_steps=1",
+                       "trainer.max_bad_steps=3", "trainer.max_steps=6", "data.num_workers=0",
+                       f"output_dir={out}"]) == 5
+    err = capsys.readouterr().err
+    assert "step 1: the optimizer step made the weights non-finite or blew them up" in err
+    assert not os.path.isdir(out / "checkpoints") or _checkpoints(out) == []
 
 
 @pytest.mark.slow
