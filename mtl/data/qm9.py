@@ -407,6 +407,32 @@ def load_pyg_root(root: str) -> QM9Graphs:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The papers' complete graph
+
+
+class CompleteGraph:
+    """The papers' graph (Nash-MTL's ``Complete`` then ``T.Distance(norm=False)``): an edge for every ordered pair
+    of distinct atoms, whose features are the bond's 4 type one-hots (zeros where there is no bond) and the
+    distance in Å (5 features). A transform: ``CompleteGraph()(data)`` returns a new graph."""
+
+    def __init__(self):
+        from torch_geometric.transforms import Distance
+
+        self.distance = Distance(norm=False)
+
+    def __call__(self, data):
+        from torch_geometric.utils import remove_self_loops
+
+        data = data.clone()
+        n = data.num_nodes
+        full = torch.stack([torch.arange(n).repeat_interleave(n), torch.arange(n).repeat(n)])
+        attr = data.edge_attr.new_zeros(n * n, data.edge_attr.shape[1])
+        attr[data.edge_index[0] * n + data.edge_index[1]] = data.edge_attr
+        data.edge_index, data.edge_attr = remove_self_loops(full, attr)
+        return self.distance(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The papers' split and standardisation
 
 
