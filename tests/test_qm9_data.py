@@ -230,3 +230,14 @@ def test_standardiser_uses_the_training_split_and_reports_original_units():
     torch.testing.assert_close(mae, torch.tensor([0.1, 2.0, 3.0]), rtol=1e-3, atol=0)
     with pytest.raises(DataError, match="constant"):
         qm9.Standardiser.fit(torch.ones(10, 2))
+
+
+@pytest.mark.slow
+def test_the_bond_report_tool_on_a_sample(capsys):
+    """Reads all of qm9pack's CSV (seconds): the sample's counts add up and the agreement line is printed."""
+    from mtl.tools import qm9_bonds
+
+    assert qm9_bonds.main(["--sample", "40", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    counts = [int(line.split()[1]) for line in out.splitlines()[1:5]]
+    assert sum(counts) == 40 and "agree with the SMILES" in out

@@ -80,3 +80,18 @@ def test_complete_graph(molecules):
         assert torch.equal(a[:4], bonds.get((i, j), torch.zeros(4))), (i, j)
         assert float(a[4]) == pytest.approx(float((g.pos[i] - g.pos[j]).norm()), abs=1e-5)
     assert torch.equal(g.edge_attr, molecules[8].edge_attr) and g.edge_attr.shape[1] == 4  # the input is untouched
+
+
+@pytest.mark.slow
+def test_the_edge_network_benchmark_tool(tmp_path, capsys):
+    """Seconds: the papers' 64-wide model on complete graphs, both ways."""
+    import json
+
+    from mtl.tools import qm9_edge_network
+
+    out = tmp_path / "edge.json"
+    assert qm9_edge_network.main(["--molecules", "8", "--batch-size", "4", "--repeats", "1", "--device", "cpu",
+                                  "--cache-dir", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["graph"] == "complete" and result["batches"] == 2 and result["ratio_pyg_over_ours"] > 0
+    assert f"{result['ratio_pyg_over_ours']:.2f}x" in capsys.readouterr().out
