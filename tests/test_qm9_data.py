@@ -166,7 +166,7 @@ def test_the_cache_is_read_the_second_time_and_rebuilt_when_its_inputs_change(tm
     again = qm9.load_qm9pack(str(tmp_path), limit=20, log=lambda m: None)
     assert built == [] and again.path == first.path and torch.equal(again.y, first.y)
     assert again.report == first.report
-    monkeypatch.setattr(qm9, "PROCESS_VERSION", qm9.PROCESS_VERSION + 1)  # as a change of the processing would
+    monkeypatch.setattr(qm9, "processing_digest", lambda: "edited")  # as an edit of mtl/data/qm9.py would
     rebuilt = qm9.load_qm9pack(str(tmp_path), limit=20, log=lambda m: None)
     assert built == [1] and rebuilt.path != first.path
 
@@ -241,3 +241,13 @@ def test_the_bond_report_tool_on_a_sample(capsys):
     out = capsys.readouterr().out
     counts = [int(line.split()[1]) for line in out.splitlines()[1:5]]
     assert sum(counts) == 40 and "agree with the SMILES" in out
+
+
+def test_a_corrupt_cache_file_is_rebuilt_and_said(tmp_path):
+    first = qm9.load_qm9pack(str(tmp_path), limit=3, log=lambda m: None)
+    with open(first.path, "r+b") as f:
+        f.truncate(100)
+    said = []
+    again = qm9.load_qm9pack(str(tmp_path), limit=3, log=said.append)
+    assert "cannot be read" in said[0] and "rebuilding" in said[0]
+    assert torch.equal(again.y, first.y) and len(again) == 3

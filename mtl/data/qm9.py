@@ -18,8 +18,8 @@ so those four columns are 0 in PyG's data (pyg-team/pytorch_geometric#8370) and 
 atomisation energies from QM9's atom references exactly as the CSV PyG reads (kcal/mol, then PyG's factor to eV).
 
 Processed graphs are cached (``cache_path``); the cache file's name holds a hash of everything the result depends
-on (the CSV files' sizes and mtimes, the versions of qm9pack, RDKit, PyG and of this processing), so a change to
-any of them builds a new file instead of reading a stale one.
+on (the CSV files' sizes and mtimes, the versions of qm9pack, RDKit, PyG and torch, and this module's source), so a
+change to any of them builds a new file instead of reading a stale one.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ CSV_PROPERTIES = {
 }
 CSV_COLUMNS = ("Index", "SMILES", "Elements", "XYZ_Ang", *CSV_PROPERTIES.values())
 CSV_FILES = ("qm9_part1.csv", "qm9_part2.csv", "qm9_part3.csv")
-PROCESS_VERSION = 1  # bump when what this module builds changes: every cache built before is then ignored
 INSTALL_HINT = "pip install -e '.[qm9]' (qm9pack, torch-geometric, rdkit)"
 
 
@@ -304,9 +303,15 @@ def build_from_rows(rows: list[dict]):
     return graphs, report
 
 
+def processing_digest() -> str:
+    """A hash of this module's source: any change to the processing makes a new cache."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def cache_key(folder: str, limit: int | None) -> str:
     """A hash of everything the processed graphs depend on."""
-    parts = {"process_version": PROCESS_VERSION, "limit": limit}
+    parts = {"processing": processing_digest(), "limit": limit}
     for name in CSV_FILES:
         st = os.stat(os.path.join(folder, name))
         parts[name] = [st.st_size, st.st_mtime_ns]
@@ -345,13 +350,10 @@ class QM9Graphs:
 
 
 def _in_memory(path: str):
+    """PyG's storage file at ``path`` as an InMemoryDataset (no root: it never downloads or processes)."""
     from torch_geometric.data import InMemoryDataset
 
-    class Stored(InMemoryDataset):  # no root: never downloads or processes, only loads
-        def __init__(self):
-            super().__init__(None)
-
-    stored = Stored()
+    stored = InMemoryDataset(None)
     stored.load(path)
     return stored
 
@@ -372,7 +374,10 @@ def load_qm9pack(cache_dir: str | None = None, limit: int | None = None, log=pri
         with open(meta, encoding="utf-8") as f:
             stored = json.load(f)
         if stored.get("key") == key:
-            return QM9Graphs(_in_memory(path), BuildReport(**stored["report"]), path)
+            try:
+                return QM9Graphs(_in_memory(path), BuildReport(**stored["report"]), path)
+            except Exception as e:  # noqa: BLE001 - a truncated or corrupt cache file: say so and rebuild it
+                log(f"QM9: the cache {path} cannot be read ({type(e).__name__}: {e}); rebuilding it")
     log(f"QM9: building the graphs from qm9pack's CSV ({folder}) into {path} (once; a few minutes for all of it)")
     rdkit_modules()
     graphs, report = build_from_rows(read_csv_rows(folder, limit))
