@@ -24,12 +24,14 @@ change to any of them builds a new file instead of reading a stale one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -124,6 +126,25 @@ def canonical_smiles(mol) -> str:
     return Chem.MolToSmiles(Chem.RemoveAllHs(mol, sanitize=True), isomericSmiles=False)
 
 
+@contextlib.contextmanager
+def quiet_c_stderr(quiet: bool):
+    """Hückel connectivity (YAeHMOP) prints "Distance between atoms ... is suspicious" from C for ordinary O-H bonds,
+    thousands of lines over QM9: send the C library's stderr to /dev/null for that call (its failures are
+    exceptions, which pass)."""
+    if not quiet:
+        yield
+        return
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 @dataclass
 class Perceived:
     mol: object  # RDKit Mol, Kekulé bonds, atoms in the CSV's (geometry's) order
@@ -149,7 +170,8 @@ def perceive(elements: list[str], xyz: list[list[float]], smiles: str, where: st
     for how, hueckel in (("geometry", False), ("geometry_hueckel", True)):
         geometry = Chem.Mol(mol)
         try:
-            rdDetermineBonds.DetermineBonds(geometry, charge=0, useHueckel=hueckel)
+            with quiet_c_stderr(hueckel):
+                rdDetermineBonds.DetermineBonds(geometry, charge=0, useHueckel=hueckel)
         except Exception:  # noqa: BLE001 - RDKit raises several types when no bond orders fit
             continue
         if reference is not None and canonical_smiles(geometry) == reference:
@@ -160,7 +182,8 @@ def perceive(elements: list[str], xyz: list[list[float]], smiles: str, where: st
         for hueckel in (False, True):
             try:
                 connected = Chem.Mol(mol)
-                rdDetermineBonds.DetermineConnectivity(connected, charge=0, useHueckel=hueckel)
+                with quiet_c_stderr(hueckel):
+                    rdDetermineBonds.DetermineConnectivity(connected, charge=0, useHueckel=hueckel)
                 assigned = AllChem.AssignBondOrdersFromTemplate(template, connected)
                 Chem.SanitizeMol(assigned)
             except Exception:  # noqa: BLE001 - the connectivity does not match the SMILES
