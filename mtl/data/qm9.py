@@ -153,13 +153,17 @@ class Perceived:
 
 # How ``perceive`` finds a molecule's bonds, in order: the geometry (rdDetermineBonds), the geometry with Hückel
 # connectivity (strained small rings, where covalent radii join bridgeheads), the SMILES' bond orders on the
-# geometry's connectivity; and if none agrees with the SMILES, the geometry's bonds are kept (and counted).
-PERCEIVE_STEPS = ("geometry", "geometry_hueckel", "smiles", "geometry_disagrees")
+# geometry's connectivity; if none agrees with the SMILES, the geometry's bonds are kept; and if RDKit finds no
+# bond orders for the geometry at all and the SMILES does not fit its connectivity (a strained cage where the
+# geometry has one bond more than the SMILES), the connectivity with single bonds. The last two are counted and
+# listed (BuildReport) so that the data set keeps every molecule, as PyG's does.
+PERCEIVE_STEPS = ("geometry", "geometry_hueckel", "smiles", "geometry_disagrees", "connectivity_only")
 
 
-def perceive(elements: list[str], xyz: list[list[float]], smiles: str, where: str) -> Perceived:
+def perceive(elements: list[str], xyz: list[list[float]], smiles: str, where: str, strict: bool = False) -> Perceived:
     """The molecule's bonds from its geometry, checked against its SMILES (``PERCEIVE_STEPS``). ``where`` names
-    the molecule in errors. Raises DataError when RDKit cannot make a neutral molecule of the geometry at all."""
+    the molecule in errors. Raises DataError when RDKit cannot read the geometry, or finds no bond at all in it,
+    or (``strict``) finds no bond orders that make a neutral molecule and the SMILES does not fit either."""
     Chem, AllChem, rdDetermineBonds = rdkit_modules()
     mol = Chem.MolFromXYZBlock(xyz_block(elements, xyz))
     if mol is None:
@@ -190,10 +194,15 @@ def perceive(elements: list[str], xyz: list[list[float]], smiles: str, where: st
                 continue
             if canonical_smiles(assigned) == reference:
                 return Perceived(kekule(assigned), "smiles")
-    if fallback is None:
-        raise DataError(f"{where}: RDKit finds no bonds for its geometry that make a neutral molecule, and its "
-                        f"SMILES {smiles!r} does not fit the geometry's connectivity")
-    return Perceived(kekule(fallback), "geometry_disagrees")
+    if fallback is not None:
+        return Perceived(kekule(fallback), "geometry_disagrees")
+    if not strict:
+        connected = Chem.Mol(mol)
+        rdDetermineBonds.DetermineConnectivity(connected, charge=0)
+        if connected.GetNumBonds():
+            return Perceived(connected, "connectivity_only")
+    raise DataError(f"{where}: RDKit finds no bonds for its geometry that make a neutral molecule, and its "
+                    f"SMILES {smiles!r} does not fit the geometry's connectivity")
 
 
 def kekule(mol):
@@ -300,8 +309,10 @@ class BuildReport:
     geometry_hueckel: int = 0  # the same with Hückel connectivity
     smiles: int = 0  # bond orders from the SMILES on the geometry's connectivity
     geometry_disagrees: int = 0  # none of them: the geometry's bonds are kept
-    smiles_indices: list = field(default_factory=list)  # QM9 indices (1-based) of the last two kinds
+    connectivity_only: int = 0  # no bond orders found: the geometry's connectivity, single bonds
+    smiles_indices: list = field(default_factory=list)  # QM9 indices (1-based) of the last three kinds
     disagree_indices: list = field(default_factory=list)
+    connectivity_indices: list = field(default_factory=list)
 
     def agreement(self) -> float:
         """The share of molecules whose bonds perceived from the geometry alone agree with the SMILES."""
@@ -321,6 +332,8 @@ def build_from_rows(rows: list[dict]):
             report.smiles_indices.append(index)
         elif found.how == "geometry_disagrees":
             report.disagree_indices.append(index)
+        elif found.how == "connectivity_only":
+            report.connectivity_indices.append(index)
         y = targets_in_pyg_units(raw_targets(props, elements))
         graphs.append(graph_of(found.mol, y, idx=index - 1, name=f"gdb_{index}"))
     return graphs, report

@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     print(f"  bonds from the geometry alone agree with the SMILES: {100 * report.agreement():.2f}%")
     print(f"  bond orders from the SMILES (QM9 index): {report.smiles_indices}")
     print(f"  kept disagreeing (QM9 index): {report.disagree_indices}")
+    print(f"  connectivity only, single bonds (QM9 index): {report.connectivity_indices}")
     return 0
 
 
