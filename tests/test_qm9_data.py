@@ -251,3 +251,15 @@ def test_a_corrupt_cache_file_is_rebuilt_and_said(tmp_path):
     again = qm9.load_qm9pack(str(tmp_path), limit=3, log=said.append)
     assert "cannot be read" in said[0] and "rebuilding" in said[0]
     assert torch.equal(again.y, first.y) and len(again) == 3
+
+
+def test_a_molecule_without_bond_orders_keeps_its_connectivity_and_is_listed():
+    """As QM9's Index 133831 (a strained cage whose geometry has a bond more than its SMILES): here a carbon with
+    five hydrogens. The build keeps it with single bonds and lists it; ``strict`` refuses it, naming it."""
+    xyz = [[0, 0, 0], [1.09, 0, 0], [-1.09, 0, 0], [0, 1.09, 0], [0, -1.09, 0], [0, 0, 1.09]]
+    found = qm9.perceive(["C"] + ["H"] * 5, xyz, "C", "qm9pack molecule Index=3")
+    assert found.how == "connectivity_only" and found.mol.GetNumBonds() == 5
+    graph = qm9.graph_of(found.mol, torch.zeros(1, 19), idx=2, name="gdb_3")
+    assert graph.edge_attr[:, 0].sum() == 10 and graph.x[0, 10] == 5  # single bonds both ways, 5 H neighbours
+    with pytest.raises(DataError, match="Index=3: RDKit finds no bonds"):
+        qm9.perceive(["C"] + ["H"] * 5, xyz, "C", "qm9pack molecule Index=3", strict=True)
