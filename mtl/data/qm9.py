@@ -25,6 +25,7 @@ change to any of them builds a new file instead of reading a stale one.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -105,6 +106,7 @@ def targets_in_pyg_units(raw: list[float]) -> torch.Tensor:
 # One molecule
 
 
+@functools.cache  # once: RDLogger.DisableLog costs milliseconds, and this runs several times per molecule
 def rdkit_modules():
     try:
         from rdkit import Chem, RDLogger
