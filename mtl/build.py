@@ -14,7 +14,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mtl import checkpoint as ckpt
 from mtl.config import multi_input
-from mtl.data.loader import BatchCollate, all_captions, build_datasets, build_train_loader, check_task_fields, set_epoch
+from mtl.data.loader import (
+    BatchCollate,
+    all_captions,
+    build_datasets,
+    build_eval_loader,
+    build_train_loader,
+    check_task_fields,
+    set_epoch,
+)
 from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
@@ -113,6 +121,10 @@ class RunPieces:
     task_sets: dict | None = None
     task_collates: dict | None = None
 
+    def task_vals(self) -> dict | None:
+        """Multi-input mode: {task: its own validation set}; else None (every task evaluates on ``val_ds``)."""
+        return None if self.task_sets is None else {t: val for t, (_, val) in self.task_sets.items()}
+
     def data_sets(self) -> list:
         """Every data set the run reads: the training and val sets, or in multi-input mode every task's two."""
         if self.task_sets is None:
@@ -163,6 +175,20 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
     task_collates = None if task_sets is None else {
         t: BatchCollate({t: types[t]}, collate.info) for t in task_sets}
     return RunPieces(cfg, train_ds, val_ds, tokenizer, model, collate, task_sets, task_collates)
+
+
+def build_eval_loaders(cfg, val_ds, collate: BatchCollate, task_vals: dict | None, rank: int = 0,
+                       world_size: int = 1, pin_memory: bool = False) -> dict:
+    """{task: its validation loader}, as a run evaluates (``mtl.evaluate.evaluate_run``): one loader over ``val_ds``
+    shared by every task, or in multi-input mode (``task_vals``: {task: its val set}) each task's own loader over
+    its own set, collated for that task alone."""
+    d = cfg.data
+    if task_vals is None:
+        loader = build_eval_loader(val_ds, collate, d.eval_batch_size, rank, world_size, d.num_workers, pin_memory)
+        return {t: loader for t in cfg.tasks}
+    types = run_task_types(cfg)
+    return {t: build_eval_loader(val, BatchCollate({t: types[t]}, collate.info), d.eval_batch_size, rank, world_size,
+                                 d.num_workers, pin_memory) for t, val in task_vals.items()}
 
 
 def build_strategy(cfg):

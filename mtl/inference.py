@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -34,20 +35,22 @@ from mtl.build import (
     MODEL_FILE,
     ModelFiles,
     build_collate,
+    build_eval_loaders,
     build_model,
     find_model_files,
     load_model_weights,
     read_model_weights,
     run_task_types,
 )
-from mtl.config import load_config
+from mtl.config import load_config, multi_input, task_data
 from mtl.data.images import image_normalization, normalize_images
-from mtl.data.loader import build_datasets, build_eval_loader, check_task_fields
+from mtl.data.loader import build_datasets, check_task_fields
 from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
+from mtl.data.multi_input import build_task_val_sets
 from mtl.data.tokenizer import CaptionTokenizer
 from mtl.dist import pick_device
 from mtl.errors import CheckpointError, ConfigError, DataError
-from mtl.evaluate import evaluate
+from mtl.evaluate import evaluate_run
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
@@ -236,26 +239,52 @@ def eval_dataset(cfg, class_names: list[str]):
     return ds
 
 
+def eval_task_sets(cfg, class_names: list[str]) -> dict:
+    """Multi-input mode (``data.per_task``): {task: its own validation set}, read as the run read it and labelled
+    with the model's classes. The training sets are not read; a set that is missing names its task and key."""
+    types = run_task_types(cfg)
+    s = cfg.data.synthetic
+    for t in types:
+        if task_data(cfg, t).source == "synthetic" and "label" in types[t].requires and s.num_classes > len(class_names):
+            raise ConfigError(f"data.synthetic.num_classes: {s.num_classes} shape kinds for task {t}, but the model "
+                              f"knows {len(class_names)}; set it to {len(class_names)}")
+    sets = build_task_val_sets(cfg, types, SimpleNamespace(class_names=list(class_names),
+                                                            num_classes=len(class_names)))
+    for t, ds in sets.items():
+        check_task_fields({t: types[t]}, {f"validation (data.per_task.{t}.val_path)": ds})
+    return sets
+
+
 def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: int | None = None) -> dict:
-    """Flat metrics (``cls_acc``, ``gen_bleu4`` ...; as in the run's ``final_metrics.json``) on the eval split
-    of ``cfg`` (see ``eval_config``), with the project's own evaluation code, in this one process."""
-    ds = eval_dataset(cfg, predictor.class_names)
-    check_task_fields(run_task_types(cfg), {"evaluation": ds})
+    """Flat metrics (``cls_acc``, ``gen_bleu4`` ...; as in the run's ``final_metrics.json``) on the eval data
+    of ``cfg`` (see ``eval_config``), through the trainer's own evaluation (``mtl.evaluate.evaluate_run`` over
+    ``mtl.build.build_eval_loaders``), in this one process: every task on the one val split, or in multi-input
+    mode (``data.per_task``) each task on its own validation set. ``images``: how many were evaluated (per task
+    in multi-input mode)."""
     collate = build_collate(cfg, len(predictor.class_names), predictor.class_names, predictor.tokenizer)
-    loader = build_eval_loader(ds, collate, cfg.data.eval_batch_size, 0, 1, cfg.data.num_workers)
+    if multi_input(cfg):
+        val_ds, task_vals = None, eval_task_sets(cfg, predictor.class_names)
+    else:
+        val_ds, task_vals = eval_dataset(cfg, predictor.class_names), None
+        check_task_fields(run_task_types(cfg), {"evaluation": val_ds})
+    loaders = build_eval_loaders(cfg, val_ds, collate, task_vals)
     beamed = {h: h.num_beams for h in predictor.model.heads.values() if hasattr(h, "num_beams")}  # e.g. gen's
     try:
         for head in beamed:
             head.num_beams = int(num_beams or beamed[head])
-        metrics = evaluate(predictor.model, loader, predictor.tasks, predictor.device, max_batches)
+        metrics = evaluate_run(predictor.model, loaders, predictor.device, max_batches)
     finally:
         for head, beams in beamed.items():
             head.num_beams = beams
     flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
-    evaluated = len(ds) if not max_batches else min(len(ds), max_batches * cfg.data.eval_batch_size)
+
+    def count(ds) -> int:
+        return len(ds) if not max_batches else min(len(ds), max_batches * cfg.data.eval_batch_size)
+
+    images = count(val_ds) if task_vals is None else {t: count(ds) for t, ds in task_vals.items()}
     # NaN (e.g. counting on data without counts) is not JSON: null
     return {**{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in flat.items()},
-            "images": evaluated}
+            "images": images}
 
 
 # ------------------------------------------------------------------ export
