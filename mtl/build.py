@@ -3,6 +3,7 @@ strategy, weighting, optimizer, scheduler."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Callable
@@ -294,6 +295,45 @@ def find_model_files(path: str, key: str) -> ModelFiles:
     )
 
 
+def verify_model_files(files: ModelFiles, key: str) -> None:
+    """Trust a model folder only once its manifest checks out, as a resume does: a checkpoint through
+    ``mtl.checkpoint.verify_checkpoint`` (every file's size and SHA-256), an export folder through its own manifest
+    (``verify_manifest``, the same check), and every file of the folder that is read (the weights, config.yaml, the
+    class names, the tokenizer) must be listed in it. Raises CheckpointError naming ``key``, the file and the fix."""
+    folder = files.folder
+    fix = ("It changed after it was written (corrupt, or edited by hand): use another checkpoint, or export again "
+           "from the run's checkpoint")
+    is_checkpoint = os.path.isfile(os.path.join(folder, "trainer_state.pt"))
+    if not os.path.isfile(os.path.join(folder, ckpt.MANIFEST)):
+        what = "checkpoint" if is_checkpoint else "export folder"
+        raise CheckpointError(f"{key}: {what} {folder!r} has no {ckpt.MANIFEST}, so its files cannot be checked "
+                              "(written by an mtl without checksums, or assembled by hand); load the weights only "
+                              "from a checkpoint written by train.py or a folder written by mtl.tools.export")
+    try:
+        ckpt.verify_checkpoint(folder) if is_checkpoint else ckpt.verify_manifest(folder)
+        with open(os.path.join(folder, ckpt.MANIFEST), encoding="utf-8") as f:
+            listed = set(json.load(f)["files"])
+    except CheckpointError as e:
+        raise CheckpointError(f"{key}: {e.message}. {fix}") from None
+    used = [files.weights, files.config, files.class_names, *(
+        [os.path.join(files.tokenizer, n) for n in sorted(os.listdir(files.tokenizer))] if files.tokenizer else [])]
+    for path in used:
+        if path is None:
+            continue
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(folder)).replace(os.sep, "/")
+        if not rel.startswith("../") and os.path.isfile(path) and rel not in listed:
+            raise CheckpointError(f"{key}: {rel} in {folder!r} is not in its {ckpt.MANIFEST} (added after it was "
+                                  f"written). {fix}")
+
+
+def find_verified_model_files(path: str, key: str) -> ModelFiles:
+    """``find_model_files`` whose folder has passed ``verify_model_files``: what every load path uses (the tools
+    and ``init_from``)."""
+    files = find_model_files(path, key)
+    verify_model_files(files, key)
+    return files
+
+
 def read_model_weights(weights: str, key: str) -> dict:
     """The state dict in an mtl ``model.safetensors`` (a checkpoint's, or an export's copy of it)."""
     from safetensors import safe_open
@@ -333,7 +373,7 @@ INIT_FROM_FIX = ("A warm start needs the model of the run that wrote the weights
 
 def init_from_tokenizer(source: str) -> str:
     """The tokenizer folder that goes with the ``init_from`` weights."""
-    found = find_model_files(source, "init_from").tokenizer
+    found = find_verified_model_files(source, "init_from").tokenizer
     if found is None:
         raise CheckpointError(f"init_from: no tokenizer found with {source!r} (a tokenizer/ folder in it or in its "
                               "run folder); set tokenizer.path to the tokenizer those weights were trained with")
@@ -342,6 +382,6 @@ def init_from_tokenizer(source: str) -> str:
 
 def init_from_weights(model: torch.nn.Module, source: str) -> str:
     """Warm start: load the weights of ``source`` into ``model`` (nothing else); return the file read."""
-    weights = find_model_files(source, "init_from").weights
+    weights = find_verified_model_files(source, "init_from").weights
     load_model_weights(model, read_model_weights(weights, "init_from"), f"init_from {weights!r}", INIT_FROM_FIX)
     return weights

@@ -268,8 +268,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
     _agree(_attempt(write_parts, tmp, rank), tmp, rank, root)
 
     def publish():
-        _write_bytes(os.path.join(tmp, MANIFEST), json.dumps(_manifest(tmp), indent=1).encode("utf-8"))
-        _fsync_dir(tmp)
+        write_manifest(tmp)
         _publish(tmp, final, root)
         if keep_last > 0:
             for _, path in list_checkpoints(output_dir)[:-keep_last]:
@@ -296,6 +295,12 @@ def _publish(tmp: str, final: str, root: str) -> None:
     else:
         os.replace(tmp, final)
     _fsync_dir(root)
+
+
+def write_manifest(folder: str) -> None:
+    """``folder/manifest.json``: the size and SHA-256 of every other file in it (written last, made durable)."""
+    _write_bytes(os.path.join(folder, MANIFEST), json.dumps(_manifest(folder), indent=1).encode("utf-8"))
+    _fsync_dir(folder)
 
 
 def _manifest(folder: str) -> dict:
@@ -339,6 +344,25 @@ def verify_checkpoint(path: str) -> dict:
     for core in CORE_FILES:
         if not os.path.isfile(os.path.join(path, core)):
             raise CheckpointError(f"checkpoint {name}: {core} is missing")
+    listed = verify_manifest(path)
+    try:
+        state = read_trainer_state(path)
+    except CheckpointError:
+        raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
+    needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
+    if state.get("state"):
+        needed.append(f"{state['state']}/.metadata")
+    for rel in needed:
+        if rel not in listed:
+            raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
+    return state
+
+
+def verify_manifest(path: str) -> dict[str, tuple[int, str]]:
+    """Every file the folder's ``manifest.json`` lists is present with its size and SHA-256 (``verify_checkpoint``'s
+    first part; an export folder's whole check): {relative name: (bytes, sha256)}, or a CheckpointError naming the
+    file."""
+    name = os.path.basename(path.rstrip(os.sep))
     manifest_file = os.path.join(path, MANIFEST)
     try:
         with open(manifest_file, encoding="utf-8") as f:
@@ -360,17 +384,7 @@ def verify_checkpoint(path: str) -> dict:
                                   "written (truncated?)")
         if _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {name}: {rel} does not match its SHA-256 checksum (corrupt)")
-    try:
-        state = read_trainer_state(path)
-    except CheckpointError:
-        raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
-    needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
-    if state.get("state"):
-        needed.append(f"{state['state']}/.metadata")
-    for rel in needed:
-        if rel not in listed:
-            raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
-    return state
+    return listed
 
 
 def find_resumable(output_dir: str) -> tuple[str | None, list[str]]:

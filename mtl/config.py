@@ -17,6 +17,7 @@ Checks that need more than the schema (known names, ranges, combinations of opti
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import os
@@ -486,12 +487,13 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1_000).strip().removesuffix("\n...")
 
 
-def _read_into(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:
-    """The config with every mergeable value applied; each key or type problem is appended to ``errors``."""
+def _read_into(path: str, overrides: list[str] | None, errors: list[str], chain: list | None = None) -> DictConfig:
+    """The config with every mergeable value applied; each key or type problem is appended to ``errors``.
+    ``chain``: [(mapping, source)] to merge instead of reading ``path`` and its base files."""
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
     moved: set[str] = set()
-    for data, source in _read_yaml(path):
+    for data, source in (_read_yaml(path) if chain is None else chain):
         moved |= move_keys(data, source, errors)
         _merge_into(cfg, data, source, [], errors)
     over, over_errors = parse_overrides(list(overrides or []))
@@ -515,6 +517,35 @@ def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
     if errors:
         raise ConfigError(errors)
     return cfg
+
+
+def config_from_data(data: dict, source: str, overrides: list[str] | None = None) -> DictConfig:
+    """A config from a plain mapping that is data, not a config file: a checkpoint's or an export's config.yaml as
+    ``mtl.resume.saved_config`` reads it (mtl writes it resolved and whole). Nothing in it is resolved or read: a
+    ``base:`` key, or a ``${...}`` in any value, is refused, never evaluated. ``overrides`` go on top. Keys and
+    types are checked as in ``load_config``; raises ConfigError listing every problem (``source`` names the file)."""
+    errors = [f"{source}: base: {data['base']!r}: this file is complete and is read as data; 'base:' is not "
+              "followed here. Remove the line"] if "base" in data else []
+    errors += [f"{source}: {k}: {v!r} is an interpolation; this file is read as data (mtl writes it resolved), so "
+               "'${...}' in it is never evaluated. Restore the file from the run, or put the value itself there"
+               for k, v in _strings(data) if "${" in v]
+    if errors:
+        raise ConfigError(errors)
+    plain = copy.deepcopy(data)  # merging moves renamed keys in place
+    cfg = _read_into(source, overrides, errors, chain=[(plain, source)])
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _strings(node, prefix: str = ""):
+    """(dotted key, value) for every string in a plain nested mapping or list."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        if isinstance(v, str):
+            yield f"{prefix}{k}", v
+        else:
+            yield from _strings(v, f"{prefix}{k}.")
 
 
 def load_config_collecting(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:

@@ -41,8 +41,10 @@ from mtl.build import (
     load_model_weights,
     read_model_weights,
     run_task_types,
+    verify_model_files,
 )
-from mtl.config import load_config, multi_input, task_data
+from mtl.checkpoint import write_manifest
+from mtl.config import config_from_data, load_config, multi_input, task_data
 from mtl.data.images import image_normalization, normalize_images
 from mtl.data.loader import build_datasets, check_task_fields
 from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
@@ -51,6 +53,7 @@ from mtl.data.tokenizer import CaptionTokenizer
 from mtl.dist import pick_device
 from mtl.errors import CheckpointError, ConfigError, DataError
 from mtl.evaluate import evaluate_run
+from mtl.resume import saved_config
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
@@ -61,9 +64,10 @@ class Predictor:
     """A trained model ready for inference (what ``load_model`` returns)."""
 
     def __init__(self, model, cfg, tokenizer: CaptionTokenizer, class_names: list[str], device: torch.device,
-                 files: ModelFiles):
+                 files: ModelFiles, saved_config: dict | None = None):
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.class_names, self.device, self.files = class_names, device, files
+        self.saved_config = saved_config  # the folder's config.yaml as plain data (what ``cfg`` was built from)
         self.normalization = image_normalization(cfg)  # what the training loaders applied (pretrained weights)
 
     @property
@@ -176,10 +180,12 @@ def load_model(path: str, device="cpu") -> Predictor:
     if files.config is None:
         raise CheckpointError(f"{files.folder!r} has no config.yaml next to {MODEL_FILE}: it is not an mtl "
                               "checkpoint or export folder")
+    verify_model_files(files, "model")  # as a resume does: every file we read matches the folder's manifest
     if files.tokenizer is None:
         raise CheckpointError(f"{files.folder!r}: no tokenizer/ found in it or in its run folder; the model "
                               "cannot decode captions without the tokenizer it was trained with")
-    cfg = load_config(files.config)  # keys and types only: paths in it (data, resume) may not exist here
+    saved = saved_config(files.folder)  # plain data: nothing in it resolved, no base: followed
+    cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
     cfg.model.backbone.weights = None  # the backbone's weights are in our file: never download or read others
     tokenizer = CaptionTokenizer.load(files.tokenizer)
     if "heads.cls.fc.weight" in state:
@@ -194,7 +200,17 @@ def load_model(path: str, device="cpu") -> Predictor:
     dev = _device(device)
     model.autocast_dtype = DTYPES.get(cfg.precision)  # as the run's own evaluation
     model.to(dev).eval()
-    return Predictor(model, cfg, tokenizer, class_names, dev, files)
+    return Predictor(model, cfg, tokenizer, class_names, dev, files, saved)
+
+
+def model_config(saved: dict, source: str, overrides: list[str] | None = None):
+    """The config of a model folder (``saved``: its config.yaml as ``mtl.resume.saved_config`` reads it) as data:
+    ``mtl.config.config_from_data``; a problem in the file itself is a CheckpointError naming it."""
+    try:
+        config_from_data(saved, source)
+    except ConfigError as e:
+        raise CheckpointError(f"{source!r} is not a config mtl wrote: " + "; ".join(e.errors)) from None
+    return config_from_data(saved, source, overrides)
 
 
 # ------------------------------------------------------------------ evaluation
@@ -209,7 +225,11 @@ def eval_config(predictor: Predictor, config: str | None = None, overrides: list
     if bad:
         raise ConfigError([f"{k}: not an evaluation setting; the model's config comes from the checkpoint. Set "
                            "only data.* and seed here" for k in bad])
-    source = load_config(config or predictor.files.config, overrides)
+    if config:  # the user's own config file
+        source = load_config(config, overrides)
+    else:  # the model folder's config.yaml, as data (verified with the weights)
+        source = model_config(predictor.saved_config or saved_config(predictor.files.folder), predictor.files.config,
+                              overrides)
     cfg = copy.deepcopy(predictor.cfg)
     cfg.data, cfg.seed = source.data, source.seed
     if cfg.data.image_size != predictor.image_size:
@@ -308,6 +328,7 @@ def export_model(path: str, out: str) -> str:
         predictor.tokenizer.save(os.path.join(tmp, "tokenizer"))
         with open(os.path.join(tmp, CLASS_NAMES_FILE), "w", encoding="utf-8") as f:
             json.dump(predictor.class_names, f, indent=1)
+        write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.replace(tmp, out)
