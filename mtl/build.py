@@ -265,6 +265,44 @@ class ModelFiles:
     class_names: str | None  # a class_names.json
 
 
+TASK_CODE_DIR = "task_modules"
+
+
+def task_code_names(specs) -> dict[str, str]:
+    """{a ``task_modules`` .py path: its copy's name in a model folder} (``task_modules/<file name>``). A checkpoint
+    and an export carry these copies, so the model loads anywhere; a dotted module name is not copied (it must be
+    importable where the model is loaded)."""
+    out: dict[str, str] = {}
+    for spec in map(str, specs or ()):
+        if spec.endswith(".py") and spec not in out:
+            name = f"{TASK_CODE_DIR}/{os.path.basename(spec)}"
+            out[spec] = name if name not in out.values() else f"{TASK_CODE_DIR}/{len(out)}_{os.path.basename(spec)}"
+    return out
+
+
+def task_code_files(cfg) -> dict[str, bytes]:
+    """The copies of the run's ``task_modules`` files that each checkpoint carries: {name: bytes}."""
+    out = {}
+    for spec, name in task_code_names(cfg.get("task_modules")).items():
+        with open(spec, "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def use_task_code_copies(cfg, folder: str) -> list[str]:
+    """Point ``cfg.task_modules`` at the model folder's own copies (``task_code_names``) where it has them, in place;
+    returns the copies used. Importing them runs their code: a model folder is trusted like a script."""
+    names = task_code_names(cfg.get("task_modules"))
+    used, specs = [], []
+    for spec in map(str, cfg.get("task_modules") or ()):
+        copy = os.path.join(folder, *names[spec].split("/")) if spec in names else None
+        if copy and os.path.isfile(copy):
+            used.append(copy)
+        specs.append(copy if copy and os.path.isfile(copy) else spec)
+    cfg.task_modules = specs
+    return used
+
+
 def find_model_files(path: str, key: str) -> ModelFiles:
     """A checkpoint folder, an export folder, a run's output_dir (its newest checkpoint) or a model.safetensors.
 
@@ -315,7 +353,9 @@ def verify_model_files(files: ModelFiles, key: str) -> None:
             listed = set(json.load(f)["files"])
     except CheckpointError as e:
         raise CheckpointError(f"{key}: {e.message}. {fix}") from None
-    used = [files.weights, files.config, files.class_names, *(
+    code = [os.path.join(folder, TASK_CODE_DIR, n) for n in sorted(os.listdir(os.path.join(folder, TASK_CODE_DIR)))
+            ] if os.path.isdir(os.path.join(folder, TASK_CODE_DIR)) else []
+    used = [files.weights, files.config, files.class_names, *code, *(
         [os.path.join(files.tokenizer, n) for n in sorted(os.listdir(files.tokenizer))] if files.tokenizer else [])]
     for path in used:
         if path is None:
@@ -368,7 +408,8 @@ def load_model_weights(model: torch.nn.Module, state: dict, key: str, fix: str) 
 
 
 INIT_FROM_FIX = ("A warm start needs the model of the run that wrote the weights: set model.*, tasks, "
-                 "data.image_size, the number of classes and the tokenizer as in that run's config.yaml")
+                 "data.image_size and the tokenizer as in that run's config.yaml (a task head of another size, e.g. "
+                 "for another number of classes, is re-initialised; the rest must fit)")
 
 
 def init_from_tokenizer(source: str) -> str:
@@ -381,7 +422,27 @@ def init_from_tokenizer(source: str) -> str:
 
 
 def init_from_weights(model: torch.nn.Module, source: str) -> str:
-    """Warm start: load the weights of ``source`` into ``model`` (nothing else); return the file read."""
+    """Warm start: load the weights of ``source`` into ``model`` (nothing else); return what was read, in words.
+
+    Fine-tuning onto new labels: a task head whose tensors all exist in the file but some with another shape (e.g.
+    ``heads.cls.fc`` for another number of classes) keeps its fresh initialisation, and the returned text names
+    it; everything else loads strictly (a missing, unexpected or misshapen backbone key is refused, naming it)."""
     weights = find_verified_model_files(source, "init_from").weights
-    load_model_weights(model, read_model_weights(weights, "init_from"), f"init_from {weights!r}", INIT_FROM_FIX)
-    return weights
+    state = read_model_weights(weights, "init_from")
+    own = model.state_dict()
+    fresh: dict[str, list[str]] = {}
+    for k, v in state.items():
+        parts = k.split(".")
+        if parts[0] == "heads" and k in own and own[k].shape != v.shape:
+            fresh.setdefault(parts[1], []).append(f"{k} {tuple(v.shape)} in the file, {tuple(own[k].shape)} here")
+    kept = []  # the same head with other sizes: it keeps its fresh weights
+    for task in fresh:
+        head = {k for k in own if k.startswith(f"heads.{task}.")}
+        if head == {k for k in state if k.startswith(f"heads.{task}.")}:
+            state.update({k: own[k] for k in head})
+            kept.append(task)
+    load_model_weights(model, state, f"init_from {weights!r}", INIT_FROM_FIX)
+    if not kept:
+        return weights
+    return (f"{weights}; re-initialised for their new shapes (fine-tuning onto new labels): "
+            + "; ".join(f"heads.{t} ({', '.join(fresh[t][:2])})" for t in kept) + "; every other weight loaded")

@@ -33,6 +33,7 @@ from mtl.amp import DTYPES
 from mtl.build import (
     CLASS_NAMES_FILE,
     MODEL_FILE,
+    TASK_CODE_DIR,
     ModelFiles,
     build_collate,
     build_eval_loaders,
@@ -41,6 +42,8 @@ from mtl.build import (
     load_model_weights,
     read_model_weights,
     run_task_types,
+    task_code_names,
+    use_task_code_copies,
     verify_model_files,
 )
 from mtl.checkpoint import write_manifest
@@ -83,24 +86,36 @@ class Predictor:
         return torch.stack([read_image(p, self.image_size) for p in paths])
 
     @torch.no_grad()
-    def predict(self, images, num_beams: int = 1, batch_size: int = 32) -> list[dict]:
+    def predict(self, images, num_beams: int = 1, batch_size: int = 32, on_unreadable=None) -> list[dict | None]:
         """One dict per image: ``class`` (name), ``class_index``, ``prob`` (softmax probability of that class)
         for the ``cls`` task, ``caption`` for ``gen`` (greedy, or beam search with ``num_beams`` > 1), and
         ``count`` for ``count``. ``images``: file paths, or image tensors (3, S, S) / (N, 3, S, S) as the
-        data sets give them."""
+        data sets give them. A file that cannot be read is a DataError, unless ``on_unreadable(path, error)`` is
+        given: then it is called, the file skipped, and its place in the list is None."""
         if num_beams < 1:
             raise ConfigError(f"num_beams: must be >= 1 (got {num_beams})")
         if torch.is_tensor(images):
             images = list(images.unsqueeze(0) if images.dim() == 3 else images)
         images = list(images)
-        out: list[dict] = []
+        out: list[dict | None] = []
         for start in range(0, len(images), batch_size):
-            chunk = images[start:start + batch_size]
-            x = torch.stack([read_image(i, self.image_size) if isinstance(i, str | os.PathLike) else i
-                             for i in chunk]).to(self.device)
-            x = normalize_images(x, self.normalization)
-            out += self._predict_batch(x, num_beams)
+            read = [self._read(i, on_unreadable) for i in images[start:start + batch_size]]
+            if any(r is not None for r in read):
+                x = torch.stack([r for r in read if r is not None]).to(self.device)
+                rows = iter(self._predict_batch(normalize_images(x, self.normalization), num_beams))
+            out += [None if r is None else next(rows) for r in read]
         return out
+
+    def _read(self, image, on_unreadable) -> torch.Tensor | None:
+        if not isinstance(image, str | os.PathLike):
+            return image
+        try:
+            return read_image(image, self.image_size)
+        except DataError as e:
+            if on_unreadable is None:
+                raise
+            on_unreadable(os.fspath(image), e)
+            return None
 
     def _predict_batch(self, x: torch.Tensor, num_beams: int) -> list[dict]:
         rows: list[dict] = [{} for _ in range(x.shape[0])]
@@ -187,6 +202,10 @@ def load_model(path: str, device="cpu") -> Predictor:
     saved = saved_config(files.folder)  # plain data: nothing in it resolved, no base: followed
     cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
     cfg.model.backbone.weights = None  # the backbone's weights are in our file: never download or read others
+    code = use_task_code_copies(cfg, files.folder)  # its own copies of the task_modules files, where it has them
+    if code:
+        print(f"note: {files.folder!r} carries task code ({', '.join(os.path.basename(c) for c in code)}); loading "
+              "the model imports it, which runs it: trust a model folder like a script", file=sys.stderr)
     tokenizer = CaptionTokenizer.load(files.tokenizer)
     if "heads.cls.fc.weight" in state:
         num_classes = int(state["heads.cls.fc.weight"].shape[0])
@@ -328,6 +347,10 @@ def export_model(path: str, out: str) -> str:
         predictor.tokenizer.save(os.path.join(tmp, "tokenizer"))
         with open(os.path.join(tmp, CLASS_NAMES_FILE), "w", encoding="utf-8") as f:
             json.dump(predictor.class_names, f, indent=1)
+        original = [str(m) for m in (predictor.saved_config or {}).get("task_modules") or []]
+        for spec, name in task_code_names(original).items():  # the files the model was loaded with
+            os.makedirs(os.path.join(tmp, TASK_CODE_DIR), exist_ok=True)
+            shutil.copyfile(str(predictor.cfg.task_modules[original.index(spec)]), os.path.join(tmp, *name.split("/")))
         write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above

@@ -23,6 +23,7 @@ from mtl.build import (
     build_tokenizer,
     build_weighting,
     init_from_weights,
+    task_code_files,
     wrap_model,
 )
 from mtl.config import config_summary, to_yaml
@@ -272,7 +273,8 @@ class Trainer:
         so a checkpoint folder alone is enough to resume, export or predict."""
         if not self.dist.is_main:
             return {}
-        files = {"class_names.json": json.dumps(list(self.train_ds.class_names)).encode("utf-8")}
+        files = {"class_names.json": json.dumps(list(self.train_ds.class_names)).encode("utf-8"),
+                 **task_code_files(self.cfg)}  # the task_modules files: the checkpoint loads anywhere
         run_copy = os.path.join(self.cfg.output_dir, "tokenizer")
         for name in sorted(os.listdir(run_copy)):
             path = os.path.join(run_copy, name)
