@@ -72,6 +72,11 @@ def validate(cfg) -> list[str]:
     if cfg.model.backbone.norm == "sync" and on_cpu:
         errors.append("model.backbone.norm: sync (SyncBatchNorm) needs CUDA devices, and this run is on the CPU "
                       f"(device={cfg.device}); use model.backbone.norm=group (rank-independent) or batch")
+    if cfg.model.backbone.norm == "frozen" and not cfg.model.backbone.weights and not cfg.init_from:
+        errors.append("model.backbone.norm: frozen keeps the BatchNorm statistics of pretrained weights and trains "
+                      "nothing in the norms, but model.backbone.weights is null (random weights): the network would "
+                      "have no working normalisation. Set model.backbone.weights (e.g. IMAGENET1K_V2, or a local .pth "
+                      "file), or learn from scratch with model.backbone.norm=group")
     if cfg.resume is not None and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         errors.append(f"resume: {cfg.resume!r} is neither null, 'auto' nor an existing checkpoint directory")
     if cfg.init_from is not None and not os.path.exists(cfg.init_from):
