@@ -201,7 +201,6 @@ def load_model(path: str, device="cpu") -> Predictor:
                               "cannot decode captions without the tokenizer it was trained with")
     saved = saved_config(files.folder)  # plain data: nothing in it resolved, no base: followed
     cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
-    cfg.model.backbone.weights = None  # the backbone's weights are in our file: never download or read others
     code = use_task_code_copies(cfg, files.folder)  # its own copies of the task_modules files, where it has them
     if code:
         print(f"note: {files.folder!r} carries task code ({', '.join(os.path.basename(c) for c in code)}); loading "
@@ -214,7 +213,11 @@ def load_model(path: str, device="cpu") -> Predictor:
     else:
         num_classes = int(cfg.data.num_classes or 1)
     class_names = _class_names(files, cfg, num_classes)
-    model = build_model(cfg, num_classes, class_names, tokenizer)
+    # the backbone's weights are in our file: never download or read others (cfg keeps the name: it decides the
+    # normalisation the run's loaders applied, data.normalize=auto)
+    unweighted = copy.deepcopy(cfg)
+    unweighted.model.backbone.weights = None
+    model = build_model(unweighted, num_classes, class_names, tokenizer)
     load_model_weights(model, state, f"model {files.weights!r}", LOAD_FIX)
     dev = _device(device)
     model.autocast_dtype = DTYPES.get(cfg.precision)  # as the run's own evaluation

@@ -458,3 +458,24 @@ def test_a_normalising_run_is_normalised_at_inference_too(tmp_path):
     cfg.data.source, cfg.data.val_path = "manifest", str(tmp_path / "imgs" / "manifest.jsonl")
     assert eval_dataset(cfg, predictor.class_names).normalization == predictor.normalization
     assert len(rows) == 4
+
+
+def test_a_run_from_pretrained_weights_is_normalised_as_it_trained(tmp_path):
+    """data.normalize=auto with backbone weights: the loaders normalised with the weights' statistics, so the loaded
+    model must too (the weights are not read again: the name alone decides), and evaluate matches the run."""
+    import torchvision
+
+    from mtl.data.images import IMAGENET_MEAN, IMAGENET_STD
+
+    weights = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), weights)
+    run_dir = train(tmp_path / "run", f"model.backbone.weights={weights}")
+    weights.unlink()  # never read again: the model's own file holds the backbone
+    predictor = load_model(run_dir)
+    assert predictor.normalization == (IMAGENET_MEAN, IMAGENET_STD)
+    final = json.loads(open(os.path.join(run_dir, "final_metrics.json")).read())
+    out = tmp_path / "m.json"
+    assert evaluate_tool.main(["--checkpoint", run_dir, "--device", "cpu", f"--out={out}"]) == 0
+    got = json.loads(out.read_text())
+    for k in METRICS:
+        assert got[k] == pytest.approx(final[k], rel=1e-9, abs=1e-12), k
