@@ -56,6 +56,7 @@ from mtl.data.tokenizer import CaptionTokenizer
 from mtl.dist import pick_device
 from mtl.errors import CheckpointError, ConfigError, DataError
 from mtl.evaluate import evaluate_run
+from mtl.interop import write_interop
 from mtl.resume import saved_config
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
@@ -333,7 +334,9 @@ def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: i
 
 
 def export_model(path: str, out: str) -> str:
-    """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json.
+    """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json, the
+    task_modules files (task_modules/), and the parts in other libraries' layouts (``mtl.interop``: hf_decoder/ for
+    transformers, torchvision_backbone/, README.md), with manifest.json last.
 
     The model is loaded first (so a broken checkpoint is refused, not copied); the folder appears whole
     or not at all (written next to it, then renamed)."""
@@ -354,6 +357,7 @@ def export_model(path: str, out: str) -> str:
         for spec, name in task_code_names(original).items():  # the files the model was loaded with
             os.makedirs(os.path.join(tmp, TASK_CODE_DIR), exist_ok=True)
             shutil.copyfile(str(predictor.cfg.task_modules[original.index(spec)]), os.path.join(tmp, *name.split("/")))
+        write_interop(tmp, predictor)  # the decoder for transformers, the backbone for torchvision (mtl/interop.py)
         write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
