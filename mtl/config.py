@@ -443,13 +443,22 @@ def config_keys(schema=Config, prefix: str = "") -> list[tuple[str, str, Any, st
 
 
 def _comments(schema) -> dict[str, str]:
-    """The ``# comment`` after each field in the schema's source: the one-line documentation of a key."""
+    """The documentation of each field in the schema's source: the ``# comment`` after it, else the comment lines
+    right above it (joined)."""
     try:
         source = inspect.getsource(schema)
     except (OSError, TypeError):
         return {}
-    found = (re.match(r"\s+(\w+):[^#]*#\s*(.*)$", line) for line in source.splitlines())
-    return {m.group(1): m.group(2).strip() for m in found if m}
+    out, above = {}, []
+    for line in source.splitlines():
+        if re.match(r"\s+#", line):
+            above.append(line.strip().lstrip("#").strip())
+            continue
+        field_line = re.match(r"\s+(\w+):[^#]*?(?:#\s*(.*))?$", line)
+        if field_line and (field_line.group(2) or above):
+            out[field_line.group(1)] = (field_line.group(2) or " ".join(above)).strip()
+        above = []
+    return out
 
 
 def _type_name(t) -> str:

@@ -149,7 +149,9 @@ def validate(cfg) -> list[str]:
         methods = weighting_types()
     method = methods.get(cfg.weighting.method)
     if method is None:
-        errors.append(f"weighting.method: unknown method {cfg.weighting.method!r} (known: {', '.join(methods)})")
+        close = difflib.get_close_matches(str(cfg.weighting.method), list(methods), n=1, cutoff=0.6)
+        errors.append(f"weighting.method: unknown method {cfg.weighting.method!r}"
+                      + (f" — did you mean {close[0]!r}?" if close else "") + f" (known: {', '.join(methods)})")
     else:
         errors += method.check(cfg)
         errors += heldout_errors(cfg, method)
@@ -256,8 +258,11 @@ def options_help() -> str:
         rows = [(name, config_keys(cls.Options)) for name, cls in types.items()]
         lines.append(f"{section}:")
         for name, keys in rows:
-            shown = ", ".join(f"{k}: {t} = {d!r}" for k, t, d, _ in keys) or "(no options)"
-            lines.append(f"  {name}: {shown}")
+            if not any(c for *_, c in keys):  # undocumented (or none): one line
+                lines.append(f"  {name}: " + (", ".join(f"{k}: {t} = {d!r}" for k, t, d, _ in keys) or "(no options)"))
+                continue
+            lines.append(f"  {name}:")  # one line per option, with its comment from the Options dataclass
+            lines += [f"    {k}: {t} = {d!r}" + (f"  # {c}" if c else "") for k, t, d, c in keys]
     return "\n".join(lines)
 
 
