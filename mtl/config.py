@@ -528,6 +528,12 @@ def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
     return cfg
 
 
+def load_config_collecting(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:
+    """Like ``load_config``, but key/type problems are appended to ``errors`` and the offending values left
+    at their defaults, so that further checks can run and every problem be reported at once."""
+    return _read_into(path, overrides, errors)
+
+
 def config_from_data(data: dict, source: str, overrides: list[str] | None = None) -> DictConfig:
     """A config from a plain mapping that is data, not a config file: a checkpoint's or an export's config.yaml as
     ``mtl.resume.saved_config`` reads it (mtl writes it resolved and whole). Nothing in it is resolved or read: a
@@ -555,12 +561,6 @@ def _strings(node, prefix: str = ""):
             yield f"{prefix}{k}", v
         else:
             yield from _strings(v, f"{prefix}{k}.")
-
-
-def load_config_collecting(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:
-    """Like ``load_config``, but key/type problems are appended to ``errors`` and the offending values left
-    at their defaults, so that further checks can run and every problem be reported at once."""
-    return _read_into(path, overrides, errors)
 
 
 def check_options(values, schema: type, key: str, errors: list[str]) -> dict:
