@@ -337,27 +337,6 @@ def _fsync_dir(path: str) -> None:
 # checking and reading
 
 
-def verify_checkpoint(path: str) -> dict:
-    """The checkpoint's trainer state once every file is present and matches the manifest's digest;
-    otherwise a CheckpointError whose message is the reason, naming the file."""
-    name = os.path.basename(path.rstrip(os.sep))
-    for core in CORE_FILES:
-        if not os.path.isfile(os.path.join(path, core)):
-            raise CheckpointError(f"checkpoint {name}: {core} is missing")
-    listed = verify_manifest(path)
-    try:
-        state = read_trainer_state(path)
-    except CheckpointError:
-        raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
-    needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
-    if state.get("state"):
-        needed.append(f"{state['state']}/.metadata")
-    for rel in needed:
-        if rel not in listed:
-            raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
-    return state
-
-
 def verify_manifest(path: str) -> dict[str, tuple[int, str]]:
     """Every file the folder's ``manifest.json`` lists is present with its size and SHA-256 (``verify_checkpoint``'s
     first part; an export folder's whole check): {relative name: (bytes, sha256)}, or a CheckpointError naming the
@@ -385,6 +364,27 @@ def verify_manifest(path: str) -> dict[str, tuple[int, str]]:
         if _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {name}: {rel} does not match its SHA-256 checksum (corrupt)")
     return listed
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The checkpoint's trainer state once every file is present and matches the manifest's digest;
+    otherwise a CheckpointError whose message is the reason, naming the file."""
+    name = os.path.basename(path.rstrip(os.sep))
+    for core in CORE_FILES:
+        if not os.path.isfile(os.path.join(path, core)):
+            raise CheckpointError(f"checkpoint {name}: {core} is missing")
+    listed = verify_manifest(path)
+    try:
+        state = read_trainer_state(path)
+    except CheckpointError:
+        raise CheckpointError(f"checkpoint {name}: trainer_state.pt cannot be read as an mtl trainer state") from None
+    needed = [*CORE_FILES, *(f"rng_rank{r}.pt" for r in range(state.get("world_size") or 1))]
+    if state.get("state"):
+        needed.append(f"{state['state']}/.metadata")
+    for rel in needed:
+        if rel not in listed:
+            raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
+    return state
 
 
 def find_resumable(output_dir: str) -> tuple[str | None, list[str]]:
