@@ -3,6 +3,7 @@ strategy, weighting, optimizer, scheduler."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Callable
@@ -14,7 +15,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mtl import checkpoint as ckpt
 from mtl.config import multi_input
-from mtl.data.loader import BatchCollate, all_captions, build_datasets, build_train_loader, check_task_fields, set_epoch
+from mtl.data.loader import (
+    BatchCollate,
+    all_captions,
+    build_datasets,
+    build_eval_loader,
+    build_train_loader,
+    check_task_fields,
+    set_epoch,
+)
 from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
@@ -113,6 +122,10 @@ class RunPieces:
     task_sets: dict | None = None
     task_collates: dict | None = None
 
+    def task_vals(self) -> dict | None:
+        """Multi-input mode: {task: its own validation set}; else None (every task evaluates on ``val_ds``)."""
+        return None if self.task_sets is None else {t: val for t, (_, val) in self.task_sets.items()}
+
     def data_sets(self) -> list:
         """Every data set the run reads: the training and val sets, or in multi-input mode every task's two."""
         if self.task_sets is None:
@@ -163,6 +176,20 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
     task_collates = None if task_sets is None else {
         t: BatchCollate({t: types[t]}, collate.info) for t in task_sets}
     return RunPieces(cfg, train_ds, val_ds, tokenizer, model, collate, task_sets, task_collates)
+
+
+def build_eval_loaders(cfg, val_ds, collate: BatchCollate, task_vals: dict | None, rank: int = 0,
+                       world_size: int = 1, pin_memory: bool = False) -> dict:
+    """{task: its validation loader}, as a run evaluates (``mtl.evaluate.evaluate_run``): one loader over ``val_ds``
+    shared by every task, or in multi-input mode (``task_vals``: {task: its val set}) each task's own loader over
+    its own set, collated for that task alone."""
+    d = cfg.data
+    if task_vals is None:
+        loader = build_eval_loader(val_ds, collate, d.eval_batch_size, rank, world_size, d.num_workers, pin_memory)
+        return {t: loader for t in cfg.tasks}
+    types = run_task_types(cfg)
+    return {t: build_eval_loader(val, BatchCollate({t: types[t]}, collate.info), d.eval_batch_size, rank, world_size,
+                                 d.num_workers, pin_memory) for t, val in task_vals.items()}
 
 
 def build_strategy(cfg):
@@ -238,6 +265,44 @@ class ModelFiles:
     class_names: str | None  # a class_names.json
 
 
+TASK_CODE_DIR = "task_modules"
+
+
+def task_code_names(specs) -> dict[str, str]:
+    """{a ``task_modules`` .py path: its copy's name in a model folder} (``task_modules/<file name>``). A checkpoint
+    and an export carry these copies, so the model loads anywhere; a dotted module name is not copied (it must be
+    importable where the model is loaded)."""
+    out: dict[str, str] = {}
+    for spec in map(str, specs or ()):
+        if spec.endswith(".py") and spec not in out:
+            name = f"{TASK_CODE_DIR}/{os.path.basename(spec)}"
+            out[spec] = name if name not in out.values() else f"{TASK_CODE_DIR}/{len(out)}_{os.path.basename(spec)}"
+    return out
+
+
+def task_code_files(cfg) -> dict[str, bytes]:
+    """The copies of the run's ``task_modules`` files that each checkpoint carries: {name: bytes}."""
+    out = {}
+    for spec, name in task_code_names(cfg.get("task_modules")).items():
+        with open(spec, "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def use_task_code_copies(cfg, folder: str) -> list[str]:
+    """Point ``cfg.task_modules`` at the model folder's own copies (``task_code_names``) where it has them, in place;
+    returns the copies used. Importing them runs their code: a model folder is trusted like a script."""
+    names = task_code_names(cfg.get("task_modules"))
+    used, specs = [], []
+    for spec in map(str, cfg.get("task_modules") or ()):
+        copy = os.path.join(folder, *names[spec].split("/")) if spec in names else None
+        if copy and os.path.isfile(copy):
+            used.append(copy)
+        specs.append(copy if copy and os.path.isfile(copy) else spec)
+    cfg.task_modules = specs
+    return used
+
+
 def find_model_files(path: str, key: str) -> ModelFiles:
     """A checkpoint folder, an export folder, a run's output_dir (its newest checkpoint) or a model.safetensors.
 
@@ -266,6 +331,47 @@ def find_model_files(path: str, key: str) -> ModelFiles:
         tokenizer=next((t for t in tokenizers if os.path.isfile(os.path.join(t, TOKENIZER_FILE))), None),
         class_names=next((n for n in names if os.path.isfile(n)), None),
     )
+
+
+def verify_model_files(files: ModelFiles, key: str) -> None:
+    """Trust a model folder only once its manifest checks out, as a resume does: a checkpoint through
+    ``mtl.checkpoint.verify_checkpoint`` (every file's size and SHA-256), an export folder through its own manifest
+    (``verify_manifest``, the same check), and every file of the folder that is read (the weights, config.yaml, the
+    class names, the tokenizer) must be listed in it. Raises CheckpointError naming ``key``, the file and the fix."""
+    folder = files.folder
+    fix = ("It changed after it was written (corrupt, or edited by hand): use another checkpoint, or export again "
+           "from the run's checkpoint")
+    is_checkpoint = os.path.isfile(os.path.join(folder, "trainer_state.pt"))
+    if not os.path.isfile(os.path.join(folder, ckpt.MANIFEST)):
+        what = "checkpoint" if is_checkpoint else "export folder"
+        raise CheckpointError(f"{key}: {what} {folder!r} has no {ckpt.MANIFEST}, so its files cannot be checked "
+                              "(written by an mtl without checksums, or assembled by hand); load the weights only "
+                              "from a checkpoint written by train.py or a folder written by mtl.tools.export")
+    try:
+        ckpt.verify_checkpoint(folder) if is_checkpoint else ckpt.verify_manifest(folder)
+        with open(os.path.join(folder, ckpt.MANIFEST), encoding="utf-8") as f:
+            listed = set(json.load(f)["files"])
+    except CheckpointError as e:
+        raise CheckpointError(f"{key}: {e.message}. {fix}") from None
+    code = [os.path.join(folder, TASK_CODE_DIR, n) for n in sorted(os.listdir(os.path.join(folder, TASK_CODE_DIR)))
+            ] if os.path.isdir(os.path.join(folder, TASK_CODE_DIR)) else []
+    used = [files.weights, files.config, files.class_names, *code, *(
+        [os.path.join(files.tokenizer, n) for n in sorted(os.listdir(files.tokenizer))] if files.tokenizer else [])]
+    for path in used:
+        if path is None:
+            continue
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(folder)).replace(os.sep, "/")
+        if not rel.startswith("../") and os.path.isfile(path) and rel not in listed:
+            raise CheckpointError(f"{key}: {rel} in {folder!r} is not in its {ckpt.MANIFEST} (added after it was "
+                                  f"written). {fix}")
+
+
+def find_verified_model_files(path: str, key: str) -> ModelFiles:
+    """``find_model_files`` whose folder has passed ``verify_model_files``: what every load path uses (the tools
+    and ``init_from``)."""
+    files = find_model_files(path, key)
+    verify_model_files(files, key)
+    return files
 
 
 def read_model_weights(weights: str, key: str) -> dict:
@@ -302,12 +408,13 @@ def load_model_weights(model: torch.nn.Module, state: dict, key: str, fix: str) 
 
 
 INIT_FROM_FIX = ("A warm start needs the model of the run that wrote the weights: set model.*, tasks, "
-                 "data.image_size, the number of classes and the tokenizer as in that run's config.yaml")
+                 "data.image_size and the tokenizer as in that run's config.yaml (a task head of another size, e.g. "
+                 "for another number of classes, is re-initialised; the rest must fit)")
 
 
 def init_from_tokenizer(source: str) -> str:
     """The tokenizer folder that goes with the ``init_from`` weights."""
-    found = find_model_files(source, "init_from").tokenizer
+    found = find_verified_model_files(source, "init_from").tokenizer
     if found is None:
         raise CheckpointError(f"init_from: no tokenizer found with {source!r} (a tokenizer/ folder in it or in its "
                               "run folder); set tokenizer.path to the tokenizer those weights were trained with")
@@ -315,7 +422,27 @@ def init_from_tokenizer(source: str) -> str:
 
 
 def init_from_weights(model: torch.nn.Module, source: str) -> str:
-    """Warm start: load the weights of ``source`` into ``model`` (nothing else); return the file read."""
-    weights = find_model_files(source, "init_from").weights
-    load_model_weights(model, read_model_weights(weights, "init_from"), f"init_from {weights!r}", INIT_FROM_FIX)
-    return weights
+    """Warm start: load the weights of ``source`` into ``model`` (nothing else); return what was read, in words.
+
+    Fine-tuning onto new labels: a task head whose tensors all exist in the file but some with another shape (e.g.
+    ``heads.cls.fc`` for another number of classes) keeps its fresh initialisation, and the returned text names
+    it; everything else loads strictly (a missing, unexpected or misshapen backbone key is refused, naming it)."""
+    weights = find_verified_model_files(source, "init_from").weights
+    state = read_model_weights(weights, "init_from")
+    own = model.state_dict()
+    fresh: dict[str, list[str]] = {}
+    for k, v in state.items():
+        parts = k.split(".")
+        if parts[0] == "heads" and k in own and own[k].shape != v.shape:
+            fresh.setdefault(parts[1], []).append(f"{k} {tuple(v.shape)} in the file, {tuple(own[k].shape)} here")
+    kept = []  # the same head with other sizes: it keeps its fresh weights
+    for task in fresh:
+        head = {k for k in own if k.startswith(f"heads.{task}.")}
+        if head == {k for k in state if k.startswith(f"heads.{task}.")}:
+            state.update({k: own[k] for k in head})
+            kept.append(task)
+    load_model_weights(model, state, f"init_from {weights!r}", INIT_FROM_FIX)
+    if not kept:
+        return weights
+    return (f"{weights}; re-initialised for their new shapes (fine-tuning onto new labels): "
+            + "; ".join(f"heads.{t} ({', '.join(fresh[t][:2])})" for t in kept) + "; every other weight loaded")

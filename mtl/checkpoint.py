@@ -271,8 +271,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
     _agree(_attempt(write_parts, tmp, rank), tmp, rank, root)
 
     def publish():
-        _write_bytes(os.path.join(tmp, MANIFEST), json.dumps(_manifest(tmp), indent=1).encode("utf-8"))
-        _fsync_dir(tmp)
+        write_manifest(tmp)
         _publish(tmp, final, root)
         if keep_last > 0:
             for _, path in list_checkpoints(output_dir)[:-keep_last]:
@@ -319,6 +318,12 @@ def _publish(tmp: str, final: str, root: str) -> None:
     _fsync_dir(root)
 
 
+def write_manifest(folder: str) -> None:
+    """``folder/manifest.json``: the size and SHA-256 of every other file in it (written last, made durable)."""
+    _write_bytes(os.path.join(folder, MANIFEST), json.dumps(_manifest(folder), indent=1).encode("utf-8"))
+    _fsync_dir(folder)
+
+
 def _manifest(folder: str) -> dict:
     files = {}
     for dirpath, _, names in os.walk(folder):
@@ -353,13 +358,11 @@ def _fsync_dir(path: str) -> None:
 # checking and reading
 
 
-def verify_checkpoint(path: str) -> dict:
-    """The checkpoint's trainer state once every file is present and matches the manifest's digest;
-    otherwise a CheckpointError whose message is the reason, naming the file."""
+def verify_manifest(path: str) -> dict[str, tuple[int, str]]:
+    """Every file the folder's ``manifest.json`` lists is present with its size and SHA-256 (``verify_checkpoint``'s
+    first part; an export folder's whole check): {relative name: (bytes, sha256)}, or a CheckpointError naming the
+    file."""
     name = os.path.basename(path.rstrip(os.sep))
-    for core in CORE_FILES:
-        if not os.path.isfile(os.path.join(path, core)):
-            raise CheckpointError(f"checkpoint {name}: {core} is missing")
     manifest_file = os.path.join(path, MANIFEST)
     try:
         with open(manifest_file, encoding="utf-8") as f:
@@ -381,6 +384,17 @@ def verify_checkpoint(path: str) -> dict:
                                   "written (truncated?)")
         if _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {name}: {rel} does not match its SHA-256 checksum (corrupt)")
+    return listed
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The checkpoint's trainer state once every file is present and matches the manifest's digest;
+    otherwise a CheckpointError whose message is the reason, naming the file."""
+    name = os.path.basename(path.rstrip(os.sep))
+    for core in CORE_FILES:
+        if not os.path.isfile(os.path.join(path, core)):
+            raise CheckpointError(f"checkpoint {name}: {core} is missing")
+    listed = verify_manifest(path)
     try:
         state = read_trainer_state(path)
     except CheckpointError:

@@ -17,6 +17,7 @@ Checks that need more than the schema (known names, ranges, combinations of opti
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import os
@@ -442,13 +443,22 @@ def config_keys(schema=Config, prefix: str = "") -> list[tuple[str, str, Any, st
 
 
 def _comments(schema) -> dict[str, str]:
-    """The ``# comment`` after each field in the schema's source: the one-line documentation of a key."""
+    """The documentation of each field in the schema's source: the ``# comment`` after it, else the comment lines
+    right above it (joined)."""
     try:
         source = inspect.getsource(schema)
     except (OSError, TypeError):
         return {}
-    found = (re.match(r"\s+(\w+):[^#]*#\s*(.*)$", line) for line in source.splitlines())
-    return {m.group(1): m.group(2).strip() for m in found if m}
+    out, above = {}, []
+    for line in source.splitlines():
+        if re.match(r"\s+#", line):
+            above.append(line.strip().lstrip("#").strip())
+            continue
+        field_line = re.match(r"\s+(\w+):[^#]*?(?:#\s*(.*))?$", line)
+        if field_line and (field_line.group(2) or above):
+            out[field_line.group(1)] = (field_line.group(2) or " ".join(above)).strip()
+        above = []
+    return out
 
 
 def _type_name(t) -> str:
@@ -486,12 +496,13 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1_000).strip().removesuffix("\n...")
 
 
-def _read_into(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:
-    """The config with every mergeable value applied; each key or type problem is appended to ``errors``."""
+def _read_into(path: str, overrides: list[str] | None, errors: list[str], chain: list | None = None) -> DictConfig:
+    """The config with every mergeable value applied; each key or type problem is appended to ``errors``.
+    ``chain``: [(mapping, source)] to merge instead of reading ``path`` and its base files."""
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
     moved: set[str] = set()
-    for data, source in _read_yaml(path):
+    for data, source in (_read_yaml(path) if chain is None else chain):
         moved |= move_keys(data, source, errors)
         _merge_into(cfg, data, source, [], errors)
     over, over_errors = parse_overrides(list(overrides or []))
@@ -542,6 +553,35 @@ def load_config_collecting(path: str, overrides: list[str] | None, errors: list[
     """Like ``load_config``, but key/type problems are appended to ``errors`` and the offending values left
     at their defaults, so that further checks can run and every problem be reported at once."""
     return _read_into(path, overrides, errors)
+
+
+def config_from_data(data: dict, source: str, overrides: list[str] | None = None) -> DictConfig:
+    """A config from a plain mapping that is data, not a config file: a checkpoint's or an export's config.yaml as
+    ``mtl.resume.saved_config`` reads it (mtl writes it resolved and whole). Nothing in it is resolved or read: a
+    ``base:`` key, or a ``${...}`` in any value, is refused, never evaluated. ``overrides`` go on top. Keys and
+    types are checked as in ``load_config``; raises ConfigError listing every problem (``source`` names the file)."""
+    errors = [f"{source}: base: {data['base']!r}: this file is complete and is read as data; 'base:' is not "
+              "followed here. Remove the line"] if "base" in data else []
+    errors += [f"{source}: {k}: {v!r} is an interpolation; this file is read as data (mtl writes it resolved), so "
+               "'${...}' in it is never evaluated. Restore the file from the run, or put the value itself there"
+               for k, v in _strings(data) if "${" in v]
+    if errors:
+        raise ConfigError(errors)
+    plain = copy.deepcopy(data)  # merging moves renamed keys in place
+    cfg = _read_into(source, overrides, errors, chain=[(plain, source)])
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def _strings(node, prefix: str = ""):
+    """(dotted key, value) for every string in a plain nested mapping or list."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        if isinstance(v, str):
+            yield f"{prefix}{k}", v
+        else:
+            yield from _strings(v, f"{prefix}{k}.")
 
 
 def check_options(values, schema: type, key: str, errors: list[str]) -> dict:

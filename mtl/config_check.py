@@ -74,6 +74,11 @@ def validate(cfg) -> list[str]:
     if cfg.model.backbone.norm == "sync" and on_cpu:
         errors.append("model.backbone.norm: sync (SyncBatchNorm) needs CUDA devices, and this run is on the CPU "
                       f"(device={cfg.device}); use model.backbone.norm=group (rank-independent) or batch")
+    if cfg.model.backbone.norm == "frozen" and not cfg.model.backbone.weights and not cfg.init_from:
+        errors.append("model.backbone.norm: frozen keeps the BatchNorm statistics of pretrained weights and trains "
+                      "nothing in the norms, but model.backbone.weights is null (random weights): the network would "
+                      "have no working normalisation. Set model.backbone.weights (e.g. IMAGENET1K_V2, or a local .pth "
+                      "file), or learn from scratch with model.backbone.norm=group")
     if cfg.resume is not None and cfg.resume != "auto" and not os.path.isdir(cfg.resume):
         errors.append(f"resume: {cfg.resume!r} is neither null, 'auto' nor an existing checkpoint directory")
     if cfg.init_from is not None and not os.path.exists(cfg.init_from):
@@ -146,7 +151,9 @@ def validate(cfg) -> list[str]:
         methods = weighting_types()
     method = methods.get(cfg.weighting.method)
     if method is None:
-        errors.append(f"weighting.method: unknown method {cfg.weighting.method!r} (known: {', '.join(methods)})")
+        close = difflib.get_close_matches(str(cfg.weighting.method), list(methods), n=1, cutoff=0.6)
+        errors.append(f"weighting.method: unknown method {cfg.weighting.method!r}"
+                      + (f" — did you mean {close[0]!r}?" if close else "") + f" (known: {', '.join(methods)})")
     else:
         errors += method.check(cfg)
         errors += heldout_errors(cfg, method)
@@ -267,8 +274,11 @@ def options_help() -> str:
         rows = [(name, config_keys(cls.Options)) for name, cls in types.items()]
         lines.append(f"{section}:")
         for name, keys in rows:
-            shown = ", ".join(f"{k}: {t} = {d!r}" for k, t, d, _ in keys) or "(no options)"
-            lines.append(f"  {name}: {shown}")
+            if not any(c for *_, c in keys):  # undocumented (or none): one line
+                lines.append(f"  {name}: " + (", ".join(f"{k}: {t} = {d!r}" for k, t, d, _ in keys) or "(no options)"))
+                continue
+            lines.append(f"  {name}:")  # one line per option, with its comment from the Options dataclass
+            lines += [f"    {k}: {t} = {d!r}" + (f"  # {c}" if c else "") for k, t, d, c in keys]
     return "\n".join(lines)
 
 

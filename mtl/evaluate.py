@@ -62,3 +62,16 @@ def _evaluate(model, loader, tasks: list[str], device: torch.device, max_batches
         model.train(was_training)
     gathered = all_gather_objects(parts)
     return {t: model.heads[t].eval_reduce([p for rank in gathered for p in rank[t]]) for t in tasks}
+
+
+def evaluate_run(model, loaders: dict, device: torch.device, max_batches: int = 0) -> dict:
+    """A run's evaluation (the trainer's, and ``mtl.inference``'s): {task: {metric: value}}. ``loaders`` maps each
+    task to its validation loader (``mtl.build.build_eval_loaders``): the tasks that share one loader (one data set
+    for every task) are evaluated in one pass over it, a task with its own (multi-input mode) on its own set."""
+    groups: dict[int, tuple] = {}
+    for t, loader in loaders.items():
+        groups.setdefault(id(loader), (loader, []))[1].append(t)
+    out: dict = {}
+    for loader, tasks in groups.values():
+        out.update(evaluate(model, loader, tasks, device, max_batches))
+    return {t: out[t] for t in loaders}

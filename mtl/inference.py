@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -32,22 +33,31 @@ from mtl.amp import DTYPES
 from mtl.build import (
     CLASS_NAMES_FILE,
     MODEL_FILE,
+    TASK_CODE_DIR,
     ModelFiles,
     build_collate,
+    build_eval_loaders,
     build_model,
     find_model_files,
     load_model_weights,
     read_model_weights,
     run_task_types,
+    task_code_names,
+    use_task_code_copies,
+    verify_model_files,
 )
-from mtl.config import load_config
+from mtl.checkpoint import write_manifest
+from mtl.config import config_from_data, load_config, multi_input, task_data
 from mtl.data.images import image_normalization, normalize_images
-from mtl.data.loader import build_datasets, build_eval_loader, check_task_fields
+from mtl.data.loader import build_datasets, check_task_fields
 from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
+from mtl.data.multi_input import build_task_val_sets
 from mtl.data.tokenizer import CaptionTokenizer
 from mtl.dist import pick_device
 from mtl.errors import CheckpointError, ConfigError, DataError
-from mtl.evaluate import evaluate
+from mtl.evaluate import evaluate_run
+from mtl.interop import write_interop
+from mtl.resume import saved_config
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
@@ -58,9 +68,10 @@ class Predictor:
     """A trained model ready for inference (what ``load_model`` returns)."""
 
     def __init__(self, model, cfg, tokenizer: CaptionTokenizer, class_names: list[str], device: torch.device,
-                 files: ModelFiles):
+                 files: ModelFiles, saved_config: dict | None = None):
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.class_names, self.device, self.files = class_names, device, files
+        self.saved_config = saved_config  # the folder's config.yaml as plain data (what ``cfg`` was built from)
         self.normalization = image_normalization(cfg)  # what the training loaders applied (pretrained weights)
 
     @property
@@ -76,24 +87,36 @@ class Predictor:
         return torch.stack([read_image(p, self.image_size) for p in paths])
 
     @torch.no_grad()
-    def predict(self, images, num_beams: int = 1, batch_size: int = 32) -> list[dict]:
+    def predict(self, images, num_beams: int = 1, batch_size: int = 32, on_unreadable=None) -> list[dict | None]:
         """One dict per image: ``class`` (name), ``class_index``, ``prob`` (softmax probability of that class)
         for the ``cls`` task, ``caption`` for ``gen`` (greedy, or beam search with ``num_beams`` > 1), and
         ``count`` for ``count``. ``images``: file paths, or image tensors (3, S, S) / (N, 3, S, S) as the
-        data sets give them."""
+        data sets give them. A file that cannot be read is a DataError, unless ``on_unreadable(path, error)`` is
+        given: then it is called, the file skipped, and its place in the list is None."""
         if num_beams < 1:
             raise ConfigError(f"num_beams: must be >= 1 (got {num_beams})")
         if torch.is_tensor(images):
             images = list(images.unsqueeze(0) if images.dim() == 3 else images)
         images = list(images)
-        out: list[dict] = []
+        out: list[dict | None] = []
         for start in range(0, len(images), batch_size):
-            chunk = images[start:start + batch_size]
-            x = torch.stack([read_image(i, self.image_size) if isinstance(i, str | os.PathLike) else i
-                             for i in chunk]).to(self.device)
-            x = normalize_images(x, self.normalization)
-            out += self._predict_batch(x, num_beams)
+            read = [self._read(i, on_unreadable) for i in images[start:start + batch_size]]
+            if any(r is not None for r in read):
+                x = torch.stack([r for r in read if r is not None]).to(self.device)
+                rows = iter(self._predict_batch(normalize_images(x, self.normalization), num_beams))
+            out += [None if r is None else next(rows) for r in read]
         return out
+
+    def _read(self, image, on_unreadable) -> torch.Tensor | None:
+        if not isinstance(image, str | os.PathLike):
+            return image
+        try:
+            return read_image(image, self.image_size)
+        except DataError as e:
+            if on_unreadable is None:
+                raise
+            on_unreadable(os.fspath(image), e)
+            return None
 
     def _predict_batch(self, x: torch.Tensor, num_beams: int) -> list[dict]:
         rows: list[dict] = [{} for _ in range(x.shape[0])]
@@ -173,11 +196,16 @@ def load_model(path: str, device="cpu") -> Predictor:
     if files.config is None:
         raise CheckpointError(f"{files.folder!r} has no config.yaml next to {MODEL_FILE}: it is not an mtl "
                               "checkpoint or export folder")
+    verify_model_files(files, "model")  # as a resume does: every file we read matches the folder's manifest
     if files.tokenizer is None:
         raise CheckpointError(f"{files.folder!r}: no tokenizer/ found in it or in its run folder; the model "
                               "cannot decode captions without the tokenizer it was trained with")
-    cfg = load_config(files.config)  # keys and types only: paths in it (data, resume) may not exist here
-    cfg.model.backbone.weights = None  # the backbone's weights are in our file: never download or read others
+    saved = saved_config(files.folder)  # plain data: nothing in it resolved, no base: followed
+    cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
+    code = use_task_code_copies(cfg, files.folder)  # its own copies of the task_modules files, where it has them
+    if code:
+        print(f"note: {files.folder!r} carries task code ({', '.join(os.path.basename(c) for c in code)}); loading "
+              "the model imports it, which runs it: trust a model folder like a script", file=sys.stderr)
     tokenizer = CaptionTokenizer.load(files.tokenizer)
     if "heads.cls.fc.weight" in state:
         num_classes = int(state["heads.cls.fc.weight"].shape[0])
@@ -186,12 +214,26 @@ def load_model(path: str, device="cpu") -> Predictor:
     else:
         num_classes = int(cfg.data.num_classes or 1)
     class_names = _class_names(files, cfg, num_classes)
-    model = build_model(cfg, num_classes, class_names, tokenizer)
+    # the backbone's weights are in our file: never download or read others (cfg keeps the name: it decides the
+    # normalisation the run's loaders applied, data.normalize=auto)
+    unweighted = copy.deepcopy(cfg)
+    unweighted.model.backbone.weights = None
+    model = build_model(unweighted, num_classes, class_names, tokenizer)
     load_model_weights(model, state, f"model {files.weights!r}", LOAD_FIX)
     dev = _device(device)
     model.autocast_dtype = DTYPES.get(cfg.precision)  # as the run's own evaluation
     model.to(dev).eval()
-    return Predictor(model, cfg, tokenizer, class_names, dev, files)
+    return Predictor(model, cfg, tokenizer, class_names, dev, files, saved)
+
+
+def model_config(saved: dict, source: str, overrides: list[str] | None = None):
+    """The config of a model folder (``saved``: its config.yaml as ``mtl.resume.saved_config`` reads it) as data:
+    ``mtl.config.config_from_data``; a problem in the file itself is a CheckpointError naming it."""
+    try:
+        config_from_data(saved, source)
+    except ConfigError as e:
+        raise CheckpointError(f"{source!r} is not a config mtl wrote: " + "; ".join(e.errors)) from None
+    return config_from_data(saved, source, overrides)
 
 
 # ------------------------------------------------------------------ evaluation
@@ -206,7 +248,11 @@ def eval_config(predictor: Predictor, config: str | None = None, overrides: list
     if bad:
         raise ConfigError([f"{k}: not an evaluation setting; the model's config comes from the checkpoint. Set "
                            "only data.* and seed here" for k in bad])
-    source = load_config(config or predictor.files.config, overrides)
+    if config:  # the user's own config file
+        source = load_config(config, overrides)
+    else:  # the model folder's config.yaml, as data (verified with the weights)
+        source = model_config(predictor.saved_config or saved_config(predictor.files.folder), predictor.files.config,
+                              overrides)
     cfg = copy.deepcopy(predictor.cfg)
     cfg.data, cfg.seed = source.data, source.seed
     if cfg.data.image_size != predictor.image_size:
@@ -236,33 +282,61 @@ def eval_dataset(cfg, class_names: list[str]):
     return ds
 
 
+def eval_task_sets(cfg, class_names: list[str]) -> dict:
+    """Multi-input mode (``data.per_task``): {task: its own validation set}, read as the run read it and labelled
+    with the model's classes. The training sets are not read; a set that is missing names its task and key."""
+    types = run_task_types(cfg)
+    s = cfg.data.synthetic
+    for t in types:
+        if task_data(cfg, t).source == "synthetic" and "label" in types[t].requires and s.num_classes > len(class_names):
+            raise ConfigError(f"data.synthetic.num_classes: {s.num_classes} shape kinds for task {t}, but the model "
+                              f"knows {len(class_names)}; set it to {len(class_names)}")
+    sets = build_task_val_sets(cfg, types, SimpleNamespace(class_names=list(class_names),
+                                                            num_classes=len(class_names)))
+    for t, ds in sets.items():
+        check_task_fields({t: types[t]}, {f"validation (data.per_task.{t}.val_path)": ds})
+    return sets
+
+
 def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: int | None = None) -> dict:
-    """Flat metrics (``cls_acc``, ``gen_bleu4`` ...; as in the run's ``final_metrics.json``) on the eval split
-    of ``cfg`` (see ``eval_config``), with the project's own evaluation code, in this one process."""
-    ds = eval_dataset(cfg, predictor.class_names)
-    check_task_fields(run_task_types(cfg), {"evaluation": ds})
+    """Flat metrics (``cls_acc``, ``gen_bleu4`` ...; as in the run's ``final_metrics.json``) on the eval data
+    of ``cfg`` (see ``eval_config``), through the trainer's own evaluation (``mtl.evaluate.evaluate_run`` over
+    ``mtl.build.build_eval_loaders``), in this one process: every task on the one val split, or in multi-input
+    mode (``data.per_task``) each task on its own validation set. ``images``: how many were evaluated (per task
+    in multi-input mode)."""
     collate = build_collate(cfg, len(predictor.class_names), predictor.class_names, predictor.tokenizer)
-    loader = build_eval_loader(ds, collate, cfg.data.eval_batch_size, 0, 1, cfg.data.num_workers)
+    if multi_input(cfg):
+        val_ds, task_vals = None, eval_task_sets(cfg, predictor.class_names)
+    else:
+        val_ds, task_vals = eval_dataset(cfg, predictor.class_names), None
+        check_task_fields(run_task_types(cfg), {"evaluation": val_ds})
+    loaders = build_eval_loaders(cfg, val_ds, collate, task_vals)
     beamed = {h: h.num_beams for h in predictor.model.heads.values() if hasattr(h, "num_beams")}  # e.g. gen's
     try:
         for head in beamed:
             head.num_beams = int(num_beams or beamed[head])
-        metrics = evaluate(predictor.model, loader, predictor.tasks, predictor.device, max_batches)
+        metrics = evaluate_run(predictor.model, loaders, predictor.device, max_batches)
     finally:
         for head, beams in beamed.items():
             head.num_beams = beams
     flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
-    evaluated = len(ds) if not max_batches else min(len(ds), max_batches * cfg.data.eval_batch_size)
+
+    def count(ds) -> int:
+        return len(ds) if not max_batches else min(len(ds), max_batches * cfg.data.eval_batch_size)
+
+    images = count(val_ds) if task_vals is None else {t: count(ds) for t, ds in task_vals.items()}
     # NaN (e.g. counting on data without counts) is not JSON: null
     return {**{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in flat.items()},
-            "images": evaluated}
+            "images": images}
 
 
 # ------------------------------------------------------------------ export
 
 
 def export_model(path: str, out: str) -> str:
-    """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json.
+    """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json, the
+    task_modules files (task_modules/), and the parts in other libraries' layouts (``mtl.interop``: hf_decoder/ for
+    transformers, torchvision_backbone/, README.md), with manifest.json last.
 
     The model is loaded first (so a broken checkpoint is refused, not copied); the folder appears whole
     or not at all (written next to it, then renamed)."""
@@ -279,6 +353,12 @@ def export_model(path: str, out: str) -> str:
         predictor.tokenizer.save(os.path.join(tmp, "tokenizer"))
         with open(os.path.join(tmp, CLASS_NAMES_FILE), "w", encoding="utf-8") as f:
             json.dump(predictor.class_names, f, indent=1)
+        original = [str(m) for m in (predictor.saved_config or {}).get("task_modules") or []]
+        for spec, name in task_code_names(original).items():  # the files the model was loaded with
+            os.makedirs(os.path.join(tmp, TASK_CODE_DIR), exist_ok=True)
+            shutil.copyfile(str(predictor.cfg.task_modules[original.index(spec)]), os.path.join(tmp, *name.split("/")))
+        write_interop(tmp, predictor)  # the decoder for transformers, the backbone for torchvision (mtl/interop.py)
+        write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.replace(tmp, out)

@@ -16,6 +16,7 @@ from mtl import checkpoint as ckpt
 from mtl import heartbeat
 from mtl.amp import Amp
 from mtl.build import (
+    build_eval_loaders,
     build_optimizer,
     build_run_pieces,
     build_scheduler,
@@ -23,12 +24,12 @@ from mtl.build import (
     build_tokenizer,
     build_weighting,
     init_from_weights,
+    task_code_files,
     wrap_model,
 )
 from mtl.config import config_summary, to_yaml
 from mtl.data.heldout import HeldoutStream
 from mtl.data.loader import (
-    build_eval_loader,
     build_train_loader,
     data_position,
     normalizing,
@@ -38,7 +39,7 @@ from mtl.data.loader import (
 from mtl.data.multi_input import MultiInputStream
 from mtl.dist import DistInfo, all_gather_objects, barrier, broadcast_object, init_distributed
 from mtl.errors import CheckpointError, ConfigError, TrainingError
-from mtl.evaluate import evaluate, to_device
+from mtl.evaluate import evaluate_run, to_device
 from mtl.faults import poison
 from mtl.files import write_atomic
 from mtl.finite import first_blown_up, nonfinite_eval
@@ -117,16 +118,13 @@ class Trainer:
             self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
                                                    dist.world_size, cfg.seed, cfg.data.num_workers, pin,
                                                    heldout=cfg.data.heldout)
-            self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
-                                                dist.world_size, cfg.data.num_workers, pin)
-            self.val_loaders = {t: self.val_loader for t in self.tasks}
         else:
             self.mi = MultiInputStream(cfg, {t: tr for t, (tr, _) in pieces.task_sets.items()},
                                        pieces.task_collates, dist.rank, dist.world_size)
-            self.val_loaders = {t: build_eval_loader(val, pieces.task_collates[t], cfg.data.eval_batch_size,
-                                                     dist.rank, dist.world_size, cfg.data.num_workers, pin)
-                                for t, (_, val) in pieces.task_sets.items()}
-            self.val_loader = self.val_loaders[self.tasks[0]]
+        # {task: its validation loader}: the one val set, or in multi-input mode each task's own (mtl.inference too)
+        self.val_loaders = build_eval_loaders(cfg, self.val_ds, collate, pieces.task_vals(), dist.rank,
+                                              dist.world_size, pin)
+        self.val_loader = self.val_loaders[self.tasks[0]]
         self.step, self.epoch, self.batch_in_epoch = 0, 0, 0
         self.bad_steps = self.overflows = 0
         self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
@@ -278,7 +276,8 @@ class Trainer:
         so a checkpoint folder alone is enough to resume, export or predict."""
         if not self.dist.is_main:
             return {}
-        files = {"class_names.json": json.dumps(list(self.train_ds.class_names)).encode("utf-8")}
+        files = {"class_names.json": json.dumps(list(self.train_ds.class_names)).encode("utf-8"),
+                 **task_code_files(self.cfg)}  # the task_modules files: the checkpoint loads anywhere
         run_copy = os.path.join(self.cfg.output_dir, "tokenizer")
         for name in sorted(os.listdir(run_copy)):
             path = os.path.join(run_copy, name)
@@ -485,12 +484,7 @@ class Trainer:
 
     def run_eval(self) -> dict:
         with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
-            if self.mi is None:
-                metrics = evaluate(self.bare, self.val_loader, self.tasks, self.device,
-                                   self.cfg.trainer.eval_max_batches)
-            else:  # each task on its own validation set
-                metrics = {t: evaluate(self.bare, self.val_loaders[t], [t], self.device,
-                                       self.cfg.trainer.eval_max_batches)[t] for t in self.tasks}
+            metrics = evaluate_run(self.bare, self.val_loaders, self.device, self.cfg.trainer.eval_max_batches)
         flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
         self.last_eval = flat
         self.log.record(self.step, flat, kind="eval")

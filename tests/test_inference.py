@@ -83,7 +83,8 @@ def read_jsonl(path):
 def test_export_round_trip_rebuilds_the_trained_model(run, tmp_path):
     export = tmp_path / "export"
     assert export_tool.main(["--checkpoint", checkpoint(run), "--out", str(export)]) == 0
-    assert sorted(os.listdir(export)) == ["class_names.json", "config.yaml", "model.safetensors", "tokenizer"]
+    assert sorted(os.listdir(export)) == ["README.md", "class_names.json", "config.yaml", "hf_decoder", "manifest.json",
+                                          "model.safetensors", "tokenizer", "torchvision_backbone"]
     assert os.path.isfile(export / "tokenizer" / "tokenizer.json")
     assert json.loads((export / "class_names.json").read_text()) == SHAPES[:4]
 
@@ -284,13 +285,42 @@ def test_resume_wins_over_init_from_and_may_drop_it(run, tmp_path, capsys):
             trainer.close()
 
 
-def test_init_from_that_does_not_fit_names_the_keys(run, tmp_path, capsys):
-    rc = train_script.main(["--config", TINY, f"output_dir={tmp_path / 'x'}", f"init_from={run}",
-                            "model.decoder.n_embd=64"])
+@pytest.mark.parametrize("change, says", [
+    ("model.backbone.stages=3", ["missing", "backbone.layers.2."]),  # another backbone: refused
+    ("model.decoder.n_layer=2", ["missing", "heads.gen.decoder"]),  # a head with other layers (keys): refused
+])
+def test_init_from_that_does_not_fit_names_the_keys(run, tmp_path, capsys, change, says):
+    rc = train_script.main(["--config", TINY, f"output_dir={tmp_path / 'x'}", f"init_from={run}", change])
     err = capsys.readouterr().err
     assert rc == 4 and "Traceback" not in err
-    assert "init_from" in err and "heads.gen." in err and "of another shape" in err and "model.*" in err, err
+    assert "init_from" in err and "model.*" in err and all(s in err for s in says), err
     assert not os.path.exists(tmp_path / "x" / "checkpoints")
+
+
+def test_init_from_onto_a_new_class_count_reinitialises_that_head_only(run, tmp_path, capsys):
+    """Fine-tuning onto new labels: the 4-class model moves to 3 classes. heads.cls keeps its fresh initialisation
+    (the same as a run without init_from), is named, and every other weight is the source's."""
+    source = checkpoint(run)
+    saved = load_file(os.path.join(source, "model.safetensors"))
+    common = ["trainer.max_steps=1", "data.synthetic.num_classes=3", "data.synthetic.train_size=16"]
+    warm = _trainer([f"output_dir={tmp_path / 'warm'}", f"init_from={source}", *common])
+    cold = _trainer([f"output_dir={tmp_path / 'cold'}", *common, f"tokenizer.path={os.path.join(run, 'tokenizer')}"])
+    try:
+        out = capsys.readouterr().out
+        assert "re-initialised for their new shapes" in out and "heads.cls (heads.cls.fc" in out, out
+        assert "(4, " in out and "(3, " in out
+        assert warm.bare.heads["cls"].fc.weight.shape[0] == 3
+        fresh, loaded = cold.bare.state_dict(), warm.bare.state_dict()
+        for k, v in loaded.items():
+            if k.startswith("heads.cls."):
+                assert torch.equal(v, fresh[k]), k  # its fresh initialisation
+            else:
+                assert torch.equal(v, saved[k]), k  # the source's
+        assert any(k.startswith("heads.cls.") and saved[k].shape != loaded[k].shape for k in loaded)
+    finally:
+        warm.close()
+        cold.close()
+    train(tmp_path / "warm2", f"init_from={source}", *common, max_steps=2)  # and it trains, end to end
 
 
 BAD_CONFIG = {
@@ -357,8 +387,8 @@ TOOL_CASES = {
                           ["model.safetensors", "truncated"]),
     "missing image": (lambda p, r: (predict_tool, ["--model", r, str(p / "none.png")]), 3,
                       ["none.png", "neither an image file nor a folder"]),
-    "unreadable image": (lambda p, r: (predict_tool, ["--model", r, _image(p), _garbage(p)]), 3,
-                         ["bad.png", "cannot be decoded"]),
+    "no readable image": (lambda p, r: (predict_tool, ["--model", r, _garbage(p)]), 3,
+                          ["bad.png", "cannot be decoded", "none of the 1 image(s) could be read"]),
     "folder without images": (lambda p, r: (predict_tool, ["--model", r, _nonempty(p)]), 3, ["no image files"]),
     "model key as evaluate override": (lambda p, r: (evaluate_tool, ["--checkpoint", r, "model.decoder.n_layer=3"]),
                                        2, ["model.decoder.n_layer", "only data.* and seed"]),
@@ -381,6 +411,19 @@ def test_tool_bad_input_is_one_clear_message(run, tmp_path, capsys, case):
     for n in needles:
         assert n in err, (n, err)
     assert not os.path.exists(tmp_path / "e")
+
+
+def test_predict_skips_an_unreadable_image_and_counts_it(run, tmp_path, capsys):
+    good, bad = _image(tmp_path), _garbage(tmp_path)
+    other = _image(tmp_path, "ok2.png")
+    out = tmp_path / "preds.jsonl"
+    assert predict_tool.main(["--model", run, good, bad, other, "--out", str(out), "--batch-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert [r["image"] for r in read_jsonl(out)] == [good, other]  # the job went on past the bad file
+    assert "warning: skipped:" in err and "bad.png" in err and "cannot be decoded" in err, err
+    assert f"2 prediction(s) written to {out}; 1 image(s) skipped (unreadable)" in err, err
+    alone = load_model(run).predict([good, other])
+    assert [{k: v for k, v in r.items() if k != "image"} for r in read_jsonl(out)] == alone
 
 
 def test_eval_config_keeps_the_model_and_takes_the_data(run, tmp_path):
@@ -415,3 +458,24 @@ def test_a_normalising_run_is_normalised_at_inference_too(tmp_path):
     cfg.data.source, cfg.data.val_path = "manifest", str(tmp_path / "imgs" / "manifest.jsonl")
     assert eval_dataset(cfg, predictor.class_names).normalization == predictor.normalization
     assert len(rows) == 4
+
+
+def test_a_run_from_pretrained_weights_is_normalised_as_it_trained(tmp_path):
+    """data.normalize=auto with backbone weights: the loaders normalised with the weights' statistics, so the loaded
+    model must too (the weights are not read again: the name alone decides), and evaluate matches the run."""
+    import torchvision
+
+    from mtl.data.images import IMAGENET_MEAN, IMAGENET_STD
+
+    weights = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), weights)
+    run_dir = train(tmp_path / "run", f"model.backbone.weights={weights}")
+    weights.unlink()  # never read again: the model's own file holds the backbone
+    predictor = load_model(run_dir)
+    assert predictor.normalization == (IMAGENET_MEAN, IMAGENET_STD)
+    final = json.loads(open(os.path.join(run_dir, "final_metrics.json")).read())
+    out = tmp_path / "m.json"
+    assert evaluate_tool.main(["--checkpoint", run_dir, "--device", "cpu", f"--out={out}"]) == 0
+    got = json.loads(out.read_text())
+    for k in METRICS:
+        assert got[k] == pytest.approx(final[k], rel=1e-9, abs=1e-12), k

@@ -99,22 +99,45 @@ def _folder(path: str) -> str:
 def build_task_datasets(cfg, task_types: dict[str, type]) -> dict[str, tuple[Dataset, Dataset]]:
     """{task: (train, val)}: each task's own data, reduced to the record fields the task requires."""
     out = {}
-    s = cfg.data.synthetic
     for t, kind in task_types.items():
-        d = task_data(cfg, t)
-        if d.source == "synthetic":
-            # a stream of its own per task and split: the tasks' images are disjoint sets
-            train, val = (SyntheticShapes(size=n, image_size=cfg.data.image_size, num_classes=s.num_classes,
-                                          max_count=s.max_count, noise=s.noise, clutter=s.clutter,
-                                          seed=seed_of(cfg.seed, "synthetic", t, split))
-                          for n, split in ((d.train_size, "train"), (d.val_size, "val")))
-        else:
-            labelled = "label" in kind.requires
-            train = _user_split(cfg, d, d.train_path, True, labelled)
-            val = _user_split(cfg, d, d.val_path, False, labelled, train)
-        out[t] = (TaskOnly(train, kind.requires), TaskOnly(val, kind.requires))
-        out[t][0].normalization = out[t][1].normalization = image_normalization(cfg)
+        train = task_split(cfg, t, kind, "train")
+        out[t] = (train, task_split(cfg, t, kind, "val", train))
     return out
+
+
+def build_task_val_sets(cfg, task_types: dict[str, type], classes) -> dict[str, Dataset]:
+    """{task: its validation set} without reading any training set (evaluating a trained model): ``classes``
+    (``class_names``, ``num_classes``: the model's) stands in for the training split that labels are checked
+    against. A set that cannot be read is a DataError naming the task and its key."""
+    out = {}
+    for t, kind in task_types.items():
+        key = f"data.per_task.{t}.val_path"
+        d = task_data(cfg, t)
+        if d.source != "synthetic" and not d.val_path:
+            raise DataError(f"{key}: task {t}'s validation set is not set; set it to the {d.source} to evaluate on")
+        try:
+            out[t] = task_split(cfg, t, kind, "val", classes)
+        except DataError as e:
+            raise DataError(f"{key} (task {t}): {e.message}") from None
+    return out
+
+
+def task_split(cfg, task: str, kind: type, split: str, train_split=None) -> Dataset:
+    """One split ("train" or "val") of ``task``'s own data, reduced to the fields the task requires; a val split's
+    labels are checked against ``train_split``'s classes."""
+    d = task_data(cfg, task)
+    if d.source == "synthetic":
+        # a stream of its own per task and split: the tasks' images are disjoint sets
+        s = cfg.data.synthetic
+        ds = SyntheticShapes(size=d.train_size if split == "train" else d.val_size, image_size=cfg.data.image_size,
+                             num_classes=s.num_classes, max_count=s.max_count, noise=s.noise, clutter=s.clutter,
+                             seed=seed_of(cfg.seed, "synthetic", task, split))
+    else:
+        ds = _user_split(cfg, d, d.train_path if split == "train" else d.val_path, split == "train",
+                         "label" in kind.requires, train_split)
+    ds = TaskOnly(ds, kind.requires)
+    ds.normalization = image_normalization(cfg)
+    return ds
 
 
 def class_source(task_sets: dict, task_types: dict[str, type]) -> Dataset:

@@ -3,10 +3,13 @@
   python -m mtl.tools.evaluate --checkpoint runs/x/checkpoints/step_1000 [--config X] [data.key=value ...] \
       [--out metrics.json]
 
-One process is enough (no torchrun): the project's own evaluation code (mtl.evaluate) runs over the
-whole eval split. What is evaluated: the data section (data.* and seed) of --config X, or of the
+One process is enough (no torchrun): the trainer's own evaluation (mtl.evaluate.evaluate_run) runs over
+the whole eval data. What is evaluated: the data section (data.* and seed) of --config X, or of the
 checkpoint's own config, with the key=value overrides; the model always comes from the checkpoint.
-The split is data.val_path (manifest or ImageFolder) or the built-in synthetic validation split.
+The data is data.val_path (manifest or ImageFolder) or the built-in synthetic validation split; a
+multi-input model (data.per_task) scores each task on its own data.per_task.<task>.val_path (or its
+synthetic set), exactly as its training run evaluated, and "images" gives each task's count. Nothing
+falls back to other data: a set that cannot be read is an error naming the task and the key.
 """
 
 from __future__ import annotations

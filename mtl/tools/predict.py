@@ -5,7 +5,9 @@
 Each line: {"image": path, "class": name, "class_index": i, "prob": p, "caption": text} (and "count"
 for a model with the count task). Folders are searched recursively for image files; files named
 directly are used whatever their extension. Images are preprocessed exactly as in training (the data
-code's transform). Captions are greedy by default, beam search with --beams N > 1.
+code's transform). Captions are greedy by default, beam search with --beams N > 1. An image file that
+cannot be read is skipped with a warning, and the summary on stderr counts the skipped files (exit 3 only
+when none could be read).
 """
 
 from __future__ import annotations
@@ -36,15 +38,29 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.beams < 1 or args.batch_size < 1:
             raise ConfigError("--beams and --batch-size must be >= 1")
+        from mtl.errors import DataError
+
         paths = image_paths(args.images)  # before loading the model: a typo fails fast
         predictor = load_model(args.model, args.device)
-        preds = predictor.predict(paths, num_beams=args.beams, batch_size=args.batch_size)
-        text = "".join(json.dumps({"image": p, **r}) + "\n" for p, r in zip(paths, preds))
+        skipped: list[str] = []
+
+        def unreadable(path: str, error) -> None:  # one file does not stop the job: a warning, and it is counted
+            skipped.append(path)
+            print(f"warning: skipped: {error.message}", file=sys.stderr, flush=True)
+
+        preds = predictor.predict(paths, num_beams=args.beams, batch_size=args.batch_size, on_unreadable=unreadable)
+        if len(skipped) == len(paths):
+            raise DataError(f"none of the {len(paths)} image(s) could be read (see the warnings above); pass image "
+                            "files that open")
+        text = "".join(json.dumps({"image": p, **r}) + "\n" for p, r in zip(paths, preds) if r is not None)
+        done = len(paths) - len(skipped)
         if args.out:
             write_text(args.out, text)
-            print(f"{len(paths)} prediction(s) written to {args.out}", file=sys.stderr)
         else:
             print(text, end="", flush=True)
+        if args.out or skipped:
+            print(f"{done} prediction(s)" + (f" written to {args.out}" if args.out else "")
+                  + f"; {len(skipped)} image(s) skipped (unreadable)", file=sys.stderr, flush=True)
 
     return run_guarded(run)
 
