@@ -1,9 +1,9 @@
 """pyproject.toml declares ranges; constraints.txt holds the exact versions make and CI install. Every lower
 bound a range declares must be the version that is pinned (and so tested), and every pin must lie in its range."""
 
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
