@@ -60,7 +60,7 @@ def test_bad_input_is_one_clear_message(tmp_path, case):
 
 
 # ---------------------------------------------------------------------------------------------
-# the same, in this process through train.py's main(argv): what a new user hit (issue 8)
+# the same, in this process through train.py's main(argv): what a new user hit
 
 
 def main_of(argv, capsys):
@@ -90,6 +90,15 @@ def one_class_folder(p):
     return p / "folder"
 
 
+def two_class_folder(p):
+    """An ImageFolder tree with two class folders and no captions file."""
+    for c in ("a", "b"):
+        (p / "folder" / c).mkdir(parents=True)
+        for i in range(5):
+            Image.new("RGB", (16, 16), (20 * i, 10, 10)).save(p / "folder" / c / f"{i}.png")
+    return p / "folder"
+
+
 IN_PROCESS = {
     "one-class image folder": (lambda p: [TINY, "data.source=imagefolder", "tasks=[cls]",
                                           f"data.train_path={one_class_folder(p)}", f"data.val_path={p / 'folder'}"],
@@ -98,6 +107,13 @@ IN_PROCESS = {
                                       f"data.train_path={manifest(p, [{'image': good_image(p), 'label': 0, 'caption': 'x'}] * 10)}",
                                       f"data.val_path={p / 'm.jsonl'}"], 3, ["task 'cls'", "1 class", "m.jsonl"]),
     # 4 training images, batch 8: fewer than one (global) batch
+    "missing image folder": (lambda p: [TINY, "data.source=imagefolder", f"data.train_path={p / 'nope'}",
+                                        f"data.val_path={p / 'nope'}"], 3,
+                             ["data.train_path: image folder", "nope", "not found"]),
+    "image folder without captions": (lambda p: [TINY, "data.source=imagefolder",
+                                                 f"data.train_path={two_class_folder(p)}",
+                                                 f"data.val_path={p / 'folder'}"], 3,
+                                      ["captions.jsonl", "multi-input mode", "data.per_task"]),
     "training set smaller than a batch": (lambda p: [TINY, "data.synthetic.train_size=4"], 3,
                                           ["data.batch_size=8", "1 process(es)", "4 item(s)"]),
     "label outside the class list": (lambda p: [TINY, "data.source=manifest", "data.batch_size=2",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 from collections.abc import Iterator
 
 import torch
@@ -51,22 +52,34 @@ def _datasets(cfg) -> tuple[Dataset, Dataset]:
                 f"data.{key} is required for data.source={d.source} (set it to the {key[:-5]} split's path)"
             )
     if d.source == "manifest":
-        train = ManifestDataset(d.train_path, d.image_root, d.image_size, d.num_classes, d.on_error,
-                                Augment.from_config(cfg))
+        with _naming("data.train_path"):
+            train = ManifestDataset(d.train_path, d.image_root, d.image_size, d.num_classes, d.on_error,
+                                    Augment.from_config(cfg))
         # val labels are checked against the train split's classes
-        val = ManifestDataset(d.val_path, d.image_root, d.image_size, train.num_classes, d.on_error)
+        with _naming("data.val_path"):
+            val = ManifestDataset(d.val_path, d.image_root, d.image_size, train.num_classes, d.on_error)
         return train, val
-    train = ImageFolderCaptions(d.train_path, image_size=d.image_size, on_error=d.on_error,
-                                augment=Augment.from_config(cfg))
+    with _naming("data.train_path"):
+        train = ImageFolderCaptions(d.train_path, image_size=d.image_size, on_error=d.on_error,
+                                    augment=Augment.from_config(cfg))
     if d.num_classes is not None and d.num_classes != train.num_classes:
         raise ConfigError(
             f"data.num_classes={d.num_classes} but {d.train_path!r} has {train.num_classes} class folders "
             "— remove data.num_classes or fix the folders"
         )
-    val = ImageFolderCaptions(
-        d.val_path, image_size=d.image_size, on_error=d.on_error, class_names=train.class_names
-    )
+    with _naming("data.val_path"):
+        val = ImageFolderCaptions(d.val_path, image_size=d.image_size, on_error=d.on_error,
+                                  class_names=train.class_names)
     return train, val
+
+
+@contextmanager
+def _naming(key: str):
+    """A data set's error names the config key whose path it read (``data.train_path: image folder ... not found``)."""
+    try:
+        yield
+    except DataError as e:
+        raise DataError(f"{key}: {e.message}") from None
 
 
 def all_captions(ds: Dataset) -> list[str]:

@@ -323,7 +323,9 @@ class ImageFolderCaptions(CaptionedImages):
     def how_to_provide(self, field: str) -> str:
         if self.captions_file is None:
             return (f"add {os.path.join(self.root, 'captions.jsonl')} with one line per image, "
-                    f'{{"image": "<class>/<file>", "caption": "..."{", " + repr(field) + ": ..." if field != "captions" else ""}}}')
+                    f'{{"image": "<class>/<file>", "caption": "..."{", " + repr(field) + ": ..." if field != "captions" else ""}}}'
+                    "; or, if your captions are of other images, give each task its own data set in multi-input "
+                    "mode (data.per_task; configs/multi_input_user_data.yaml, docs/multi-input.md)")
         return super().how_to_provide(field)
 
 
