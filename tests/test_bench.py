@@ -78,8 +78,8 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
     assert static.count("|") == header.count("|")  # a failed method's row has the table's columns
     assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(out / "tb") for f in fs)
     again = bench(out, *args)
-    assert "natural equal seed 0: finished before, skipped" in again.stdout
-    assert "scaled equal seed 0: finished before, skipped" in again.stdout
+    assert "natural equal seed 0: finished before with this configuration, skipped" in again.stdout
+    assert "scaled equal seed 0: finished before with this configuration, skipped" in again.stdout
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ import subprocess
 import sys
 import time
 
+from mtl.tools.bench_record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
 from mtl.tools.bench_stats import mean_ci, paired_bootstrap, significance, slope_per_100
 
 PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml"}
@@ -289,21 +290,37 @@ def _tail(path: str, n: int = 15) -> str:
         return f"(no log: {e})"
 
 
-def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict]) -> list[dict]:
-    """Train the runs not finished before, ``bench.parallel`` at once, each in its own process(es); record each
-    one's status (and error) in ``runs.jsonl``."""
+def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], on_change: str = "retrain") -> list[dict]:
+    """Train the runs not finished before with the same training configuration (``bench_record``), ``bench.parallel``
+    at once, each in its own process(es); record each one's status (and error) in ``runs.jsonl``. A finished run
+    whose configuration changed is trained again (``on_change="retrain"``) or refused before anything trains
+    (``"refuse"``: a ConfigError listing every such run and what changed)."""
     status_path = os.path.join(cfg.output_dir, "runs.jsonl")
     os.makedirs(cfg.output_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(run_threads(cfg))}
     pending, running, durations, total = [], [], [], len(runs)
+    refused = []
     for i, r in enumerate(runs, 1):
         r["index"] = i
         head = f"[{i}/{total}] {r['regime']} {r['label']} seed {r['seed']}"
+        r["config"] = training_config(config_path, [*base_overrides, *r["overrides"]], cfg.bench.nproc)
         if os.path.isfile(os.path.join(r["dir"], "final_metrics.json")):
-            print(f"{head}: finished before, skipped", flush=True)
-            r["status"] = "ok"
-        else:
-            pending.append(r)
+            problem = reuse_problem(r["dir"], r["config"])
+            if problem is None:
+                print(f"{head}: finished before with this configuration, skipped", flush=True)
+                r["status"] = "ok"
+                continue
+            if on_change == "refuse":
+                refused.append(f"{head} ({r['dir']}): {problem}")
+                continue
+            print(f"{head}: finished before, but {problem}: training it again", flush=True)
+        pending.append(r)
+    if refused:
+        from mtl.errors import ConfigError
+
+        raise ConfigError([f"--on-change refuse: {len(refused)} finished run(s) were trained with another "
+                           "configuration (re-train them with --on-change retrain, or use another output_dir):",
+                           *refused])
     parallel = max(1, cfg.bench.parallel)
     try:
         _drive(cfg, config_path, base_overrides, pending, running, durations, total, parallel, env, status_path)
@@ -326,6 +343,7 @@ def _drive(cfg, config_path, base_overrides, pending, running, durations, total,
             if os.path.isdir(r["dir"]):
                 shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
             os.makedirs(r["dir"])
+            write_record(r["dir"], r["config"], provenance(int(env["OMP_NUM_THREADS"])))
             log = open(os.path.join(r["dir"], "log.txt"), "w")
             proc = subprocess.Popen(run_command(config_path, [*base_overrides, *r["overrides"]], cfg.bench.nproc),
                                     stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -371,7 +389,7 @@ def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
     out = {"wall_s": final.get("wall_time_s"), "train": train, "evals": evals, "t0": t0,
            "step_time_s": statistics.median(r["step_time_s"] for r in train[1:] or train) if train else float("nan"),
            "peak_mem_mb": max((r.get("peak_mem_mb") or 0.0 for r in train), default=float("nan")),
-           "steps": max((r["step"] for r in rows), default=0)}
+           "steps": max((r["step"] for r in rows), default=0), "record": read_record(run_dir)}
     combine = [r["combine_s"] for r in train if r.get("combine_s") is not None]
     out["combine_s"] = statistics.median(combine) if combine else 0.0
     for key, _, higher in specs:
@@ -567,6 +585,7 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
               f"[95% paired bootstrap, {cfg.bench.bootstrap} resamples, seed {cfg.bench.bootstrap_seed}]; ▲ / ▼: "
               "the interval lies above / below 0. Peak memory: the run's own process (peak RSS on the CPU, "
               "max allocated on a GPU).", "",
+              *provenance_lines([d.get("record") for r in rows for d in r["_seeds"].values()]), "",
               "| method | level | source | " + " | ".join(keys) + " | Δm % | vs equal (Δm) | seeds better | Δp % "
               "| mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) | MB all-reduced/step "
               "| wall (s) |",
@@ -713,6 +732,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="full (configs/bench.yaml, the 60-minute CPU sweep), quick (<= 10 min CPU), gpu")
     p.add_argument("--plan", action="store_true", help="check the config and list the runs, train nothing")
+    p.add_argument("--on-change", choices=("retrain", "refuse"), default="retrain",
+                   help="a finished run whose training configuration differs from what it would train now (any key "
+                        "but output_dir and bench.*; bench.nproc counts): train it again (default), or refuse and "
+                        "exit 2 listing every such run and the keys that changed")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     config = a.config or PRESETS[a.preset or "full"]
@@ -735,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.plan:
             return
         tic = time.time()
-        run_all(cfg, config, a.overrides, runs)
+        run_all(cfg, config, a.overrides, runs, a.on_change)
         per_regime = {}
         for regime, (spec, rcfg) in loaded.items():
             source = spec["baselines_from"] or regime
