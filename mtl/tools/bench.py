@@ -49,7 +49,7 @@ import sys
 import time
 
 from mtl.tools.bench_record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
-from mtl.tools.bench_stats import mean_ci, paired_bootstrap, significance, slope_per_100
+from mtl.tools.bench_stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
 
 PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml"}
 REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
@@ -496,10 +496,11 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         row["moving"] = moving
         for key in ("delta_m", "delta_p"):
             row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
-        diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single]
-        row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"] = paired_bootstrap(
-            diffs, cfg.bench.bootstrap, cfg.bench.bootstrap_seed)
-        row["vs_equal_sig"] = significance(row["vs_equal_lo"], row["vs_equal_hi"]) if label != "equal" else 0
+        diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single and label != "equal"]
+        test = paired_test(diffs, cfg.bench.alpha)
+        row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"], row["vs_equal_p"] = (
+            test["mean"], test["lo"], test["hi"], test["p"])
+        row["_diffs"] = diffs
         row["seeds_better"] = f"{sum(x > 0 for x in diffs)}/{len(diffs)}" if diffs and label != "equal" else ""
         for key in ("peak_mem_mb", "wall_s", "combine_s"):
             row[key], row[key + "_ci"] = mean_ci(d[key] for d in ok.values())
@@ -515,6 +516,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         row["meta_cost"] = meta_cost_note(types[name], options, heldout_for(rcfg), len(rcfg.tasks)) if not single else ""
         row["_seeds"] = ok
         rows.append(row)
+    adjust(rows, "vs_equal", cfg.bench.alpha)
     eqrow = next((r for r in rows if r["method"] == "equal"), None)
     for r in rows:
         r["time_vs_equal"] = r["step_time_s"] / eqrow["step_time_s"] if eqrow else float("nan")
@@ -527,6 +529,24 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
     for r in rows:
         r["mean_rank"] = statistics.mean(r.pop("_ranks", [float("nan")]))
     return rows, base
+
+
+def adjust(rows: list[dict], key: str, alpha: float) -> None:
+    """Holm's correction across the rows of one table: ``<key>_p_holm`` and the mark ``<key>_sig`` of each row
+    (rows without a test, e.g. equal itself and the baselines, get nan and no mark)."""
+    for r, p in zip(rows, holm([r.get(key + "_p", float("nan")) for r in rows])):
+        r[key + "_p_holm"] = p
+        r[key + "_sig"] = mark(r[key], p, alpha)
+
+
+def detectable(rows: list[dict], alpha: float) -> dict:
+    """What one table's seeds can detect: from the pooled spread of its paired differences (``_diffs``), the
+    smallest true difference the paired t-test finds with 80% power, at ``alpha`` and at Holm's strictest level
+    ``alpha / m`` (m: the methods tested)."""
+    groups = [r["_diffs"] for r in rows if len(r.get("_diffs") or []) >= 3]
+    sd, n = pooled_sd(groups)
+    m = max(1, len(groups))
+    return {"sd": sd, "n": n, "m": m, "mde": min_detectable(sd, n, alpha), "mde_holm": min_detectable(sd, n, alpha / m)}
 
 
 def _run_dir(runs: list[dict], label: str, seed) -> str:
@@ -547,10 +567,12 @@ def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
                 continue
             a, b = ref[r["method"]]["_seeds"], r["_seeds"]
             diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in b if s in a]
-            mean, lo, hi = paired_bootstrap(diffs, cfg.bench.bootstrap, cfg.bench.bootstrap_seed)
+            t = paired_test(diffs, cfg.bench.alpha)
             out.append({"regime": name, "reference": names[0], "method": r["method"],
-                        "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": mean,
-                        "change_lo": lo, "change_hi": hi, "change_sig": significance(lo, hi)})
+                        "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": t["mean"],
+                        "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"], "_diffs": diffs})
+    for name in names[1:]:  # Holm across the methods of each regime's comparison
+        adjust([e for e in out if e["regime"] == name], "change", cfg.bench.alpha)
     return out
 
 
@@ -562,12 +584,13 @@ def _pm(v: float, ci: float, digits: int = 3) -> str:
     return f"{v:.{digits}f}" + (f" ± {ci:.{digits}f}" if ci == ci else "")
 
 
-def _interval(mean: float, lo: float, hi: float, sig: int, digits: int = 2) -> str:
+def _interval(mean: float, lo: float, hi: float, sig: int, p: float, digits: int = 2) -> str:
+    """``mean [lo, hi] mark (p_Holm)``: the mark only where the Holm-adjusted p is below the table's alpha."""
     if mean != mean:
         return ""
     if lo != lo:
-        return f"{mean:+.{digits}f} (too few seeds for an interval)"
-    return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] {MARK[sig]}".rstrip()
+        return f"{mean:+.{digits}f} (too few seeds for a test)"
+    return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] {MARK[sig]} (p_Holm {p:.3f})".replace("  ", " ")
 
 
 def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dict, shares_baselines: str | None) -> str:
@@ -581,10 +604,8 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
     lines += [f"Mean ± 95% t-interval over seeds {list(cfg.bench.seeds)}; quality is the mean of the last "
               f"{cfg.bench.last_k} evaluations. Single-task baselines"
               + (f" (from regime `{shares_baselines}`)" if shares_baselines else "") + ": "
-              + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". vs equal: Δm − Δm(equal) on the same seed, mean "
-              f"[95% paired bootstrap, {cfg.bench.bootstrap} resamples, seed {cfg.bench.bootstrap_seed}]; ▲ / ▼: "
-              "the interval lies above / below 0. Peak memory: the run's own process (peak RSS on the CPU, "
-              "max allocated on a GPU).", "",
+              + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". " + test_sentence(cfg, methods) + " Peak memory: "
+              "the run's own process (peak RSS on the CPU, max allocated on a GPU).", "",
               *provenance_lines([d.get("record") for r in rows for d in r["_seeds"].values()]), "",
               "| method | level | source | " + " | ".join(keys) + " | Δm % | vs equal (Δm) | seeds better | Δp % "
               "| mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) | MB all-reduced/step "
@@ -602,7 +623,7 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
             f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
             + " | ".join(_pm(r[k], r[k + "_ci"]) for k in keys)
             + f" | {_pm(r['delta_m'], r['delta_m_ci'], 2)} "
-            f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'])} "
+            f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'], r['vs_equal_p_holm'])} "
             f"| {r['seeds_better']} | {_pm(r['delta_p'], r['delta_p_ci'], 2)} | {r['mean_rank']:.1f} "
             f"| {r['time_vs_equal']:.2f}x | {mem} | {r['combine_s'] * 1e3:.2f} | {r['allreduce_mb']:.1f} "
             f"| {r['wall_s']:.0f} |")
@@ -628,21 +649,35 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
     return "\n".join(lines)
 
 
-def effects_table(effects: list[dict]) -> str:
+def test_sentence(cfg, rows: list[dict], what: str = "vs equal: Δm − Δm(equal) on the same seed") -> str:
+    """How one table's marks are made and what its seeds can detect (``detectable``)."""
+    a, d = cfg.bench.alpha, detectable(rows, cfg.bench.alpha)
+    text = (f"{what}: mean [{100 * (1 - a):g}% t-interval], two-sided paired t-test over seeds; ▲ / ▼ where Holm's "
+            f"adjusted p (p_Holm, across the {d['m']} comparisons of this table) is below {a:g}.")
+    if d["mde"] == d["mde"]:
+        return text + (f" Detectable here (80% power, paired spread sd {d['sd']:.2f} over {d['n']} seeds): a "
+                       f"difference of {d['mde']:.2f} at α = {a:g}, {d['mde_holm']:.2f} at Holm's strictest level "
+                       f"α/{d['m']}; no mark means not detectable by this design, not equal.")
+    return text + " Too few seeds (fewer than 3) to test or to say what is detectable."
+
+
+def effects_table(cfg, effects: list[dict]) -> str:
     if not effects:
         return ""
     lines = ["### Between regimes", "",
-             "Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds: mean [95% paired "
-             "bootstrap]; ▲ / ▼: the regime moved the method's Δm up / down.", "",
+             test_sentence(cfg, effects, "Each method's Δm in a regime minus its Δm in the reference regime, on the "
+                                         "same seeds"), "",
              "| regime | method | Δm % in reference | Δm % in regime | change |", "|---|---|---|---|---|"]
     for e in effects:
         lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}` | {e['delta_m_ref']:.2f} "
-                     f"| {e['delta_m']:.2f} | {_interval(e['change'], e['change_lo'], e['change_hi'], e['change_sig'])} |")
+                     f"| {e['delta_m']:.2f} "
+                     f"| {_interval(e['change'], e['change_lo'], e['change_hi'], e['change_sig'], e['change_p_holm'])} |")
     return "\n".join(lines)
 
 
 CSV_FIXED = ["regime", "method", "level", "source", "strategy", "runs_ok", "runs"]
-CSV_TAIL = ["delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_sig", "seeds_better",
+CSV_TAIL = ["delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_p", "vs_equal_p_holm", "vs_equal_sig",
+            "seeds_better",
             "delta_p", "delta_p_ci", "mean_rank", "plateau", "time_vs_equal", "mem_vs_equal", "combine_s",
             "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
 
@@ -671,7 +706,7 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
         blocks.append(regime_table(cfg, rcfg, regime, spec, rows, base, spec["baselines_from"]))
     effects = regime_effects(cfg, {k: v[1] for k, v in per_regime.items()})
     if effects:
-        blocks.append(effects_table(effects))
+        blocks.append(effects_table(cfg, effects))
     f_ms, b_ms = meta.get("forward_s", float("nan")) * 1e3, meta.get("backward_s", float("nan")) * 1e3
     if f_ms == f_ms:
         blocks.append(f"Measured F = {f_ms:.0f} ms, B = {b_ms:.0f} ms (one process, the bench model), so "
