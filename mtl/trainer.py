@@ -28,6 +28,7 @@ from mtl.config import config_summary, to_yaml
 from mtl.data.heldout import HeldoutStream
 from mtl.data.loader import (
     build_eval_loader,
+    build_test_dataset,
     build_train_loader,
     data_position,
     normalizing,
@@ -118,7 +119,14 @@ class Trainer:
             self.val_loader = build_eval_loader(self.val_ds, collate, cfg.data.eval_batch_size, dist.rank,
                                                 dist.world_size, cfg.data.num_workers, pin)
             self.val_loaders = {t: self.val_loader for t in self.tasks}
+            test_ds = build_test_dataset(cfg, self.train_ds)  # optional: evaluated beside val as test_<metric>
+            self.test_loader = None if test_ds is None else build_eval_loader(
+                test_ds, collate, cfg.data.eval_batch_size, dist.rank, dist.world_size, cfg.data.num_workers, pin)
         else:
+            if build_test_dataset(cfg, self.train_ds) is not None:
+                raise ConfigError("data.synthetic.test_size / data.test_path: a test split is not supported in "
+                                  "multi-input mode (data.per_task) yet; set it to 0 / null")
+            self.test_loader = None
             self.mi = MultiInputStream(cfg, {t: tr for t, (tr, _) in pieces.task_sets.items()},
                                        pieces.task_collates, dist.rank, dist.world_size)
             self.val_loaders = {t: build_eval_loader(val, pieces.task_collates[t], cfg.data.eval_batch_size,
@@ -449,7 +457,10 @@ class Trainer:
             else:  # each task on its own validation set
                 metrics = {t: evaluate(self.bare, self.val_loaders[t], [t], self.device,
                                        self.cfg.trainer.eval_max_batches)[t] for t in self.tasks}
+            test = {} if self.test_loader is None else evaluate(self.bare, self.test_loader, self.tasks, self.device,
+                                                                self.cfg.trainer.eval_max_batches)
         flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
+        flat.update({f"test_{t}_{k}": v for t, m in test.items() for k, v in m.items() if k != "samples"})
         self.last_eval = flat
         self.log.record(self.step, flat, kind="eval")
         self.log.info(f"step {self.step} eval: " + ", ".join(f"{k}={v:.4f}" for k, v in flat.items()))

@@ -85,7 +85,7 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
 @pytest.mark.slow
 def test_bench_runs_under_torchrun_when_configured(tmp_path):
     out = tmp_path / "bench"
-    proc = bench(out, "bench.methods=[equal]", "bench.baselines=false", "bench.nproc=2")
+    proc = bench(out, "bench.methods=[equal]", "bench.baselines=false", "bench.select=last", "bench.nproc=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "runs" / "natural" / "equal" / "seed0" / "final_metrics.json") as f:
         assert json.load(f)["world_size"] == 2
@@ -270,12 +270,14 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
         per_regime[name] = (rcfg, rows, base)
     rows = {r["method"]: r for r in per_regime["natural"][1]}
     assert abs(per_regime["natural"][2]["cls_acc"] - 0.8) < 1e-9
-    # equal: cls 0.6 vs 0.8 (-25%), bleu and chrf at the baseline (0%): Δm = -25/3 % (+ the seed noise / 10)
-    assert abs(rows["equal"]["delta_m"] - (-25 / 3)) < 0.05
+    # equal: cls 0.6 vs 0.8 (25% worse: +25 in the literature's sign), gen's bleu and chrf at the baseline (0%); per
+    # task, then over the two tasks: Δm = +12.5 % (+ the seed noise / 10), not (25 + 0 + 0) / 3
+    assert abs(rows["equal"]["delta_m"] - 12.5) < 0.05 and rows["equal"]["split"] == "validation"
     assert rows["equal"]["delta_m_ci"] > 0 and rows["equal"]["vs_equal_sig"] == 0 and rows["equal"]["seeds_better"] == ""
-    assert rows["uw"]["vs_equal_sig"] == 1 and rows["uw"]["seeds_better"] == "5/5"  # +0.1 acc on every seed
-    assert abs(rows["uw"]["vs_equal"] - 0.1 / 0.8 * 100 / 3) < 1e-6
+    assert rows["uw"]["vs_equal_sig"] == -1 and rows["uw"]["seeds_better"] == "5/5"  # +0.1 acc on every seed: lower Δm
+    assert abs(rows["uw"]["vs_equal"] + 0.1 / 0.8 * 100 / 2) < 1e-6 and rows["uw"]["vs_equal_p_holm"] < 0.05
     assert rows["dwa"]["vs_equal_sig"] == 0  # better on some seeds, worse on others
+    assert rows["dwa"]["selected_step"] == 600  # still rising: its best validation evaluation is the last
     assert rows["equal"]["plateau"] and rows["uw"]["plateau"] and not rows["dwa"]["plateau"]
     assert rows["dwa"]["moving"] == ["cls_acc"] and abs(rows["dwa"]["cls_acc_slope"] - 0.1 / 6) < 1e-3
     assert rows["equal"]["peak_mem_mb"] == 420.0 and rows["uw"]["mem_vs_equal"] == 520.0 / 420.0
@@ -286,19 +288,21 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     assert "Expected (stated before the run): equal loses cls" in text
     natural = text.split("### Regime `scaled`")[0]
     line = {ln.split("|")[1].strip(): ln for ln in natural.splitlines() if ln.startswith("| `") and ln.count("|") > 12}
-    assert "▲ (p_Holm 0.000)" in line["`uw`"].split("|")[8] and "5/5" in line["`uw`"]
+    assert "▼ (p_Holm 0.000)" in line["`uw`"].split("|")[8] and "5/5" in line["`uw`"]
     assert "▲" not in line["`dwa`"] and "▼" not in line["`dwa`"]
     assert "420 (1.00x)" in line["`equal`"] and "520 (1.24x)" in line["`uw`"]
     assert "n/a" not in line["`uw`"]
-    assert "| `single_cls` | 600 |" in text and "no: cls_acc" in text
+    assert "| `single_cls` | 600 | 600 |" in text and "no: cls_acc" in text
+    assert "Detectable here (80% power" in natural and "Runs: not recorded (no bench_run.json)." in natural
+    assert "read on the same validation split it was chosen on" in natural and "last 3 evaluations (steps 400, 500, 600)" in natural
     header = next(ln for ln in natural.splitlines() if ln.startswith("| method |"))
     assert line["`rlw` (5 of 5 failed)"].count("|") == header.count("|") and "- `rlw` seed 4: failed" in natural
     assert "| `rlw` |" not in natural  # no convergence row for a method with no finished run
     scaled = {r["method"]: r for r in per_regime["scaled"][1]}
-    assert scaled["uw"]["vs_equal_sig"] == 1 and abs(scaled["equal"]["delta_m"] - (-50 / 3)) < 0.05
-    # between regimes: equal's Δm fell by 25/3 on every seed (▼), uw's did not move
+    assert scaled["uw"]["vs_equal_sig"] == -1 and abs(scaled["equal"]["delta_m"] - 25) < 0.05
+    # between regimes: equal's Δm rose (worse) by 12.5 on every seed (▲), uw's did not move
     effects = [ln for ln in text.splitlines() if ln.startswith("| `scaled` vs `natural`")]
-    assert any("`equal`" in ln and "-8.33" in ln and "▼" in ln for ln in effects), effects
+    assert any("`equal`" in ln and "+12.50" in ln and "▲" in ln for ln in effects), effects
     assert any("`uw`" in ln and "+0.00 [+0.00, +0.00]" in ln and "▲" not in ln for ln in effects), effects
     with open(tmp_path / "results.csv") as f:
         csv_rows = list(csv.DictReader(f))
@@ -329,6 +333,7 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     uw = next(m for h, m in entries if (h["regime"], h["method"], h["seed"]) == ("natural", "uw", 0))
     assert uw["hparam/step_time_s"] == 0.2 and uw["hparam/peak_mem_mb"] == 500.0
     assert abs(uw["hparam/cls_acc"] - 0.701) < 1e-9 and uw["hparam/gen_bleu4"] == 0.5
+    assert abs(uw["hparam/delta_m"] - (0.8 - 0.701) / 0.8 * 100 / 2) < 1e-9  # lower is better, as in the table
 
 
 # ------------------------------------------------------------------------------------------ a user's method

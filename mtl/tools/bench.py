@@ -54,6 +54,7 @@ from mtl.tools.bench_stats import holm, mark, mean_ci, min_detectable, paired_te
 PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml"}
 REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
 MARK = {1: "▲", -1: "▼", 0: ""}
+LAUNCHERS = ("local", "slurm")
 
 
 def metric_specs(cfg) -> list[tuple[str, str, bool]]:
@@ -192,13 +193,33 @@ def regimes(cfg) -> dict[str, dict]:
     return out
 
 
+def bench_errors(cfg) -> list[str]:
+    """Problems of the bench section's own keys (each naming the key and the fix)."""
+    b, errors = cfg.bench, []
+    if not 0 < b.alpha < 1:
+        errors.append(f"bench.alpha: {b.alpha} must lie in (0, 1) (the family-wise level of the marks, e.g. 0.05)")
+    if b.select not in ("best", "last"):
+        errors.append(f"bench.select: {b.select!r} must be best (the best validation Δm) or last")
+    elif b.select == "best" and not b.baselines and not any(
+            (spec or {}).get("baselines_from") for spec in (b.regimes or {}).values()):
+        errors.append("bench.select=best selects on validation Δm, which needs the single-task baselines: set "
+                      "bench.baselines=true, or bench.select=last")
+    if b.launcher not in LAUNCHERS:
+        errors.append(f"bench.launcher: {b.launcher!r} must be one of {', '.join(LAUNCHERS)}")
+    if b.launcher == "slurm" and b.slurm.cluster not in ("slurm", "local"):
+        errors.append(f"bench.slurm.cluster: {b.slurm.cluster!r} must be slurm or local (submitit's local executor)")
+    if not b.last_k >= 2:
+        errors.append(f"bench.last_k: {b.last_k}: the convergence slope needs at least 2 evaluations")
+    return errors
+
+
 def regime_configs(cfg, config_path: str, base_overrides: list[str]) -> tuple[dict, list[str]]:
     """``({regime: (spec, its run config)}, errors)``: each regime's overrides loaded and checked as a run's, and
     its method list checked (every error names the regime and the key)."""
     from mtl.config_check import load_run_config
     from mtl.errors import ConfigError
 
-    out, errors = {}, []
+    out, errors = {}, bench_errors(cfg)
     specs = regimes(cfg)
     for name, spec in specs.items():
         key = f"bench.regimes.{name}"
@@ -375,8 +396,9 @@ def _drive(cfg, config_path, base_overrides, pending, running, durations, total,
 # ------------------------------------------------------------------------------------------ analysis
 
 def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
-    """One finished run's numbers: per metric the mean of the last ``last_k`` evaluations, the best one and the
-    slope over the last ``last_k`` (per 100 steps); step time, peak memory, the method's maths time."""
+    """One finished run's numbers: per metric its validation curve ``val[key] = [(step, value)]``, its test values by
+    step ``test[key]`` (empty without a test split) and the slope of its last ``last_k`` validation evaluations (per
+    100 steps); step time, peak memory, the method's maths time, its ``bench_run.json`` record."""
     if not os.path.isfile(os.path.join(run_dir, "final_metrics.json")):
         return None
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -389,17 +411,37 @@ def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
     out = {"wall_s": final.get("wall_time_s"), "train": train, "evals": evals, "t0": t0,
            "step_time_s": statistics.median(r["step_time_s"] for r in train[1:] or train) if train else float("nan"),
            "peak_mem_mb": max((r.get("peak_mem_mb") or 0.0 for r in train), default=float("nan")),
-           "steps": max((r["step"] for r in rows), default=0), "record": read_record(run_dir)}
+           "steps": max((r["step"] for r in rows), default=0), "record": read_record(run_dir),
+           "eval_steps": sorted({e["step"] for e in evals}), "val": {}, "test": {}}
     combine = [r["combine_s"] for r in train if r.get("combine_s") is not None]
     out["combine_s"] = statistics.median(combine) if combine else 0.0
-    for key, _, higher in specs:
-        points = [(e["step"], e[key]) for e in evals if e.get(key) is not None]
+    for key, _, _ in specs:
+        points = sorted((e["step"], e[key]) for e in evals if e.get(key) is not None)
         if points:
-            values = [v for _, v in points]
-            out[key] = statistics.mean(values[-last_k:])
-            out[key + "_best"] = max(values) if higher else min(values)
+            out["val"][key] = points
             out[key + "_slope"] = slope_per_100(points, last_k)
+        test = {e["step"]: e["test_" + key] for e in evals if e.get("test_" + key) is not None}
+        if test:
+            out["test"][key] = test
     return out
+
+
+def select(d: dict, specs: list, ref: dict, how: str, split: str) -> None:
+    """Fill the run's reported metrics ``d[key]`` and ``d["selected_step"]``: the evaluation chosen on validation
+    (``how="best"``: the lowest validation Δm against ``ref``, each run over the metrics it has; ``"last"``: the
+    last), its values read on ``split`` ("test" or "validation")."""
+    steps = [s for s in d["eval_steps"] if all(dict(d["val"][k]).get(s) is not None for k in d["val"])]
+    if not steps:
+        return
+    chosen = steps[-1]
+    if how == "best":  # the lowest validation Δm; a tie goes to the later evaluation; nan (no reference): the last
+        scores = {s: delta({k: dict(pts)[s] for k, pts in d["val"].items()}, ref, specs, partial=True) for s in steps}
+        finite = [s for s in steps if scores[s] == scores[s]]
+        if finite:
+            chosen = min(finite, key=lambda s: (scores[s], -s))
+    d["selected_step"] = chosen
+    for key, pts in d["val"].items():
+        d[key] = d["test"][key].get(chosen, float("nan")) if split == "test" else dict(pts)[chosen]
 
 
 def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int, method: type | None = None, every: int = 1) -> int:
@@ -436,15 +478,19 @@ def meta_cost_note(method: type, options: dict, heldout: int, num_tasks: int) ->
             f"{heldout} held-out items (data.heldout)")
 
 
-def delta(d: dict, base: dict, specs: list) -> tuple[float, float]:
-    """(delta-m %, delta-p %) of one run against the baselines; nan when a metric or a baseline is missing."""
-    rel = {key: (1 if higher else -1) * (d[key] - base[key]) / base[key] * 100
-           for key, _, higher in specs if key in d and base.get(key) == base.get(key) and base.get(key)}
-    if len(rel) != len(specs) or not specs:
-        return float("nan"), float("nan")
-    tasks = list(dict.fromkeys(t for _, t, _ in specs))
-    dp = statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks)
-    return statistics.mean(rel.values()), dp
+def delta(d: dict, base: dict, specs: list, partial: bool = False) -> float:
+    """Δm % of one run against the baselines, lower is better (as Nash-MTL and FAMO report it): per task the mean over
+    its metrics of ``(-1)^h_i (M_i - B_i) / B_i * 100`` (h_i = 1 if higher is better), then the mean over tasks, so
+    each task weighs the same however many metrics it declares. nan when a metric or a baseline is missing (with
+    ``partial``: over the tasks whose metrics the run has, as a single-task baseline has its own task's)."""
+    rel = {key: (-1 if higher else 1) * (d[key] - base[key]) / base[key] * 100
+           for key, _, higher in specs if d.get(key) == d.get(key) and key in d and base.get(key) == base.get(key)
+           and base.get(key)}
+    tasks = [t for t in dict.fromkeys(t for _, t, _ in specs)
+             if not partial or all(k in rel for k, tt, _ in specs if tt == t)]
+    if not specs or not tasks or any(k not in rel for k, t, _ in specs if t in tasks):
+        return float("nan")
+    return statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks)
 
 
 def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
@@ -453,9 +499,14 @@ def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
     for r in runs:
         d = read_run(r["dir"], last_k, specs) if r.get("status") == "ok" else None
         if d is not None:
-            d["delta_m"], d["delta_p"] = float("nan"), float("nan")
+            d["delta_m"] = float("nan")
         out.setdefault(r["label"], {})[r["seed"]] = d
     return out
+
+
+def report_split(datas: list[dict]) -> str:
+    """"test" when every run evaluated a test split, else "validation"."""
+    return "test" if datas and all(d["test"] for d in datas) else "validation"
 
 
 def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_runs: list[dict]) -> tuple[list, dict]:
@@ -466,13 +517,16 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
     types = run_method_types(rcfg)
     data = per_seed(runs, cfg.bench.last_k, specs)
     bdata = per_seed(baseline_runs, cfg.bench.last_k, specs)
-    base = {}
-    for key, task, _ in specs:
-        base[key] = mean_ci(d.get(key) for d in bdata.get(f"single_{task}", {}).values() if d)[0]
-    for label in data:
-        for d in data[label].values():
-            if d is not None:
-                d["delta_m"], d["delta_p"] = delta(d, base, specs)
+    bruns = {key: [d for d in bdata.get(f"single_{task}", {}).values() if d] for key, task, _ in specs}
+    # the scale the evaluations are selected on: the baselines' last validation values (mean over seeds)
+    ref = {key: mean_ci(d["val"][key][-1][1] for d in bruns[key] if key in d["val"])[0] for key, _, _ in specs}
+    every = [d for group in (data, bdata) for seeds in group.values() for d in seeds.values() if d]
+    split = report_split(every)
+    for d in every:
+        select(d, specs, ref, cfg.bench.select, split)
+    base = {key: mean_ci(d.get(key) for d in bruns[key])[0] for key, _, _ in specs}
+    for d in every:
+        d["delta_m"] = delta(d, base, specs)
     eq = data.get("equal", {})
     rows = []
     labels = list(spec["methods"]) + [f"single_{t}" for t in rcfg.tasks if f"single_{t}" in bdata]
@@ -488,20 +542,18 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         keys = [k for k, _, _ in specs]
         for key in keys:
             row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
-            row[key + "_best"] = mean_ci(d.get(key + "_best") for d in ok.values())[0]
             row[key + "_slope"], row[key + "_slope_ci"] = mean_ci(d.get(key + "_slope") for d in ok.values())
-        # a metric the run has (a baseline has its own task's only) on a plateau: |slope| <= tol (nan: not known)
-        moving = [k for k in keys if row[k] == row[k] and not abs(row[k + "_slope"]) <= cfg.bench.plateau_tol]
-        row["plateau"] = bool(ok) and not moving
-        row["moving"] = moving
-        for key in ("delta_m", "delta_p"):
-            row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
+        row["plateau"], row["moving"] = converged(row, keys, cfg.bench.plateau_tol)
+        row["delta_m"], row["delta_m_ci"] = mean_ci(d.get("delta_m") for d in ok.values())
+        row["split"] = split
+        row["selected_step"] = statistics.median(d["selected_step"] for d in ok.values() if "selected_step" in d) \
+            if any("selected_step" in d for d in ok.values()) else float("nan")
         diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single and label != "equal"]
         test = paired_test(diffs, cfg.bench.alpha)
         row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"], row["vs_equal_p"] = (
             test["mean"], test["lo"], test["hi"], test["p"])
         row["_diffs"] = diffs
-        row["seeds_better"] = f"{sum(x > 0 for x in diffs)}/{len(diffs)}" if diffs and label != "equal" else ""
+        row["seeds_better"] = f"{sum(x < 0 for x in diffs)}/{len(diffs)}" if diffs and label != "equal" else ""
         for key in ("peak_mem_mb", "wall_s", "combine_s"):
             row[key], row[key + "_ci"] = mean_ci(d[key] for d in ok.values())
         # the median over seeds of each run's median step time: one run slowed by a busy machine does not count
@@ -529,6 +581,18 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
     for r in rows:
         r["mean_rank"] = statistics.mean(r.pop("_ranks", [float("nan")]))
     return rows, base
+
+
+def converged(row: dict, keys: list[str], tol: float) -> tuple[bool | None, list[str]]:
+    """(converged, the metrics that are not): a metric has converged when the 95% t-interval over seeds of its
+    slope lies within [-tol, tol] (a mean slope near 0 with a wide interval has not shown a plateau). None: not
+    decided (fewer than two seeds, or fewer than two evaluations). Metrics the row does not have (a baseline's other
+    task) do not count."""
+    have = [k for k in keys if row[k] == row[k]]
+    if not have or any(row[k + "_slope_ci"] != row[k + "_slope_ci"] for k in have):
+        return None, []
+    moving = [k for k in have if not abs(row[k + "_slope"]) + row[k + "_slope_ci"] <= tol]
+    return not moving, moving
 
 
 def adjust(rows: list[dict], key: str, alpha: float) -> None:
@@ -593,6 +657,27 @@ def _interval(mean: float, lo: float, hi: float, sig: int, p: float, digits: int
     return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] {MARK[sig]} (p_Holm {p:.3f})".replace("  ", " ")
 
 
+def quality_sentence(cfg, rows: list[dict]) -> str:
+    """How each run's reported evaluation was chosen and on which split it is read."""
+    split = next((r["split"] for r in rows if r.get("split")), "validation")
+    how = ("the evaluation with the best (lowest) validation Δm (bench.select=best; a run's Δm on validation against "
+           "the baselines' last validation values)" if cfg.bench.select == "best" else
+           "the last evaluation (bench.select=last)")
+    where = ("read on the held-out test split, which nothing selected on" if split == "test" else
+             "read on the same validation split it was chosen on (the runs have no test split: set "
+             "data.synthetic.test_size or data.test_path), so it is optimistic")
+    return f"Quality: per run {how}, {where}."
+
+
+def eval_window(rows: list[dict], last_k: int) -> tuple[int, list[int]]:
+    """(the evaluations the slope is read over, their steps): ``last_k``, or fewer where the runs have fewer."""
+    steps = [d["eval_steps"] for r in rows for d in r["_seeds"].values() if d.get("eval_steps")]
+    if not steps:
+        return 0, []
+    shortest = min(steps, key=len)
+    return min(last_k, len(shortest)), shortest[-last_k:]
+
+
 def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dict, shares_baselines: str | None) -> str:
     specs = metric_specs(rcfg)
     keys = [k for k, _, _ in specs]
@@ -601,22 +686,26 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
              ""]
     if spec["expect"]:
         lines += [f"Expected (stated before the run): {spec['expect'].strip()}", ""]
-    lines += [f"Mean ± 95% t-interval over seeds {list(cfg.bench.seeds)}; quality is the mean of the last "
-              f"{cfg.bench.last_k} evaluations. Single-task baselines"
+    tasks = list(dict.fromkeys(t for _, t, _ in specs))
+    per_task = "; ".join(f"{t}: {', '.join(k for k, tt, _ in specs if tt == t)}" for t in tasks)
+    lines += [f"Mean ± 95% t-interval over seeds {list(cfg.bench.seeds)}. {quality_sentence(cfg, rows)} Δm %: lower "
+              f"is better (as Nash-MTL and FAMO report it); per task the mean relative change of its metrics against "
+              f"the single-task baseline ({per_task}), then the mean over the {len(tasks)} tasks, so each task weighs "
+              "the same. Single-task baselines"
               + (f" (from regime `{shares_baselines}`)" if shares_baselines else "") + ": "
               + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". " + test_sentence(cfg, methods) + " Peak memory: "
               "the run's own process (peak RSS on the CPU, max allocated on a GPU).", "",
               *provenance_lines([d.get("record") for r in rows for d in r["_seeds"].values()]), "",
-              "| method | level | source | " + " | ".join(keys) + " | Δm % | vs equal (Δm) | seeds better | Δp % "
-              "| mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) | MB all-reduced/step "
-              "| wall (s) |",
-              "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(methods, key=lambda r: (r["delta_m"] != r["delta_m"], -r["delta_m"] if r["delta_m"] == r["delta_m"]
+              "| method | level | source | " + " | ".join(keys) + " | Δm % (lower is better) | vs equal (Δm) "
+              "| seeds better | mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) "
+              "| MB all-reduced/step | wall (s) |",
+              "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(methods, key=lambda r: (r["delta_m"] != r["delta_m"], r["delta_m"] if r["delta_m"] == r["delta_m"]
                                             else 0)):
         failed = f" ({r['runs'] - r['runs_ok']} of {r['runs']} failed)" if r["runs_ok"] < r["runs"] else ""
         if not r["runs_ok"]:
             lines.append(f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
-                         + " | ".join("n/a" for _ in range(len(keys) + 10)) + " |")
+                         + " | ".join("n/a" for _ in range(len(keys) + 9)) + " |")
             continue
         mem = "n/a" if r["peak_mem_mb"] != r["peak_mem_mb"] else f"{r['peak_mem_mb']:.0f} ({r['mem_vs_equal']:.2f}x)"
         lines.append(
@@ -624,21 +713,27 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
             + " | ".join(_pm(r[k], r[k + "_ci"]) for k in keys)
             + f" | {_pm(r['delta_m'], r['delta_m_ci'], 2)} "
             f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'], r['vs_equal_p_holm'])} "
-            f"| {r['seeds_better']} | {_pm(r['delta_p'], r['delta_p_ci'], 2)} | {r['mean_rank']:.1f} "
+            f"| {r['seeds_better']} | {r['mean_rank']:.1f} "
             f"| {r['time_vs_equal']:.2f}x | {mem} | {r['combine_s'] * 1e3:.2f} | {r['allreduce_mb']:.1f} "
             f"| {r['wall_s']:.0f} |")
-    lines += ["", f"Convergence in `{regime}`: the slope of each metric over the last {cfg.bench.last_k} evaluations, "
-              f"per 100 steps (mean ± 95% t-interval over seeds); plateau: every |slope| ≤ {cfg.bench.plateau_tol}.",
-              "", "| run | steps | " + " | ".join(f"{k} slope/100 steps" for k in keys) + " | plateau |",
-              "|---|---|" + "---|" * len(keys) + "---|"]
+    window, steps = eval_window(rows, cfg.bench.last_k)
+    lines += ["", f"Convergence in `{regime}`: the slope of each validation metric over the last {window} evaluations"
+              + (f" (steps {', '.join(map(str, steps))})" if steps else "") + ", per 100 steps (mean ± 95% t-interval "
+              f"over seeds); converged: the interval of every slope lies within ±{cfg.bench.plateau_tol:g}. The "
+              "selected evaluation's step is the median over seeds.",
+              "", "| run | steps | selected step | " + " | ".join(f"{k} slope/100 steps" for k in keys)
+              + " | converged |", "|---|---|---|" + "---|" * len(keys) + "---|"]
     for r in rows:
         if not r["runs_ok"]:
             continue  # listed under the failed runs
-        steps = max((d["steps"] for d in r["_seeds"].values()), default=0)
-        lines.append(f"| `{r['method']}` | {steps} | "
+        steps_run = max((d["steps"] for d in r["_seeds"].values()), default=0)
+        verdict = ("not decided (one seed or one evaluation)" if r["plateau"] is None else "yes" if r["plateau"]
+                   else "no: " + ", ".join(r["moving"]))
+        sel = "" if r["selected_step"] != r["selected_step"] else f"{r['selected_step']:.0f}"
+        lines.append(f"| `{r['method']}` | {steps_run} | {sel} | "
                      + " | ".join(_pm(r[k + "_slope"], r[k + "_slope_ci"], 4) if k in base and r[k] == r[k] else "—"
                                   for k in keys)
-                     + " | " + ("yes" if r["plateau"] else "no: " + ", ".join(r["moving"])) + " |")
+                     + f" | {verdict} |")
     notes = [f"- `{r['method']}`: {r['meta_cost']}" for r in methods if r.get("meta_cost")]
     if notes:
         lines += ["", "Bilevel methods: what each meta update adds to a step (declared by the class, "
@@ -653,7 +748,8 @@ def test_sentence(cfg, rows: list[dict], what: str = "vs equal: Δm − Δm(equa
     """How one table's marks are made and what its seeds can detect (``detectable``)."""
     a, d = cfg.bench.alpha, detectable(rows, cfg.bench.alpha)
     text = (f"{what}: mean [{100 * (1 - a):g}% t-interval], two-sided paired t-test over seeds; ▲ / ▼ where Holm's "
-            f"adjusted p (p_Holm, across the {d['m']} comparisons of this table) is below {a:g}.")
+            f"adjusted p (p_Holm, across the {d['m']} comparisons of this table) is below {a:g}: ▼ a lower Δm "
+            "(better), ▲ a higher one (worse).")
     if d["mde"] == d["mde"]:
         return text + (f" Detectable here (80% power, paired spread sd {d['sd']:.2f} over {d['n']} seeds): a "
                        f"difference of {d['mde']:.2f} at α = {a:g}, {d['mde_holm']:.2f} at Holm's strictest level "
@@ -676,25 +772,24 @@ def effects_table(cfg, effects: list[dict]) -> str:
 
 
 CSV_FIXED = ["regime", "method", "level", "source", "strategy", "runs_ok", "runs"]
-CSV_TAIL = ["delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_p", "vs_equal_p_holm", "vs_equal_sig",
-            "seeds_better",
-            "delta_p", "delta_p_ci", "mean_rank", "plateau", "time_vs_equal", "mem_vs_equal", "combine_s",
-            "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
+CSV_TAIL = ["split", "selected_step", "delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_p",
+            "vs_equal_p_holm", "vs_equal_sig", "seeds_better", "mean_rank", "plateau", "time_vs_equal", "mem_vs_equal",
+            "combine_s", "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
 
 
 def write_results(cfg, per_regime: dict, meta: dict) -> str:
     """results.md, results.csv (one row per regime and method or baseline) and runs.csv (one per run)."""
     out = cfg.output_dir
     all_keys = list(dict.fromkeys(k for rcfg, rows, _ in per_regime.values() for k, _, _ in metric_specs(rcfg)))
-    fields = CSV_FIXED + [k + s for k in all_keys for s in ("", "_ci", "_best", "_slope", "_slope_ci")] + CSV_TAIL
+    fields = CSV_FIXED + [k + s for k in all_keys for s in ("", "_ci", "_slope", "_slope_ci")] + CSV_TAIL
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for _, rows, _ in per_regime.values():
             for r in rows:
                 w.writerow(r)
-    run_fields = ["regime", "method", "seed", "delta_m", "delta_p", "steps", "step_time_s", "peak_mem_mb", "combine_s",
-                  "wall_s"] + [k + s for k in all_keys for s in ("", "_best", "_slope")]
+    run_fields = ["regime", "method", "seed", "selected_step", "delta_m", "steps", "step_time_s", "peak_mem_mb",
+                  "combine_s", "wall_s"] + [k + s for k in all_keys for s in ("", "_slope")]
     with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=run_fields, extrasaction="ignore")
         w.writeheader()
@@ -739,6 +834,7 @@ def write_hparams(cfg, per_regime: dict, regime_specs: dict) -> None:
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
     for regime, method, seed, d in finished_runs(per_regime, regime_specs):
         metrics = {f"hparam/{k}": d[k] for k, _, _ in metric_specs(per_regime[regime][0]) if k in d}
+        metrics["hparam/delta_m"] = d["delta_m"]  # lower is better, as in the tables
         metrics["hparam/step_time_s"] = d["step_time_s"]
         metrics["hparam/peak_mem_mb"] = d["peak_mem_mb"]
         writer.add_hparams({"regime": regime, "method": method, "seed": seed}, metrics,

@@ -128,6 +128,8 @@ def provenance_lines(records: list[dict | None]) -> list[str]:
         groups[key] = groups.get(key, 0) + 1
 
     def text(key):
+        if key == ("unknown",) * len(PROVENANCE_KEYS):
+            return f"not recorded (no {RECORD})"
         commit, versions, hardware, threads = key
         return f"commit {commit}; {versions}; {hardware}; {threads} threads per process"
 
