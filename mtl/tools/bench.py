@@ -44,7 +44,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -292,35 +291,14 @@ def run_threads(cfg) -> int:
     return max(1, (os.cpu_count() or 1) // (max(1, cfg.bench.parallel) * max(1, cfg.bench.nproc)))
 
 
-def _die_with_parent() -> None:
-    """In a run's process (Linux): SIGTERM when the sweep's process dies, even by SIGKILL, so no run outlives it."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _tail(path: str, n: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:]).strip()
-    except OSError as e:  # the run's folder was removed under the sweep
-        return f"(no log: {e})"
-
-
-def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], on_change: str = "retrain") -> list[dict]:
+def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], on_change: str = "retrain",
+            train: bool = True) -> list[dict]:
     """Train the runs not finished before with the same training configuration (``bench_record``), ``bench.parallel``
-    at once, each in its own process(es); record each one's status (and error) in ``runs.jsonl``. A finished run
+    at once, through ``bench.launcher``; record each one's status (and error) in ``runs.jsonl``. A finished run
     whose configuration changed is trained again (``on_change="retrain"``) or refused before anything trains
-    (``"refuse"``: a ConfigError listing every such run and what changed)."""
-    status_path = os.path.join(cfg.output_dir, "runs.jsonl")
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(run_threads(cfg))}
-    pending, running, durations, total = [], [], [], len(runs)
-    refused = []
+    (``"refuse"``: a ConfigError listing every such run and what changed). ``train=False`` (``--analyze``): train
+    nothing; the runs not finished with this configuration are marked ``missing``."""
+    total, pending, refused = len(runs), [], []
     for i, r in enumerate(runs, 1):
         r["index"] = i
         head = f"[{i}/{total}] {r['regime']} {r['label']} seed {r['seed']}"
@@ -331,10 +309,18 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
                 print(f"{head}: finished before with this configuration, skipped", flush=True)
                 r["status"] = "ok"
                 continue
-            if on_change == "refuse":
+            if not train:
+                print(f"{head}: not analysed: {problem}", flush=True)
+            elif on_change == "refuse":
                 refused.append(f"{head} ({r['dir']}): {problem}")
                 continue
-            print(f"{head}: finished before, but {problem}: training it again", flush=True)
+            else:
+                print(f"{head}: finished before, but {problem}: training it again", flush=True)
+        elif not train:
+            print(f"{head}: not finished (yet)", flush=True)
+        if not train:
+            r["status"] = "missing"
+            continue
         pending.append(r)
     if refused:
         from mtl.errors import ConfigError
@@ -342,55 +328,53 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
         raise ConfigError([f"--on-change refuse: {len(refused)} finished run(s) were trained with another "
                            "configuration (re-train them with --on-change retrain, or use another output_dir):",
                            *refused])
-    parallel = max(1, cfg.bench.parallel)
-    try:
-        _drive(cfg, config_path, base_overrides, pending, running, durations, total, parallel, env, status_path)
-    finally:  # interrupted (Ctrl-C, an error here): no run may outlive the sweep
-        for _, proc, log, _ in running:
-            proc.terminate()
-            proc.wait()
-            log.close()
+    if pending:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        _drive(cfg, config_path, base_overrides, pending, total, os.path.join(cfg.output_dir, "runs.jsonl"))
     return runs
 
 
-def _drive(cfg, config_path, base_overrides, pending, running, durations, total, parallel, env, status_path) -> None:
-    while pending or running:
-        while pending and len(running) < parallel:
-            r = pending.pop(0)
-            left = len(pending) + len(running) + 1
-            eta = statistics.mean(durations) * left / parallel if durations else None
-            print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: training"
-                  + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
-            if os.path.isdir(r["dir"]):
-                shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
-            os.makedirs(r["dir"])
-            write_record(r["dir"], r["config"], provenance(int(env["OMP_NUM_THREADS"])))
-            log = open(os.path.join(r["dir"], "log.txt"), "w")
-            proc = subprocess.Popen(run_command(config_path, [*base_overrides, *r["overrides"]], cfg.bench.nproc),
-                                    stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            running.append((r, proc, log, time.time()))
-        time.sleep(0.2)
-        for item in list(running):
-            r, proc, log, tic = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
-            log.close()
-            r["wall_s"] = round(time.time() - tic, 1)
-            durations.append(r["wall_s"])
-            if proc.returncode == 0:
-                r["status"], r["error"] = "ok", None
-            else:  # a crashed run is recorded and the sweep goes on
-                r["status"] = "failed"
-                r["error"] = f"exit code {proc.returncode}: {_tail(os.path.join(r['dir'], 'log.txt'))}"
-                print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: FAILED: {r['error']}",
-                      flush=True)
-                with open(os.path.join(cfg.output_dir, "errors.log"), "a") as f:
-                    f.write(f"== {r['regime']} {r['label']} seed {r['seed']}\n{r['error']}\n")
-            with open(status_path, "a") as f:
-                f.write(json.dumps({k: r.get(k) for k in ("regime", "label", "seed", "status", "error", "wall_s")})
-                        + "\n")
+def launch_threads(cfg) -> int:
+    """OMP_NUM_THREADS of each run's processes: ``bench.threads``; else for the local launcher this machine's CPUs
+    shared by the runs at once, for Slurm the job's CPUs (``bench.slurm.cpus_per_run``) over its processes."""
+    if cfg.bench.launcher == "slurm":
+        return cfg.bench.threads or max(1, int(cfg.bench.slurm.cpus_per_run) // max(1, cfg.bench.nproc))
+    return run_threads(cfg)
+
+
+def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> None:
+    from mtl.tools.bench_launch import drive, make_launcher
+
+    threads = launch_threads(cfg)
+    launcher = make_launcher(cfg, {**os.environ, "OMP_NUM_THREADS": str(threads)}, threads)
+    parallel, durations = max(1, cfg.bench.parallel), []
+
+    def begin(r):
+        left = len(pending) + 1
+        eta = statistics.mean(durations) * left / parallel if durations else None
+        print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: training ({launcher.name})"
+              + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
+        if os.path.isdir(r["dir"]):
+            shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
+        os.makedirs(r["dir"])
+        command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"]], cfg.bench.nproc)
+        return command, lambda: write_record(r["dir"], r["config"], provenance(threads))
+
+    def finish(r, outcome):
+        durations.append(r["wall_s"])
+        if outcome is True:
+            r["status"], r["error"] = "ok", None
+        else:  # a failed run is recorded and the sweep goes on
+            r["status"], r["error"] = "failed", outcome
+            print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: FAILED: {r['error']}",
+                  flush=True)
+            with open(os.path.join(cfg.output_dir, "errors.log"), "a") as f:
+                f.write(f"== {r['regime']} {r['label']} seed {r['seed']}\n{r['error']}\n")
+        with open(status_path, "a") as f:
+            f.write(json.dumps({k: r.get(k) for k in ("regime", "label", "seed", "status", "error", "wall_s")})
+                    + "\n")
+
+    drive(launcher, pending, parallel, begin, finish)
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -515,6 +499,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
 
     specs = metric_specs(rcfg)
     types = run_method_types(rcfg)
+    status = {(r["label"], r["seed"]): r.get("status") for r in [*runs, *baseline_runs]}
     data = per_seed(runs, cfg.bench.last_k, specs)
     bdata = per_seed(baseline_runs, cfg.bench.last_k, specs)
     bruns = {key: [d for d in bdata.get(f"single_{task}", {}).values() if d] for key, task, _ in specs}
@@ -538,7 +523,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         level = "single-task" if single else types[name].level
         row = {"regime": regime, "method": label, "level": level, "source": source if level == "grad" else "",
                "runs_ok": len(ok), "runs": len(seeds),
-               "failed": [f"seed {s}: failed" for s, d in seeds.items() if not d]}
+               "failed": [f"seed {s}: {status.get((label, s)) or 'failed'}" for s, d in seeds.items() if not d]}
         keys = [k for k, _, _ in specs]
         for key in keys:
             row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
@@ -740,7 +725,8 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
                       "``Weighting.meta_cost``; the step time and memory above are measured):", *notes]
     failures = [f"- `{r['method']}` {x}" for r in rows for x in r["failed"]]
     if failures:
-        lines += ["", "Failed runs (their errors: runs.jsonl, errors.log):", *failures]
+        lines += ["", "Failed or missing runs (the errors: runs.jsonl, errors.log; missing: not finished with this "
+                      "configuration when analysed):", *failures]
     return "\n".join(lines)
 
 
@@ -867,6 +853,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a finished run whose training configuration differs from what it would train now (any key "
                         "but output_dir and bench.*; bench.nproc counts): train it again (default), or refuse and "
                         "exit 2 listing every such run and the keys that changed")
+    p.add_argument("--analyze", action="store_true",
+                   help="train nothing: write the tables and plots from the runs that finished with this "
+                        "configuration (the others are listed as missing), e.g. while a Slurm sweep is still running")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     config = a.config or PRESETS[a.preset or "full"]
@@ -889,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.plan:
             return
         tic = time.time()
-        run_all(cfg, config, a.overrides, runs, a.on_change)
+        run_all(cfg, config, a.overrides, runs, a.on_change, train=not a.analyze)
         per_regime = {}
         for regime, (spec, rcfg) in loaded.items():
             source = spec["baselines_from"] or regime

@@ -23,12 +23,13 @@ NOT_TRAINING = ("output_dir", "bench")
 
 def training_config(config_path: str, overrides: list[str], nproc: int) -> dict:
     """The resolved configuration a run trains with (``config_path`` + ``overrides``), without ``NOT_TRAINING``, plus
-    the number of processes per run (it changes the global batch)."""
+    the number of processes per run (it changes the global batch). Not checked: a run whose configuration its own
+    checks refuse (``static`` without weights) fails as a run, recorded, and the sweep goes on."""
     from omegaconf import OmegaConf
 
-    from mtl.config_check import load_run_config
+    from mtl.config import load_config_collecting
 
-    cfg = OmegaConf.to_container(load_run_config(config_path, overrides), resolve=True)
+    cfg = OmegaConf.to_container(load_config_collecting(config_path, overrides, []), resolve=True)
     for key in NOT_TRAINING:
         cfg.pop(key, None)
     cfg["nproc"] = int(nproc)
