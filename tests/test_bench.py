@@ -49,7 +49,7 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
                                   "config.yaml").read_text()
     assert "reduction: mean" in (out / "runs" / "natural" / "pcgrad_reduction=mean" / "seed0" / "config.yaml").read_text()
     assert nat["static"]["runs_ok"] == "0"
-    for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "delta_p", "mean_rank", "time_vs_equal",
+    for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "selected_step", "mean_rank", "time_vs_equal",
                 "cls_acc_slope", "peak_mem_mb", "mem_vs_equal"):
         assert nat["equal"][key] not in ("", "nan"), key
     assert float(nat["equal"]["time_vs_equal"]) == 1.0 and float(nat["equal"]["mem_vs_equal"]) == 1.0

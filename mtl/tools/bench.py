@@ -843,12 +843,41 @@ def describe_plan(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def list_runs(runs: list[dict]) -> str:
+    """Every planned run (``--plan``), one line each: its regime, label, seed, folder and the overrides it trains
+    with beyond the config (the seed and the folder aside)."""
+    lines = []
+    for i, r in enumerate(runs, 1):
+        over = [o for o in r["overrides"] if not o.startswith(("seed=", "output_dir=", "trainer.progress=", "resume="))]
+        lines.append(f"[{i}/{len(runs)}] {r['regime']} {r['label']} seed {r['seed']}: {r['dir']}  {' '.join(over)}")
+    return "\n".join(lines)
+
+
+HELP = """overrides (key=value, as train.py takes them) change the bench config for the whole sweep, e.g.
+  bench.seeds=[0,1,2]  bench.methods=[equal,'cagrad(c=0.2)','mgda(source=features)']  trainer.max_steps=700
+  bench.parallel=2  bench.nproc=2  bench.launcher=slurm bench.slurm.partition=gpu  output_dir=runs/mine
+A finished run is reused only when its training configuration (every key but output_dir and bench.*) is unchanged.
+
+outputs, under output_dir:
+  results.md    one table per regime (quality, Δm lower is better, vs equal with p_Holm, cost) and convergence
+  results.csv   one row per regime and method or baseline      runs.csv  one row per finished run
+  runs.jsonl    one status line per run (failures with their error); errors.log
+  <regime>/     PNG plots: metrics vs step and vs wall time (bands: 95% over seeds), task weights, gradient cosine
+  runs/<regime>/<method>/seed<k>/   each run's own folder (train.py's files, log.txt, bench_run.json)
+  tb/           TensorBoard hparams, one entry per run                slurm/  submitit's job logs (launcher slurm)
+Methodology and presets: docs/benchmark.md."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", description="benchmark task-weighting methods")
+    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", epilog=HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Benchmark task-weighting methods: every method of bench.methods x every "
+                                            "seed, plus the single-task baselines, each its own run; then the tables.")
     p.add_argument("--config", default=None, help="the bench config (default: the preset's)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="full (configs/bench.yaml, the 60-minute CPU sweep), quick (<= 10 min CPU), gpu")
-    p.add_argument("--plan", action="store_true", help="check the config and list the runs, train nothing")
+    p.add_argument("--plan", action="store_true",
+                   help="check the config and list every run (regime, method, seed, folder, overrides); train nothing")
     p.add_argument("--on-change", choices=("retrain", "refuse"), default="retrain",
                    help="a finished run whose training configuration differs from what it would train now (any key "
                         "but output_dir and bench.*; bench.nproc counts): train it again (default), or refuse and "
@@ -856,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--analyze", action="store_true",
                    help="train nothing: write the tables and plots from the runs that finished with this "
                         "configuration (the others are listed as missing), e.g. while a Slurm sweep is still running")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (below)")
     a = p.parse_args(argv)
     config = a.config or PRESETS[a.preset or "full"]
 
@@ -876,6 +905,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(cfg, loaded=loaded)
         print(describe_plan(runs), flush=True)
         if a.plan:
+            print(list_runs(runs))
             return
         tic = time.time()
         run_all(cfg, config, a.overrides, runs, a.on_change, train=not a.analyze)

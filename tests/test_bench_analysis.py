@@ -1,5 +1,5 @@
-"""The benchmark selects each run's evaluation on validation and reports it on a held-out test split that the trainer
-evaluates beside validation (data.synthetic.test_size / data.test_path, logged as test_<metric>)."""
+"""The benchmark's analysis and interface: each run's evaluation selected on validation and reported on a held-out
+test split (which the trainer evaluates beside validation), Δm's sign, the bench keys' checks, plots, --plan and --help."""
 
 import json
 import os
@@ -83,3 +83,54 @@ def test_bench_keys_are_checked(tmp_path, extra, error):
     _, errors = regime_configs(load_run_config(TINY, over), TINY, over)
     assert any(e.startswith(error) for e in errors), errors
     assert os.listdir(tmp_path) == []
+
+
+def test_plots_show_every_baseline_in_the_legend_in_its_own_colour_with_bands(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mtl.config_check import load_run_config
+    from mtl.tools.bench_plots import write_plots
+
+    cfg = load_run_config(TINY, [])
+    methods = [f"m{i}" for i in range(21)]  # more methods than the palette's 20 colours
+
+    def run(seed, task=None):
+        metrics = {"cls_acc": 0.5 + seed / 100, "gen_bleu4": 0.3, "gen_chrf": 0.3}
+        if task:
+            metrics = {k: v for k, v in metrics.items() if k.startswith(task)}
+        return {"t0": 0.0, "evals": [{"step": s, "time": float(s), **metrics} for s in (10, 20)],
+                "train": [{"step": s, "weight_cls": 1.0, "weight_gen": 1.0} for s in (10, 20)]}
+
+    data = {m: [run(0), run(1), run(2)] for m in methods}
+    data.update({"single_cls": [run(s, "cls") for s in range(3)], "single_gen": [run(s, "gen") for s in range(3)]})
+    figures = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda self, path, **k: figures.append((os.path.basename(path), self)))
+    write_plots(cfg, SPECS, data, str(tmp_path), methods)
+    fig = dict(figures)["metrics_vs_step.png"]
+    handles = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
+    assert {"single_cls", "single_gen", "m0", "m20"} <= set(handles)
+    method_colours = {matplotlib.colors.to_hex(handles[m].get_color()) for m in methods}
+    for b in ("single_cls", "single_gen"):
+        assert matplotlib.colors.to_hex(handles[b].get_color()) not in method_colours
+    bands = [c for ax in fig.axes for c in ax.collections]  # fill_between: one band per line
+    assert len(bands) == sum(len(ax.lines) for ax in fig.axes) and len(bands) > 0
+
+
+def test_plan_lists_every_run_and_help_names_overrides_and_outputs(capsys):
+    from mtl.tools.bench import main
+
+    assert main(["--config", TINY, "bench.methods=[equal,'cagrad(c=0.2)']", "bench.seeds=[0,1]", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "8 runs" in out
+    assert "[3/8] natural cagrad(c=0.2) seed 0: runs/tiny/runs/natural/cagrad_c=0.2/seed0  weighting.method=cagrad " \
+           "weighting.source=parameters weighting.options.c=0.2 ddp.strategy=task_grads" in out.replace(os.sep, "/")
+    assert "[8/8] natural single_gen seed 1:" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for words in ("key=value", "bench.seeds=[0,1,2]", "results.md", "runs.jsonl", "bench_run.json", "--on-change",
+                  "--analyze"):
+        assert words in text, words
