@@ -53,3 +53,35 @@ def test_a_sweep_through_submitit_records_a_failed_job_and_skips_finished_runs_a
     assert (run / "final_metrics.json").stat().st_mtime == first
     assert sorted(r["label"] for r in _status(out)) == ["equal", "static", "static"]
     assert len([j for j in os.listdir(out / "slurm") if j.isdigit()]) == 3  # one more job only
+
+
+def test_sigterm_to_the_sweep_stops_every_run_in_flight():
+    """scancel of a driver job sends SIGTERM: the launcher's stop (terminate a process, cancel a job) runs for every
+    run in flight, and the signal's previous handler is back afterwards."""
+    import signal
+    import threading
+
+    from mtl.tools.bench_launch import drive
+
+    stopped, started = [], []
+
+    class Never:
+        name = "fake"
+
+        def start(self, run, command, record):
+            started.append(run["i"])
+            return run["i"]
+
+        def poll(self, handle, run):
+            return None  # never finishes
+
+        def stop(self, handle):
+            stopped.append(handle)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(SystemExit) as e:
+        drive(Never(), [{"i": k} for k in range(3)], 2, lambda r: (["true"], lambda: None), lambda r, o: None,
+              poll_s=0.05)
+    assert e.value.code == 143 and started == [0, 1] and sorted(stopped) == [0, 1]
+    assert signal.getsignal(signal.SIGTERM) == before

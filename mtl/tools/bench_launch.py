@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -132,8 +133,14 @@ def make_launcher(cfg, env: dict, threads: int):
 def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: float = 0.2) -> None:
     """Run ``pending`` through ``launcher``, ``parallel`` at once. ``begin(run)`` prepares a run's folder and returns
     ``(command, record)`` (``record()`` writes where it runs); ``finish(run, outcome)`` records it (outcome: True or
-    the error). Whatever is still in flight when this is interrupted is stopped."""
+    the error). Whatever is still in flight when this is interrupted (Ctrl-C, or SIGTERM: ``scancel`` of a driver
+    job) is stopped."""
+    import signal
+
     running: list = []
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit: the finally below runs
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -149,6 +156,8 @@ def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: f
                 running.remove(item)
                 r["wall_s"] = round(time.time() - tic, 1)
                 finish(r, outcome)
-    finally:  # interrupted (Ctrl-C, an error here): no run may outlive the sweep
+    finally:  # interrupted (Ctrl-C, SIGTERM, an error here): no run may outlive the sweep
         for _, handle, _ in running:
             launcher.stop(handle)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
