@@ -1,36 +1,41 @@
 """Benchmark task-weighting methods: quality, convergence, significance and cost in one table. ``make bench``.
 
-    python -m mtl.tools.bench [--preset full|quick|gpu | --config configs/bench.yaml] [--plan] [key=value ...]
+    python -m mtl.tools.bench [--preset full|quick|gpu | --config configs/bench.yaml] [--plan] [--analyze]
+                              [--on-change retrain|refuse] [key=value ...]
 
 For every regime of ``bench.regimes`` (default: one, ``natural``), trains every method of the regime's list
 (``bench.methods`` unless the regime names its own) for every seed of ``bench.seeds``, plus one single-task
 baseline per task (``tasks=[cls]``, ...) that delta-m needs, each in ``output_dir/runs/<regime>/<method>/seed<k>/``
-and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once.
-A regime is a list of overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect
-it should show stated in advance (``expect``), printed above its results. Loss-level methods run with
-``bench.loss_strategy``, gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when
-the entry says ``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
+and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once, on
+this machine or as one Slurm job each (``bench.launcher``, mtl/tools/bench_launch.py). A regime is a list of
+overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect it should show stated in
+advance (``expect``), printed above its results. Loss-level methods run with ``bench.loss_strategy``,
+gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when the entry says
+``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
 
 Writes into ``output_dir``: ``results.md`` and ``results.csv`` (one row per regime and method), ``runs.csv`` (one
 row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line per run, failures with their
-error) and TensorBoard hparams under ``tb/``. A crashed run is recorded and the sweep goes on; a re-run skips the
-runs that finished (their ``final_metrics.json`` exists).
+error) and TensorBoard hparams under ``tb/``. A failed run is recorded and the sweep goes on. A re-run reuses a
+finished run only when the training configuration it recorded (``bench_run.json``: every key but ``output_dir``
+and ``bench.*``, plus ``bench.nproc``) is the one it would train now (mtl/tools/bench_record.py).
 
 Definitions (mtl/tools/bench_stats.py holds the statistics):
-- quality: per run the mean of the last ``bench.last_k`` evaluations of each task's declared metrics
-  (``TaskHead.metrics``); per method the mean over seeds ± the half-width of the 95% t-interval;
-- slope: per run the least-squares slope of each metric over its last ``last_k`` evaluations, per 100 steps
-  (mean ± CI over seeds); a run is on a plateau when every |slope| is at most ``bench.plateau_tol``;
-- delta-m % (Maninis et al. 2019): the mean over all M metrics of ``(-1)^l_i (M_i - B_i) / B_i * 100`` against
-  the single-task baselines B (their mean over seeds; l_i = 1 if lower is better); delta-p % (LibMTL): averaged
-  within each task first;
-- against ``equal``: per seed, the method's delta-m minus equal's on the same seed; the mean and its 95% paired
-  bootstrap interval (``bench.bootstrap`` resamples from ``random.Random(bench.bootstrap_seed)``); marked ▲ / ▼
-  when the interval lies above / below 0. Between regimes, the same for each method's delta-m in a regime minus
-  its delta-m in the first regime;
+- the reported evaluation of a run: the one with the lowest validation delta-m (``bench.select: best``; ``last``:
+  the last one), its metrics read on the held-out test split (``data.synthetic.test_size`` / ``data.test_path``)
+  when the runs evaluated one; per method the mean over seeds ± the half-width of the 95% t-interval;
+- delta-m % (Maninis et al. 2019), lower is better as Nash-MTL and FAMO report it: per task the mean over its
+  declared metrics (``TaskHead.metrics``) of ``(-1)^h_i (M_i - B_i) / B_i * 100`` against the single-task baselines B
+  (their mean over seeds; h_i = 1 if higher is better), then the mean over tasks;
+- against ``equal``: per seed, the method's delta-m minus equal's on the same seed; the mean, its t-interval and the
+  two-sided paired t-test; Holm's correction across the table's methods; marked ▼ / ▲ (lower / higher delta-m) where
+  the adjusted p is below ``bench.alpha``; the smallest difference the table's seeds detect with 80% power. Between
+  regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime;
+- convergence: per run the least-squares slope of each validation metric over its last ``last_k`` evaluations, per
+  100 steps; converged when the 95% t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
 - cost: step time (the median over seeds of each run's median step) as a ratio to ``equal``; peak memory of the
   run's (rank 0's) process: peak RSS on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU; the method's own
-  maths (``combine_s``); bytes all-reduced per step with two or more processes; wall time.
+  maths (``combine_s``); bytes all-reduced per step with two or more processes; wall time. Each table prints the
+  commit, versions and hardware of its runs, and says so when they differ.
 """
 
 from __future__ import annotations
@@ -919,9 +924,12 @@ def main(argv: list[str] | None = None) -> int:
             data = {r["method"]: list(r["_seeds"].values()) for r in rows if r["_seeds"]}
             write_plots(rcfg, metric_specs(rcfg), data, os.path.join(cfg.output_dir, regime), list(spec["methods"]))
         first_cfg = next(iter(loaded.values()))[1]
-        report = examine(first_cfg, batches=1)  # F and B of the bench model, one process
+        # F and B of the bench model, one process on this machine: where the runs trained (the local launcher);
+        # a Slurm sweep's runs trained on other nodes, so this machine's F and B would say nothing of them
+        report = examine(first_cfg, batches=1) if cfg.bench.launcher == "local" else {}
         regime_specs = {k: v[0] for k, v in loaded.items()}
-        text = write_results(cfg, per_regime, {"forward_s": report["forward_s"], "backward_s": report["backward_s"],
+        text = write_results(cfg, per_regime, {"forward_s": report.get("forward_s", float("nan")),
+                                               "backward_s": report.get("backward_s", float("nan")),
                                                "regimes": regime_specs})
         write_hparams(cfg, per_regime, regime_specs)
         print(text)
