@@ -82,3 +82,20 @@ def test_provenance_is_recorded_and_a_mixed_table_says_so():
     mixed = provenance_lines([a, b, a, None])
     assert mixed[0].startswith("**Mixed runs**") and "hardware" in mixed[0] and "commit" in mixed[0]
     assert "- 2 runs: commit abc; torch 1; cpu x 2 CPUs" in mixed[1] and "- 1 runs: not recorded (no bench_run.json)" in mixed
+
+
+def test_analyze_trains_nothing_and_marks_what_is_not_finished_with_this_configuration(tmp_path, monkeypatch, capsys):
+    from mtl.config_check import load_run_config
+    from mtl.tools import bench
+
+    over = [f"output_dir={tmp_path}", *BASE[:-1], "bench.seeds=[0,1,2]", "trainer.max_steps=4"]
+    cfg = load_run_config(TINY, over)
+    runs = bench.plan(cfg)
+    _finished(runs[0], over)
+    _finished(runs[1], [*over, "optim.lr=0.5"])  # finished, but with another configuration
+    monkeypatch.setattr(bench, "_drive", lambda *a: pytest.fail("--analyze trained a run"))
+    bench.run_all(cfg, TINY, over, runs, train=False)
+    assert [r["status"] for r in runs] == ["ok", "missing", "missing"]
+    out = capsys.readouterr().out
+    assert "seed 1: not analysed: its configuration changed: optim.lr: 0.5 -> 0.003" in out
+    assert "seed 2: not finished (yet)" in out
