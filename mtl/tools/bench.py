@@ -739,7 +739,8 @@ def test_sentence(cfg, rows: list[dict], what: str = "vs equal: Δm − Δm(equa
     """How one table's marks are made and what its seeds can detect (``detectable``)."""
     a, d = cfg.bench.alpha, detectable(rows, cfg.bench.alpha)
     text = (f"{what}: mean [{100 * (1 - a):g}% t-interval], two-sided paired t-test over seeds; ▲ / ▼ where Holm's "
-            f"adjusted p (p_Holm, across the {d['m']} comparisons of this table) is below {a:g}: ▼ a lower Δm "
+            f"adjusted p (p_Holm, across the {d['m']} comparison{'s' if d['m'] != 1 else ''} of this table) is below "
+            f"{a:g}: ▼ a lower Δm "
             "(better), ▲ a higher one (worse).")
     if d["mde"] == d["mde"]:
         return text + (f" Detectable here (80% power, paired spread sd {d['sd']:.2f} over {d['n']} seeds): a "
