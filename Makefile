@@ -37,7 +37,7 @@ lint: $(STAMP)
 tensorboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(RUN_DIR)/tb --host 127.0.0.1
 
-# The weighting benchmark: the full CPU sweep (60 min on 2 cores), and its quick preset (<= 10 min; or
+# The weighting benchmark: the full CPU sweep (sized for 60 min on 2 cores), and its quick preset (minutes; or
 # make bench ARGS="--preset quick"). docs/benchmark.md
 bench: $(STAMP)
 	$(BIN)/python -m mtl.tools.bench $(ARGS)

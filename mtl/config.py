@@ -50,6 +50,9 @@ class SyntheticConfig:
     clutter: int = 0  # number of small distractor blobs per image (difficulty)
     train_seed_offset: int = 0  # train split is drawn from seed + this
     val_seed_offset: int = 1_000_003  # val split is drawn from seed + this (a different stream)
+    # a held-out test split, evaluated beside val and logged as test_<metric> (nothing selects on it); 0: none
+    test_size: int = 0
+    test_seed_offset: int = 2_000_003  # test split is drawn from seed + this
 
 
 @dataclass
@@ -100,6 +103,7 @@ class DataConfig:
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
     val_path: str | None = None
+    test_path: str | None = None  # optional held-out test split, evaluated beside val and logged as test_<metric>
     image_root: str | None = None  # base for relative image paths; default: the manifest's folder
     num_classes: int | None = None  # user data: number of classes (default: inferred from train labels)
     # multi-input: each task its own data set (task name -> its section); empty: every image serves every task
@@ -195,6 +199,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """``bench.launcher: slurm``: each run one Slurm job through submitit (docs/benchmark.md, "On a Slurm cluster")."""
+
+    partition: str | None = None  # null: the cluster's default partition
+    time_min: int = 60  # the job's time limit, minutes
+    gpus_per_run: int = 0  # GPUs of each run's job (one node)
+    cpus_per_run: int = 0  # CPUs of each run's job; 0: bench.nproc x bench.threads (at least bench.nproc)
+    mem_gb: int = 0  # memory of each run's job; 0: the partition's default
+    cluster: str = "slurm"  # slurm | local (submitit's local executor: the tests, a check without a cluster)
+    extra: dict[str, Any] = field(default_factory=dict)  # more sbatch parameters (submitit's slurm_additional_parameters)
+
+
+@dataclass
 class BenchConfig:
     """``python -m mtl.tools.bench``: which methods to compare, over which seeds (train.py ignores this)."""
 
@@ -208,10 +225,15 @@ class BenchConfig:
     parallel: int = 1  # runs at once (each its own process or torchrun)
     threads: int = 0  # OMP_NUM_THREADS of each run's processes; 0: the CPU count / (parallel x nproc), at least 1
     baselines: bool = True  # also train the single-task runs that delta-m needs
-    last_k: int = 3  # the table shows the mean of the last k evaluations (and the best, in results.csv)
-    plateau_tol: float = 0.005  # a metric is on a plateau when its slope over the last k evaluations is below this per 100 steps
-    bootstrap: int = 10000  # resamples of the paired bootstrap against equal
-    bootstrap_seed: int = 0  # its random generator's seed (the tables are reproducible)
+    last_k: int = 3  # the convergence slope is read over the last k evaluations
+    # a run has converged when the 95% interval over seeds of each metric's slope (per 100 steps) lies within +-this
+    plateau_tol: float = 0.005
+    alpha: float = 0.05  # family-wise level of the marks against equal: paired t-test, Holm across a table's methods
+    # the evaluation a run reports: best (the best validation delta-m, as Nash-MTL's protocol) | last; its metrics are
+    # read on the test split (data.synthetic.test_size / data.test_path) when the runs have one
+    select: str = "best"
+    launcher: str = "local"  # local (processes on this machine) | slurm (a job per run through submitit: bench.slurm)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     loss_strategy: str = "feature_leaf"  # ddp.strategy for loss-level methods
     grad_strategy: str = "task_grads"  # ddp.strategy for gradient-level methods (weighting.source=parameters)
     feature_strategy: str = "feature_leaf"  # ddp.strategy for gradient-level methods with source=features

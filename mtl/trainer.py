@@ -30,6 +30,8 @@ from mtl.build import (
 from mtl.config import config_summary, to_yaml
 from mtl.data.heldout import HeldoutStream
 from mtl.data.loader import (
+    build_eval_loader,
+    build_test_dataset,
     build_train_loader,
     data_position,
     normalizing,
@@ -118,7 +120,14 @@ class Trainer:
             self.train_loader = build_train_loader(self.train_ds, collate, cfg.data.batch_size, dist.rank,
                                                    dist.world_size, cfg.seed, cfg.data.num_workers, pin,
                                                    heldout=cfg.data.heldout)
+            test_ds = build_test_dataset(cfg, self.train_ds)  # optional: evaluated beside val as test_<metric>
+            self.test_loader = None if test_ds is None else build_eval_loader(
+                test_ds, collate, cfg.data.eval_batch_size, dist.rank, dist.world_size, cfg.data.num_workers, pin)
         else:
+            if build_test_dataset(cfg, self.train_ds) is not None:
+                raise ConfigError("data.synthetic.test_size / data.test_path: a test split is not supported in "
+                                  "multi-input mode (data.per_task) yet; set it to 0 / null")
+            self.test_loader = None
             self.mi = MultiInputStream(cfg, {t: tr for t, (tr, _) in pieces.task_sets.items()},
                                        pieces.task_collates, dist.rank, dist.world_size)
         # {task: its validation loader}: the one val set, or in multi-input mode each task's own (mtl.inference too)
@@ -485,7 +494,10 @@ class Trainer:
     def run_eval(self) -> dict:
         with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
             metrics = evaluate_run(self.bare, self.val_loaders, self.device, self.cfg.trainer.eval_max_batches)
+            test = {} if self.test_loader is None else evaluate_run(
+                self.bare, dict.fromkeys(self.tasks, self.test_loader), self.device, self.cfg.trainer.eval_max_batches)
         flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
+        flat.update({f"test_{t}_{k}": v for t, m in test.items() for k, v in m.items() if k != "samples"})
         self.last_eval = flat
         self.log.record(self.step, flat, kind="eval")
         self.log.info(f"step {self.step} eval: " + ", ".join(f"{k}={v:.4f}" for k, v in flat.items()))

@@ -49,7 +49,7 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
                                   "config.yaml").read_text()
     assert "reduction: mean" in (out / "runs" / "natural" / "pcgrad_reduction=mean" / "seed0" / "config.yaml").read_text()
     assert nat["static"]["runs_ok"] == "0"
-    for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "delta_p", "mean_rank", "time_vs_equal",
+    for key in ("cls_acc", "gen_bleu4", "gen_chrf", "delta_m", "selected_step", "mean_rank", "time_vs_equal",
                 "cls_acc_slope", "peak_mem_mb", "mem_vs_equal"):
         assert nat["equal"][key] not in ("", "nan"), key
     assert float(nat["equal"]["time_vs_equal"]) == 1.0 and float(nat["equal"]["mem_vs_equal"]) == 1.0
@@ -78,14 +78,14 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
     assert static.count("|") == header.count("|")  # a failed method's row has the table's columns
     assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(out / "tb") for f in fs)
     again = bench(out, *args)
-    assert "natural equal seed 0: finished before, skipped" in again.stdout
-    assert "scaled equal seed 0: finished before, skipped" in again.stdout
+    assert "natural equal seed 0: finished before with this configuration, skipped" in again.stdout
+    assert "scaled equal seed 0: finished before with this configuration, skipped" in again.stdout
 
 
 @pytest.mark.slow
 def test_bench_runs_under_torchrun_when_configured(tmp_path):
     out = tmp_path / "bench"
-    proc = bench(out, "bench.methods=[equal]", "bench.baselines=false", "bench.nproc=2")
+    proc = bench(out, "bench.methods=[equal]", "bench.baselines=false", "bench.select=last", "bench.nproc=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "runs" / "natural" / "equal" / "seed0" / "final_metrics.json") as f:
         assert json.load(f)["world_size"] == 2
@@ -128,64 +128,6 @@ def test_a_method_may_appear_with_options_labelled_by_its_values(capsys):
     assert len(errs) == 7, errs  # static's missing weighting.weights is its run's error, not the list's
     assert main(["--config", TINY, "bench.methods=['cagrad(cc=0.2)']"]) == 2
     assert "weighting.options: unknown option 'cc'" in capsys.readouterr().err
-
-
-# ------------------------------------------------------------------------------------------ statistics
-
-def test_t_interval_on_known_inputs():
-    from mtl.tools.bench_stats import mean_ci, t975
-
-    assert t975(4) == 2.776 and t975(1) == 12.706
-    assert abs(t975(30) - 2.042) < 1e-3 and abs(t975(31) - 2.0395) < 1e-3  # the expansion meets the table
-    assert abs(t975(120) - 1.9799) < 1e-3
-    mean, half = mean_ci([1, 2, 3, 4, 5])  # sd = sqrt(2.5), n = 5
-    assert mean == 3 and abs(half - 2.776 * 2.5 ** 0.5 / 5 ** 0.5) < 1e-12
-    mean, half = mean_ci([2.0, float("nan"), None])  # only finite values count; one value has no interval
-    assert mean == 2.0 and half != half
-    with pytest.raises(ValueError):
-        t975(0)
-
-
-def test_paired_bootstrap_on_known_inputs():
-    """Against the exact bootstrap distribution (every one of the n^n resamples enumerated), reproducible from its
-    seed, and the significance marks on clear and unclear differences."""
-    import itertools
-    import statistics
-
-    from mtl.tools.bench_stats import paired_bootstrap, significance
-
-    d = [0.0, 1.0, 5.0]
-    exact = sorted(statistics.mean(t) for t in itertools.product(d, repeat=3))  # 27 equally likely means
-    mean, lo, hi = paired_bootstrap(d, 20000, seed=1)
-    assert mean == 2.0
-    # the exact 2.5% and 97.5% points: the smallest mean 0 has probability 1/27 > 2.5%, the largest 5 too
-    assert lo == exact[0] == 0.0 and hi == exact[-1] == 5.0
-    d = [-3.0, 1.0, 2.0, 4.0, 6.0]
-    exact = sorted(statistics.mean(t) for t in itertools.product(d, repeat=5))
-    _, lo, hi = paired_bootstrap(d, 20000, seed=0)
-    q_lo, q_hi = exact[int(0.025 * len(exact))], exact[int(0.975 * len(exact))]
-    assert abs(lo - q_lo) <= 0.2 and abs(hi - q_hi) <= 0.2, (lo, hi, q_lo, q_hi)
-    assert paired_bootstrap(d, 500, seed=7) == paired_bootstrap(d, 500, seed=7)  # the table is reproducible
-    assert paired_bootstrap(d, 500, seed=7) != paired_bootstrap(d, 500, seed=8)
-    assert paired_bootstrap([0.5] * 5, 100) == (0.5, 0.5, 0.5)
-    mean, lo, hi = paired_bootstrap([0.5, 0.7], 100)  # two seeds: a mean, no interval, never a mark
-    assert mean == 0.6 and lo != lo and hi != hi and significance(lo, hi) == 0
-    assert significance(*paired_bootstrap([0.9, 1.1, 1.0, 1.2, 0.8])[1:]) == 1
-    assert significance(*paired_bootstrap([-0.9, -1.1, -1.0, -1.2, -0.8])[1:]) == -1
-    assert significance(*paired_bootstrap([-1.0, 1.0, -2.0, 2.0, 0.0])[1:]) == 0
-    assert significance(float("nan"), float("nan")) == 0
-
-
-def test_slope_of_the_last_evaluations():
-    from mtl.tools.bench_stats import slope_per_100
-
-    line = [(s, 0.5 + 0.002 * s) for s in range(0, 600, 50)]
-    assert abs(slope_per_100(line, 3) - 0.2) < 1e-12  # 0.002 per step = 0.2 per 100 steps
-    rise_then_flat = [(s, min(s, 300) / 1000) for s in range(0, 700, 100)]
-    assert slope_per_100(rise_then_flat, 3) == 0.0  # the last 3 (400, 500, 600) are flat
-    assert slope_per_100(rise_then_flat, 7) > 0
-    assert slope_per_100(list(reversed(line)), 4) > 0  # ordered by step, whatever the input order
-    assert slope_per_100([(100, 1.0)], 3) != slope_per_100([(100, 1.0)], 3)  # nan: one point has no slope
 
 
 # ------------------------------------------------------------------------------------------ regimes
@@ -297,7 +239,7 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     from mtl.tools.bench import plan, regime_configs, summarize, write_results
 
     over = [f"output_dir={tmp_path}", "bench.methods=[equal, uw, dwa, rlw]", "bench.seeds=[0, 1, 2, 3, 4]", REGIMES,
-            "bench.last_k=3", "bench.bootstrap=2000"]
+            "bench.last_k=3"]
     cfg = load_run_config(TINY, over)
     loaded, errors = regime_configs(cfg, TINY, over)
     assert errors == []
@@ -328,12 +270,14 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
         per_regime[name] = (rcfg, rows, base)
     rows = {r["method"]: r for r in per_regime["natural"][1]}
     assert abs(per_regime["natural"][2]["cls_acc"] - 0.8) < 1e-9
-    # equal: cls 0.6 vs 0.8 (-25%), bleu and chrf at the baseline (0%): Δm = -25/3 % (+ the seed noise / 10)
-    assert abs(rows["equal"]["delta_m"] - (-25 / 3)) < 0.05
+    # equal: cls 0.6 vs 0.8 (25% worse: +25 in the literature's sign), gen's bleu and chrf at the baseline (0%); per
+    # task, then over the two tasks: Δm = +12.5 % (+ the seed noise / 10), not (25 + 0 + 0) / 3
+    assert abs(rows["equal"]["delta_m"] - 12.5) < 0.05 and rows["equal"]["split"] == "validation"
     assert rows["equal"]["delta_m_ci"] > 0 and rows["equal"]["vs_equal_sig"] == 0 and rows["equal"]["seeds_better"] == ""
-    assert rows["uw"]["vs_equal_sig"] == 1 and rows["uw"]["seeds_better"] == "5/5"  # +0.1 acc on every seed
-    assert abs(rows["uw"]["vs_equal"] - 0.1 / 0.8 * 100 / 3) < 1e-6
+    assert rows["uw"]["vs_equal_sig"] == -1 and rows["uw"]["seeds_better"] == "5/5"  # +0.1 acc on every seed: lower Δm
+    assert abs(rows["uw"]["vs_equal"] + 0.1 / 0.8 * 100 / 2) < 1e-6 and rows["uw"]["vs_equal_p_holm"] < 0.05
     assert rows["dwa"]["vs_equal_sig"] == 0  # better on some seeds, worse on others
+    assert rows["dwa"]["selected_step"] == 600  # still rising: its best validation evaluation is the last
     assert rows["equal"]["plateau"] and rows["uw"]["plateau"] and not rows["dwa"]["plateau"]
     assert rows["dwa"]["moving"] == ["cls_acc"] and abs(rows["dwa"]["cls_acc_slope"] - 0.1 / 6) < 1e-3
     assert rows["equal"]["peak_mem_mb"] == 420.0 and rows["uw"]["mem_vs_equal"] == 520.0 / 420.0
@@ -344,19 +288,21 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     assert "Expected (stated before the run): equal loses cls" in text
     natural = text.split("### Regime `scaled`")[0]
     line = {ln.split("|")[1].strip(): ln for ln in natural.splitlines() if ln.startswith("| `") and ln.count("|") > 12}
-    assert line["`uw`"].split("|")[8].strip().endswith("▲") and "5/5" in line["`uw`"]
+    assert "▼ (p_Holm 0.000)" in line["`uw`"].split("|")[8] and "5/5" in line["`uw`"]
     assert "▲" not in line["`dwa`"] and "▼" not in line["`dwa`"]
     assert "420 (1.00x)" in line["`equal`"] and "520 (1.24x)" in line["`uw`"]
     assert "n/a" not in line["`uw`"]
-    assert "| `single_cls` | 600 |" in text and "no: cls_acc" in text
+    assert "| `single_cls` | 600 | 600 |" in text and "no: cls_acc" in text
+    assert "Detectable here (80% power" in natural and "Runs: not recorded (no bench_run.json)." in natural
+    assert "read on the same validation split it was chosen on" in natural and "last 3 evaluations (steps 400, 500, 600)" in natural
     header = next(ln for ln in natural.splitlines() if ln.startswith("| method |"))
     assert line["`rlw` (5 of 5 failed)"].count("|") == header.count("|") and "- `rlw` seed 4: failed" in natural
     assert "| `rlw` |" not in natural  # no convergence row for a method with no finished run
     scaled = {r["method"]: r for r in per_regime["scaled"][1]}
-    assert scaled["uw"]["vs_equal_sig"] == 1 and abs(scaled["equal"]["delta_m"] - (-50 / 3)) < 0.05
-    # between regimes: equal's Δm fell by 25/3 on every seed (▼), uw's did not move
+    assert scaled["uw"]["vs_equal_sig"] == -1 and abs(scaled["equal"]["delta_m"] - 25) < 0.05
+    # between regimes: equal's Δm rose (worse) by 12.5 on every seed (▲), uw's did not move
     effects = [ln for ln in text.splitlines() if ln.startswith("| `scaled` vs `natural`")]
-    assert any("`equal`" in ln and "-8.33" in ln and "▼" in ln for ln in effects), effects
+    assert any("`equal`" in ln and "+12.50" in ln and "▲" in ln for ln in effects), effects
     assert any("`uw`" in ln and "+0.00 [+0.00, +0.00]" in ln and "▲" not in ln for ln in effects), effects
     with open(tmp_path / "results.csv") as f:
         csv_rows = list(csv.DictReader(f))
@@ -387,6 +333,7 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     uw = next(m for h, m in entries if (h["regime"], h["method"], h["seed"]) == ("natural", "uw", 0))
     assert uw["hparam/step_time_s"] == 0.2 and uw["hparam/peak_mem_mb"] == 500.0
     assert abs(uw["hparam/cls_acc"] - 0.701) < 1e-9 and uw["hparam/gen_bleu4"] == 0.5
+    assert abs(uw["hparam/delta_m"] - (0.8 - 0.701) / 0.8 * 100 / 2) < 1e-9  # lower is better, as in the table
 
 
 # ------------------------------------------------------------------------------------------ a user's method

@@ -27,23 +27,38 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
     return train, val
 
 
+def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
+    """The held-out test split (``data.synthetic.test_size`` > 0, or ``data.test_path``), or None: evaluated beside
+    the validation split and logged as ``test_<metric>``; nothing in training reads it, and the benchmark selects
+    on validation only. Labels are checked against ``train``'s classes, as the validation split's are."""
+    d = cfg.data
+    if d.source == "synthetic":
+        if not d.synthetic.test_size:
+            return None
+        test = _synthetic_split(cfg, d.synthetic.test_size, d.synthetic.test_seed_offset)
+    elif not d.test_path:
+        return None
+    elif d.source == "manifest":
+        test = ManifestDataset(d.test_path, d.image_root, d.image_size, train.num_classes, d.on_error)
+    else:
+        test = ImageFolderCaptions(d.test_path, image_size=d.image_size, on_error=d.on_error,
+                                   class_names=train.class_names)
+    test.normalization = image_normalization(cfg)
+    return test
+
+
+def _synthetic_split(cfg, size: int, offset: int) -> SyntheticShapes:
+    d, s = cfg.data, cfg.data.synthetic
+    return SyntheticShapes(size=size, image_size=d.image_size, num_classes=s.num_classes, max_count=s.max_count,
+                           noise=s.noise, clutter=s.clutter, seed=cfg.seed + offset)
+
+
 def _datasets(cfg) -> tuple[Dataset, Dataset]:
     d = cfg.data
     if d.source == "synthetic":
         s = d.synthetic
-
-        def split(size: int, offset: int) -> SyntheticShapes:
-            return SyntheticShapes(
-                size=size,
-                image_size=d.image_size,
-                num_classes=s.num_classes,
-                max_count=s.max_count,
-                noise=s.noise,
-                clutter=s.clutter,
-                seed=cfg.seed + offset,
-            )
-
-        return split(s.train_size, s.train_seed_offset), split(s.val_size, s.val_seed_offset)
+        return _synthetic_split(cfg, s.train_size, s.train_seed_offset), _synthetic_split(cfg, s.val_size,
+                                                                                          s.val_seed_offset)
     if d.source not in SOURCES:
         raise ConfigError(f"data.source={d.source!r}: must be one of {', '.join(SOURCES)}")
     for key in ("train_path", "val_path"):

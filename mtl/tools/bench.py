@@ -1,36 +1,41 @@
 """Benchmark task-weighting methods: quality, convergence, significance and cost in one table. ``make bench``.
 
-    python -m mtl.tools.bench [--preset full|quick|gpu | --config configs/bench.yaml] [--plan] [key=value ...]
+    python -m mtl.tools.bench [--preset full|quick|gpu | --config configs/bench.yaml] [--plan] [--analyze]
+                              [--on-change retrain|refuse] [key=value ...]
 
 For every regime of ``bench.regimes`` (default: one, ``natural``), trains every method of the regime's list
 (``bench.methods`` unless the regime names its own) for every seed of ``bench.seeds``, plus one single-task
 baseline per task (``tasks=[cls]``, ...) that delta-m needs, each in ``output_dir/runs/<regime>/<method>/seed<k>/``
-and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once.
-A regime is a list of overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect
-it should show stated in advance (``expect``), printed above its results. Loss-level methods run with
-``bench.loss_strategy``, gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when
-the entry says ``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
+and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once, on
+this machine or as one Slurm job each (``bench.launcher``, mtl/tools/bench_launch.py). A regime is a list of
+overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect it should show stated in
+advance (``expect``), printed above its results. Loss-level methods run with ``bench.loss_strategy``,
+gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when the entry says
+``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
 
 Writes into ``output_dir``: ``results.md`` and ``results.csv`` (one row per regime and method), ``runs.csv`` (one
 row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line per run, failures with their
-error) and TensorBoard hparams under ``tb/``. A crashed run is recorded and the sweep goes on; a re-run skips the
-runs that finished (their ``final_metrics.json`` exists).
+error) and TensorBoard hparams under ``tb/``. A failed run is recorded and the sweep goes on. A re-run reuses a
+finished run only when the training configuration it recorded (``bench_run.json``: every key but ``output_dir``
+and ``bench.*``, plus ``bench.nproc``) is the one it would train now (mtl/tools/bench_record.py).
 
 Definitions (mtl/tools/bench_stats.py holds the statistics):
-- quality: per run the mean of the last ``bench.last_k`` evaluations of each task's declared metrics
-  (``TaskHead.metrics``); per method the mean over seeds ± the half-width of the 95% t-interval;
-- slope: per run the least-squares slope of each metric over its last ``last_k`` evaluations, per 100 steps
-  (mean ± CI over seeds); a run is on a plateau when every |slope| is at most ``bench.plateau_tol``;
-- delta-m % (Maninis et al. 2019): the mean over all M metrics of ``(-1)^l_i (M_i - B_i) / B_i * 100`` against
-  the single-task baselines B (their mean over seeds; l_i = 1 if lower is better); delta-p % (LibMTL): averaged
-  within each task first;
-- against ``equal``: per seed, the method's delta-m minus equal's on the same seed; the mean and its 95% paired
-  bootstrap interval (``bench.bootstrap`` resamples from ``random.Random(bench.bootstrap_seed)``); marked ▲ / ▼
-  when the interval lies above / below 0. Between regimes, the same for each method's delta-m in a regime minus
-  its delta-m in the first regime;
+- the reported evaluation of a run: the one with the lowest validation delta-m (``bench.select: best``; ``last``:
+  the last one), its metrics read on the held-out test split (``data.synthetic.test_size`` / ``data.test_path``)
+  when the runs evaluated one; per method the mean over seeds ± the half-width of the 95% t-interval;
+- delta-m % (Maninis et al. 2019), lower is better as Nash-MTL and FAMO report it: per task the mean over its
+  declared metrics (``TaskHead.metrics``) of ``(-1)^h_i (M_i - B_i) / B_i * 100`` against the single-task baselines B
+  (their mean over seeds; h_i = 1 if higher is better), then the mean over tasks;
+- against ``equal``: per seed, the method's delta-m minus equal's on the same seed; the mean, its t-interval and the
+  two-sided paired t-test; Holm's correction across the table's methods; marked ▼ / ▲ (lower / higher delta-m) where
+  the adjusted p is below ``bench.alpha``; the smallest difference the table's seeds detect with 80% power. Between
+  regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime;
+- convergence: per run the least-squares slope of each validation metric over its last ``last_k`` evaluations, per
+  100 steps; converged when the 95% t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
 - cost: step time (the median over seeds of each run's median step) as a ratio to ``equal``; peak memory of the
   run's (rank 0's) process: peak RSS on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU; the method's own
-  maths (``combine_s``); bytes all-reduced per step with two or more processes; wall time.
+  maths (``combine_s``); bytes all-reduced per step with two or more processes; wall time. Each table prints the
+  commit, versions and hardware of its runs, and says so when they differ.
 """
 
 from __future__ import annotations
@@ -44,15 +49,16 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
-from mtl.tools.bench_stats import mean_ci, paired_bootstrap, significance, slope_per_100
+from mtl.tools.bench_record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
+from mtl.tools.bench_stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
 
 PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml"}
 REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
 MARK = {1: "▲", -1: "▼", 0: ""}
+LAUNCHERS = ("local", "slurm")
 
 
 def metric_specs(cfg) -> list[tuple[str, str, bool]]:
@@ -191,13 +197,33 @@ def regimes(cfg) -> dict[str, dict]:
     return out
 
 
+def bench_errors(cfg) -> list[str]:
+    """Problems of the bench section's own keys (each naming the key and the fix)."""
+    b, errors = cfg.bench, []
+    if not 0 < b.alpha < 1:
+        errors.append(f"bench.alpha: {b.alpha} must lie in (0, 1) (the family-wise level of the marks, e.g. 0.05)")
+    if b.select not in ("best", "last"):
+        errors.append(f"bench.select: {b.select!r} must be best (the best validation Δm) or last")
+    elif b.select == "best" and not b.baselines and not any(
+            (spec or {}).get("baselines_from") for spec in (b.regimes or {}).values()):
+        errors.append("bench.select=best selects on validation Δm, which needs the single-task baselines: set "
+                      "bench.baselines=true, or bench.select=last")
+    if b.launcher not in LAUNCHERS:
+        errors.append(f"bench.launcher: {b.launcher!r} must be one of {', '.join(LAUNCHERS)}")
+    if b.launcher == "slurm" and b.slurm.cluster not in ("slurm", "local"):
+        errors.append(f"bench.slurm.cluster: {b.slurm.cluster!r} must be slurm or local (submitit's local executor)")
+    if not b.last_k >= 2:
+        errors.append(f"bench.last_k: {b.last_k}: the convergence slope needs at least 2 evaluations")
+    return errors
+
+
 def regime_configs(cfg, config_path: str, base_overrides: list[str]) -> tuple[dict, list[str]]:
     """``({regime: (spec, its run config)}, errors)``: each regime's overrides loaded and checked as a run's, and
     its method list checked (every error names the regime and the key)."""
     from mtl.config_check import load_run_config
     from mtl.errors import ConfigError
 
-    out, errors = {}, []
+    out, errors = {}, bench_errors(cfg)
     specs = regimes(cfg)
     for name, spec in specs.items():
         key = f"bench.regimes.{name}"
@@ -270,95 +296,98 @@ def run_threads(cfg) -> int:
     return max(1, (os.cpu_count() or 1) // (max(1, cfg.bench.parallel) * max(1, cfg.bench.nproc)))
 
 
-def _die_with_parent() -> None:
-    """In a run's process (Linux): SIGTERM when the sweep's process dies, even by SIGKILL, so no run outlives it."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _tail(path: str, n: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:]).strip()
-    except OSError as e:  # the run's folder was removed under the sweep
-        return f"(no log: {e})"
-
-
-def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict]) -> list[dict]:
-    """Train the runs not finished before, ``bench.parallel`` at once, each in its own process(es); record each
-    one's status (and error) in ``runs.jsonl``."""
-    status_path = os.path.join(cfg.output_dir, "runs.jsonl")
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(run_threads(cfg))}
-    pending, running, durations, total = [], [], [], len(runs)
+def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], on_change: str = "retrain",
+            train: bool = True) -> list[dict]:
+    """Train the runs not finished before with the same training configuration (``bench_record``), ``bench.parallel``
+    at once, through ``bench.launcher``; record each one's status (and error) in ``runs.jsonl``. A finished run
+    whose configuration changed is trained again (``on_change="retrain"``) or refused before anything trains
+    (``"refuse"``: a ConfigError listing every such run and what changed). ``train=False`` (``--analyze``): train
+    nothing; the runs not finished with this configuration are marked ``missing``."""
+    total, pending, refused = len(runs), [], []
     for i, r in enumerate(runs, 1):
         r["index"] = i
         head = f"[{i}/{total}] {r['regime']} {r['label']} seed {r['seed']}"
+        r["config"] = training_config(config_path, [*base_overrides, *r["overrides"]], cfg.bench.nproc)
         if os.path.isfile(os.path.join(r["dir"], "final_metrics.json")):
-            print(f"{head}: finished before, skipped", flush=True)
-            r["status"] = "ok"
-        else:
-            pending.append(r)
-    parallel = max(1, cfg.bench.parallel)
-    try:
-        _drive(cfg, config_path, base_overrides, pending, running, durations, total, parallel, env, status_path)
-    finally:  # interrupted (Ctrl-C, an error here): no run may outlive the sweep
-        for _, proc, log, _ in running:
-            proc.terminate()
-            proc.wait()
-            log.close()
+            problem = reuse_problem(r["dir"], r["config"])
+            if problem is None:
+                print(f"{head}: finished before with this configuration, skipped", flush=True)
+                r["status"] = "ok"
+                continue
+            if not train:
+                print(f"{head}: not analysed: {problem}", flush=True)
+            elif on_change == "refuse":
+                refused.append(f"{head} ({r['dir']}): {problem}")
+                continue
+            else:
+                print(f"{head}: finished before, but {problem}: training it again", flush=True)
+        elif not train:
+            print(f"{head}: not finished (yet)", flush=True)
+        if not train:
+            r["status"] = "missing"
+            continue
+        pending.append(r)
+    if refused:
+        from mtl.errors import ConfigError
+
+        raise ConfigError([f"--on-change refuse: {len(refused)} finished run(s) were trained with another "
+                           "configuration (re-train them with --on-change retrain, or use another output_dir):",
+                           *refused])
+    if pending:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        _drive(cfg, config_path, base_overrides, pending, total, os.path.join(cfg.output_dir, "runs.jsonl"))
     return runs
 
 
-def _drive(cfg, config_path, base_overrides, pending, running, durations, total, parallel, env, status_path) -> None:
-    while pending or running:
-        while pending and len(running) < parallel:
-            r = pending.pop(0)
-            left = len(pending) + len(running) + 1
-            eta = statistics.mean(durations) * left / parallel if durations else None
-            print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: training"
-                  + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
-            if os.path.isdir(r["dir"]):
-                shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
-            os.makedirs(r["dir"])
-            log = open(os.path.join(r["dir"], "log.txt"), "w")
-            proc = subprocess.Popen(run_command(config_path, [*base_overrides, *r["overrides"]], cfg.bench.nproc),
-                                    stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            running.append((r, proc, log, time.time()))
-        time.sleep(0.2)
-        for item in list(running):
-            r, proc, log, tic = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
-            log.close()
-            r["wall_s"] = round(time.time() - tic, 1)
-            durations.append(r["wall_s"])
-            if proc.returncode == 0:
-                r["status"], r["error"] = "ok", None
-            else:  # a crashed run is recorded and the sweep goes on
-                r["status"] = "failed"
-                r["error"] = f"exit code {proc.returncode}: {_tail(os.path.join(r['dir'], 'log.txt'))}"
-                print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: FAILED: {r['error']}",
-                      flush=True)
-                with open(os.path.join(cfg.output_dir, "errors.log"), "a") as f:
-                    f.write(f"== {r['regime']} {r['label']} seed {r['seed']}\n{r['error']}\n")
-            with open(status_path, "a") as f:
-                f.write(json.dumps({k: r.get(k) for k in ("regime", "label", "seed", "status", "error", "wall_s")})
-                        + "\n")
+def launch_threads(cfg) -> int:
+    """OMP_NUM_THREADS of each run's processes: ``bench.threads``; else for the local launcher this machine's CPUs
+    shared by the runs at once, for Slurm the job's CPUs (``bench.slurm.cpus_per_run``) over its processes."""
+    if cfg.bench.launcher == "slurm":
+        return cfg.bench.threads or max(1, int(cfg.bench.slurm.cpus_per_run) // max(1, cfg.bench.nproc))
+    return run_threads(cfg)
+
+
+def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> None:
+    from mtl.tools.bench_launch import drive, make_launcher
+
+    threads = launch_threads(cfg)
+    launcher = make_launcher(cfg, {**os.environ, "OMP_NUM_THREADS": str(threads)}, threads)
+    parallel, durations = max(1, cfg.bench.parallel), []
+
+    def begin(r):
+        left = len(pending) + 1
+        eta = statistics.mean(durations) * left / parallel if durations else None
+        print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: training ({launcher.name})"
+              + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
+        if os.path.isdir(r["dir"]):
+            shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
+        os.makedirs(r["dir"])
+        command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"]], cfg.bench.nproc)
+        return command, lambda: write_record(r["dir"], r["config"], provenance(threads))
+
+    def finish(r, outcome):
+        durations.append(r["wall_s"])
+        if outcome is True:
+            r["status"], r["error"] = "ok", None
+        else:  # a failed run is recorded and the sweep goes on
+            r["status"], r["error"] = "failed", outcome
+            print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: FAILED: {r['error']}",
+                  flush=True)
+            with open(os.path.join(cfg.output_dir, "errors.log"), "a") as f:
+                f.write(f"== {r['regime']} {r['label']} seed {r['seed']}\n{r['error']}\n")
+        with open(status_path, "a") as f:
+            f.write(json.dumps({k: r.get(k) for k in ("regime", "label", "seed", "status", "error", "wall_s")})
+                    + "\n")
+
+    drive(launcher, pending, parallel, begin, finish)
 
 
 # ------------------------------------------------------------------------------------------ analysis
 
 def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
-    """One finished run's numbers: per metric the mean of the last ``last_k`` evaluations, the best one and the
-    slope over the last ``last_k`` (per 100 steps); step time, peak memory, the method's maths time."""
+    """One finished run's numbers: per metric its validation curve ``val[key] = [(step, value)]``, its test values by
+    step ``test[key]`` (empty without a test split) and the slope of its last ``last_k`` validation evaluations (per
+    100 steps); step time, peak memory, the method's maths time, its ``bench_run.json`` record."""
     if not os.path.isfile(os.path.join(run_dir, "final_metrics.json")):
         return None
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -371,17 +400,37 @@ def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
     out = {"wall_s": final.get("wall_time_s"), "train": train, "evals": evals, "t0": t0,
            "step_time_s": statistics.median(r["step_time_s"] for r in train[1:] or train) if train else float("nan"),
            "peak_mem_mb": max((r.get("peak_mem_mb") or 0.0 for r in train), default=float("nan")),
-           "steps": max((r["step"] for r in rows), default=0)}
+           "steps": max((r["step"] for r in rows), default=0), "record": read_record(run_dir),
+           "eval_steps": sorted({e["step"] for e in evals}), "val": {}, "test": {}}
     combine = [r["combine_s"] for r in train if r.get("combine_s") is not None]
     out["combine_s"] = statistics.median(combine) if combine else 0.0
-    for key, _, higher in specs:
-        points = [(e["step"], e[key]) for e in evals if e.get(key) is not None]
+    for key, _, _ in specs:
+        points = sorted((e["step"], e[key]) for e in evals if e.get(key) is not None)
         if points:
-            values = [v for _, v in points]
-            out[key] = statistics.mean(values[-last_k:])
-            out[key + "_best"] = max(values) if higher else min(values)
+            out["val"][key] = points
             out[key + "_slope"] = slope_per_100(points, last_k)
+        test = {e["step"]: e["test_" + key] for e in evals if e.get("test_" + key) is not None}
+        if test:
+            out["test"][key] = test
     return out
+
+
+def select(d: dict, specs: list, ref: dict, how: str, split: str) -> None:
+    """Fill the run's reported metrics ``d[key]`` and ``d["selected_step"]``: the evaluation chosen on validation
+    (``how="best"``: the lowest validation Δm against ``ref``, each run over the metrics it has; ``"last"``: the
+    last), its values read on ``split`` ("test" or "validation")."""
+    steps = [s for s in d["eval_steps"] if all(dict(d["val"][k]).get(s) is not None for k in d["val"])]
+    if not steps:
+        return
+    chosen = steps[-1]
+    if how == "best":  # the lowest validation Δm; a tie goes to the later evaluation; nan (no reference): the last
+        scores = {s: delta({k: dict(pts)[s] for k, pts in d["val"].items()}, ref, specs, partial=True) for s in steps}
+        finite = [s for s in steps if scores[s] == scores[s]]
+        if finite:
+            chosen = min(finite, key=lambda s: (scores[s], -s))
+    d["selected_step"] = chosen
+    for key, pts in d["val"].items():
+        d[key] = d["test"][key].get(chosen, float("nan")) if split == "test" else dict(pts)[chosen]
 
 
 def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int, method: type | None = None, every: int = 1) -> int:
@@ -418,15 +467,19 @@ def meta_cost_note(method: type, options: dict, heldout: int, num_tasks: int) ->
             f"{heldout} held-out items (data.heldout)")
 
 
-def delta(d: dict, base: dict, specs: list) -> tuple[float, float]:
-    """(delta-m %, delta-p %) of one run against the baselines; nan when a metric or a baseline is missing."""
-    rel = {key: (1 if higher else -1) * (d[key] - base[key]) / base[key] * 100
-           for key, _, higher in specs if key in d and base.get(key) == base.get(key) and base.get(key)}
-    if len(rel) != len(specs) or not specs:
-        return float("nan"), float("nan")
-    tasks = list(dict.fromkeys(t for _, t, _ in specs))
-    dp = statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks)
-    return statistics.mean(rel.values()), dp
+def delta(d: dict, base: dict, specs: list, partial: bool = False) -> float:
+    """Δm % of one run against the baselines, lower is better (as Nash-MTL and FAMO report it): per task the mean over
+    its metrics of ``(-1)^h_i (M_i - B_i) / B_i * 100`` (h_i = 1 if higher is better), then the mean over tasks, so
+    each task weighs the same however many metrics it declares. nan when a metric or a baseline is missing (with
+    ``partial``: over the tasks whose metrics the run has, as a single-task baseline has its own task's)."""
+    rel = {key: (-1 if higher else 1) * (d[key] - base[key]) / base[key] * 100
+           for key, _, higher in specs if d.get(key) == d.get(key) and key in d and base.get(key) == base.get(key)
+           and base.get(key)}
+    tasks = [t for t in dict.fromkeys(t for _, t, _ in specs)
+             if not partial or all(k in rel for k, tt, _ in specs if tt == t)]
+    if not specs or not tasks or any(k not in rel for k, t, _ in specs if t in tasks):
+        return float("nan")
+    return statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks)
 
 
 def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
@@ -435,9 +488,14 @@ def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
     for r in runs:
         d = read_run(r["dir"], last_k, specs) if r.get("status") == "ok" else None
         if d is not None:
-            d["delta_m"], d["delta_p"] = float("nan"), float("nan")
+            d["delta_m"] = float("nan")
         out.setdefault(r["label"], {})[r["seed"]] = d
     return out
+
+
+def report_split(datas: list[dict]) -> str:
+    """"test" when every run evaluated a test split, else "validation"."""
+    return "test" if datas and all(d["test"] for d in datas) else "validation"
 
 
 def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_runs: list[dict]) -> tuple[list, dict]:
@@ -446,15 +504,19 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
 
     specs = metric_specs(rcfg)
     types = run_method_types(rcfg)
+    status = {(r["label"], r["seed"]): r.get("status") for r in [*runs, *baseline_runs]}
     data = per_seed(runs, cfg.bench.last_k, specs)
     bdata = per_seed(baseline_runs, cfg.bench.last_k, specs)
-    base = {}
-    for key, task, _ in specs:
-        base[key] = mean_ci(d.get(key) for d in bdata.get(f"single_{task}", {}).values() if d)[0]
-    for label in data:
-        for d in data[label].values():
-            if d is not None:
-                d["delta_m"], d["delta_p"] = delta(d, base, specs)
+    bruns = {key: [d for d in bdata.get(f"single_{task}", {}).values() if d] for key, task, _ in specs}
+    # the scale the evaluations are selected on: the baselines' last validation values (mean over seeds)
+    ref = {key: mean_ci(d["val"][key][-1][1] for d in bruns[key] if key in d["val"])[0] for key, _, _ in specs}
+    every = [d for group in (data, bdata) for seeds in group.values() for d in seeds.values() if d]
+    split = report_split(every)
+    for d in every:
+        select(d, specs, ref, cfg.bench.select, split)
+    base = {key: mean_ci(d.get(key) for d in bruns[key])[0] for key, _, _ in specs}
+    for d in every:
+        d["delta_m"] = delta(d, base, specs)
     eq = data.get("equal", {})
     rows = []
     labels = list(spec["methods"]) + [f"single_{t}" for t in rcfg.tasks if f"single_{t}" in bdata]
@@ -466,23 +528,22 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         level = "single-task" if single else types[name].level
         row = {"regime": regime, "method": label, "level": level, "source": source if level == "grad" else "",
                "runs_ok": len(ok), "runs": len(seeds),
-               "failed": [f"seed {s}: failed" for s, d in seeds.items() if not d]}
+               "failed": [f"seed {s}: {status.get((label, s)) or 'failed'}" for s, d in seeds.items() if not d]}
         keys = [k for k, _, _ in specs]
         for key in keys:
             row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
-            row[key + "_best"] = mean_ci(d.get(key + "_best") for d in ok.values())[0]
             row[key + "_slope"], row[key + "_slope_ci"] = mean_ci(d.get(key + "_slope") for d in ok.values())
-        # a metric the run has (a baseline has its own task's only) on a plateau: |slope| <= tol (nan: not known)
-        moving = [k for k in keys if row[k] == row[k] and not abs(row[k + "_slope"]) <= cfg.bench.plateau_tol]
-        row["plateau"] = bool(ok) and not moving
-        row["moving"] = moving
-        for key in ("delta_m", "delta_p"):
-            row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
-        diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single]
-        row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"] = paired_bootstrap(
-            diffs, cfg.bench.bootstrap, cfg.bench.bootstrap_seed)
-        row["vs_equal_sig"] = significance(row["vs_equal_lo"], row["vs_equal_hi"]) if label != "equal" else 0
-        row["seeds_better"] = f"{sum(x > 0 for x in diffs)}/{len(diffs)}" if diffs and label != "equal" else ""
+        row["plateau"], row["moving"] = converged(row, keys, cfg.bench.plateau_tol)
+        row["delta_m"], row["delta_m_ci"] = mean_ci(d.get("delta_m") for d in ok.values())
+        row["split"] = split
+        row["selected_step"] = statistics.median(d["selected_step"] for d in ok.values() if "selected_step" in d) \
+            if any("selected_step" in d for d in ok.values()) else float("nan")
+        diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single and label != "equal"]
+        test = paired_test(diffs, cfg.bench.alpha)
+        row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"], row["vs_equal_p"] = (
+            test["mean"], test["lo"], test["hi"], test["p"])
+        row["_diffs"] = diffs
+        row["seeds_better"] = f"{sum(x < 0 for x in diffs)}/{len(diffs)}" if diffs and label != "equal" else ""
         for key in ("peak_mem_mb", "wall_s", "combine_s"):
             row[key], row[key + "_ci"] = mean_ci(d[key] for d in ok.values())
         # the median over seeds of each run's median step time: one run slowed by a busy machine does not count
@@ -497,6 +558,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         row["meta_cost"] = meta_cost_note(types[name], options, heldout_for(rcfg), len(rcfg.tasks)) if not single else ""
         row["_seeds"] = ok
         rows.append(row)
+    adjust(rows, "vs_equal", cfg.bench.alpha)
     eqrow = next((r for r in rows if r["method"] == "equal"), None)
     for r in rows:
         r["time_vs_equal"] = r["step_time_s"] / eqrow["step_time_s"] if eqrow else float("nan")
@@ -509,6 +571,36 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
     for r in rows:
         r["mean_rank"] = statistics.mean(r.pop("_ranks", [float("nan")]))
     return rows, base
+
+
+def converged(row: dict, keys: list[str], tol: float) -> tuple[bool | None, list[str]]:
+    """(converged, the metrics that are not): a metric has converged when the 95% t-interval over seeds of its
+    slope lies within [-tol, tol] (a mean slope near 0 with a wide interval has not shown a plateau). None: not
+    decided (fewer than two seeds, or fewer than two evaluations). Metrics the row does not have (a baseline's other
+    task) do not count."""
+    have = [k for k in keys if row[k] == row[k]]
+    if not have or any(row[k + "_slope_ci"] != row[k + "_slope_ci"] for k in have):
+        return None, []
+    moving = [k for k in have if not abs(row[k + "_slope"]) + row[k + "_slope_ci"] <= tol]
+    return not moving, moving
+
+
+def adjust(rows: list[dict], key: str, alpha: float) -> None:
+    """Holm's correction across the rows of one table: ``<key>_p_holm`` and the mark ``<key>_sig`` of each row
+    (rows without a test, e.g. equal itself and the baselines, get nan and no mark)."""
+    for r, p in zip(rows, holm([r.get(key + "_p", float("nan")) for r in rows])):
+        r[key + "_p_holm"] = p
+        r[key + "_sig"] = mark(r[key], p, alpha)
+
+
+def detectable(rows: list[dict], alpha: float) -> dict:
+    """What one table's seeds can detect: from the pooled spread of its paired differences (``_diffs``), the
+    smallest true difference the paired t-test finds with 80% power, at ``alpha`` and at Holm's strictest level
+    ``alpha / m`` (m: the methods tested)."""
+    groups = [r["_diffs"] for r in rows if len(r.get("_diffs") or []) >= 3]
+    sd, n = pooled_sd(groups)
+    m = max(1, len(groups))
+    return {"sd": sd, "n": n, "m": m, "mde": min_detectable(sd, n, alpha), "mde_holm": min_detectable(sd, n, alpha / m)}
 
 
 def _run_dir(runs: list[dict], label: str, seed) -> str:
@@ -529,10 +621,12 @@ def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
                 continue
             a, b = ref[r["method"]]["_seeds"], r["_seeds"]
             diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in b if s in a]
-            mean, lo, hi = paired_bootstrap(diffs, cfg.bench.bootstrap, cfg.bench.bootstrap_seed)
+            t = paired_test(diffs, cfg.bench.alpha)
             out.append({"regime": name, "reference": names[0], "method": r["method"],
-                        "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": mean,
-                        "change_lo": lo, "change_hi": hi, "change_sig": significance(lo, hi)})
+                        "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": t["mean"],
+                        "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"], "_diffs": diffs})
+    for name in names[1:]:  # Holm across the methods of each regime's comparison
+        adjust([e for e in out if e["regime"] == name], "change", cfg.bench.alpha)
     return out
 
 
@@ -544,12 +638,34 @@ def _pm(v: float, ci: float, digits: int = 3) -> str:
     return f"{v:.{digits}f}" + (f" ± {ci:.{digits}f}" if ci == ci else "")
 
 
-def _interval(mean: float, lo: float, hi: float, sig: int, digits: int = 2) -> str:
+def _interval(mean: float, lo: float, hi: float, sig: int, p: float, digits: int = 2) -> str:
+    """``mean [lo, hi] mark (p_Holm)``: the mark only where the Holm-adjusted p is below the table's alpha."""
     if mean != mean:
         return ""
     if lo != lo:
-        return f"{mean:+.{digits}f} (too few seeds for an interval)"
-    return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] {MARK[sig]}".rstrip()
+        return f"{mean:+.{digits}f} (too few seeds for a test)"
+    return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}] {MARK[sig]} (p_Holm {p:.3f})".replace("  ", " ")
+
+
+def quality_sentence(cfg, rows: list[dict]) -> str:
+    """How each run's reported evaluation was chosen and on which split it is read."""
+    split = next((r["split"] for r in rows if r.get("split")), "validation")
+    how = ("the evaluation with the best (lowest) validation Δm (bench.select=best; a run's Δm on validation against "
+           "the baselines' last validation values)" if cfg.bench.select == "best" else
+           "the last evaluation (bench.select=last)")
+    where = ("read on the held-out test split, which nothing selected on" if split == "test" else
+             "read on the same validation split it was chosen on (the runs have no test split: set "
+             "data.synthetic.test_size or data.test_path), so it is optimistic")
+    return f"Quality: per run {how}, {where}."
+
+
+def eval_window(rows: list[dict], last_k: int) -> tuple[int, list[int]]:
+    """(the evaluations the slope is read over, their steps): ``last_k``, or fewer where the runs have fewer."""
+    steps = [d["eval_steps"] for r in rows for d in r["_seeds"].values() if d.get("eval_steps")]
+    if not steps:
+        return 0, []
+    shortest = min(steps, key=len)
+    return min(last_k, len(shortest)), shortest[-last_k:]
 
 
 def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dict, shares_baselines: str | None) -> str:
@@ -560,87 +676,112 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
              ""]
     if spec["expect"]:
         lines += [f"Expected (stated before the run): {spec['expect'].strip()}", ""]
-    lines += [f"Mean ± 95% t-interval over seeds {list(cfg.bench.seeds)}; quality is the mean of the last "
-              f"{cfg.bench.last_k} evaluations. Single-task baselines"
+    tasks = list(dict.fromkeys(t for _, t, _ in specs))
+    per_task = "; ".join(f"{t}: {', '.join(k for k, tt, _ in specs if tt == t)}" for t in tasks)
+    lines += [f"Mean ± 95% t-interval over seeds {list(cfg.bench.seeds)}. {quality_sentence(cfg, rows)} Δm %: lower "
+              f"is better (as Nash-MTL and FAMO report it); per task the mean relative change of its metrics against "
+              f"the single-task baseline ({per_task}), then the mean over the {len(tasks)} tasks, so each task weighs "
+              "the same. Single-task baselines"
               + (f" (from regime `{shares_baselines}`)" if shares_baselines else "") + ": "
-              + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". vs equal: Δm − Δm(equal) on the same seed, mean "
-              f"[95% paired bootstrap, {cfg.bench.bootstrap} resamples, seed {cfg.bench.bootstrap_seed}]; ▲ / ▼: "
-              "the interval lies above / below 0. Peak memory: the run's own process (peak RSS on the CPU, "
-              "max allocated on a GPU).", "",
-              "| method | level | source | " + " | ".join(keys) + " | Δm % | vs equal (Δm) | seeds better | Δp % "
-              "| mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) | MB all-reduced/step "
-              "| wall (s) |",
-              "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(methods, key=lambda r: (r["delta_m"] != r["delta_m"], -r["delta_m"] if r["delta_m"] == r["delta_m"]
+              + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". " + test_sentence(cfg, methods) + " Peak memory: "
+              "the run's own process (peak RSS on the CPU, max allocated on a GPU).", "",
+              *provenance_lines([d.get("record") for r in rows for d in r["_seeds"].values()]), "",
+              "| method | level | source | " + " | ".join(keys) + " | Δm % (lower is better) | vs equal (Δm) "
+              "| seeds better | mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) "
+              "| MB all-reduced/step | wall (s) |",
+              "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(methods, key=lambda r: (r["delta_m"] != r["delta_m"], r["delta_m"] if r["delta_m"] == r["delta_m"]
                                             else 0)):
         failed = f" ({r['runs'] - r['runs_ok']} of {r['runs']} failed)" if r["runs_ok"] < r["runs"] else ""
         if not r["runs_ok"]:
             lines.append(f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
-                         + " | ".join("n/a" for _ in range(len(keys) + 10)) + " |")
+                         + " | ".join("n/a" for _ in range(len(keys) + 9)) + " |")
             continue
         mem = "n/a" if r["peak_mem_mb"] != r["peak_mem_mb"] else f"{r['peak_mem_mb']:.0f} ({r['mem_vs_equal']:.2f}x)"
         lines.append(
             f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
             + " | ".join(_pm(r[k], r[k + "_ci"]) for k in keys)
             + f" | {_pm(r['delta_m'], r['delta_m_ci'], 2)} "
-            f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'])} "
-            f"| {r['seeds_better']} | {_pm(r['delta_p'], r['delta_p_ci'], 2)} | {r['mean_rank']:.1f} "
+            f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'], r['vs_equal_p_holm'])} "
+            f"| {r['seeds_better']} | {r['mean_rank']:.1f} "
             f"| {r['time_vs_equal']:.2f}x | {mem} | {r['combine_s'] * 1e3:.2f} | {r['allreduce_mb']:.1f} "
             f"| {r['wall_s']:.0f} |")
-    lines += ["", f"Convergence in `{regime}`: the slope of each metric over the last {cfg.bench.last_k} evaluations, "
-              f"per 100 steps (mean ± 95% t-interval over seeds); plateau: every |slope| ≤ {cfg.bench.plateau_tol}.",
-              "", "| run | steps | " + " | ".join(f"{k} slope/100 steps" for k in keys) + " | plateau |",
-              "|---|---|" + "---|" * len(keys) + "---|"]
+    window, steps = eval_window(rows, cfg.bench.last_k)
+    lines += ["", f"Convergence in `{regime}`: the slope of each validation metric over the last {window} evaluations"
+              + (f" (steps {', '.join(map(str, steps))})" if steps else "") + ", per 100 steps (mean ± 95% t-interval "
+              f"over seeds); converged: the interval of every slope lies within ±{cfg.bench.plateau_tol:g}. The "
+              "selected evaluation's step is the median over seeds.",
+              "", "| run | steps | selected step | " + " | ".join(f"{k} slope/100 steps" for k in keys)
+              + " | converged |", "|---|---|---|" + "---|" * len(keys) + "---|"]
     for r in rows:
         if not r["runs_ok"]:
             continue  # listed under the failed runs
-        steps = max((d["steps"] for d in r["_seeds"].values()), default=0)
-        lines.append(f"| `{r['method']}` | {steps} | "
+        steps_run = max((d["steps"] for d in r["_seeds"].values()), default=0)
+        verdict = ("not decided (one seed or one evaluation)" if r["plateau"] is None else "yes" if r["plateau"]
+                   else "no: " + ", ".join(r["moving"]))
+        sel = "" if r["selected_step"] != r["selected_step"] else f"{r['selected_step']:.0f}"
+        lines.append(f"| `{r['method']}` | {steps_run} | {sel} | "
                      + " | ".join(_pm(r[k + "_slope"], r[k + "_slope_ci"], 4) if k in base and r[k] == r[k] else "—"
                                   for k in keys)
-                     + " | " + ("yes" if r["plateau"] else "no: " + ", ".join(r["moving"])) + " |")
+                     + f" | {verdict} |")
     notes = [f"- `{r['method']}`: {r['meta_cost']}" for r in methods if r.get("meta_cost")]
     if notes:
         lines += ["", "Bilevel methods: what each meta update adds to a step (declared by the class, "
                       "``Weighting.meta_cost``; the step time and memory above are measured):", *notes]
     failures = [f"- `{r['method']}` {x}" for r in rows for x in r["failed"]]
     if failures:
-        lines += ["", "Failed runs (their errors: runs.jsonl, errors.log):", *failures]
+        lines += ["", "Failed or missing runs (the errors: runs.jsonl, errors.log; missing: not finished with this "
+                      "configuration when analysed):", *failures]
     return "\n".join(lines)
 
 
-def effects_table(effects: list[dict]) -> str:
+def test_sentence(cfg, rows: list[dict], what: str = "vs equal: Δm − Δm(equal) on the same seed") -> str:
+    """How one table's marks are made and what its seeds can detect (``detectable``)."""
+    a, d = cfg.bench.alpha, detectable(rows, cfg.bench.alpha)
+    text = (f"{what}: mean [{100 * (1 - a):g}% t-interval], two-sided paired t-test over seeds; ▲ / ▼ where Holm's "
+            f"adjusted p (p_Holm, across the {d['m']} comparison{'s' if d['m'] != 1 else ''} of this table) is below "
+            f"{a:g}: ▼ a lower Δm "
+            "(better), ▲ a higher one (worse).")
+    if d["mde"] == d["mde"]:
+        return text + (f" Detectable here (80% power, paired spread sd {d['sd']:.2f} over {d['n']} seeds): a "
+                       f"difference of {d['mde']:.2f} at α = {a:g}, {d['mde_holm']:.2f} at Holm's strictest level "
+                       f"α/{d['m']}; no mark means not detectable by this design, not equal.")
+    return text + " Too few seeds (fewer than 3) to test or to say what is detectable."
+
+
+def effects_table(cfg, effects: list[dict]) -> str:
     if not effects:
         return ""
     lines = ["### Between regimes", "",
-             "Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds: mean [95% paired "
-             "bootstrap]; ▲ / ▼: the regime moved the method's Δm up / down.", "",
+             test_sentence(cfg, effects, "Each method's Δm in a regime minus its Δm in the reference regime, on the "
+                                         "same seeds"), "",
              "| regime | method | Δm % in reference | Δm % in regime | change |", "|---|---|---|---|---|"]
     for e in effects:
         lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}` | {e['delta_m_ref']:.2f} "
-                     f"| {e['delta_m']:.2f} | {_interval(e['change'], e['change_lo'], e['change_hi'], e['change_sig'])} |")
+                     f"| {e['delta_m']:.2f} "
+                     f"| {_interval(e['change'], e['change_lo'], e['change_hi'], e['change_sig'], e['change_p_holm'])} |")
     return "\n".join(lines)
 
 
 CSV_FIXED = ["regime", "method", "level", "source", "strategy", "runs_ok", "runs"]
-CSV_TAIL = ["delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_sig", "seeds_better",
-            "delta_p", "delta_p_ci", "mean_rank", "plateau", "time_vs_equal", "mem_vs_equal", "combine_s",
-            "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
+CSV_TAIL = ["split", "selected_step", "delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_p",
+            "vs_equal_p_holm", "vs_equal_sig", "seeds_better", "mean_rank", "plateau", "time_vs_equal", "mem_vs_equal",
+            "combine_s", "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
 
 
 def write_results(cfg, per_regime: dict, meta: dict) -> str:
     """results.md, results.csv (one row per regime and method or baseline) and runs.csv (one per run)."""
     out = cfg.output_dir
     all_keys = list(dict.fromkeys(k for rcfg, rows, _ in per_regime.values() for k, _, _ in metric_specs(rcfg)))
-    fields = CSV_FIXED + [k + s for k in all_keys for s in ("", "_ci", "_best", "_slope", "_slope_ci")] + CSV_TAIL
+    fields = CSV_FIXED + [k + s for k in all_keys for s in ("", "_ci", "_slope", "_slope_ci")] + CSV_TAIL
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for _, rows, _ in per_regime.values():
             for r in rows:
                 w.writerow(r)
-    run_fields = ["regime", "method", "seed", "delta_m", "delta_p", "steps", "step_time_s", "peak_mem_mb", "combine_s",
-                  "wall_s"] + [k + s for k in all_keys for s in ("", "_best", "_slope")]
+    run_fields = ["regime", "method", "seed", "selected_step", "delta_m", "steps", "step_time_s", "peak_mem_mb",
+                  "combine_s", "wall_s"] + [k + s for k in all_keys for s in ("", "_slope")]
     with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=run_fields, extrasaction="ignore")
         w.writeheader()
@@ -652,7 +793,7 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
         blocks.append(regime_table(cfg, rcfg, regime, spec, rows, base, spec["baselines_from"]))
     effects = regime_effects(cfg, {k: v[1] for k, v in per_regime.items()})
     if effects:
-        blocks.append(effects_table(effects))
+        blocks.append(effects_table(cfg, effects))
     f_ms, b_ms = meta.get("forward_s", float("nan")) * 1e3, meta.get("backward_s", float("nan")) * 1e3
     if f_ms == f_ms:
         blocks.append(f"Measured F = {f_ms:.0f} ms, B = {b_ms:.0f} ms (one process, the bench model), so "
@@ -685,6 +826,7 @@ def write_hparams(cfg, per_regime: dict, regime_specs: dict) -> None:
     writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
     for regime, method, seed, d in finished_runs(per_regime, regime_specs):
         metrics = {f"hparam/{k}": d[k] for k, _, _ in metric_specs(per_regime[regime][0]) if k in d}
+        metrics["hparam/delta_m"] = d["delta_m"]  # lower is better, as in the tables
         metrics["hparam/step_time_s"] = d["step_time_s"]
         metrics["hparam/peak_mem_mb"] = d["peak_mem_mb"]
         writer.add_hparams({"regime": regime, "method": method, "seed": seed}, metrics,
@@ -707,13 +849,49 @@ def describe_plan(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def list_runs(runs: list[dict]) -> str:
+    """Every planned run (``--plan``), one line each: its regime, label, seed, folder and the overrides it trains
+    with beyond the config (the seed and the folder aside)."""
+    lines = []
+    for i, r in enumerate(runs, 1):
+        over = [o for o in r["overrides"] if not o.startswith(("seed=", "output_dir=", "trainer.progress=", "resume="))]
+        lines.append(f"[{i}/{len(runs)}] {r['regime']} {r['label']} seed {r['seed']}: {r['dir']}  {' '.join(over)}")
+    return "\n".join(lines)
+
+
+HELP = """overrides (key=value, as train.py takes them) change the bench config for the whole sweep, e.g.
+  bench.seeds=[0,1,2]  bench.methods=[equal,'cagrad(c=0.2)','mgda(source=features)']  trainer.max_steps=700
+  bench.parallel=2  bench.nproc=2  bench.launcher=slurm bench.slurm.partition=gpu  output_dir=runs/mine
+A finished run is reused only when its training configuration (every key but output_dir and bench.*) is unchanged.
+
+outputs, under output_dir:
+  results.md    one table per regime (quality, Δm lower is better, vs equal with p_Holm, cost) and convergence
+  results.csv   one row per regime and method or baseline      runs.csv  one row per finished run
+  runs.jsonl    one status line per run (failures with their error); errors.log
+  <regime>/     PNG plots: metrics vs step and vs wall time (bands: 95% over seeds), task weights, gradient cosine
+  runs/<regime>/<method>/seed<k>/   each run's own folder (train.py's files, log.txt, bench_run.json)
+  tb/           TensorBoard hparams, one entry per run                slurm/  submitit's job logs (launcher slurm)
+Methodology and presets: docs/benchmark.md."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", description="benchmark task-weighting methods")
+    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", epilog=HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Benchmark task-weighting methods: every method of bench.methods x every "
+                                            "seed, plus the single-task baselines, each its own run; then the tables.")
     p.add_argument("--config", default=None, help="the bench config (default: the preset's)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="full (configs/bench.yaml, the 60-minute CPU sweep), quick (<= 10 min CPU), gpu")
-    p.add_argument("--plan", action="store_true", help="check the config and list the runs, train nothing")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("--plan", action="store_true",
+                   help="check the config and list every run (regime, method, seed, folder, overrides); train nothing")
+    p.add_argument("--on-change", choices=("retrain", "refuse"), default="retrain",
+                   help="a finished run whose training configuration differs from what it would train now (any key "
+                        "but output_dir and bench.*; bench.nproc counts): train it again (default), or refuse and "
+                        "exit 2 listing every such run and the keys that changed")
+    p.add_argument("--analyze", action="store_true",
+                   help="train nothing: write the tables and plots from the runs that finished with this "
+                        "configuration (the others are listed as missing), e.g. while a Slurm sweep is still running")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (below)")
     a = p.parse_args(argv)
     config = a.config or PRESETS[a.preset or "full"]
 
@@ -733,9 +911,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(cfg, loaded=loaded)
         print(describe_plan(runs), flush=True)
         if a.plan:
+            print(list_runs(runs))
             return
         tic = time.time()
-        run_all(cfg, config, a.overrides, runs)
+        run_all(cfg, config, a.overrides, runs, a.on_change, train=not a.analyze)
         per_regime = {}
         for regime, (spec, rcfg) in loaded.items():
             source = spec["baselines_from"] or regime
@@ -746,9 +925,12 @@ def main(argv: list[str] | None = None) -> int:
             data = {r["method"]: list(r["_seeds"].values()) for r in rows if r["_seeds"]}
             write_plots(rcfg, metric_specs(rcfg), data, os.path.join(cfg.output_dir, regime), list(spec["methods"]))
         first_cfg = next(iter(loaded.values()))[1]
-        report = examine(first_cfg, batches=1)  # F and B of the bench model, one process
+        # F and B of the bench model, one process on this machine: where the runs trained (the local launcher);
+        # a Slurm sweep's runs trained on other nodes, so this machine's F and B would say nothing of them
+        report = examine(first_cfg, batches=1) if cfg.bench.launcher == "local" else {}
         regime_specs = {k: v[0] for k, v in loaded.items()}
-        text = write_results(cfg, per_regime, {"forward_s": report["forward_s"], "backward_s": report["backward_s"],
+        text = write_results(cfg, per_regime, {"forward_s": report.get("forward_s", float("nan")),
+                                               "backward_s": report.get("backward_s", float("nan")),
                                                "regimes": regime_specs})
         write_hparams(cfg, per_regime, regime_specs)
         print(text)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 import statistics
 
+from mtl.tools.bench_stats import mean_ci
+
+BASELINE_COLOURS = ("black", "dimgray", "saddlebrown", "darkslategray")  # outside the methods' palette
+
 
 def write_plots(cfg, specs: list, data: dict[str, list], out: str, methods: list[str]) -> list[str]:
     """PNGs into ``out`` from ``data`` (label -> the finished runs' ``read_run`` dicts; baselines as single_<task>)
@@ -18,19 +22,33 @@ def write_plots(cfg, specs: list, data: dict[str, list], out: str, methods: list
     os.makedirs(out, exist_ok=True)
     labels = [m for m in methods if m in data]
     cmap = plt.get_cmap("tab20")
-    colour = {m: cmap(i % 20) for i, m in enumerate(labels + [f"single_{t}" for t in cfg.tasks])}
+    colour = {m: cmap(i % 20) for i, m in enumerate(labels)}
+    colour.update({f"single_{t}": BASELINE_COLOURS[i % len(BASELINE_COLOURS)] for i, t in enumerate(cfg.tasks)})
     paths = []
 
     def mean_curve(runs_, key, x="step"):
+        """(xs, means, 95% t-interval half-widths over seeds) of one metric at each evaluation step."""
         steps = sorted({e["step"] for d in runs_ for e in d["evals"] if e.get(key) is not None})
-        xs, ys = [], []
+        xs, ys, cis = [], [], []
         for s in steps:
             vals = [(e[key], e["time"] - d["t0"]) for d in runs_ for e in d["evals"] if e["step"] == s and e.get(key)
                     is not None]
             if vals:
-                ys.append(statistics.mean(v for v, _ in vals))
+                m, ci = mean_ci(v for v, _ in vals)
+                ys.append(m)
+                cis.append(ci if ci == ci else 0.0)  # one seed: no band
                 xs.append(s if x == "step" else statistics.mean(t for _, t in vals))
-        return xs, ys
+        return xs, ys, cis
+
+    def legend(fig, axes):
+        """One legend for the figure, every line of every panel once (a baseline is drawn on its own task's panels
+        only, so a legend of one panel would leave the other baselines out)."""
+        seen = {}
+        for ax in axes:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                seen.setdefault(lab, h)
+        fig.legend(list(seen.values()), list(seen), fontsize=7, ncol=min(4, max(1, len(seen))), loc="lower center")
+        fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(seen) - 1) // 4), 1, 1))
 
     for x, unit in (("step", "optimizer step"), ("wall", "wall time since start (s)")):
         fig, axes = plt.subplots(1, len(specs), figsize=(5 * len(specs), 4), squeeze=False)
@@ -38,13 +56,14 @@ def write_plots(cfg, specs: list, data: dict[str, list], out: str, methods: list
         for ax, (key, task, _) in zip(axes, specs):
             for m in labels + [f"single_{task}"]:
                 if m in data:
-                    xs, ys = mean_curve(data[m], key, x)
+                    xs, ys, cis = mean_curve(data[m], key, x)
                     ax.plot(xs, ys, label=m, color=colour[m], ls="--" if m.startswith("single") else "-")
+                    ax.fill_between(xs, [y - c for y, c in zip(ys, cis)], [y + c for y, c in zip(ys, cis)],
+                                    color=colour[m], alpha=0.15, lw=0)
             ax.set_xlabel(unit)
-            ax.set_ylabel(f"validation {key} (0-1, mean over seeds)")
+            ax.set_ylabel(f"validation {key} (mean, 95% band over seeds)")
             ax.set_title(key)
-        axes[-1].legend(fontsize=7, ncol=2)
-        fig.tight_layout()
+        legend(fig, axes)
         path = os.path.join(out, f"metrics_vs_{x}.png")
         fig.savefig(path, dpi=90)
         plt.close(fig)
@@ -90,7 +109,8 @@ def write_plots(cfg, specs: list, data: dict[str, list], out: str, methods: list
             ax.set_xlabel("optimizer step")
             ax.set_ylabel(f"cosine(grad {a}, grad {b})")
             ax.set_title(f"gradient conflict {a} / {b} (mean over seeds)")
-            ax.legend(fontsize=6, ncol=2)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
         path = os.path.join(out, "gradient_cosine.png")
         fig.savefig(path, dpi=90)

@@ -1,78 +1,124 @@
-"""The statistics of the weighting benchmark: t-intervals over seeds, a paired bootstrap, the slope of a curve.
+"""The statistics of the weighting benchmark, on scipy.stats: t-intervals over seeds, the paired t-test against a
+reference, Holm's correction across the methods of one table, the smallest difference a table can detect, and the
+slope of a curve.
 
-Pure functions of lists of floats (no torch, no files), so that they are tested on known inputs
-(tests/test_bench.py).
+The test is the two-sided **paired t-test** (``scipy.stats.ttest_1samp`` on the per-seed differences, which is
+``ttest_rel``): at the n = 3-10 seeds a sweep affords it has its nominal size when the differences are about normal,
+and it has power. The exact sign-flip permutation test, the distribution-free alternative, cannot reject at 5% below
+n = 6: its smallest two-sided p-value is 2 / 2^n (0.25 at 3 seeds, 0.0625 at 5), so with the 3 or 5 seeds of the
+presets it would never mark anything. A percentile bootstrap of the mean (this tool's former test) is anti-conservative
+at such n: it rejected 16% of true nulls at 5 seeds (tests/test_bench_stats.py measures the t-test's size).
+
+Pure functions of lists of floats (no torch, no files), tested on known inputs and by simulation.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import statistics
 
-# Two-sided 95% quantiles of Student's t (t_{0.975, df}), df = 1..30, from the standard tables.
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-_Z975 = 1.959963984540054
+from scipy import optimize, stats
 
 
-def t975(df: int) -> float:
-    """t_{0.975, df}: the table up to 30 degrees of freedom, beyond it the Cornish-Fisher expansion around the
-    normal quantile (within 1e-3 of the exact value from df = 30 on)."""
+def _finite(values) -> list[float]:
+    return [float(x) for x in values if x is not None and math.isfinite(x)]
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Student's t quantile (``scipy.stats.t.ppf``); df >= 1."""
     if df < 1:
-        raise ValueError("a t-interval needs at least 2 values (df >= 1)")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        raise ValueError("a t quantile needs at least 1 degree of freedom (2 values)")
+    return float(stats.t.ppf(q, df))
 
 
-def mean_ci(values) -> tuple[float, float]:
-    """(mean, half-width of the 95% t-interval of the mean) of the finite values; the half-width is nan for fewer
-    than two values, both are nan for none."""
-    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+def mean_ci(values, level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of the ``level`` t-interval of the mean) of the finite values; the half-width is nan for
+    fewer than two values, both are nan for none."""
+    v = _finite(values)
     if not v:
         return float("nan"), float("nan")
     if len(v) == 1:
         return v[0], float("nan")
-    return statistics.mean(v), t975(len(v) - 1) * statistics.stdev(v) / math.sqrt(len(v))
+    return statistics.mean(v), t_quantile(0.5 + level / 2, len(v) - 1) * statistics.stdev(v) / math.sqrt(len(v))
 
 
-def paired_bootstrap(diffs, resamples: int = 10000, seed: int = 0, min_n: int = 3) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of the paired differences (one per seed: method minus reference on the same seed)
-    and the 95% percentile interval of the mean over ``resamples`` resamplings of the seeds with replacement, drawn
-    from ``random.Random(seed)`` so that a table is reproducible. nan for no differences; the interval is nan for
-    fewer than ``min_n`` (resampling one or two seeds says nothing about the spread)."""
-    d = [float(x) for x in diffs if x is not None and math.isfinite(x)]
-    if not d:
-        return float("nan"), float("nan"), float("nan")
-    if len(d) < min_n:
-        return statistics.mean(d), float("nan"), float("nan")
-    rng, n = random.Random(seed), len(d)
-    means = sorted(sum(rng.choice(d) for _ in range(n)) / n for _ in range(resamples))
-    lo = means[int(math.floor(0.025 * (resamples - 1)))]
-    hi = means[int(math.ceil(0.975 * (resamples - 1)))]
-    return statistics.mean(d), lo, hi
+def paired_test(diffs, alpha: float = 0.05) -> dict:
+    """The paired t-test of per-seed differences (method minus reference on the same seed) against 0:
+    ``{n, mean, lo, hi, p, sd}`` with ``[lo, hi]`` the (1 - alpha) t-interval of the mean difference and ``p`` the
+    two-sided p-value. Fewer than 3 differences: no interval and no p (nan): two seeds say little about the spread. A
+    spread of 0 (every seed the same difference): p = 0 for a non-zero mean, 1 for zero."""
+    d = _finite(diffs)
+    nan = float("nan")
+    out = {"n": len(d), "mean": statistics.mean(d) if d else nan, "lo": nan, "hi": nan, "p": nan, "sd": nan}
+    if len(d) < 3:
+        return out
+    sd = statistics.stdev(d)
+    half = t_quantile(1 - alpha / 2, len(d) - 1) * sd / math.sqrt(len(d))
+    if sd <= 1e-12 * max(1.0, abs(out["mean"])):  # the same difference on every seed (to rounding)
+        sd, p = 0.0, (0.0 if abs(out["mean"]) > 1e-12 else 1.0)
+    else:
+        p = float(stats.ttest_1samp(d, 0.0).pvalue)
+    out.update(lo=out["mean"] - half, hi=out["mean"] + half, p=p, sd=sd)
+    return out
 
 
-def significance(lo: float, hi: float) -> int:
-    """+1 if the interval lies above 0, -1 if below, 0 if it holds 0 (or is nan)."""
-    if lo > 0:
-        return 1
-    if hi < 0:
-        return -1
-    return 0
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input's order: the i-th smallest of m p-values times (m - i + 1),
+    made monotone and capped at 1. nan p-values (too few seeds) stay nan and do not count in m. A p-value is
+    significant at family-wise level alpha when its adjusted value is below alpha. (scipy.stats offers
+    Benjamini-Hochberg, ``false_discovery_control``, which controls the false discovery rate, not the family-wise
+    error rate that a table of marks needs.)"""
+    idx = sorted((i for i, p in enumerate(pvalues) if p == p), key=lambda i: pvalues[i])
+    m, out, running = len(idx), [float("nan")] * len(pvalues), 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def mark(mean: float, p_adjusted: float, alpha: float) -> int:
+    """+1 / -1: the mean difference is above / below 0 at family-wise level alpha (its Holm-adjusted p < alpha);
+    0 otherwise (or nan)."""
+    if not p_adjusted < alpha:
+        return 0
+    return 1 if mean > 0 else -1 if mean < 0 else 0
+
+
+def power(effect: float, sd: float, n: int, alpha: float) -> float:
+    """The power of the two-sided paired t-test at level alpha with n pairs, for a true mean difference ``effect``
+    whose per-seed differences have standard deviation ``sd`` (the noncentral t, ``scipy.stats.nct``)."""
+    df, nc = n - 1, effect / sd * math.sqrt(n)
+    crit = t_quantile(1 - alpha / 2, df)
+    lower = float(stats.nct.cdf(-crit, df, nc))  # the wrong-sign tail: below 1e-20 where scipy returns nan
+    return float(stats.nct.sf(crit, df, nc)) + (lower if math.isfinite(lower) else 0.0)
+
+
+def min_detectable(sd: float, n: int, alpha: float, target: float = 0.8) -> float:
+    """The smallest true mean difference that the paired t-test at level alpha detects with probability ``target``
+    from n pairs whose differences have standard deviation ``sd``: ``power`` solved for the effect. nan when it
+    cannot be said (fewer than 3 pairs, or no spread measured)."""
+    if n < 3 or not sd > 0 or not math.isfinite(sd):
+        return float("nan")
+    hi = sd * 100.0
+    return float(optimize.brentq(lambda e: power(e, sd, n, alpha) - target, 0.0, hi, xtol=sd * 1e-6))
+
+
+def pooled_sd(groups: list[list[float]]) -> tuple[float, int]:
+    """(the pooled standard deviation of several groups of paired differences, the median group size): the paired
+    spread of one table, each group (method) about its own mean. nan with no group of 2 or more."""
+    groups = [_finite(g) for g in groups]
+    groups = [g for g in groups if len(g) >= 2]
+    if not groups:
+        return float("nan"), 0
+    ss = sum((len(g) - 1) * statistics.variance(g) for g in groups)
+    df = sum(len(g) - 1 for g in groups)
+    return math.sqrt(ss / df), int(statistics.median(len(g) for g in groups))
 
 
 def slope_per_100(points, last_k: int) -> float:
     """The least-squares slope of ``[(step, value), ...]`` over the last ``last_k`` points, per 100 steps: how much
     the metric still moves at the end of a run (0 on a plateau). nan with fewer than two points."""
     pts = sorted(points)[-last_k:]
-    if len(pts) < 2:
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
         return float("nan")
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        return float("nan")
-    return 100 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return 100 * float(stats.linregress([p[0] for p in pts], [p[1] for p in pts]).slope)

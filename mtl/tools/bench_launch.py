@@ -1,0 +1,163 @@
+"""Where the benchmark's runs train: ``bench.launcher: local`` (a process, or torchrun, per run on this machine) or
+``slurm`` (one Slurm job per run through submitit; torchrun inside the job when ``bench.nproc`` > 1).
+
+Both are driven by ``drive``: at most ``bench.parallel`` runs at once, each run's output in its folder's ``log.txt``,
+a failed run recorded with its error while the sweep goes on, and every run still in flight stopped (process
+terminated, job cancelled) when the sweep itself is interrupted, so no run outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+
+def _die_with_parent() -> None:
+    """In a run's process (Linux): SIGTERM when the sweep's process dies, even by SIGKILL, so no run outlives it."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def tail(path: str, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:]).strip()
+    except OSError as e:  # the run's folder was removed under the sweep
+        return f"(no log: {e})"
+
+
+class LocalLauncher:
+    """Each run a child process of the sweep (``train.py``, or torchrun for ``bench.nproc`` > 1)."""
+
+    name = "local"
+
+    def __init__(self, env: dict):
+        self.env = env
+
+    def start(self, run: dict, command: list[str], record) -> tuple:
+        record()  # where it runs: this machine
+        log = open(os.path.join(run["dir"], "log.txt"), "w")
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        return proc, log
+
+    def poll(self, handle, run: dict) -> str | None | bool:
+        """None while running; True when it succeeded; else the error (str)."""
+        proc, log = handle
+        if proc.poll() is None:
+            return None
+        log.close()
+        if proc.returncode == 0:
+            return True
+        return f"exit code {proc.returncode}: {tail(os.path.join(run['dir'], 'log.txt'))}"
+
+    def stop(self, handle) -> None:
+        proc, log = handle
+        proc.terminate()
+        proc.wait()
+        log.close()
+
+
+def run_job(command: list[str], run_dir: str, env: dict, cwd: str, record_args: tuple | None = None) -> int:
+    """What one Slurm job does (on its node): record where it runs (``bench_run.json``), then train, the output in
+    the run's ``log.txt``. Returns the command's exit code."""
+    if record_args is not None:
+        from mtl.tools.bench_record import provenance, write_record
+
+        config, threads = record_args
+        write_record(run_dir, config, provenance(threads))
+    with open(os.path.join(run_dir, "log.txt"), "w") as log:
+        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                              cwd=cwd).returncode
+
+
+class SlurmLauncher:
+    """Each run one job through submitit (``bench.slurm``: partition, time, GPUs, CPUs, memory per run; ``cluster:
+    local`` runs the jobs with submitit's local executor). The jobs' own logs are in ``output_dir/slurm``."""
+
+    name = "slurm"
+
+    def __init__(self, cfg, env: dict, threads: int):
+        try:
+            import submitit
+        except ImportError as e:
+            from mtl.errors import ConfigError
+
+            raise ConfigError("bench.launcher=slurm needs submitit (pip install -e '.[slurm]'), or set "
+                              "bench.launcher=local") from e
+        s, nproc = cfg.bench.slurm, max(1, int(cfg.bench.nproc))
+        self.env, self.threads, self.cwd = env, threads, os.getcwd()
+        self.executor = submitit.AutoExecutor(folder=os.path.join(cfg.output_dir, "slurm", "%j"), cluster=s.cluster)
+        params = {"timeout_min": int(s.time_min), "nodes": 1, "tasks_per_node": 1, "name": "mtl-bench",
+                  "cpus_per_task": int(s.cpus_per_run) or nproc * threads, "gpus_per_node": int(s.gpus_per_run)}
+        if s.mem_gb:
+            params["mem_gb"] = int(s.mem_gb)
+        if s.cluster == "slurm":
+            if s.partition:
+                params["slurm_partition"] = s.partition
+            if s.extra:
+                params["slurm_additional_parameters"] = dict(s.extra)
+        self.executor.update_parameters(**params)
+
+    def start(self, run: dict, command: list[str], record) -> object:
+        return self.executor.submit(run_job, command, run["dir"], self.env, self.cwd,
+                                    (run["config"], self.threads))
+
+    def poll(self, job, run: dict) -> str | None | bool:
+        if not job.done():
+            return None
+        try:
+            code = job.result()
+        except Exception as e:  # the job itself failed: timeout, preemption, a node failure, an import error
+            return f"job {job.job_id} failed: {str(e).strip()[-2000:]}"
+        if code == 0:
+            return True
+        return f"job {job.job_id}, exit code {code}: {tail(os.path.join(run['dir'], 'log.txt'))}"
+
+    def stop(self, job) -> None:
+        job.cancel(check=False)
+
+
+def make_launcher(cfg, env: dict, threads: int):
+    return SlurmLauncher(cfg, env, threads) if cfg.bench.launcher == "slurm" else LocalLauncher(env)
+
+
+def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: float = 0.2) -> None:
+    """Run ``pending`` through ``launcher``, ``parallel`` at once. ``begin(run)`` prepares a run's folder and returns
+    ``(command, record)`` (``record()`` writes where it runs); ``finish(run, outcome)`` records it (outcome: True or
+    the error). Whatever is still in flight when this is interrupted (Ctrl-C, or SIGTERM: ``scancel`` of a driver
+    job) is stopped."""
+    import signal
+
+    running: list = []
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit: the finally below runs
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                r = pending.pop(0)
+                command, record = begin(r)
+                running.append((r, launcher.start(r, command, record), time.time()))
+            time.sleep(poll_s)
+            for item in list(running):
+                r, handle, tic = item
+                outcome = launcher.poll(handle, r)
+                if outcome is None:
+                    continue
+                running.remove(item)
+                r["wall_s"] = round(time.time() - tic, 1)
+                finish(r, outcome)
+    finally:  # interrupted (Ctrl-C, SIGTERM, an error here): no run may outlive the sweep
+        for _, handle, _ in running:
+            launcher.stop(handle)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)

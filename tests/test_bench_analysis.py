@@ -1,0 +1,147 @@
+"""The benchmark's analysis and interface: each run's evaluation selected on validation and reported on a held-out
+test split (which the trainer evaluates beside validation), Δm's sign, the bench keys' checks, plots, --plan and --help."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from .conftest import PY, ROOT, TINY
+
+SPECS = [("cls_acc", "cls", True), ("gen_bleu4", "gen", True), ("gen_chrf", "gen", True)]
+
+
+def _run(val: dict, test: dict) -> dict:
+    """A run as read_run returns it: validation curves and test values by step."""
+    steps = sorted(next(iter(val.values())))
+    return {"eval_steps": steps, "val": {k: sorted(v.items()) for k, v in val.items()},
+            "test": {k: dict(v) for k, v in test.items()}}
+
+
+def test_the_best_validation_evaluation_is_reported_on_test():
+    from mtl.tools.bench import delta, select
+
+    ref = {"cls_acc": 0.8, "gen_bleu4": 0.5, "gen_chrf": 0.5}
+    # validation peaks at step 200 (cls 0.75, the same gen), the test split peaks elsewhere (step 300): the
+    # report is step 200's test values, never the test split's own best
+    val = {"cls_acc": {100: 0.5, 200: 0.75, 300: 0.7}, "gen_bleu4": {100: 0.4, 200: 0.4, 300: 0.4},
+           "gen_chrf": {100: 0.4, 200: 0.4, 300: 0.4}}
+    test = {"cls_acc": {100: 0.45, 200: 0.6, 300: 0.9}, "gen_bleu4": {100: 0.3, 200: 0.35, 300: 0.5},
+            "gen_chrf": {100: 0.3, 200: 0.36, 300: 0.5}}
+    d = _run(val, test)
+    select(d, SPECS, ref, "best", "test")
+    assert d["selected_step"] == 200 and (d["cls_acc"], d["gen_bleu4"], d["gen_chrf"]) == (0.6, 0.35, 0.36)
+    select(d, SPECS, ref, "last", "test")
+    assert d["selected_step"] == 300 and d["cls_acc"] == 0.9
+    select(d, SPECS, ref, "best", "validation")  # no test split: the chosen evaluation itself (optimistic)
+    assert d["selected_step"] == 200 and d["cls_acc"] == 0.75
+    # a single-task baseline is selected on its own task's metrics
+    b = _run({"cls_acc": {100: 0.9, 200: 0.7}}, {"cls_acc": {100: 0.85, 200: 0.95}})
+    select(b, SPECS, ref, "best", "test")
+    assert b["selected_step"] == 100 and b["cls_acc"] == 0.85
+    # Δm: lower is better, per task then over tasks: cls 0.6 vs 0.8 = +25, gen (-30 - 28) / 2 = +29 -> +27
+    assert abs(delta({"cls_acc": 0.6, "gen_bleu4": 0.35, "gen_chrf": 0.36}, ref, SPECS) - 27.0) < 1e-9
+    assert abs(delta({"cls_acc": 1.0, "gen_bleu4": 0.5, "gen_chrf": 0.5}, ref, SPECS) + 12.5) < 1e-9  # better: < 0
+    assert delta({"cls_acc": 0.6}, ref, SPECS) != delta({"cls_acc": 0.6}, ref, SPECS)  # a missing metric: nan
+    assert abs(delta({"cls_acc": 0.6}, ref, SPECS, partial=True) - 25.0) < 1e-9
+
+
+def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
+    """data.synthetic.test_size: another stream of images (seed + test_seed_offset), evaluated at every evaluation
+    and logged as test_<metric>; without it nothing changes."""
+    from mtl.config_check import load_run_config
+    from mtl.data.loader import build_datasets, build_test_dataset
+
+    cfg = load_run_config(TINY, ["data.synthetic.test_size=16"])
+    train, val = build_datasets(cfg)
+    test = build_test_dataset(cfg, train)
+    assert len(test) == 16 and test.normalization == val.normalization
+    assert not (test[0]["image"] == val[0]["image"]).all()  # not the validation images
+    assert build_test_dataset(load_run_config(TINY, []), train) is None
+    out = tmp_path / "run"
+    proc = subprocess.run([PY, "train.py", "--config", TINY, f"output_dir={out}", "trainer.max_steps=2",
+                           "trainer.eval_every=2", "checkpoint.every_steps=0", "data.synthetic.test_size=16"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(out / "metrics.jsonl") as f:
+        ev = [r for r in map(json.loads, f) if r["kind"] == "eval"][-1]
+    assert {"cls_acc", "gen_bleu4", "test_cls_acc", "test_gen_bleu4", "test_gen_chrf"} <= set(ev)
+
+
+@pytest.mark.parametrize("extra, error", [
+    (["bench.baselines=false"], "bench.select=best selects on validation"),
+    (["bench.alpha=1.5"], "bench.alpha: 1.5 must lie in (0, 1)"),
+    (["bench.select=first"], "bench.select: 'first' must be best"),
+    (["bench.launcher=pbs"], "bench.launcher: 'pbs' must be one of local, slurm"),
+])
+def test_bench_keys_are_checked(tmp_path, extra, error):
+    from mtl.config_check import load_run_config
+    from mtl.tools.bench import regime_configs
+
+    over = [f"output_dir={tmp_path}", *extra]
+    _, errors = regime_configs(load_run_config(TINY, over), TINY, over)
+    assert any(e.startswith(error) for e in errors), errors
+    assert os.listdir(tmp_path) == []
+
+
+def test_plots_show_every_baseline_in_the_legend_in_its_own_colour_with_bands(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mtl.config_check import load_run_config
+    from mtl.tools.bench_plots import write_plots
+
+    cfg = load_run_config(TINY, [])
+    methods = [f"m{i}" for i in range(21)]  # more methods than the palette's 20 colours
+
+    def run(seed, task=None):
+        metrics = {"cls_acc": 0.5 + seed / 100, "gen_bleu4": 0.3, "gen_chrf": 0.3}
+        if task:
+            metrics = {k: v for k, v in metrics.items() if k.startswith(task)}
+        return {"t0": 0.0, "evals": [{"step": s, "time": float(s), **metrics} for s in (10, 20)],
+                "train": [{"step": s, "weight_cls": 1.0, "weight_gen": 1.0} for s in (10, 20)]}
+
+    data = {m: [run(0), run(1), run(2)] for m in methods}
+    data.update({"single_cls": [run(s, "cls") for s in range(3)], "single_gen": [run(s, "gen") for s in range(3)]})
+    figures = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda self, path, **k: figures.append((os.path.basename(path), self)))
+    write_plots(cfg, SPECS, data, str(tmp_path), methods)
+    fig = dict(figures)["metrics_vs_step.png"]
+    handles = {t.get_text(): h for t, h in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
+    assert {"single_cls", "single_gen", "m0", "m20"} <= set(handles)
+    method_colours = {matplotlib.colors.to_hex(handles[m].get_color()) for m in methods}
+    for b in ("single_cls", "single_gen"):
+        assert matplotlib.colors.to_hex(handles[b].get_color()) not in method_colours
+    bands = [c for ax in fig.axes for c in ax.collections]  # fill_between: one band per line
+    assert len(bands) == sum(len(ax.lines) for ax in fig.axes) and len(bands) > 0
+
+
+def test_plan_lists_every_run_and_help_names_overrides_and_outputs(capsys):
+    from mtl.tools.bench import main
+
+    assert main(["--config", TINY, "bench.methods=[equal,'cagrad(c=0.2)']", "bench.seeds=[0,1]", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "8 runs" in out
+    assert "[3/8] natural cagrad(c=0.2) seed 0: runs/tiny/runs/natural/cagrad_c=0.2/seed0  weighting.method=cagrad " \
+           "weighting.source=parameters weighting.options.c=0.2 ddp.strategy=task_grads" in out.replace(os.sep, "/")
+    assert "[8/8] natural single_gen seed 1:" in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for words in ("key=value", "bench.seeds=[0,1,2]", "results.md", "runs.jsonl", "bench_run.json", "--on-change",
+                  "--analyze"):
+        assert words in text, words
+
+
+def test_a_test_split_in_multi_input_mode_is_refused_by_name(tmp_path):
+    """Each task has its own validation set there; one shared test split would score the wrong data: refused."""
+    out = tmp_path / "run"
+    proc = subprocess.run([PY, "train.py", "--config", os.path.join(ROOT, "configs", "multi_input.yaml"),
+                           f"output_dir={out}", "trainer.max_steps=1", "data.synthetic.test_size=8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "data.synthetic.test_size / data.test_path: a test split is not supported in multi-input mode" in \
+        proc.stderr + proc.stdout
