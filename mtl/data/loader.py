@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
