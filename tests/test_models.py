@@ -7,7 +7,7 @@ from mtl.build import build_model
 from mtl.config_check import load_run_config
 from mtl.data.tokenizer import train_tokenizer
 from mtl.errors import ConfigError
-from mtl.models.backbone import build_backbone
+from mtl.models.backbones.torchvision_cnn import build_torchvision_backbone as build_backbone
 from mtl.models.decoder import CaptionDecoder
 
 from .conftest import TINY
