@@ -2,7 +2,7 @@
 
 The GPU-only settings (device, bf16/fp16, SyncBatchNorm, nccl) are replaced by their CPU
 counterparts, and the sizes shrunk so that each run takes seconds; everything else is the file's own.
-A config that can never run (issue 8: gpu.yaml asked for 8 of the 7 shape kinds) fails here.
+A config that can never run (one that asks for more classes than the synthetic scenes' shape kinds) fails here.
 """
 
 from __future__ import annotations

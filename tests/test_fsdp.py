@@ -628,12 +628,6 @@ def test_the_fsdp2_example_config_shrunk_trains_on_two_ranks(runs):
     assert r["losses"] == runs["rank1"]["example"]["losses"]  # rank-averaged, the same on both
 
 
-@pytest.mark.slow
-def test_report_the_time(runs):
-    print(f"\nFSDP2 spawn: {runs['wall_s']:.1f} s; per run (rank 0): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in runs["rank0"]["timing"].items()))
-
-
 # ---------------------------------------------------------------------------- refusals (in-process, fast)
 
 REFUSED = [

@@ -193,7 +193,8 @@ def test_weightings_run_on_cuda(method):
 # --------------------------------------------------------------------------------------------------
 # the Gram interface: w from (G G^T, losses, state), update w^T G
 
-# The weights each method's combine() gave at commit 294b73a (before the methods moved onto GramWeighting),
+# The weights each method's combine() gave when it formed its update from the rows of G (before the methods
+# computed their weights from the Gram matrix alone, GramWeighting),
 # on the inputs of gram_case(k) over three steps of gram_case_run; d = w @ G. Kept to 12 digits.
 PREVIOUS_WEIGHTS_TABLE = """
 pcgrad/2     2.01920688901 1.1580998075
@@ -504,7 +505,7 @@ def nash_hard_cases():
     for eps in (1e-2, 1e-3, 1e-4):  # nearly opposed: alpha ~ 1/sqrt(eps)
         cases.append(G([1.0, 0.0], [-1.0, eps]))
         cases.append(G([100.0, 0.0], [-1.0, eps]))  # ... and one 100x the other
-        cases.append(G([1.0, 0.0, 0.0], [-1.0, eps, 0.0], [0.5, -0.5, 1.0]))  # issue 9's K = 3 case
+        cases.append(G([1.0, 0.0, 0.0], [-1.0, eps, 0.0], [0.5, -0.5, 1.0]))  # K = 3, one pair nearly opposed
         cases.append(G([1.0, 0, 0, 0, 0], [-1.0, eps, 0, 0, 0], [0, 0, 1.0, 0, 0], [0, 0, -3.0, eps, 0],
                        [0.1, 0, 0.1, 0, 1.0]))  # K = 5, two nearly opposed pairs
     cases.append(G([3.0, 4.0, 0.0], [3.0, 4.0, 0.0], [0.0, 1.0, 1.0]))  # identical rows
@@ -667,7 +668,7 @@ def upgrad_kkt_violation(g: torch.Tensor) -> float:
 
 
 def test_upgrad_nearly_opposed_k3_does_not_increase_a_loss():
-    # the case of issue 9: a fixed number of coordinate-descent sweeps returned d with g_1 . d = -1.3e-3
+    # nearly opposed, K = 3: a fixed number of coordinate-descent sweeps would return d with g_1 . d = -1.3e-3
     g = G([1.0, 0.0, 0.0], [-1.0, 0.01, 0.0], [0.5, -0.5, 1.0])
     d = upgrad(g)
     assert (g @ d >= 0).all(), (g @ d).tolist()

@@ -32,17 +32,24 @@ SUPPORTED = sorted(RESNETS | CONVNEXTS | FEATURE_CNNS)
 NORMS = ("batch", "group", "frozen", "sync")
 
 
-class ResNetTrunk(Backbone):
-    name = "resnet"
-    variants = tuple(sorted(RESNETS))
+class TorchvisionTrunk(Backbone):
+    """A torchvision family (its names in ``variants``), built from ``model.backbone.name``, ``weights``, ``norm`` and
+    ``stages``."""
 
     @classmethod
     def build(cls, cfg):
-        return build_torchvision_backbone(**_keys(cfg))
+        b = cfg.model.backbone
+        return build_torchvision_backbone(b.name, b.weights, b.norm, b.stages)
 
     @classmethod
     def check(cls, cfg):
-        return _norm_errors(cfg)
+        norm = cfg.model.backbone.norm
+        return [] if norm in NORMS else [f"model.backbone.norm: {norm!r} is not one of {', '.join(NORMS)}"]
+
+
+class ResNetTrunk(TorchvisionTrunk):
+    name = "resnet"
+    variants = tuple(sorted(RESNETS))
 
     def __init__(self, net: nn.Module, stages: int):
         super().__init__()
@@ -56,19 +63,11 @@ class ResNetTrunk(Backbone):
         return self.layers(self.stem(x))
 
 
-class FeaturesTrunk(Backbone):
+class FeaturesTrunk(TorchvisionTrunk):
     """Networks whose ``.features`` Sequential is the whole convolutional trunk (ConvNeXt, EfficientNet, ...)."""
 
     name = "features"
     variants = tuple(sorted(CONVNEXTS | FEATURE_CNNS))
-
-    @classmethod
-    def build(cls, cfg):
-        return build_torchvision_backbone(**_keys(cfg))
-
-    @classmethod
-    def check(cls, cfg):
-        return _norm_errors(cfg)
 
     def __init__(self, features: nn.Sequential):
         super().__init__()
@@ -166,16 +165,6 @@ def convert_norm(module: nn.Module, norm: str) -> nn.Module:
         else:
             convert_norm(child, norm)
     return module
-
-
-def _keys(cfg) -> dict:
-    b = cfg.model.backbone
-    return {"name": b.name, "weights": b.weights, "norm": b.norm, "stages": b.stages}
-
-
-def _norm_errors(cfg) -> list[str]:
-    norm = cfg.model.backbone.norm
-    return [] if norm in NORMS else [f"model.backbone.norm: {norm!r} is not one of {', '.join(NORMS)}"]
 
 
 def build_torchvision_backbone(name: str, weights: str | None = None, norm: str = "batch",
