@@ -20,6 +20,7 @@ from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
 from mtl.dist import DistInfo, barrier
 from mtl.errors import CheckpointError, ConfigError
+from mtl.faults import install_poison
 from mtl.models.backbones import build_backbone
 from mtl.models.multitask import MultiTaskModel
 from mtl.strategies import strategy_types
@@ -73,8 +74,11 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
                      num_classes=num_classes, class_names=class_names, tokenizer=tokenizer)
     types = run_task_types(cfg)
     scale = cfg.get("loss_scale") or {}
-    return MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},
-                          loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
+    model = MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},
+                           loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
+    if cfg.trainer.get("poison"):  # testing only: the reliability tests' NaN loss
+        install_poison(model)
+    return model
 
 
 def run_task_types(cfg) -> dict[str, type]:
