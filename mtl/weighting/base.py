@@ -207,6 +207,13 @@ class Weighting(nn.Module):
                                      "holds only its columns of them")
 
 
+def k_softmax(scores: list[float]) -> list[float]:
+    """K * softmax(scores): weights that sum to the number of tasks K (DWA's and STCH's), stable for any scores."""
+    from scipy.special import softmax
+
+    return (len(scores) * softmax(np.asarray(scores, dtype=np.float64))).tolist()
+
+
 def gram_matrix(grads: Tensor) -> Tensor:
     """The K x K Gram matrix ``grads @ grads.T`` in float64 (the product in float32 for lower precisions)."""
     g = grads.detach()
