@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from scipy.special import softmax
 from torch import Tensor, nn
 
 from mtl.config import NoOptions, options_of
@@ -209,8 +210,6 @@ class Weighting(nn.Module):
 
 def k_softmax(scores: list[float]) -> list[float]:
     """K * softmax(scores): weights that sum to the number of tasks K (DWA's and STCH's), stable for any scores."""
-    from scipy.special import softmax
-
     return (len(scores) * softmax(np.asarray(scores, dtype=np.float64))).tolist()
 
 
