@@ -14,6 +14,19 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are selected by name (``-m gpu``, ``-m "not gpu"``) and skipped, with the reason, on a
+    machine without a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: no CUDA device on this machine")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 def spawn_env(index: int, port: int) -> int:
     """For a spawned parity worker: index 0 and 1 become the two ranks of a process group (torchrun's
     variables), index 2 the single process (no process group). Returns the world size."""

@@ -164,7 +164,7 @@ def test_float32_and_single_task_inputs(name):
     assert float(d1 @ one[0]) > 0  # a single task always descends
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GRAD_FUNCS))
 def test_cuda_matches_cpu(name):
     for k in (2, 3):
@@ -172,7 +172,7 @@ def test_cuda_matches_cpu(name):
         close(GRAD_FUNCS[name](g.cuda()).cpu(), GRAD_FUNCS[name](g), 1e-9)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", LOSS_METHODS + GRAD_METHODS + ROW_METHODS)
 def test_weightings_run_on_cuda(method):
     w = make(method, tasks=["a", "b", "c"]).to("cuda")
