@@ -27,7 +27,7 @@ is copied into row t of a K x (P / W) buffer and zeroed before the next pass. Th
 over the ranks of the shards' local products, ``G G^T = sum_r G_r G_r^T``: ONE all-reduce of K x K numbers
 (carrying the K losses too). Every rank gets the same Gram matrix, so the same weights, and combines its
 own shard in place in ``.grad``. A method that needs the rows runs only where its update is exact column
-by column (``Weighting.combine_shard``: GradDrop); the config check refuses the others. Cost: K backbone
+by column (``RowWeighting.combine_shard``: GradDrop); the config check refuses the others. Cost: K backbone
 backward passes, each with FSDP2's all-gathers and reduce-scatters, and one K x K all-reduce; the buffer
 is K x P / W per rank.
 

@@ -16,7 +16,7 @@ batch's gradient and loss), so ``g_t / L_t`` is the gradient of log L_t of the g
 one process on the global batch; every rank keeps the same averages.
 
 It needs the rows (the average h is a K x P matrix, not a function of this step's Gram matrix), so it
-subclasses ``Weighting`` and overrides ``combine``. **Cost:** the K x P average is kept between steps,
+subclasses ``RowWeighting`` and defines ``combine``. **Cost:** the K x P average is kept between steps,
 as much memory again as the task-gradient matrix G, and it is part of ``state_dict()`` (extra state),
 so checkpoints grow by K x P numbers; a K x P update per step, no solver.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting, check_present
+from mtl.weighting.base import RowWeighting, check_present
 from mtl.weighting.checks import option_range_errors
 
 DBMTL_EPS = 1e-8
@@ -66,7 +66,7 @@ class DBMTLOptions:
 # the same first average as a fresh start); so DB-MTL over K tasks of which only S appear is DB-MTL over S.
 
 
-class DBMTL(Weighting):
+class DBMTL(RowWeighting):
     name = "dbmtl"
     updates_from_present_tasks = True  # only the present tasks' averages and step counts move
     level = "grad"

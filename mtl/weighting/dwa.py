@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtl.weighting.base import Weighting, k_softmax
+from mtl.weighting.base import LossWeighting, k_softmax
 from mtl.weighting.checks import option_range_errors
 
 DWA_T = 2.0
@@ -39,7 +39,7 @@ class DWAOptions:
     T: float = DWA_T  # softmax temperature: larger T gives more even weights (the paper's T = 2)
 
 
-class DWA(Weighting):
+class DWA(LossWeighting):
     name = "dwa"
     Options = DWAOptions
     updates_from_present_tasks = True  # end_step may get a subset of the tasks (multi-input, mtl/multi_input_check.py)

@@ -19,7 +19,7 @@ raw gradients, without its ball projection).
 
 Rows, not a Gram matrix: the update ``Y^T lambda`` is a combination of the *tracked* gradients (a K x P average
 of earlier steps' rows), not of this step's rows, and Y Y^T needs the cross products of this step's rows with
-the earlier average. A tracked K x K Gram matrix cannot give the update, so MoCo subclasses ``Weighting`` and
+the earlier average. A tracked K x K Gram matrix cannot give the update, so MoCo subclasses ``RowWeighting`` and
 overrides ``combine``, like DB-MTL: it needs ``ddp.strategy=task_grads`` (``weighting.source: parameters``).
 **Cost:** the K x P average Y is kept between steps (memory as much again as the task-gradient matrix G) and is
 saved in ``state_dict()`` (extra state, with k and lambda), so checkpoints grow by K x P numbers; a K x P update
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import RowWeighting
 from mtl.weighting.checks import option_range_errors
 
 MOCO_NORM_EPS = 1e-8
@@ -77,7 +77,7 @@ class MoCoOptions:
     normalize: bool = True  # track g_t / ||g_t|| * L_t, as the authors' code (false: the raw gradients)
 
 
-class MoCo(Weighting):
+class MoCo(RowWeighting):
     name = "moco"
     absent_task_refusal = ("it tracks each task's gradient and lambda over every task with step-indexed rates; a present-only "
                            "update is not defined")

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from mtl.dist import all_reduce_mean
-from mtl.weighting.base import Weighting, k_softmax
+from mtl.weighting.base import LossWeighting, k_softmax
 from mtl.weighting.checks import option_range_errors
 
 STCH_EPS = 1e-20
@@ -57,7 +57,7 @@ class STCHOptions:
     nadir_steps: int = 20  # the last this many warm-up steps give the nadir point (the mean of each task's loss)
 
 
-class STCH(Weighting):
+class STCH(LossWeighting):
     name = "stch"
     updates_from_present_tasks = True  # per-task warm-up, nadir and previous loss (module docstring)
     Options = STCHOptions
