@@ -2,8 +2,9 @@
 
 One backbone forward (the ``feature_leaf`` graph, through DDP as usual). For each task t but the last:
 its head backward pass into the feature leaf, then ``torch.autograd.grad(features, shared, g_t)``,
-which gives row t of the K x P matrix G without touching ``.grad`` (so DDP's hooks do not fire); the
-row is written into a preallocated buffer and its all-reduce starts at once, asynchronously, so that
+which gives row t of the K x P matrix G without touching ``.grad`` (so DDP's hooks do not fire); each
+parameter's gradient is written straight into its slice of row t of a preallocated buffer as autograd computes
+it (``into_row_``), and the row's all-reduce starts at once, asynchronously, so that
 it runs while the next tasks' backward passes compute. The LAST task's backbone backward is an
 ordinary ``features.backward(g_K)`` through DDP: every parameter (the heads, from their passes, and
 the backbone, from this one) gets exactly one gradient, so DDP reduces the last row and the heads'
@@ -69,8 +70,9 @@ class TaskGrads(Strategy):
 
     @classmethod
     def extra_memory_bytes(cls, num_tasks, shared_params, feature_numel, elem=4):
-        # the K x P buffer, one row's autograd output before it is copied in, the leaf and its per-task gradients
-        return (num_tasks + 1) * shared_params * elem + 3 * feature_numel * elem
+        # the K x P buffer (each row written in place, one parameter's gradient at a time), the leaf and its
+        # per-task gradients
+        return num_tasks * shared_params * elem + 3 * feature_numel * elem
 
     def _buffer(self, k: int, n: int, like: torch.Tensor) -> torch.Tensor:
         if self._buf is None or self._buf.numel() != k + k * n or self._buf.dtype != like.dtype \
@@ -98,10 +100,7 @@ class TaskGrads(Strategy):
             if i == k - 1:
                 features.backward(leaf.grad)  # through DDP: the last row and the heads, in its buckets
                 break
-            g = torch.autograd.grad(features, shared, grad_outputs=leaf.grad, retain_graph=True,
-                                    materialize_grads=True)
-            torch.cat([x.reshape(-1) for x in g], out=rows[i])
-            del g
+            into_row_(features, leaf.grad, shared, rows[i])
             # row i starts its all-reduce now (row 0 with the losses: one collective) and runs under the next passes
             pending.append(s.comm.start_all_reduce_mean_(buf[: k + n] if i == 0 else rows[i]))
         if k == 1:
@@ -123,7 +122,7 @@ class TaskGrads(Strategy):
             w = [1.0] * k
         else:  # a method that needs the rows
             w = None
-            direction = s.combine(rows / scale, loss_vec) * scale
+            direction = s.combine(rows if scale == 1 else rows / scale, loss_vec) * scale
         if w is not None:
             add_weighted_rows_(grads, rows, w)
         else:
@@ -192,6 +191,26 @@ class TaskGrads(Strategy):
             total = sum(p.numel() for p in shared)  # a DTensor's numel is the full parameter's
             self._shards = (key, shard_index(shared).to(device), total)
         return self._shards[1], self._shards[2]
+
+
+def into_row_(features: torch.Tensor, grad: torch.Tensor, shared: list[torch.Tensor], row: torch.Tensor) -> None:
+    """``row`` (P,) becomes the gradient of ``features`` (with ``grad`` as its output gradient) with respect to
+    ``shared``, flattened in order, without touching ``.grad`` (so DDP's hooks do not fire). Each parameter's
+    gradient is copied into its slice of the row by a tensor hook as soon as autograd computes it, and the hook
+    hands autograd a zero-stride zero in its place: no P-sized set of fresh gradients is ever held at once."""
+    handles = []
+    for p, part in zip(shared, torch.split(row, [p.numel() for p in shared])):
+        def hook(g, part=part):
+            part.copy_(g.reshape(-1))
+            return torch.zeros((), dtype=g.dtype, device=g.device).expand_as(g)
+
+        part.zero_()  # a parameter the features do not reach keeps a zero row slice
+        handles.append(p.register_hook(hook))
+    try:
+        torch.autograd.grad(features, shared, grad_outputs=grad, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def add_weighted_rows_(grads: list[torch.Tensor], rows: torch.Tensor, w: list[float]) -> None:
