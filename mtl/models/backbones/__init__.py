@@ -2,6 +2,7 @@
 listing its ``variants``), and the modules a config names in ``backbone_modules`` (a backbone file outside this
 package). ``base`` holds the interface."""
 
+from mtl.errors import ConfigError
 from mtl.models.backbones.base import Backbone
 from mtl.registry import registered
 
@@ -17,8 +18,6 @@ def backbone_types(extra_modules=()) -> dict[str, type]:
 
 def build_backbone(cfg) -> Backbone:
     """The run's backbone: ``model.backbone.name`` among mtl/models/backbones/ and the config's ``backbone_modules``."""
-    from mtl.errors import ConfigError
-
     types = backbone_types(cfg.get("backbone_modules") or ())
     name = cfg.model.backbone.name
     if name not in types:
