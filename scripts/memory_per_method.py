@@ -5,8 +5,8 @@
 For each method and each source tree (``--tree``: a checkout of mtl; default: this one), a fresh Python process
 builds ``configs/default.yaml``'s model (ResNet-18 cut after layer2, the 2-layer decoder) with a small batch
 (``data.batch_size=8``: the activations are small beside the parameter-sized buffers this compares), on the CPU,
-one process, and takes 3 optimizer steps with ``Trainer.step_once``. It reports the growth of the peak resident set
-(VmHWM) from the built trainer to the end of step 3, and the median time of steps 2 and 3. Gradient-level methods
+one process, and takes optimizer steps with ``Trainer.step_once``. It reports the growth of the peak resident set
+(VmHWM) from the built trainer to the end of step 3, and the median time of steps 2 to ``--steps`` (default 3). Gradient-level methods
 run with ``ddp.strategy=task_grads`` (the parameters source), loss-level ones with ``feature_leaf``.
 """
 
@@ -33,7 +33,7 @@ def peak_rss_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def one(method: str, out_dir: str) -> dict:
+def one(method: str, out_dir: str, steps: int = 3) -> dict:
     """In this process: build, then 3 steps; the peak RSS before and after, and the step times."""
     import torch
 
@@ -44,17 +44,18 @@ def one(method: str, out_dir: str) -> dict:
     grad = weighting_types()[method].level == "grad"
     trainer = Trainer.from_config(os.path.join(ROOT, "configs", "default.yaml"), [
         f"output_dir={out_dir}", "overwrite=true", "device=cpu", "trainer.progress=false", "data.batch_size=8",
-        "data.num_workers=0", "data.synthetic.train_size=256", "data.synthetic.val_size=16", "trainer.max_steps=3",
+        "data.num_workers=0", "data.synthetic.train_size=256", "data.synthetic.val_size=16", f"trainer.max_steps={max(3, steps)}",
         f"weighting.method={method}", f"ddp.strategy={'task_grads' if grad else 'feature_leaf'}"])
     batches = trainer.batches()
-    batch = [next(batches)[1] for _ in range(3)]  # drawn before the baseline: the loader's memory is not the step's
+    batch = [next(batches)[1] for _ in range(max(3, steps))]  # drawn first: the loader's memory is not the step's
     before = peak_rss_mib()
-    times = []
-    for b in batch:
+    times, after = [], None
+    for i, b in enumerate(batch):
         tic = time.perf_counter()
         trainer.step_once(b)
         times.append(time.perf_counter() - tic)
-    after = peak_rss_mib()
+        if i == 2:
+            after = peak_rss_mib()
     trainer.close()
     return {"method": method, "growth_mib": after - before, "peak_mib": after,
             "step_s": sorted(times[1:])[len(times[1:]) // 2]}
@@ -64,19 +65,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", help="a source tree of mtl (default: this one); give two to compare")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=3, help="steps per process (the growth is always over the first 3)")
     ap.add_argument("--out", help="write the rows as JSON here too")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: measure this method, print one JSON line
     args = ap.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
-            print(json.dumps(one(args.one, tmp)))
+            print(json.dumps(one(args.one, tmp, args.steps)))
         return
     trees = args.tree or [ROOT]
     rows = []
     for method in args.methods.split(","):
         for tree in trees:  # side by side: the trees alternate per method
             env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", method], cwd=tree, env=env,
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", method, "--steps", str(args.steps)],
+                                  cwd=tree, env=env,
                                   capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"{method} in {tree} failed:\n{proc.stderr[-3000:]}")
