@@ -215,7 +215,8 @@ def _task_checks(errors, cfg, tasks) -> None:
 
 
 def _backbone(errors, cfg) -> type | None:
-    """``model.backbone.name`` among the built-in backbones and ``backbone_modules``, and the backbone's own checks."""
+    """The class of ``model.backbone.name``, among the built-in backbones and ``backbone_modules`` (its options and
+    own checks: ``_options``)."""
     try:
         types = backbone_types(cfg.get("backbone_modules") or ())
     except ConfigError as e:
@@ -224,8 +225,6 @@ def _backbone(errors, cfg) -> type | None:
     backbone = types.get(cfg.model.backbone.name)
     if backbone is None:
         errors.append(unknown_backbone(cfg.model.backbone.name, types))
-    else:
-        errors += backbone.check(cfg)
     return backbone
 
 
@@ -248,6 +247,8 @@ def _options(errors, cfg, tasks, method, backbone=None) -> None:
     if backbone is not None:
         cfg.model.backbone.options = check_options(cfg.model.backbone.options, backbone.Options,
                                                    "model.backbone.options", errors)
+        if not any(e.startswith("model.backbone.options") for e in errors):  # its check reads them
+            errors += backbone.check(cfg)
 
 
 def option_defaults(cfg) -> dict:

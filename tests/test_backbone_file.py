@@ -44,8 +44,9 @@ def test_the_new_backbone_is_found_by_name_and_the_heads_fit_its_declared_featur
 def test_the_new_backbone_s_name_options_and_module_are_checked(backbone_file):
     with pytest.raises(ConfigError) as e:
         load_run_config(TINY, [f"backbone_modules=[{backbone_file}]", "model.backbone.name=small_cnn",
-                               "model.backbone.options.widht=8"])
+                               "model.backbone.options.widht=8", "optim.lr=-1"])
     assert "did you mean 'model.backbone.options.width'" in str(e.value)
+    assert "optim.lr" in str(e.value)  # with every other error, in one message
     with pytest.raises(ConfigError, match="width and blocks must be > 0"):
         load_run_config(TINY, [f"backbone_modules=[{backbone_file}]", "model.backbone.name=small_cnn",
                                "model.backbone.options.blocks=0"])
