@@ -10,7 +10,7 @@ a method file only what that kind of method defines (the step keeps owning the b
 
 ``Weighting``, their common base, holds the task bookkeeping and the questions the step, the strategies and the
 config check ask of any method (``grad_hooks``, ``gram_only``, ``fsdp2_problem``, ``wants_heldout``,
-``meta_cost``), each answered by the family.
+``meta_cost``), each answered by the family (a bilevel method states its own ``wants_heldout`` and ``meta_cost``).
 
 Loss-level methods (``level = "loss"``) turn each task's loss into the term whose backward pass the
 step runs: ``weigh(task, loss)``. They see only scalars, so they cost next to nothing under DDP; a
@@ -83,7 +83,8 @@ class Weighting(nn.Module):
     ``LossWeighting`` (``weigh``, ``end_step``), ``GramWeighting`` (``weights_from_gram``), ``RowWeighting``
     (``combine``, and for FSDP2 ``combine_shard``), ``BilevelWeighting`` (mtl/weighting/bilevel.py: ``meta_step``),
     each with ``check`` and ``Options``. The queries below (``grad_hooks``, ``gram_only``, ``fsdp2_problem``,
-    ``wants_heldout``, ``meta_cost``) answer from the family, so no method file defines them.
+    ``wants_heldout``, ``meta_cost``) answer from the family; a method file defines none of them but a bilevel
+    method's own ``wants_heldout`` and ``meta_cost``.
     """
 
     name: str = ""
