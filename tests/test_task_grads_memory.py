@@ -7,7 +7,7 @@ import weakref
 import torch
 from torch import nn
 
-from mtl.strategies.task_grads import into_row_
+from mtl.strategies.task_grads import RowWriter
 from mtl.weighting.dbmtl import dbmtl_average
 from mtl.weighting.moco import moco_targets, moco_update
 
@@ -26,12 +26,12 @@ def test_a_row_is_the_gradient_written_in_place_one_parameter_at_a_time():
     row = torch.full((sum(p.numel() for p in shared),), float("nan"))
     seen, alive = [], []
 
-    def watch(g):  # runs before into_row_'s own hook: how many earlier parameters' gradients still live
+    def watch(g):  # runs before RowWriter's own hook: how many earlier parameters' gradients still live
         alive.append(sum(r() is not None for r in seen))
         seen.append(weakref.ref(g))
 
     handles = [p.register_hook(watch) for p in shared]
-    into_row_(features, out_grad, shared, row)
+    RowWriter(shared, row)(features, out_grad)
     for h in handles:
         h.remove()
     assert torch.equal(row, torch.cat([g.reshape(-1) for g in expected]))
