@@ -29,7 +29,8 @@ from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
 from mtl.dist import DistInfo, barrier
 from mtl.errors import CheckpointError, ConfigError
-from mtl.models.backbone import build_backbone
+from mtl.faults import install_poison
+from mtl.models.backbones import build_backbone
 from mtl.models.multitask import MultiTaskModel
 from mtl.strategies import strategy_types
 from mtl.tasks import BuildInfo, DataInfo, task_types
@@ -76,19 +77,17 @@ def resolve_tokenizer(cfg, train_captions, source: str | None = None) -> Caption
 
 
 def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTaskModel:
-    b = cfg.model.backbone
-    backbone = build_backbone(b.name, b.weights, b.norm, b.stages)
-    with torch.no_grad():
-        was = backbone.training
-        backbone.eval()
-        fmap = backbone(torch.zeros(1, 3, cfg.data.image_size, cfg.data.image_size))
-        backbone.train(was)
-    info = BuildInfo(cfg=cfg, feature_channels=fmap.shape[1], feature_hw=tuple(fmap.shape[2:]),
+    backbone = build_backbone(cfg)  # model.backbone.name, from mtl/models/backbones/ and backbone_modules
+    shape = backbone.feature_shape(cfg)
+    info = BuildInfo(cfg=cfg, feature_channels=shape[0], feature_hw=tuple(shape[1:]),
                      num_classes=num_classes, class_names=class_names, tokenizer=tokenizer)
     types = run_task_types(cfg)
     scale = cfg.get("loss_scale") or {}
-    return MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},
-                          loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
+    model = MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},
+                           loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
+    if cfg.trainer.get("poison"):  # testing only: the reliability tests' NaN loss
+        install_poison(model)
+    return model
 
 
 def run_task_types(cfg) -> dict[str, type]:

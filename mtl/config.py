@@ -128,6 +128,7 @@ class BackboneConfig:
     weights: str | None = None  # null | a torchvision weights name (e.g. IMAGENET1K_V1) | a local file
     norm: str = "batch"  # batch | group | frozen | sync  (group/frozen/sync are rank-independent)
     stages: int = 4  # ResNet/ConvNeXt: keep this many stages (fewer: smaller, higher-resolution map)
+    options: dict[str, Any] = field(default_factory=dict)  # the backbone's own options (its Options dataclass)
 
 
 @dataclass
@@ -262,6 +263,7 @@ class Config:
     task_options: dict[str, Any] = field(default_factory=dict)  # task name -> that task's options (its Options)
     task_modules: list[str] = field(default_factory=list)  # more task files: dotted module names or .py paths (from the working directory)
     weighting_modules: list[str] = field(default_factory=list)  # more weighting-method files (as task_modules)
+    backbone_modules: list[str] = field(default_factory=list)  # more backbone files (as task_modules)
     # task name -> factor on its training loss, before any weighting (1 when not given): a benchmark regime with
     # losses on different scales (docs/benchmark.md). Evaluation metrics are unchanged.
     loss_scale: dict[str, float] = field(default_factory=dict)

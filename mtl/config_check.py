@@ -21,7 +21,7 @@ from mtl.errors import ConfigError
 from mtl.fsdp import ENGINES
 from mtl.fsdp import check as fsdp_check
 from mtl.fsdp import check_method as fsdp_method_check
-from mtl.models.backbone import NORMS, SUPPORTED
+from mtl.models.backbones import backbone_types, unknown_backbone
 from mtl.multi_input_check import check as multi_input_check
 from mtl.strategies import strategy_types
 from mtl.tasks import task_types
@@ -66,10 +66,7 @@ def validate(cfg) -> list[str]:
     _choice(errors, "ddp.engine", cfg.ddp.engine, ENGINES)
     _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
     _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant"))
-    _choice(errors, "model.backbone.norm", cfg.model.backbone.norm, NORMS)
-    if cfg.model.backbone.name not in SUPPORTED:
-        errors.append(f"model.backbone.name: unknown backbone {cfg.model.backbone.name!r} "
-                      f"(supported: {', '.join(SUPPORTED)})")
+    backbone = _backbone(errors, cfg)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.model.backbone.norm == "sync" and on_cpu:
         errors.append("model.backbone.norm: sync (SyncBatchNorm) needs CUDA devices, and this run is on the CPU "
@@ -160,7 +157,7 @@ def validate(cfg) -> list[str]:
         errors += gradient_source_errors(cfg, strategy, method, strategies)
         errors += fsdp_method_check(cfg, method)
     errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/multi_input_check.py)
-    _options(errors, cfg, tasks, method)
+    _options(errors, cfg, tasks, method, backbone)
     _loss_scale(errors, cfg, tasks)
     named = {e.split(":")[0] for e in errors}
     _finite(errors, OmegaConf.to_container(cfg, resolve=True), named)
@@ -240,7 +237,21 @@ def _task_checks(errors, cfg, tasks) -> None:
             errors += tasks[t].check(cfg)
 
 
-def _options(errors, cfg, tasks, method) -> None:
+def _backbone(errors, cfg) -> type | None:
+    """The class of ``model.backbone.name``, among the built-in backbones and ``backbone_modules`` (its options and
+    own checks: ``_options``)."""
+    try:
+        types = backbone_types(cfg.get("backbone_modules") or ())
+    except ConfigError as e:
+        errors += e.errors
+        types = backbone_types()
+    backbone = types.get(cfg.model.backbone.name)
+    if backbone is None:
+        errors.append(unknown_backbone(cfg.model.backbone.name, types))
+    return backbone
+
+
+def _options(errors, cfg, tasks, method, backbone=None) -> None:
     """Check the task and method options against the classes' ``Options`` and fill in their defaults, so that
     ``config.yaml`` holds every value a run used. Options of a known task this run does not train are checked, then dropped
     (a base config's caption options stay harmless under ``tasks=[cls]``); an unknown task name is an error."""
@@ -256,6 +267,11 @@ def _options(errors, cfg, tasks, method) -> None:
     _task_checks(errors, cfg, tasks)
     if method is not None:
         cfg.weighting.options = check_options(cfg.weighting.options, method.Options, "weighting.options", errors)
+    if backbone is not None:
+        cfg.model.backbone.options = check_options(cfg.model.backbone.options, backbone.Options,
+                                                   "model.backbone.options", errors)
+        if not any(e.startswith("model.backbone.options") for e in errors):  # its check reads them
+            errors += backbone.check(cfg)
 
 
 def option_defaults(cfg) -> dict:

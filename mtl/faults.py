@@ -1,6 +1,8 @@
 """Faults injected on purpose, for the reliability tests: ``trainer.poison``.
 
-Kept out of the step: the trainer calls ``poison`` on the batch before ``train_step``.
+Kept out of the step and the model: the trainer calls ``poison`` on the batch before ``train_step``, and
+``install_poison`` (called by the model builder only when ``trainer.poison`` is set) adds the forward hook that
+turns the named task's loss into NaN.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
     """``trainer.poison = "STEP:TASK:RANK"``: that task's loss is NaN at that step on that rank (RANK ``*``: all).
 
     TASK ``crash`` makes that rank raise instead; ``stop`` makes it stop itself (SIGSTOP: a frozen process whose
-    peers wait for it). The model multiplies the named task's loss by NaN.
+    peers wait for it). The hook of ``install_poison`` multiplies the named task's loss by NaN.
     """
     if not spec:
         return
@@ -26,3 +28,16 @@ def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     batch["poison"] = task
+
+
+def install_poison(model) -> None:
+    """A forward hook on ``model`` (a ``MultiTaskModel``): the loss of the task a batch names in ``batch["poison"]``
+    (set by ``poison``) becomes NaN. Only for ``trainer.poison``; a model without it has no such hook."""
+
+    def hook(module, args, kwargs, output):
+        task = (args[0] if args else kwargs["batch"]).get("poison")
+        if task in output["losses"]:
+            output["losses"][task] = output["losses"][task] * float("nan")
+        return output
+
+    model.register_forward_hook(hook, with_kwargs=True)

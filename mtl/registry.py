@@ -1,7 +1,8 @@
-"""Find the pluggable pieces (tasks, strategies, weighting methods) by name.
+"""Find the pluggable pieces (tasks, backbones, strategies, weighting methods) by name.
 
 Each piece is one module in its package defining one subclass of the package's base class with a
-non-empty ``name``. Adding a piece means adding a file; nothing else needs to be edited.
+non-empty ``name``. Adding a piece means adding a file; nothing else needs to be edited. A class that serves
+several names (a torchvision backbone family) lists them in ``variants`` and is found by each of them.
 """
 
 from __future__ import annotations
@@ -12,14 +13,21 @@ import os
 import pkgutil
 
 
+def _plugins(module, base: type) -> dict[str, type]:
+    """The ``base`` subclasses defined in ``module`` with a ``name``, by each name they answer to."""
+    found = {}
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, base) and obj.name and obj.__module__ == module.__name__:
+            for name in getattr(obj, "variants", ()) or (obj.name,):
+                found[name] = obj
+    return found
+
+
 def discover(package: str, base: type) -> dict[str, type]:
     pkg = importlib.import_module(package)
     found: dict[str, type] = {}
     for mod in pkgutil.iter_modules(pkg.__path__):
-        module = importlib.import_module(f"{package}.{mod.name}")
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, base) and obj.name and obj.__module__ == module.__name__:
-                found[obj.name] = obj
+        found.update(_plugins(importlib.import_module(f"{package}.{mod.name}"), base))
     return dict(sorted(found.items()))
 
 
@@ -64,12 +72,10 @@ def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
             errors.append(f"{key}: cannot import {spec!r}: {type(e).__name__}: {e} — give a dotted module name "
                           "importable here, or a path to a .py file")
             continue
-        classes = [obj for obj in vars(module).values() if isinstance(obj, type) and issubclass(obj, base)
-                   and obj.name and obj.__module__ == module.__name__]
+        classes = _plugins(module, base)
         if not classes:
             errors.append(f"{key}: {spec!r} defines no {base.__name__} subclass with a name")
-        for obj in classes:
-            found[obj.name] = obj
+        found.update(classes)
     if errors:
         raise ConfigError(errors)
     return found
@@ -78,7 +84,7 @@ def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
 def registered(package: str, base: type, extra_modules, key: str, kind: str) -> dict[str, type]:
     """``package``'s ``base`` subclasses by name plus those of ``extra_modules`` (the config's ``key``: dotted module
     names or ``.py`` file paths), sorted by name. Raises ConfigError naming a module that cannot be used, or a
-    ``kind`` ("task", "method") whose name a built-in one already has."""
+    ``kind`` ("task", "backbone", "method") whose name a built-in one already has."""
     found = discover(package, base)
     if extra_modules:
         for name, cls in discover_modules(list(extra_modules), base, key).items():

@@ -1,6 +1,6 @@
 """One optimizer step, top to bottom: the function to read first.
 
-``train_step(parts, batch, step, stop_requested) -> StepResult`` reads nothing but its arguments:
+``train_step(parts, batch, step, stop_requested, heldout) -> StepResult`` reads nothing but its arguments:
 
 0. a bilevel weighting method's meta update, at the steps it asks for a held-out batch (mtl/weighting/bilevel.py);
 1. forward and one backward pass per task, through the strategy (mtl/strategies/), which leaves the

@@ -14,6 +14,19 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are selected by name (``-m gpu``, ``-m "not gpu"``) and skipped, with the reason, on a
+    machine without a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: no CUDA device on this machine")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 def spawn_env(index: int, port: int) -> int:
     """For a spawned parity worker: index 0 and 1 become the two ranks of a process group (torchrun's
     variables), index 2 the single process (no process group). Returns the world size."""
@@ -47,6 +60,42 @@ def run_spawn(worker, out_dir, deadline_s: float, what: str) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def copy_outside(example: str, tmp_path, name: str) -> str:
+    """A plug-in file (``example``) copied to ``tmp_path/plugins/<name>``, where no mtl code is: the file alone must
+    be enough. Returns its path."""
+    import shutil
+
+    path = tmp_path / "plugins" / name
+    path.parent.mkdir(exist_ok=True)
+    shutil.copy(example, path)
+    return str(path)
+
+
+def spawn_ranks(target, folder, timeout_s: float, world: int = 2) -> dict:
+    """Run ``target(rank, port, folder, results)`` in ``world`` spawned processes (a free port for their process
+    group); each puts one ``(rank, *result)`` on the ``results`` queue. Returns {rank: result}; a rank that reports
+    nothing within ``timeout_s`` fails the test (queue.Empty), and every process is ended before this returns."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, str(folder), results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world):
+            rank, *rest = results.get(timeout=timeout_s)
+            got[rank] = tuple(rest)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
 
 
 def spawn_parity_runs(worker, tmp_path_factory, name: str, deadline_s: float, what: str) -> dict:

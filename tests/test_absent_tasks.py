@@ -18,7 +18,7 @@ import torch
 from mtl.multi_input_check import present_only_methods
 from mtl.weighting import weighting_types
 
-from .test_weighting import make, random_grads
+from .weighting_cases import make, random_grads
 
 ALL, PRESENT = ["a", "b", "c", "d"], ["a", "c", "d"]  # task b is absent from every step
 STATELESS = ["mgda", "pcgrad", "cagrad", "imtlg", "upgrad", "alignedmtl", "fairgrad", "dualproj", "config"]

@@ -60,7 +60,7 @@ def test_bad_input_is_one_clear_message(tmp_path, case):
 
 
 # ---------------------------------------------------------------------------------------------
-# the same, in this process through train.py's main(argv): what a new user hit
+# the same, in this process through train.py's main(argv): a bad input is one message and an exit code
 
 
 def main_of(argv, capsys):
@@ -169,7 +169,7 @@ def test_non_utf8_line_is_skipped_and_the_run_goes_on(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_processes_with_less_than_one_global_batch_fail_fast(tmp_path):
-    """The reproduction from issue 8: 12 images, 8 per process, 2 processes. Each rank's epoch holds 6 images,
+    """Fewer images than one global batch: 12 images, 8 per process, 2 processes. Each rank's epoch holds 6 images,
     so no batch at all; this used to hang forever. Now every rank refuses with one message."""
     proc = run_train(["--config", TINY, "data.synthetic.train_size=12", f"output_dir={tmp_path / 'run'}"],
                      nproc=2, check=False, timeout=240)

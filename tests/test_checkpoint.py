@@ -614,26 +614,9 @@ def _saving_rank(rank, port, out, results):
 @pytest.mark.slow
 def test_a_full_disk_on_one_rank_is_the_same_message_on_every_rank(tmp_path):
     """Without agreement, the failing rank raised alone and rank 0 waited in the save's barrier."""
-    import torch.multiprocessing as mp
+    from .conftest import spawn_ranks
 
-    from .conftest import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_saving_rank, args=(r, port, str(tmp_path), results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2):
-            rank, kind, message = results.get(timeout=120)
-            got[rank] = (kind, message)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = spawn_ranks(_saving_rank, tmp_path, 120)
     assert got[0] == got[1] and got[0][0] == "CheckpointError", got
     assert "rng_rank1.pt (rank 1): no space left on device" in got[0][1]
     assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == ["step_2"]

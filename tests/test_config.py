@@ -102,7 +102,7 @@ def test_load_config_alone_skips_semantic_checks():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 8: what a new user hit
+# a new user's mistakes: each one message naming the key and the fix
 
 
 def test_key_type_and_value_errors_are_reported_together():

@@ -3,9 +3,9 @@
 The GPU-only settings (device, bf16/fp16, SyncBatchNorm, nccl) are replaced by their CPU counterparts, and the
 sizes shrunk so that each run takes seconds; the architecture choices (backbone, its norm and weights, the
 decoder's layout and dropout, the optimizer and its learning rate) are the file's own. Each step sees the whole
-(tiny) training set, so its loss must fall: a config that trains garbage (issue 20: frozen BatchNorm on random
-weights began at loss_cls 6.65 on 3 classes) fails here, and so does one that can never run (issue 8: gpu.yaml
-asked for 8 of the 7 shape kinds).
+(tiny) training set, so its loss must fall: a config that trains garbage (frozen BatchNorm on random weights, which
+began at loss_cls 6.65 on 3 classes) fails here, and so does one that can never run (one that asks for more classes than the
+synthetic scenes' shape kinds).
 """
 
 from __future__ import annotations

@@ -527,7 +527,7 @@ def test_build_tokenizer_trains_or_loads(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# defects a new user hit (issue 8)
+# data a new user gives by mistake: each one message naming the file or key and the fix
 
 
 def test_training_set_smaller_than_the_global_batch_is_refused(tok):

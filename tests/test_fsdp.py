@@ -25,7 +25,6 @@ import contextlib
 import functools
 import math
 import os
-import time
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ from mtl.errors import ConfigError
 from mtl.strategies import strategy_types
 from mtl.weighting import weighting_types
 
-from .conftest import TINY, run_spawn, spawn_env
+from .conftest import TINY, spawn_env, spawn_parity_runs
 
 B = 4
 STEPS = 3
@@ -86,10 +85,9 @@ def _worker(index, port, out_dir):
 
     torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
-    results, timing = {}, {}
+    results = {}
 
     def run(key, strategy, method, engine, batch):
-        tic = time.perf_counter()
         trainer = Trainer.from_config(TINY, overrides(f"{out_dir}/{key}", batch, strategy, method, engine))
         steps, batches = [], trainer.batches()
         trainer.bare.train()
@@ -105,7 +103,6 @@ def _worker(index, port, out_dir):
                 check_replicas(trainer.bare, trainer.step)
         results[key] = {"steps": steps, "params": _full_params(trainer)}
         trainer.close()
-        timing[key] = time.perf_counter() - tic
         return trainer
 
     if world > 1:
@@ -116,21 +113,14 @@ def _worker(index, port, out_dir):
             for method in METHODS:
                 run(f"ddp/{strategy}/{method}", strategy, method, "ddp", B)
         results["resume"] = _resume_exactly(out_dir, world)
-        tic = time.perf_counter()
         results.update(_fp16_overflow(out_dir))
-        timing["fp16"] = time.perf_counter() - tic
-        tic = time.perf_counter()
         results["example"] = _example_config(out_dir)
-        timing["example config"] = time.perf_counter() - tic
     else:
         for strategy in ("combined", "detach"):
             for method in METHODS:
                 run(f"single/{strategy}/{method}", strategy, method, "ddp", 2 * B)
-    tic = time.perf_counter()
     results.update(_weighting_sweep(world, out_dir))
-    timing["gradient-level sweep"] = time.perf_counter() - tic
-    results["timing"] = timing
-    torch.save(results, os.path.join(out_dir, f"worker{index}.pt"))
+    torch.save(results, os.path.join(out_dir, f"rank{index}.pt" if world > 1 else "single.pt"))
     dist.destroy()
 
 
@@ -364,11 +354,7 @@ def _weighting_sweep(world, out_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    tic = time.perf_counter()
-    run_spawn(_worker, out, DEADLINE_S, "the FSDP2")
-    w = [torch.load(out / f"worker{i}.pt", weights_only=False) for i in range(3)]
-    return {"rank0": w[0], "rank1": w[1], "single": w[2], "wall_s": time.perf_counter() - tic}
+    return spawn_parity_runs(_worker, tmp_path_factory, "fsdp", DEADLINE_S, "the FSDP2")
 
 
 def max_rel_diff(a, b):
@@ -626,12 +612,6 @@ def test_the_fsdp2_example_config_shrunk_trains_on_two_ranks(runs):
     assert r["stepped"] == [True]
     assert all(math.isfinite(v) for losses in r["losses"] for v in losses.values())
     assert r["losses"] == runs["rank1"]["example"]["losses"]  # rank-averaged, the same on both
-
-
-@pytest.mark.slow
-def test_report_the_time(runs):
-    print(f"\nFSDP2 spawn: {runs['wall_s']:.1f} s; per run (rank 0): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in runs["rank0"]["timing"].items()))
 
 
 # ---------------------------------------------------------------------------- refusals (in-process, fast)

@@ -7,7 +7,7 @@ from mtl.build import build_model
 from mtl.config_check import load_run_config
 from mtl.data.tokenizer import train_tokenizer
 from mtl.errors import ConfigError
-from mtl.models.backbone import build_backbone
+from mtl.models.backbones.torchvision_cnn import build_torchvision_backbone as build_backbone
 from mtl.models.decoder import CaptionDecoder
 
 from .conftest import TINY
@@ -111,3 +111,24 @@ def test_multitask_forward_modes():
     det = model(batch, detach=["gen"])["losses"]["gen"]
     grads = torch.autograd.grad(det, list(model.backbone.parameters()), allow_unused=True)
     assert all(g is None for g in grads)
+
+
+def test_a_poisoned_loss_comes_from_a_hook_installed_only_with_trainer_poison():
+    """trainer.poison (the reliability tests' fault) is a forward hook of mtl/faults.py, not a branch of the model."""
+    from mtl.faults import poison
+
+    from .conftest import make_collate
+
+    tok = train_tokenizer(["one small red object in the centre", "two large blue objects"], 64)
+    items = [{"image": torch.rand(3, 32, 32), "label": i % 4, "captions": ["two large blue objects"], "count": 2,
+              "index": i} for i in range(3)]
+    for spec in (None, "3:gen:*"):
+        cfg = load_run_config(TINY, [] if spec is None else [f"trainer.poison={spec}"])
+        model = build_model(cfg, 4, ["a", "b", "c", "d"], tok)
+        batch = make_collate(tok, 10, tasks=cfg.tasks)(items)
+        poison(batch, "3:gen:*", 3, 0)  # what the trainer does at step 3: the batch names the task
+        assert batch["poison"] == "gen"
+        losses = model(batch)["losses"]
+        assert torch.isfinite(losses["cls"])
+        assert torch.isfinite(losses["gen"]) == (spec is None)  # NaN only where the hook was installed
+        assert bool(model._forward_hooks) == (spec is not None)

@@ -33,7 +33,7 @@ STEPS = 3
 TOL = 1e-5  # the tolerance of tests/test_strategies_ddp.py and tests/test_weighting_ddp.py
 DTYPE = torch.float64
 DEADLINE_S = 300
-# (case name, policy, strategy, extra overrides): every sampling policy x every strategy the issue names
+# (case name, policy, strategy, extra overrides): every sampling policy x every strategy that serves multi-input steps
 # (feature_leaf, find_unused, placeholder, accumulate, and task_grads with a gradient-level method, a different
 # one per policy), plus two more: a stateful loss-level method on steps that leave a task out, and `weighted`
 # with probabilities proportional to the data-set sizes.

@@ -170,12 +170,6 @@ def test_an_old_format_checkpoint_resumes_as_it_was_written_bitwise(runs):
     assert all(torch.equal(e["params"][k], v["params"][k]) for k in e["params"])
 
 
-@pytest.mark.slow
-def test_report_the_time(runs):
-    print(f"\nreshard spawn: {runs['wall_s']:.1f} s (2 ranks {runs['rank0']['wall_s']:.1f} s, "
-          f"1 process {runs['single']['wall_s']:.1f} s)")
-
-
 # ------------------------------------------------------------------ in-process: the decision, and the DCP write
 
 

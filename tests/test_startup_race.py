@@ -1,4 +1,5 @@
-"""Start-up collectives do not depend on what one rank sees on disk (issue 11, defect 1).
+"""Start-up collectives do not depend on what one rank sees on disk: a rank that sees the tokenizer late or early
+still meets every other rank at every collective.
 
 ``build_tokenizer`` used to call its barrier only on a rank that did not yet see ``tokenizer.json``. A rank
 that looked after rank 0 had written the file skipped the barrier and entered the next collective (DDP's
@@ -18,9 +19,8 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from .conftest import TINY, free_port
+from .conftest import TINY, spawn_ranks
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 15
@@ -59,22 +59,7 @@ def _worker(rank, port, out_dir, results):
 
 
 def test_a_rank_that_sees_the_tokenizer_file_still_takes_the_barrier(tmp_path):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2):
-            rank, *rest = results.get(timeout=TIMEOUT_S * 6)
-            got[rank] = rest
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = spawn_ranks(_worker, tmp_path, TIMEOUT_S * 6)
     assert got[1][1] is True, "rank 1 never saw rank 0's tokenizer.json: the race was not forced"
     for rank in (0, 1):
         status, _, total, marker, vocab = got[rank]

@@ -4,7 +4,6 @@ config's ``task_modules``, builds, batches, trains (2 processes), logs and is be
 import csv
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -15,18 +14,15 @@ from mtl.config_check import load_run_config
 from mtl.data.synthetic import COLOUR_NAMES
 from mtl.errors import ConfigError, DataError
 
-from .conftest import PY, ROOT, TINY, run_train
+from .conftest import PY, ROOT, TINY, copy_outside, run_train
 
 EXAMPLE = os.path.join(ROOT, "docs", "examples", "dominant_colour.py")
 
 
 @pytest.fixture
 def task_file(tmp_path):
-    """The example task, copied where no mtl code is: the file alone must be enough."""
-    path = tmp_path / "plugins" / "my_colour_task.py"
-    path.parent.mkdir()
-    shutil.copy(EXAMPLE, path)
-    return str(path)
+    """The example task, copied where no mtl code is."""
+    return copy_outside(EXAMPLE, tmp_path, "my_colour_task.py")
 
 
 def test_the_new_task_builds_batches_and_computes_a_loss_from_the_synthetic_scene(task_file, tmp_path):

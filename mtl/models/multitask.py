@@ -1,5 +1,8 @@
 """One shared backbone, one head per task; ``forward`` returns the losses as a dict keyed by task.
 
+The backbone reads the batch field it declares (``Backbone.consumes``: ``image`` for the torchvision backbones,
+mtl/models/backbones/); every head reads its features.
+
 The arguments of ``forward`` are how a step strategy shapes the graph (see mtl/strategies/):
 - ``tasks``: compute only these heads (per-task forwards);
 - ``detach``: these heads read ``features.detach()`` (graph detachment);
@@ -23,6 +26,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from mtl.models.backbones.base import input_device_type
+
 
 class MultiTaskModel(nn.Module):
     def __init__(self, backbone: nn.Module, heads: dict[str, nn.Module], loss_scale: dict[str, float] | None = None):
@@ -43,9 +48,9 @@ class MultiTaskModel(nn.Module):
 
     def forward(self, batch: dict, tasks: Iterable[str] | None = None, detach: Iterable[str] = (),
                 feature_leaf: bool = False) -> dict:
-        image = batch["image"]
-        with self.autocast(image.device.type):
-            features = self.backbone(image)
+        x = batch[getattr(self.backbone, "consumes", "image")]  # a bare nn.Module backbone reads images
+        with self.autocast(input_device_type(x)):
+            features = self.backbone(x)
             leaf = features.detach().requires_grad_() if feature_leaf else None
             shared = leaf if feature_leaf else features
             detach = set(detach)
@@ -56,8 +61,6 @@ class MultiTaskModel(nn.Module):
                 losses[name] = (self.heads[name](x, batch) if mi is None else self._task_loss(name, x, mi[name])).float()
                 if name in self.loss_scale:
                     losses[name] = losses[name] * self.loss_scale[name]
-                if batch.get("poison") == name:  # trainer.poison, for the non-finite-step tests
-                    losses[name] = losses[name] * float("nan")
         return {"losses": losses, "features": features, "leaf": leaf}
 
     def _task_loss(self, name: str, shared: torch.Tensor, sub: dict) -> torch.Tensor:

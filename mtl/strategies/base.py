@@ -37,7 +37,7 @@ class StepInputs:
     combine: Callable | None = None  # a gradient-level method's combine(grads, losses), else None
     # a Gram-only gradient-level method's weights_for_gram(gram, losses, dtype) -> w (K,), else None
     gram_weights: Callable | None = None
-    # FSDP2: a row method that combines per shard (``Weighting.combine_shard`` / ``finish_shard``), else None
+    # FSDP2: a row method that combines per shard (``RowWeighting.combine_shard`` / ``finish_shard``), else None
     combine_shard: Callable | None = None
     finish_shard: Callable | None = None
     loss_scale: Callable[[], float] = lambda: 1.0  # the current fp16 loss scale

@@ -2,8 +2,9 @@
 
 One backbone forward (the ``feature_leaf`` graph, through DDP as usual). For each task t but the last:
 its head backward pass into the feature leaf, then ``torch.autograd.grad(features, shared, g_t)``,
-which gives row t of the K x P matrix G without touching ``.grad`` (so DDP's hooks do not fire); the
-row is written into a preallocated buffer and its all-reduce starts at once, asynchronously, so that
+which gives row t of the K x P matrix G without touching ``.grad`` (so DDP's hooks do not fire); each
+parameter's gradient is written straight into its slice of row t of a preallocated buffer as autograd computes
+it (``RowWriter``), and the row's all-reduce starts at once, asynchronously, so that
 it runs while the next tasks' backward passes compute. The LAST task's backbone backward is an
 ordinary ``features.backward(g_K)`` through DDP: every parameter (the heads, from their passes, and
 the backbone, from this one) gets exactly one gradient, so DDP reduces the last row and the heads'
@@ -27,7 +28,7 @@ is copied into row t of a K x (P / W) buffer and zeroed before the next pass. Th
 over the ranks of the shards' local products, ``G G^T = sum_r G_r G_r^T``: ONE all-reduce of K x K numbers
 (carrying the K losses too). Every rank gets the same Gram matrix, so the same weights, and combines its
 own shard in place in ``.grad``. A method that needs the rows runs only where its update is exact column
-by column (``Weighting.combine_shard``: GradDrop); the config check refuses the others. Cost: K backbone
+by column (``RowWeighting.combine_shard``: GradDrop); the config check refuses the others. Cost: K backbone
 backward passes, each with FSDP2's all-gathers and reduce-scatters, and one K x K all-reduce; the buffer
 is K x P / W per rank.
 
@@ -62,6 +63,7 @@ class TaskGrads(Strategy):
         super().__init__(cfg)
         self._buf: torch.Tensor | None = None  # [K losses, G (K x P)], kept between steps
         self._shards: tuple | None = None  # FSDP2: ((parameter ids, device), shard_index on it, P), built once
+        self._writers_key, self._writers = None, {}  # RowWriter per row of the buffer (_writer)
 
     @classmethod
     def allreduce_bytes(cls, num_tasks, shared_params, head_params, elem=4):
@@ -69,14 +71,24 @@ class TaskGrads(Strategy):
 
     @classmethod
     def extra_memory_bytes(cls, num_tasks, shared_params, feature_numel, elem=4):
-        # the K x P buffer, one row's autograd output before it is copied in, the leaf and its per-task gradients
-        return (num_tasks + 1) * shared_params * elem + 3 * feature_numel * elem
+        # the K x P buffer (each row written in place, one parameter's gradient at a time), the leaf and its
+        # per-task gradients
+        return num_tasks * shared_params * elem + 3 * feature_numel * elem
 
     def _buffer(self, k: int, n: int, like: torch.Tensor) -> torch.Tensor:
         if self._buf is None or self._buf.numel() != k + k * n or self._buf.dtype != like.dtype \
                 or self._buf.device != like.device:
             self._buf = torch.empty(k + k * n, dtype=like.dtype, device=like.device)
         return self._buf
+
+    def _writer(self, i: int, shared: list, rows: torch.Tensor) -> RowWriter:
+        """The ``RowWriter`` of row ``i`` of ``rows``, made once per buffer and parameter list."""
+        key = (rows.data_ptr(), rows.shape, tuple(id(p) for p in shared))
+        if self._writers_key != key:
+            self._writers_key, self._writers = key, {}
+        if i not in self._writers:
+            self._writers[i] = RowWriter(shared, rows[i])
+        return self._writers[i]
 
     def forward_backward(self, s):
         if is_sharded(s.model):
@@ -98,10 +110,7 @@ class TaskGrads(Strategy):
             if i == k - 1:
                 features.backward(leaf.grad)  # through DDP: the last row and the heads, in its buckets
                 break
-            g = torch.autograd.grad(features, shared, grad_outputs=leaf.grad, retain_graph=True,
-                                    materialize_grads=True)
-            torch.cat([x.reshape(-1) for x in g], out=rows[i])
-            del g
+            self._writer(i, shared, rows)(features, leaf.grad)  # row i, written in place
             # row i starts its all-reduce now (row 0 with the losses: one collective) and runs under the next passes
             pending.append(s.comm.start_all_reduce_mean_(buf[: k + n] if i == 0 else rows[i]))
         if k == 1:
@@ -123,7 +132,7 @@ class TaskGrads(Strategy):
             w = [1.0] * k
         else:  # a method that needs the rows
             w = None
-            direction = s.combine(rows / scale, loss_vec) * scale
+            direction = s.combine(rows if scale == 1 else rows / scale, loss_vec) * scale
         if w is not None:
             add_weighted_rows_(grads, rows, w)
         else:
@@ -192,6 +201,42 @@ class TaskGrads(Strategy):
             total = sum(p.numel() for p in shared)  # a DTensor's numel is the full parameter's
             self._shards = (key, shard_index(shared).to(device), total)
         return self._shards[1], self._shards[2]
+
+
+class RowWriter:
+    """Writes a gradient with respect to ``shared`` straight into ``row`` (P,), flattened in order, without touching
+    ``.grad`` (so DDP's hooks do not fire): ``writer(features, grad)``. Each parameter's gradient is copied into its
+    slice of the row by a tensor hook as soon as autograd computes it, and the hook hands autograd a zero-stride zero
+    in its place, so no P-sized set of fresh gradients is ever held at once. The slices and zeros are made once, for
+    the row of a buffer kept between steps."""
+
+    def __init__(self, shared: list[torch.Tensor], row: torch.Tensor):
+        self.shared = list(shared)
+        parts = torch.split(row, [p.numel() for p in self.shared])
+        self.slices = [part.view_as(p) for part, p in zip(parts, self.shared)]
+        zero = row.new_zeros(())
+        self.zeros = [zero.expand_as(p) for p in self.shared]
+
+    def __call__(self, features: torch.Tensor, grad: torch.Tensor) -> None:
+        reached = [False] * len(self.shared)
+
+        def hook_for(i: int):
+            def hook(g):
+                self.slices[i].copy_(g)
+                reached[i] = True
+                return self.zeros[i]
+
+            return hook
+
+        handles = [p.register_hook(hook_for(i)) for i, p in enumerate(self.shared)]
+        try:
+            torch.autograd.grad(features, self.shared, grad_outputs=grad, retain_graph=True, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        for view, hit in zip(self.slices, reached):
+            if not hit:  # a parameter the features do not reach: a zero slice
+                view.zero_()
 
 
 def add_weighted_rows_(grads: list[torch.Tensor], rows: torch.Tensor, w: list[float]) -> None:

@@ -1,6 +1,16 @@
 """What a task-weighting method is.
 
-A method is one file in ``mtl/weighting/`` defining a ``Weighting`` subclass with a ``name``.
+A method is one file in ``mtl/weighting/`` defining a subclass of one family with a ``name``. Each family shows
+a method file only what that kind of method defines (the step keeps owning the backward passes):
+
+- ``LossWeighting``: ``weigh``, ``end_step``, ``check`` and ``Options``;
+- ``GramWeighting``: ``weights_from_gram`` (with ``check`` and ``Options``);
+- ``RowWeighting``: ``combine`` on the rows of G, and ``combine_shard`` for FSDP2 where that is exact;
+- ``BilevelWeighting`` (mtl/weighting/bilevel.py): ``meta_step`` on a held-out batch, and ``weigh``.
+
+``Weighting``, their common base, holds the task bookkeeping and the questions the step, the strategies and the
+config check ask of any method (``grad_hooks``, ``gram_only``, ``fsdp2_problem``, ``wants_heldout``,
+``meta_cost``), each answered by the family (a bilevel method states its own ``wants_heldout`` and ``meta_cost``).
 
 Loss-level methods (``level = "loss"``) turn each task's loss into the term whose backward pass the
 step runs: ``weigh(task, loss)``. They see only scalars, so they cost next to nothing under DDP; a
@@ -17,8 +27,8 @@ gradient of the shared parameters into one gradient: ``combine(grads, losses)``,
 strategies call. Every method we ship returns ``w^T G`` with weights w (K,) that depend only on the
 K x K Gram matrix ``G G^T`` (plus the losses and the method's state), so they subclass
 ``GramWeighting`` and define ``weights_from_gram``; see its docstring. A method that truly needs the
-rows (per-coordinate signs, as GradDrop's) subclasses ``Weighting`` with ``level = "grad"`` and
-overrides ``combine`` itself.
+rows (per-coordinate signs, as GradDrop's; a K x P average kept between steps, as DB-MTL's) subclasses
+``RowWeighting`` and defines ``combine`` itself.
 
 Steps that hold only some tasks (multi-input mode, docs/multi-input.md): ``begin_step(step, present)`` names the
 step's tasks, kept in ``self.present`` (every task when ``present`` is None; their positions in ``self.tasks`` in
@@ -47,6 +57,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from scipy.special import softmax
 from torch import Tensor, nn
 
 from mtl.config import NoOptions, options_of
@@ -66,6 +77,16 @@ def step_generator(seed: int, step: int, salt: str, device=None) -> torch.Genera
 
 
 class Weighting(nn.Module):
+    """What every method is, and what the step, the strategies and the config check ask of any method.
+
+    A method file subclasses one family and overrides only that family's few members:
+    ``LossWeighting`` (``weigh``, ``end_step``), ``GramWeighting`` (``weights_from_gram``), ``RowWeighting``
+    (``combine``, and for FSDP2 ``combine_shard``), ``BilevelWeighting`` (mtl/weighting/bilevel.py: ``meta_step``),
+    each with ``check`` and ``Options``. The queries below (``grad_hooks``, ``gram_only``, ``fsdp2_problem``,
+    ``wants_heldout``, ``meta_cost``) answer from the family; a method file defines none of them but a bilevel
+    method's own ``wants_heldout`` and ``meta_cost``.
+    """
+
     name: str = ""
     level: str = "loss"  # "loss" | "grad"
     # The method's hyperparameters, ``weighting.options``: a dataclass with the paper's defaults (checked like
@@ -74,14 +95,8 @@ class Weighting(nn.Module):
     # correct when a step holds only some tasks (see the module docstring); else why not, for the config refusal
     updates_from_present_tasks: bool = False
     absent_task_refusal: str = ""
-    # Bilevel methods (mtl/weighting/bilevel.py): a meta update before some steps' real step, on a held-out batch
-    # (``data.heldout``) that the trainer draws when ``wants_heldout(step)``. What one meta update costs, beyond the
-    # step itself, in passes over the whole model (the cost tables read these, never a method's name):
+    # a bilevel method (mtl/weighting/bilevel.py): the trainer draws a held-out batch when ``wants_heldout(step)``
     needs_heldout_batch: bool = False
-    meta_forwards: int = 0
-    meta_backwards: int = 0
-    meta_allreduces: int = 0  # all-reduces of a whole-model gradient (P numbers) under DDP
-    meta_param_copies: int = 0  # whole-model-sized tensors (P numbers) held during the meta update
 
     def __init__(self, cfg, tasks: list[str]):
         super().__init__()
@@ -91,50 +106,12 @@ class Weighting(nn.Module):
         self.step = 0  # the step begin_step was last called for (the trainer's step count before it)
         self.options = options_of(type(self).Options, cfg.weighting.get("options"), "weighting.options")
 
+    # ------------------------------------------------------------------ what a method file defines
+
     @classmethod
     def check(cls, cfg) -> list[str]:
         """Config errors specific to this method (each one names the key and the fix)."""
         return []
-
-    @classmethod
-    def allows_absent_tasks(cls) -> bool:
-        """Whether the method is correct on steps that hold only some tasks (module docstring): a loss-level method
-        whose ``end_step`` keeps nothing, or one that sets ``updates_from_present_tasks``. The config check
-        (mtl/multi_input_check.py) refuses any other with a policy that leaves tasks out, quoting
-        ``absent_task_refusal``."""
-        return (cls.level == "loss" and cls.end_step is Weighting.end_step) or cls.updates_from_present_tasks
-
-    def begin_step(self, step: int, present: list[str] | None = None) -> None:
-        """Called once before the step's forward passes, with the tasks the step holds (None: all of them): sets
-        ``self.step``, ``self.present`` and ``self.present_index``. A subclass that overrides it calls
-        ``super().begin_step(step, present)``."""
-        self.step = int(step)
-        self.present = list(self.tasks) if present is None else [t for t in self.tasks if t in present]
-        self.present_index = [self.tasks.index(t) for t in self.present]
-
-    def wants_heldout(self, step: int) -> bool:
-        """A bilevel method: whether step ``step`` begins with a meta update (the trainer draws a held-out batch)."""
-        return False
-
-    def meta_step(self, meta) -> dict:
-        """A bilevel method's meta update (``mtl.weighting.bilevel.MetaInputs``), before the step's forward passes;
-        returns statistics to log."""
-        raise NotImplementedError(f"{self.name} has no meta update")
-
-    def meta_gradient(self) -> Tensor | None:
-        """After ``meta_step``: a term of the model's update beyond the gradient of the weighted losses (FORUM's
-        held-out gradients), as one flat rank-averaged vector over the trainable parameters in
-        ``mtl.weighting.bilevel.ModelVector``'s order, which ``train_step`` adds to ``.grad`` after the backward
-        passes; None (the default) for none. Returned once per meta update."""
-        return None
-
-    @classmethod
-    def meta_cost(cls, num_tasks: int) -> dict:
-        """What one meta update adds to a step with ``num_tasks`` tasks: forwards, backwards and gradient all-reduces
-        over the whole model, and whole-model-sized tensors held (all 0 for a method without one). A method whose
-        cost grows with the tasks overrides it."""
-        return {"meta_forwards": cls.meta_forwards, "meta_backwards": cls.meta_backwards,
-                "meta_allreduces": cls.meta_allreduces, "meta_param_copies": cls.meta_param_copies}
 
     def weigh(self, task: str, loss: torch.Tensor) -> torch.Tensor:
         """The term whose backward pass the step runs for ``task``."""
@@ -145,30 +122,39 @@ class Weighting(nn.Module):
         module docstring); ``step_weights()`` is what the trainer logs."""
         return {t: 1.0 for t in self.tasks}
 
+    def end_step(self, losses: dict[str, float]) -> None:
+        """Called after the step with each present task's loss averaged over ranks (identical on every rank)."""
+
+    # ------------------------------------------------------------------ what the step and the config check ask
+
+    def begin_step(self, step: int, present: list[str] | None = None) -> None:
+        """Called once before the step's forward passes, with the tasks the step holds (None: all of them): sets
+        ``self.step``, ``self.present`` and ``self.present_index``. A subclass that overrides it calls
+        ``super().begin_step(step, present)``."""
+        self.step = int(step)
+        self.present = list(self.tasks) if present is None else [t for t in self.tasks if t in present]
+        self.present_index = [self.tasks.index(t) for t in self.present]
+
     def step_weights(self) -> dict[str, float]:
         """``weights()`` of the step's present tasks only: the one filter (what the trainer logs; an absent task is
         left out)."""
         w = self.weights()
         return {t: w[t] for t in self.present if t in w}
 
-    def end_step(self, losses: dict[str, float]) -> None:
-        """Called after the step with each present task's loss averaged over ranks (identical on every rank)."""
-
-    def combine(self, grads: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-        """Gradient-level methods: (K', P) rank-averaged gradients of the present tasks -> (P,) update direction."""
-        raise NotImplementedError(f"{self.name} is a loss-level method")
+    @classmethod
+    def allows_absent_tasks(cls) -> bool:
+        """Whether the method is correct on steps that hold only some tasks (module docstring): a loss-level method
+        whose ``end_step`` keeps nothing, or one that sets ``updates_from_present_tasks``. The config check
+        (mtl/multi_input_check.py) refuses any other with a policy that leaves tasks out, quoting
+        ``absent_task_refusal``."""
+        return (cls.level == "loss" and cls.end_step is Weighting.end_step) or cls.updates_from_present_tasks
 
     def grad_hooks(self) -> dict[str, Callable | None]:
         """What a strategy calls to combine the task gradients, as the ``StepInputs`` fields of those names:
         ``combine`` (a gradient-level method), ``gram_weights`` (a Gram-only one's ``weights_for_gram``),
         ``combine_shard`` and ``finish_shard`` (one exact per FSDP2 shard); None where the method has no such form
         (all four for a loss-level method)."""
-        grad = self.level == "grad"
-        shards = grad and self.shards_exactly()
-        return {"combine": self.combine if grad else None,
-                "gram_weights": self.weights_for_gram if grad and self.gram_only() else None,
-                "combine_shard": self.combine_shard if shards else None,
-                "finish_shard": self.finish_shard if shards else None}
+        return dict.fromkeys(("combine", "gram_weights", "combine_shard", "finish_shard"))
 
     @classmethod
     def gram_only(cls) -> bool:
@@ -176,11 +162,52 @@ class Weighting(nn.Module):
         Only such a method works with ``weighting.source: features``, which never forms the rows' update."""
         return False
 
-    # ddp.engine=fsdp2 (``task_grads`` on sharded gradients, mtl/strategies/task_grads.py): each rank holds only its
-    # columns of G. A Gram-only method runs as it is (the Gram matrix is one K x K all-reduce of the shards' local
-    # products). A method that needs the rows runs only if its update is exact column by column: it overrides
-    # ``combine_shard`` (and ``finish_shard``). Any other gradient-level method says why not here.
+    @classmethod
+    def fsdp2_problem(cls) -> str | None:
+        """Why this method cannot run under ``ddp.engine=fsdp2``, or None."""
+        return None
+
+    def wants_heldout(self, step: int) -> bool:
+        """A bilevel method: whether step ``step`` begins with a meta update (the trainer draws a held-out batch)."""
+        return False
+
+    @classmethod
+    def meta_cost(cls, num_tasks: int) -> dict:
+        """What one meta update adds to a step with ``num_tasks`` tasks: forwards, backwards and gradient all-reduces
+        over the whole model, and whole-model-sized tensors held (all 0 for a method without one: every method but
+        the bilevel ones, mtl/weighting/bilevel.py)."""
+        return {"meta_forwards": 0, "meta_backwards": 0, "meta_allreduces": 0, "meta_param_copies": 0}
+
+
+class LossWeighting(Weighting):
+    """A loss-level method: ``weigh(task, loss)`` gives the term whose backward pass the step runs, ``end_step``
+    sees the rank-averaged losses after the step; with ``check`` and ``Options``, that is all such a file defines
+    (module docstring)."""
+
+
+ROWS_REFUSAL = ("it needs the rows of G whole (it overrides combine), and under FSDP2 each rank holds only its "
+                "columns of them")
+
+
+class RowWeighting(Weighting):
+    """A gradient-level method that needs the rows of G themselves (per-coordinate signs, a K x P average kept
+    between steps), not only their Gram matrix: it defines ``combine(grads, losses)``, (K', P) rank-averaged
+    gradients of the present tasks -> the (P,) update, and works only where the strategy hands it the rows
+    (``task_grads``).
+
+    ``ddp.engine=fsdp2`` (``task_grads`` on sharded gradients, mtl/strategies/task_grads.py): each rank holds only
+    its columns of G. Such a method runs only if its update is exact column by column: it defines
+    ``combine_shard`` (and ``finish_shard``); any other says why not in ``fsdp2_refusal``."""
+
+    level = "grad"
     fsdp2_refusal: str | None = None
+
+    def weigh(self, task: str, loss: Tensor) -> Tensor:
+        return loss  # the combination happens on the gradients
+
+    def combine(self, grads: Tensor, losses: Tensor | None) -> Tensor:
+        """(K', P) rank-averaged gradients of the present tasks -> (P,) update direction."""
+        raise NotImplementedError(f"{type(self).__name__} must define combine")
 
     def combine_shard(self, rows: Tensor, index: Tensor, total: int) -> tuple[Tensor, Tensor]:
         """FSDP2: this rank's columns of the update from its columns ``rows`` (K, n) of G, whose positions in the
@@ -196,15 +223,22 @@ class Weighting(nn.Module):
     @classmethod
     def shards_exactly(cls) -> bool:
         """A method whose update FSDP2 ranks can form on their own columns of G, exactly (see ``combine_shard``)."""
-        return cls.combine_shard is not Weighting.combine_shard
+        return cls.combine_shard is not RowWeighting.combine_shard
 
     @classmethod
     def fsdp2_problem(cls) -> str | None:
-        """Why this method cannot run under ``ddp.engine=fsdp2``, or None."""
-        if cls.level != "grad" or cls.gram_only() or cls.shards_exactly():
-            return None
-        return cls.fsdp2_refusal or ("it needs the rows of G whole (it overrides combine), and under FSDP2 each rank "
-                                     "holds only its columns of them")
+        return None if cls.shards_exactly() else (cls.fsdp2_refusal or ROWS_REFUSAL)
+
+    def grad_hooks(self) -> dict[str, Callable | None]:
+        shards = self.shards_exactly()
+        return {"combine": self.combine, "gram_weights": None,
+                "combine_shard": self.combine_shard if shards else None,
+                "finish_shard": self.finish_shard if shards else None}
+
+
+def k_softmax(scores: list[float]) -> list[float]:
+    """K * softmax(scores): weights that sum to the number of tasks K (DWA's and STCH's), stable for any scores."""
+    return (len(scores) * softmax(np.asarray(scores, dtype=np.float64))).tolist()
 
 
 def gram_matrix(grads: Tensor) -> Tensor:
@@ -314,6 +348,14 @@ class GramWeighting(Weighting):
     @classmethod
     def gram_only(cls) -> bool:
         return cls.combine is GramWeighting.combine
+
+    @classmethod
+    def fsdp2_problem(cls) -> str | None:  # Gram-only: one K x K all-reduce of the shards' local products
+        return None if cls.gram_only() else ROWS_REFUSAL
+
+    def grad_hooks(self) -> dict[str, Callable | None]:
+        return {"combine": self.combine, "gram_weights": self.weights_for_gram if self.gram_only() else None,
+                "combine_shard": None, "finish_shard": None}
 
     @torch.no_grad()
     def combine(self, grads: Tensor, losses: Tensor | None = None) -> Tensor:

@@ -7,7 +7,7 @@ batches and before the strategy's forward passes; the real step then weighs the 
 (these methods are loss-level). A method whose model update has a term beyond the weighted losses' gradient
 (FORUM: the held-out gradients) returns it from ``meta_gradient()``, and ``train_step`` adds it to ``.grad`` after
 the backward passes (rank-averaged already, so the replicas stay equal). The class declares what a meta update costs (``meta_forwards``,
-``meta_backwards``, ``meta_allreduces``, ``meta_param_copies``; ``Weighting.meta_cost``), which the benchmark's
+``meta_backwards``, ``meta_allreduces``, ``meta_param_copies``; ``BilevelWeighting.meta_cost``), which the benchmark's
 cost table shows.
 
 Exact under DDP, 2 processes x B == 1 process x 2B:
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from mtl.dist import Comm
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting
 from mtl.weighting.checks import option_range_errors
 
 
@@ -140,10 +140,18 @@ def adam_update(x: Tensor, grad: Tensor, m: Tensor, v: Tensor, t: int, lr: float
     x.sub_(lr * m_hat / (v_hat.sqrt() + eps))
 
 
-class BilevelWeighting(Weighting):
-    """A loss-level method whose task weights move by a meta update on a held-out batch (module docstring)."""
+class BilevelWeighting(LossWeighting):
+    """A loss-level method whose task weights move by a meta update on a held-out batch (module docstring). A file
+    defines ``meta_step`` (and ``wants_heldout``, ``meta_gradient`` where it has them), the cost counts below,
+    ``weigh``, ``check`` and ``Options``."""
 
     needs_heldout_batch = True
+    # What one meta update costs, beyond the step itself, in passes over the whole model (the cost tables read
+    # these, never a method's name):
+    meta_forwards: int = 0
+    meta_backwards: int = 0
+    meta_allreduces: int = 0  # all-reduces of a whole-model gradient (P numbers) under DDP
+    meta_param_copies: int = 0  # whole-model-sized tensors (P numbers) held during the meta update
     absent_task_refusal = ("its meta-objective is defined over a held-out part of one shared training set, and "
                            "multi-input mode gives each task its own data set")
     fsdp2_refusal = "its meta update needs the whole parameter vector on every rank, and FSDP2 shards it"
@@ -182,6 +190,23 @@ class BilevelWeighting(Weighting):
     @classmethod
     def fsdp2_problem(cls) -> str | None:  # ddp.engine=fsdp2 is refused with this reason (mtl/fsdp.py check_method)
         return cls.fsdp2_refusal
+
+    def meta_step(self, meta: MetaInputs) -> dict:
+        """The meta update (``MetaInputs``), before the step's forward passes; returns statistics to log."""
+        raise NotImplementedError(f"{type(self).__name__} must define meta_step")
+
+    def meta_gradient(self) -> Tensor | None:
+        """After ``meta_step``: a term of the model's update beyond the gradient of the weighted losses (FORUM's
+        held-out gradients), as one flat rank-averaged vector over the trainable parameters in ``ModelVector``'s
+        order, which ``train_step`` adds to ``.grad`` after the backward passes; None (the default) for none.
+        Returned once per meta update."""
+        return None
+
+    @classmethod
+    def meta_cost(cls, num_tasks: int) -> dict:
+        """A method whose cost grows with the tasks overrides it."""
+        return {"meta_forwards": cls.meta_forwards, "meta_backwards": cls.meta_backwards,
+                "meta_allreduces": cls.meta_allreduces, "meta_param_copies": cls.meta_param_copies}
 
 
 class LearnedLambda(BilevelWeighting):

@@ -16,9 +16,9 @@ batch's gradient and loss), so ``g_t / L_t`` is the gradient of log L_t of the g
 one process on the global batch; every rank keeps the same averages.
 
 It needs the rows (the average h is a K x P matrix, not a function of this step's Gram matrix), so it
-subclasses ``Weighting`` and overrides ``combine``. **Cost:** the K x P average is kept between steps,
-as much memory again as the task-gradient matrix G, and it is part of ``state_dict()`` (extra state),
-so checkpoints grow by K x P numbers; a K x P update per step, no solver.
+subclasses ``RowWeighting`` and defines ``combine``. **Cost:** the K x P average is kept between steps,
+as much memory again as the task-gradient matrix G, and updated in place (one K x P temporary per step); it is
+part of ``state_dict()`` (extra state), so checkpoints grow by K x P numbers; a K x P update per step, no solver.
 
 ``weights()`` reports ``max_s ||h_s|| / (||h_t|| L_t)``, the factor on this step's g_t inside the update's
 newest term (1.0 before the first step). Degenerate input: a zero average row gets factor 0 (nothing to
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting, check_present
+from mtl.weighting.base import RowWeighting, check_present
 from mtl.weighting.checks import option_range_errors
 
 DBMTL_EPS = 1e-8
@@ -66,7 +66,7 @@ class DBMTLOptions:
 # the same first average as a fresh start); so DB-MTL over K tasks of which only S appear is DB-MTL over S.
 
 
-class DBMTL(Weighting):
+class DBMTL(RowWeighting):
     name = "dbmtl"
     updates_from_present_tasks = True  # only the present tasks' averages and step counts move
     level = "grad"
@@ -107,27 +107,44 @@ class DBMTL(Weighting):
         else:
             beta = torch.tensor([self.options.beta / (self.updates[i] + 1) ** self.options.sigma for i in idx],
                                 device=work.device, dtype=work.dtype)[:, None]
-        if self.average is None:
-            prev = None
-        elif len(idx) == len(self.tasks):
-            prev = self.average.to(device=work.device, dtype=work.dtype)
-        else:  # a task not yet seen has h = 0, whose average is the fresh start's
-            prev = self.average[idx].to(device=work.device, dtype=work.dtype)
-        new = dbmtl_average(prev, work, losses.to(work.device), beta)
-        ok = bool(torch.isfinite(new).all())
-        if ok:  # a skipped step must not poison the average
-            if len(idx) == len(self.tasks):
-                self.average = new
-            else:
-                if self.average is None:
-                    self.average = torch.zeros(len(self.tasks), new.shape[1], dtype=new.dtype, device=new.device)
-                self.average[idx] = new.to(self.average)
-            for i in idx:
-                self.updates[i] += 1
+        if len(idx) == len(self.tasks):  # every task: the average moves in place (no further K x P copy)
+            new, ok = self._update_in_place(work, losses.to(work.device), beta)
+        else:
+            new, ok = self._update_part(work, losses.to(work.device), beta, idx)
         scales = dbmtl_scales(new)
         rate = 1.0 - beta if isinstance(beta, float) else (1.0 - beta[:, 0])
         self._factor = scales * rate / losses.to(work.device, work.dtype).clamp_min(DBMTL_EPS)
         return (scales @ new).to(grads.dtype)
+
+    def _update_in_place(self, work: Tensor, losses: Tensor, beta) -> tuple[Tensor, bool]:
+        """``dbmtl_average`` with every task present, computed in the average itself: the same products and sum,
+        so the same numbers, with one K x P temporary (the scaled log-loss gradients) instead of four. Returns (the
+        new average, whether it was finite and kept)."""
+        term = (work / losses.to(work.dtype).clamp_min(DBMTL_EPS)[:, None]).mul_(1.0 - beta)  # (1 - beta) g / L
+        if not bool(torch.isfinite(term).all()):  # a skipped step must not poison the average: leave it
+            prev = None if self.average is None else self.average.to(device=work.device, dtype=work.dtype)
+            return term if prev is None else prev * beta + term, False
+        if self.average is None:
+            self.average = term
+        else:  # (a finite average and term whose sum overflows, past 1e38 in float32, would not be caught)
+            self.average = self.average.to(device=work.device, dtype=work.dtype).mul_(beta).add_(term)
+        for i in self.present_index:
+            self.updates[i] += 1
+        return self.average, True
+
+    def _update_part(self, work: Tensor, losses: Tensor, beta, idx: list[int]) -> tuple[Tensor, bool]:
+        """Only some tasks present: their rows of the average move (a task not yet seen has h = 0, whose average is
+        the fresh start's)."""
+        prev = None if self.average is None else self.average[idx].to(device=work.device, dtype=work.dtype)
+        new = dbmtl_average(prev, work, losses, beta)
+        ok = bool(torch.isfinite(new).all())
+        if ok:  # a skipped step must not poison the average
+            if self.average is None:
+                self.average = torch.zeros(len(self.tasks), new.shape[1], dtype=new.dtype, device=new.device)
+            self.average[idx] = new.to(self.average)
+            for i in idx:
+                self.updates[i] += 1
+        return new, ok
 
     def get_extra_state(self):
         return {"updates": list(self.updates), "average": self.average}
@@ -135,4 +152,5 @@ class DBMTL(Weighting):
     def set_extra_state(self, state):
         u = state["updates"]
         self.updates = [int(u)] * len(self.tasks) if isinstance(u, int) else [int(x) for x in u]  # an int: before
-        self.average = state["average"]
+        average = state["average"]  # our own copy: the average then moves in place, and the state's tensor is not ours
+        self.average = None if average is None else average.clone()

@@ -20,10 +20,9 @@ observations; so DWA over K tasks of which only S appear is DWA over S.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting, k_softmax
 from mtl.weighting.checks import option_range_errors
 
 DWA_T = 2.0
@@ -32,11 +31,7 @@ DWA_MAX_RATIO = 1e6
 
 def dwa_weights(prev: list[float], prev2: list[float], temperature: float = DWA_T) -> list[float]:
     """K * softmax(r / T) with r = prev / prev2 (the last and the second-to-last step's losses)."""
-    r = [min(max(a, 0.0) / max(b, 1e-12), DWA_MAX_RATIO) / temperature for a, b in zip(prev, prev2)]
-    top = max(r)
-    e = [math.exp(x - top) for x in r]
-    total = sum(e)
-    return [len(e) * x / total for x in e]
+    return k_softmax([min(max(a, 0.0) / max(b, 1e-12), DWA_MAX_RATIO) / temperature for a, b in zip(prev, prev2)])
 
 
 @dataclass
@@ -44,7 +39,7 @@ class DWAOptions:
     T: float = DWA_T  # softmax temperature: larger T gives more even weights (the paper's T = 2)
 
 
-class DWA(Weighting):
+class DWA(LossWeighting):
     name = "dwa"
     Options = DWAOptions
     updates_from_present_tasks = True  # end_step may get a subset of the tasks (multi-input, mtl/multi_input_check.py)

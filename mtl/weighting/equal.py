@@ -1,7 +1,7 @@
 """Equal weighting: every task's loss counts once. The baseline every method is compared with."""
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting
 
 
-class Equal(Weighting):
+class Equal(LossWeighting):
     name = "equal"

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting, apply_weights, check_present
+from mtl.weighting.base import RowWeighting, apply_weights, check_present
 from mtl.weighting.checks import option_range_errors
 
 EXCESS_EPS = 1e-7  # inside the square root of the accumulated squares, as the authors' code
@@ -60,7 +60,7 @@ class ExcessMTLOptions:
     eta: float = 1e-2  # step size of the exponentiated-gradient update of the task weights (robust_step_size)
 
 
-class ExcessMTL(Weighting):
+class ExcessMTL(RowWeighting):
     name = "excessmtl"
     updates_from_present_tasks = True  # only the present tasks' accumulators, normalisers and weights move
     level = "grad"

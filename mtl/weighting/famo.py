@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from mtl.dist import all_reduce_mean
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting
 from mtl.weighting.checks import option_range_errors
 
 FAMO_LR = 0.025  # step size of the task logits
@@ -73,7 +73,7 @@ class FAMOOptions:
     lr: float = FAMO_LR  # Adam learning rate of the task logits (the paper's beta)
 
 
-class FAMO(Weighting):
+class FAMO(LossWeighting):
     name = "famo"
     Options = FAMOOptions
     updates_from_present_tasks = True  # the present tasks' softmax and update only (module docstring)

@@ -26,12 +26,12 @@ geometric mean of the present ones: K is their number, K'.
 from __future__ import annotations
 
 from mtl.dist import all_reduce_mean
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting
 
 GLS_EPS = 1e-12
 
 
-class GLS(Weighting):
+class GLS(LossWeighting):
     name = "gls"
 
     def weigh(self, task, loss):

@@ -21,7 +21,7 @@ keeps that fraction of the dropped components; leak = 1 is the plain sum.
 Where it is applied: the paper inserts GradDrop at a layer of activations (and sums the sign over the
 batch); here it acts on the coordinates of the shared parameters' gradients, the rows that
 ``ddp.strategy=task_grads`` hands to ``combine``. It needs the rows themselves (per-coordinate signs),
-so it is not a function of the Gram matrix: it subclasses ``Weighting`` and overrides ``combine``, and
+so it is not a function of the Gram matrix: it subclasses ``RowWeighting`` and defines ``combine``, and
 a gradient source that offers only the Gram matrix cannot run it.
 
 FSDP2 (``ddp.engine=fsdp2``): each rank holds only its columns of G, and GradDrop is exact column by column,
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting, check_present, step_generator
+from mtl.weighting.base import RowWeighting, check_present, step_generator
 from mtl.weighting.checks import option_range_errors
 
 
@@ -90,7 +90,7 @@ class GradDropOptions:
     leak: float = 0.0  # fraction of each dropped component kept anyway (the paper's leak; 0: pure sign dropout, 1: the sum)
 
 
-class GradDrop(Weighting):
+class GradDrop(RowWeighting):
     name = "graddrop"
     level = "grad"
     Options = GradDropOptions

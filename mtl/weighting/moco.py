@@ -19,9 +19,10 @@ raw gradients, without its ball projection).
 
 Rows, not a Gram matrix: the update ``Y^T lambda`` is a combination of the *tracked* gradients (a K x P average
 of earlier steps' rows), not of this step's rows, and Y Y^T needs the cross products of this step's rows with
-the earlier average. A tracked K x K Gram matrix cannot give the update, so MoCo subclasses ``Weighting`` and
+the earlier average. A tracked K x K Gram matrix cannot give the update, so MoCo subclasses ``RowWeighting`` and
 overrides ``combine``, like DB-MTL: it needs ``ddp.strategy=task_grads`` (``weighting.source: parameters``).
-**Cost:** the K x P average Y is kept between steps (memory as much again as the task-gradient matrix G) and is
+**Cost:** the K x P average Y is kept between steps (memory as much again as the task-gradient matrix G; a step
+forms the new Y in its normalised targets, one K x P temporary) and is
 saved in ``state_dict()`` (extra state, with k and lambda), so checkpoints grow by K x P numbers; a K x P update
 and a K x K product per step, no solver.
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import RowWeighting
 from mtl.weighting.checks import option_range_errors
 
 MOCO_NORM_EPS = 1e-8
@@ -54,13 +55,20 @@ def moco_targets(grads: Tensor, losses: Tensor | None, normalize: bool = True) -
         return grads
     if losses is None:
         raise ValueError("moco with normalize=true needs the task losses (h_t = g_t / ||g_t|| * L_t)")
-    return grads / (grads.norm(dim=1, keepdim=True) + MOCO_NORM_EPS) * losses.to(grads)[:, None]
+    return (grads / (grads.norm(dim=1, keepdim=True) + MOCO_NORM_EPS)).mul_(losses.to(grads)[:, None])
 
 
 @torch.no_grad()
-def moco_update(y: Tensor | None, lambd: Tensor, h: Tensor, beta: float, gamma: float, rho: float) -> tuple[Tensor, Tensor]:
-    """One MoCo step with rates beta_k, gamma_k: (new Y, new lambda). ``y`` None is Y = 0."""
-    y = h * beta if y is None else y - beta * (y - h)
+def moco_update(y: Tensor | None, lambd: Tensor, h: Tensor, beta: float, gamma: float, rho: float,
+                out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One MoCo step with rates beta_k, gamma_k: (new Y, new lambda). ``y`` None is Y = 0. The new Y is
+    ``y - beta (y - h)`` formed in ``out`` (a new tensor when None; ``h`` itself to spend no further K x P memory,
+    which overwrites h); ``y`` is left as it is."""
+    if y is None:
+        y = torch.mul(h, beta) if out is None else torch.mul(h, beta, out=out)
+    else:
+        d = torch.sub(y, h) if out is None else torch.sub(y, h, out=out)  # y - h
+        y = torch.sub(y, d.mul_(beta), out=d)  # y - beta (y - h)
     gram = (y @ y.T).to(lambd)
     k = lambd.numel()
     lam = torch.softmax(lambd - gamma * (gram + rho * torch.eye(k, dtype=lambd.dtype, device=lambd.device)) @ lambd, 0)
@@ -77,7 +85,7 @@ class MoCoOptions:
     normalize: bool = True  # track g_t / ||g_t|| * L_t, as the authors' code (false: the raw gradients)
 
 
-class MoCo(Weighting):
+class MoCo(RowWeighting):
     name = "moco"
     absent_task_refusal = ("it tracks each task's gradient and lambda over every task with step-indexed rates; a present-only "
                            "update is not defined")
@@ -115,7 +123,9 @@ class MoCo(Weighting):
         h = moco_targets(work, None if losses is None else losses.to(work.device), o.normalize)
         step = self.updates + 1
         prev = None if self.tracked is None else self.tracked.to(device=work.device, dtype=work.dtype)
-        y, lam = moco_update(prev, self.lambd, h, o.beta / step ** o.beta_sigma, o.gamma / step ** o.gamma_sigma, o.rho)
+        # the new Y is formed in h where h is this step's own (normalised) tensor: Y and h are the only K x P state
+        y, lam = moco_update(prev, self.lambd, h, o.beta / step ** o.beta_sigma, o.gamma / step ** o.gamma_sigma, o.rho,
+                             out=None if h is grads else h)
         if bool(torch.isfinite(y).all()) and bool(torch.isfinite(lam).all()):  # a skipped step must not poison the state
             self.tracked, self.updates = y, step
             self.lambd.copy_(lam)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mtl.weighting.base import Weighting, step_generator
+from mtl.weighting.base import LossWeighting, step_generator
 
 
 def rlw_weights(seed: int, step: int, k: int) -> list[float]:
@@ -26,7 +26,7 @@ def rlw_weights(seed: int, step: int, k: int) -> list[float]:
     return torch.softmax(z, dim=0).tolist()
 
 
-class RLW(Weighting):
+class RLW(LossWeighting):
     name = "rlw"
 
     def __init__(self, cfg, tasks):

@@ -1,9 +1,9 @@
 """Static weighting: fixed per-task weights from YAML (``weighting.weights: {cls: 1.0, gen: 0.5}``)."""
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting
 
 
-class Static(Weighting):
+class Static(LossWeighting):
     name = "static"
 
     def __init__(self, cfg, tasks):

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from mtl.dist import all_reduce_mean
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting, k_softmax
 from mtl.weighting.checks import option_range_errors
 
 STCH_EPS = 1e-20
@@ -47,11 +47,7 @@ STCH_EPS = 1e-20
 
 def stch_weights(losses: list[float], nadir: list[float], mu: float) -> list[float]:
     """K softmax_t(log(L_t / nadir_t) / mu): the coefficients of log L_t in K * smooth Tchebycheff."""
-    f = [math.log(max(a, STCH_EPS) / max(b, STCH_EPS)) / mu for a, b in zip(losses, nadir)]
-    top = max(f)
-    e = [math.exp(x - top) for x in f]
-    total = sum(e)
-    return [len(e) * x / total for x in e]
+    return k_softmax([math.log(max(a, STCH_EPS) / max(b, STCH_EPS)) / mu for a, b in zip(losses, nadir)])
 
 
 @dataclass
@@ -61,7 +57,7 @@ class STCHOptions:
     nadir_steps: int = 20  # the last this many warm-up steps give the nadir point (the mean of each task's loss)
 
 
-class STCH(Weighting):
+class STCH(LossWeighting):
     name = "stch"
     updates_from_present_tasks = True  # per-task warm-up, nadir and previous loss (module docstring)
     Options = STCHOptions

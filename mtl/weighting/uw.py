@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtl.weighting.base import Weighting
+from mtl.weighting.base import LossWeighting
 
 
-class UW(Weighting):
+class UW(LossWeighting):
     name = "uw"
 
     def __init__(self, cfg, tasks):

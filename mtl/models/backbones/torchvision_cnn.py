@@ -1,8 +1,8 @@
-"""The shared image backbone: a torchvision classification network cut before its pooling.
+"""The torchvision image backbones: a torchvision classification network cut before its pooling.
 
-``build_backbone`` returns a module mapping images (B, 3, H, W) to a feature map (B, C, h, w), with
-``out_channels = C``. Every task head reads that one map, so it is the single tensor at which the
-``feature_leaf`` strategy splits the graph.
+Each maps images (B, 3, H, W) to a feature map (B, C, h, w), with ``out_channels = C``. Two ``Backbone`` plug-ins
+serve the families by name (``variants``): ``ResNetTrunk`` and ``FeaturesTrunk``. Their config keys are
+``model.backbone.name``, ``weights``, ``norm`` and ``stages``.
 
 Supported families: ResNet/ResNeXt/Wide-ResNet (``resnet18`` ... ``resnet152``), ConvNeXt
 (``convnext_tiny`` ...), and the ``.features``-style CNNs (EfficientNet, MobileNet, RegNet-free VGG,
@@ -20,6 +20,7 @@ from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
 from mtl.errors import ConfigError
+from mtl.models.backbones.base import Backbone
 
 RESNETS = {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
            "resnext101_32x8d", "resnext101_64x4d", "wide_resnet50_2", "wide_resnet101_2"}
@@ -31,7 +32,25 @@ SUPPORTED = sorted(RESNETS | CONVNEXTS | FEATURE_CNNS)
 NORMS = ("batch", "group", "frozen", "sync")
 
 
-class ResNetTrunk(nn.Module):
+class TorchvisionTrunk(Backbone):
+    """A torchvision family (its names in ``variants``), built from ``model.backbone.name``, ``weights``, ``norm`` and
+    ``stages``."""
+
+    @classmethod
+    def build(cls, cfg):
+        b = cfg.model.backbone
+        return build_torchvision_backbone(b.name, b.weights, b.norm, b.stages)
+
+    @classmethod
+    def check(cls, cfg):
+        norm = cfg.model.backbone.norm
+        return [] if norm in NORMS else [f"model.backbone.norm: {norm!r} is not one of {', '.join(NORMS)}"]
+
+
+class ResNetTrunk(TorchvisionTrunk):
+    name = "resnet"
+    variants = tuple(sorted(RESNETS))
+
     def __init__(self, net: nn.Module, stages: int):
         super().__init__()
         self.stem = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool)
@@ -44,8 +63,11 @@ class ResNetTrunk(nn.Module):
         return self.layers(self.stem(x))
 
 
-class FeaturesTrunk(nn.Module):
-    """Networks whose ``.features`` Sequential is the whole convolutional trunk."""
+class FeaturesTrunk(TorchvisionTrunk):
+    """Networks whose ``.features`` Sequential is the whole convolutional trunk (ConvNeXt, EfficientNet, ...)."""
+
+    name = "features"
+    variants = tuple(sorted(CONVNEXTS | FEATURE_CNNS))
 
     def __init__(self, features: nn.Sequential):
         super().__init__()
@@ -145,7 +167,8 @@ def convert_norm(module: nn.Module, norm: str) -> nn.Module:
     return module
 
 
-def build_backbone(name: str, weights: str | None = None, norm: str = "batch", stages: int = 4) -> nn.Module:
+def build_torchvision_backbone(name: str, weights: str | None = None, norm: str = "batch",
+                               stages: int = 4) -> Backbone:
     if name not in SUPPORTED:
         raise ConfigError(f"model.backbone.name: unknown backbone {name!r} (supported: {', '.join(SUPPORTED)})")
     if norm not in NORMS:

@@ -1,0 +1,67 @@
+"""The parameters source's memory (docs/strategies.md, "Memory of the parameters source"): each task's gradient is
+written straight into its row of the K x P buffer, and the row methods with a K x P state keep it without further
+K x P copies, with the same numbers as their pure functions."""
+
+import weakref
+
+import torch
+from torch import nn
+
+from mtl.strategies.task_grads import RowWriter
+from mtl.weighting.dbmtl import dbmtl_average
+from mtl.weighting.moco import moco_targets, moco_update
+
+from .weighting_cases import close, make, random_grads
+
+
+def test_a_row_is_the_gradient_written_in_place_one_parameter_at_a_time():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    unused = nn.Parameter(torch.randn(5))  # the features do not depend on it: a zero slice
+    shared = [*net.parameters(), unused]
+    features = net(torch.randn(2, 3, 12, 12))
+    out_grad = torch.randn_like(features)
+    expected = torch.autograd.grad(features, shared, out_grad, retain_graph=True, allow_unused=True,
+                                   materialize_grads=True)
+    row = torch.full((sum(p.numel() for p in shared),), float("nan"))
+    seen, alive = [], []
+
+    def watch(g):  # runs before RowWriter's own hook: how many earlier parameters' gradients still live
+        alive.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(g))
+
+    handles = [p.register_hook(watch) for p in shared]
+    RowWriter(shared, row)(features, out_grad)
+    for h in handles:
+        h.remove()
+    assert torch.equal(row, torch.cat([g.reshape(-1) for g in expected]))
+    assert len(alive) == len(shared) - 1 and max(alive) == 0  # each gradient freed once copied: never a set of them
+    assert all(p.grad is None for p in shared)  # .grad untouched: DDP's hooks would not fire
+    assert all(not p._backward_hooks for p in shared[:1])  # its hooks are removed
+
+
+def test_dbmtl_moves_its_average_in_place_with_the_pure_function_s_numbers():
+    w = make("dbmtl")
+    g, losses = random_grads(2, 50, 0), torch.tensor([1.5, 0.5], dtype=torch.float64)
+    w.combine(g, losses)
+    ptr, reference = w.average.data_ptr(), dbmtl_average(None, g, losses, 0.9)
+    close(w.average, reference, 0)
+    for step in range(1, 4):
+        g = random_grads(2, 50, step)
+        w.combine(g, losses)
+        reference = dbmtl_average(reference, g, losses, 0.9)
+        close(w.average, reference, 0)  # bit for bit
+        assert w.average.data_ptr() == ptr  # the same storage: no new K x P average per step
+
+
+def test_moco_forms_the_new_tracked_gradients_in_its_targets_with_the_pure_function_s_numbers():
+    g, losses = random_grads(2, 50, 0), torch.tensor([1.5, 0.5], dtype=torch.float64)
+    y, lam = moco_update(None, torch.full((2,), 0.5, dtype=torch.float64), moco_targets(g, losses), 0.5, 0.1, 0.0)
+    h = moco_targets(random_grads(2, 50, 1), losses)
+    expected = moco_update(y, lam, h, 0.3, 0.07, 0.0)
+    y_before = y.clone()
+    got = moco_update(y, lam, h, 0.3, 0.07, 0.0, out=h)
+    assert got[0].data_ptr() == h.data_ptr()  # formed in h's storage
+    close(got[0], expected[0], 0)
+    close(got[1], expected[1], 0)
+    close(y, y_before, 0)  # the tracked gradients it came from are left as they were
