@@ -20,7 +20,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from mtl.models.backbone import CONVNEXTS, RESNETS
+from mtl.models.backbones.torchvision_cnn import CONVNEXTS, RESNETS
 
 HF_DIR = "hf_decoder"
 TV_DIR = "torchvision_backbone"

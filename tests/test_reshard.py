@@ -398,7 +398,7 @@ def _tiny_model(norm):
     torch.manual_seed(0)
     model = build_model(cfg, 4, ["a", "b", "c", "d"], tok)
     if norm == "sync":
-        from mtl.models.backbone import convert_norm
+        from mtl.models.backbones.torchvision_cnn import convert_norm
 
         model.backbone = convert_norm(model.backbone, "sync")
     return model, tok, cfg
