@@ -423,7 +423,9 @@ def test_predict_skips_an_unreadable_image_and_counts_it(run, tmp_path, capsys):
     assert "warning: skipped:" in err and "bad.png" in err and "cannot be decoded" in err, err
     assert f"2 prediction(s) written to {out}; 1 image(s) skipped (unreadable)" in err, err
     alone = load_model(run).predict([good, other])
-    assert [{k: v for k, v in r.items() if k != "image"} for r in read_jsonl(out)] == alone
+    # the same predictions; the probability up to rounding (the tool's batches of the good images differ from this one)
+    got = [{k: v for k, v in r.items() if k != "image"} for r in read_jsonl(out)]
+    assert [{**r, "prob": pytest.approx(r["prob"], rel=1e-5)} for r in alone] == got
 
 
 def test_eval_config_keeps_the_model_and_takes_the_data(run, tmp_path):
