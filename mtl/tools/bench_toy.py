@@ -261,12 +261,12 @@ def parse_starts(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(starts)
 
 
-def setting_label(variant: str, lr: float, steps: int, quick: bool, papers_starts: bool) -> str:
+def setting_label(variant: str, lr: float, steps: int, papers_starts: bool) -> str:
     """What the header says the run is: the paper's setting, or why not."""
     paper_lr, paper_steps = PAPER_SETTING[variant]
     if (lr, steps) == (paper_lr, paper_steps) and papers_starts:
         return f"the paper's setting (Adam lr {lr:g}, {steps:,} steps)"
-    what = "the quick setting" if quick else "a custom setting"
+    what = "the quick setting" if (lr, steps) == QUICK_SETTING else "a custom setting"
     return (f"{what} (Adam lr {lr:g}, {steps:,} steps{'' if papers_starts else ', starts given by --starts'}): "
             f"NOT the paper's setting (lr {paper_lr:g}, {paper_steps:,} steps, its starts)")
 
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"bench_toy: {e}", file=sys.stderr)
         return 2
-    label = setting_label(a.variant, lr, steps, a.quick, starts == variant.starts)
+    label = setting_label(a.variant, lr, steps, starts == variant.starts)
     os.makedirs(a.out, exist_ok=True)
     t0 = time.perf_counter()
     results = run_all(methods, starts, steps, lr, variant.scale, variant.shifted, a.near, keep_every, a.jobs)
