@@ -22,9 +22,10 @@ than most methods' maths. The (method, start) runs are independent; ``--jobs`` r
 
 What is reported is what is robust to the start (``judge``): whether a run reaches the Pareto set (within
 ``--near`` = 0.1 of it) and at which step, whether it is on the set at the end, and if so whether at its centre (within
-``CENTRED`` = 0.5 in x1 of the mean loss's minimiser (0, -8.3551)) or on which side; if not, in which half of the
-plane it ends. The exact endpoint is not a result: in the upper region some methods' endpoints move by units when the
-start moves by 1e-12 (docs/benchmark.md#the-toy-problem). Writes into ``--out``: ``toy.md`` (a summary per method
+``CENTRED`` = 0.5 in x1 of the mean loss's minimiser (0, -8.3551)) or on which side; if not, whether it has stalled
+(moved at most ``--near`` over the last tenth of its steps) or is still moving, and in which half of the plane.
+The exact endpoint is not a result: in the upper region some methods' endpoints move by units when the start
+moves by 1e-12 (docs/benchmark.md#the-toy-problem). Writes into ``--out``: ``toy.md`` (a summary per method
 and a row per run), ``toy.json`` (the same, with the final points, each run's wall and CPU seconds and the
 trajectories, every ``--keep_every`` steps) and ``toy.png`` (the trajectories over the mean loss's contours).
 """
@@ -120,6 +121,8 @@ def run_one(entry: str, start, steps: int, lr: float, scale: float, shifted: boo
     opt = Adam2(list(start), lr)
     x = list(start)
     kept, reached, failed = [list(x)], None, None
+    late = steps - steps // 10  # the step after which "moved" is measured (the last tenth of the run)
+    x_late = list(x)
     for step in range(steps):
         f1, f2, jac = toy_losses_and_jacobian(x[0], x[1], scale, offsets)
         method.begin_step(step)
@@ -135,25 +138,30 @@ def run_one(entry: str, start, steps: int, lr: float, scale: float, shifted: boo
             reached = step + 1
         if (step + 1) % keep_every == 0:
             kept.append(list(x))
+        if step + 1 == late:
+            x_late = list(x)
     if kept[-1] != x:
         kept.append(list(x))
     f1, f2, _ = toy_losses_and_jacobian(x[0], x[1], scale, offsets)
     distance = float(distance_to_curve(np.array([x]), curve)[0])
+    moved = math.dist(x, x_late)
     return {"method": entry, "start": list(start), "final": list(x), "distance": distance, "losses": [f1, f2],
-            "reached": reached, "first_nonfinite": failed,
-            "ending": judge(x, distance, near), "wall_s": time.perf_counter() - wall0,
+            "reached": reached, "first_nonfinite": failed, "moved_last_tenth": moved,
+            "ending": judge(x, distance, near, moved), "wall_s": time.perf_counter() - wall0,
             "cpu_s": time.process_time() - cpu0, "trajectory": kept}
 
 
-def judge(final, distance: float, near: float = NEAR) -> str:
+def judge(final, distance: float, near: float = NEAR, moved: float = 0.0) -> str:
     """Where a run ends, in the terms that are robust to its start: on the set (centred, or on which side of the
-    centre: f1's minimiser is at x1 = 7, f2's at x1 = -7) or off it (in which half of the plane)."""
+    centre: f1's minimiser is at x1 = 7, f2's at x1 = -7) or off it: stalled (it moved at most ``near`` over the
+    last tenth of its steps) or still moving, and in which half of the plane."""
     x1, x2 = final
     if distance <= near:
         if abs(x1) <= CENTRED:
             return "on the set, centred"
         return "on the set, f1's side (x1 > 0)" if x1 > 0 else "on the set, f2's side (x1 < 0)"
-    return "off the set, upper half (x2 > 0)" if x2 > 0 else "off the set, lower half"
+    half = "upper half (x2 > 0)" if x2 > 0 else "lower half"
+    return f"off the set, {'still moving' if moved > near else 'stalled'} in the {half}"
 
 
 def _run_star(args):
@@ -281,7 +289,7 @@ def main(argv=None) -> int:
                    help=f"lr {QUICK_SETTING[0]:g} for {QUICK_SETTING[1]:,} steps: a smoke run, not the paper's setting")
     p.add_argument("--steps", type=int, default=None, help="Adam steps per run (default: the paper's)")
     p.add_argument("--lr", type=float, default=None, help="Adam's learning rate (default: the paper's, 1e-3)")
-    p.add_argument("--starts", default="", help="starting points 'x1,x2;x1,x2' (default: the paper's)")
+    p.add_argument("--starts", default="", help="starting points, --starts='x1,x2;x1,x2' (default: the paper's)")
     p.add_argument("--methods", default="", help="entries separated by ';', e.g. 'mgda;cagrad(c=0.5)' "
                    "(default: every registered gradient-level method and the variant's extra entries)")
     p.add_argument("--near", type=float, default=NEAR, help="the distance to the Pareto set that counts as reached")
