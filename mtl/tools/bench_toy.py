@@ -128,14 +128,14 @@ def run_one(entry: str, start, steps: int, lr: float, scale: float, shifted: boo
         method.begin_step(step)
         d = method.combine(torch.tensor(jac, dtype=torch.float64), torch.tensor([f1, f2], dtype=torch.float64))
         d = d.tolist()
-        if not all(math.isfinite(v) for v in d):  # what the trainer does with a non-finite update: skip the step
-            failed = failed if failed is not None else step
-            continue
-        x = opt.step(d)
-        method.end_step({"f1": f1, "f2": f2})
-        if reached is None and -8.5 - near < x[1] < -8.3 + near and abs(x[0]) < 7 + near \
-                and float(distance_to_curve(np.array([x]), curve)[0]) <= near:  # (the set lies in that box)
-            reached = step + 1
+        if all(math.isfinite(v) for v in d):
+            x = opt.step(d)
+            method.end_step({"f1": f1, "f2": f2})
+            if reached is None and -8.5 - near < x[1] < -8.3 + near and abs(x[0]) < 7 + near \
+                    and float(distance_to_curve(np.array([x]), curve)[0]) <= near:  # (the set lies in that box)
+                reached = step + 1
+        elif failed is None:  # what the trainer does with a non-finite update: skip the step
+            failed = step
         if (step + 1) % keep_every == 0:
             kept.append(list(x))
         if step + 1 == late:
