@@ -217,3 +217,12 @@ def test_nash_variant_runs_the_methods_that_need_positive_losses(tmp_path):
     for r in data["results"]:
         assert r["first_nonfinite"] is None and min(r["losses"]) >= 0, r["method"]
         assert r["final"] != r["start"]
+
+
+def test_a_skipped_step_keeps_the_trajectorys_bookkeeping(curve):
+    """excessmtl from (9, 9) at lr 1e-2 makes non-finite updates from step 372 (CAGrad's losses are not >= 0): those
+    steps are skipped, as the trainer skips them, but still count for the kept points and the last tenth."""
+    r = run_one("excessmtl", STARTS[2], 400, 1e-2, 1.0, False, 0.1, 1, curve)
+    assert r["first_nonfinite"] == 372
+    assert len(r["trajectory"]) == 401  # the start and one point per step, skipped or not
+    assert r["moved_last_tenth"] == math.dist(r["final"], r["trajectory"][360])
