@@ -47,7 +47,7 @@ bench-quick: $(STAMP)
 
 # The papers' toy problem (CAGrad Fig. 1, Nash-MTL): every gradient-level method from three starts, into runs/toy/.
 bench-toy: $(STAMP)
-	$(BIN)/python -m mtl.tools.bench_toy --out runs/toy $(ARGS)
+	$(BIN)/python -m mtl.tools.bench_toy --jobs 2 --out runs/toy $(ARGS)
 
 bench-strategies: $(STAMP)
 	$(BIN)/python -m mtl.tools.bench_strategies --config $(CONFIG) --write docs/strategies.md $(ARGS)

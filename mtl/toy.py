@@ -19,11 +19,19 @@ x2 = -8.4345 at the ends, tests/test_bench_toy.py checks it is the set of non-do
 is the same function with its hand-derived Jacobian in plain Python floats, which is what the benchmark
 steps (a torch autograd pass per step would cost more than most methods' maths); the tests check the two
 against each other.
+
+``VARIANTS`` holds the two papers' versions: CAGrad's (s = 1, its three ``STARTS``) and Nash-MTL's (s = 0.1, its
+five ``NASH_STARTS``, from its experiments/toy code). In Nash-MTL's we also shift each loss by its minimum over the
+plane (``loss_minimum``, -19.9894 for the unscaled f1 and for f2; ``loss_offsets``): each loss is then >= 0 and 0
+at its minimiser, so that the methods that use loss values as positive numbers (the gradient of log L_t is
+g_t / L_t) can run. The shift changes no gradient.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -31,11 +39,50 @@ from torch import Tensor
 
 LOWER = 5e-6  # the log-valleys' floor, as in the papers' code
 STARTS = ((-8.5, 7.5), (-8.5, -5.0), (9.0, 9.0))  # CAGrad's three starting points
+NASH_STARTS = ((-8.5, 7.5), (0.0, 0.0), (9.0, 9.0), (-7.5, -0.5), (9.0, -1.0))  # Nash-MTL's five (experiments/toy)
 PARETO_X1 = (-7.0, 7.0)  # the Pareto set's ends: the minimisers of f2 and f1
+CENTRE = (0.0, -8.3551)  # the minimiser of the mean (f1 + f2) / 2 at s = 1, the middle of the Pareto set
 
 
-def toy_losses(x: Tensor, scale: float = 1.0) -> Tensor:
-    """(..., 2) points -> (..., 2) losses (f1, f2)."""
+@dataclass(frozen=True)
+class Variant:
+    """One paper's version of the problem: the factor on f1, the starting points, and whether the losses are
+    shifted by their minimum (f_t - min f_t >= 0)."""
+
+    name: str
+    scale: float
+    starts: tuple[tuple[float, float], ...]
+    shifted: bool
+
+
+VARIANTS = {"cagrad": Variant("cagrad", 1.0, STARTS, False),
+            "nashmtl": Variant("nashmtl", 0.1, NASH_STARTS, True)}
+
+
+def _unscaled_f1_at(x2: float) -> float:
+    return toy_losses_and_jacobian(PARETO_X1[1], x2)[0]
+
+
+@lru_cache(maxsize=1)
+def loss_minimum() -> tuple[float, float]:
+    """(x2, value) of the minimum of the unscaled f1 over the plane, at x1 = 7 (f2's is the mirror image, at x1 = -7,
+    with the same value): in the lower bowl, where f1 = q1 c2 (the upper half's f1 is >= log(5e-6) + 6 > -7)."""
+    from scipy.optimize import minimize_scalar
+
+    res = minimize_scalar(_unscaled_f1_at, bounds=(-10.0, -7.0), method="bounded", options={"xatol": 1e-12})
+    return float(res.x), float(res.fun)
+
+
+def loss_offsets(scale: float, shifted: bool) -> tuple[float, float]:
+    """What is subtracted from (f1, f2): their minima (s * LOSS_MIN, LOSS_MIN) when ``shifted``, else zeros."""
+    if not shifted:
+        return 0.0, 0.0
+    low = loss_minimum()[1]
+    return scale * low, low
+
+
+def toy_losses(x: Tensor, scale: float = 1.0, shifted: bool = False) -> Tensor:
+    """(..., 2) points -> (..., 2) losses (f1, f2), minus their minima when ``shifted``."""
     x1, x2 = x[..., 0], x[..., 1]
     h1 = torch.clamp((0.5 * (-x1 - 7) - torch.tanh(-x2)).abs(), LOWER).log() + 6
     h2 = torch.clamp((0.5 * (-x1 + 3) + torch.tanh(-x2) + 2).abs(), LOWER).log() + 6
@@ -43,11 +90,14 @@ def toy_losses(x: Tensor, scale: float = 1.0) -> Tensor:
     q2 = ((-x1 - 7) ** 2 + 0.1 * (-x2 - 8) ** 2) / 10 - 20
     c1 = torch.clamp(torch.tanh(x2 * 0.5), 0)
     c2 = torch.clamp(torch.tanh(-x2 * 0.5), 0)
-    return torch.stack([scale * (h1 * c1 + q1 * c2), h2 * c1 + q2 * c2], dim=-1)
+    off1, off2 = loss_offsets(scale, shifted)
+    return torch.stack([scale * (h1 * c1 + q1 * c2) - off1, h2 * c1 + q2 * c2 - off2], dim=-1)
 
 
-def toy_losses_and_jacobian(x1: float, x2: float, scale: float = 1.0) -> tuple[float, float, list[list[float]]]:
-    """(f1, f2, J) at one point, J[t] = the gradient of f_t w.r.t. (x1, x2), in Python floats."""
+def toy_losses_and_jacobian(x1: float, x2: float, scale: float = 1.0,
+                            offsets: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, list[list[float]]]:
+    """(f1 - offsets[0], f2 - offsets[1], J) at one point, J[t] = the gradient of f_t w.r.t. (x1, x2), in Python
+    floats (``offsets``: ``loss_offsets(scale, shifted)``, computed once by the caller)."""
     t = math.tanh(x2)
     sech2 = 1.0 - t * t  # d tanh(x2) / dx2
     u1 = -0.5 * x1 - 3.5 + t  # h1 = log|u1| + 6
@@ -66,8 +116,8 @@ def toy_losses_and_jacobian(x1: float, x2: float, scale: float = 1.0) -> tuple[f
     q1, q2 = ((x1 - 7) ** 2 + b) / 10 - 20, ((x1 + 7) ** 2 + b) / 10 - 20
     dq1 = (0.2 * (x1 - 7), 0.02 * (x2 + 8))
     dq2 = (0.2 * (x1 + 7), 0.02 * (x2 + 8))
-    f1 = scale * (h1 * c1 + q1 * c2)
-    f2 = h2 * c1 + q2 * c2
+    f1 = scale * (h1 * c1 + q1 * c2) - offsets[0]
+    f2 = h2 * c1 + q2 * c2 - offsets[1]
     g1 = [scale * (dh1[0] * c1 + dq1[0] * c2), scale * (dh1[1] * c1 + h1 * dc1 + dq1[1] * c2 + q1 * dc2)]
     g2 = [dh2[0] * c1 + dq2[0] * c2, dh2[1] * c1 + h2 * dc1 + dq2[1] * c2 + q2 * dc2]
     return f1, f2, [g1, g2]
