@@ -248,8 +248,25 @@ class MultiInputStream:
         self.tasks = list(train_sets)
         self.sizes = {t: len(ds) for t, ds in train_sets.items()}
         self.plan = SamplingPlan.from_config(cfg, self.sizes)
+        self._check_sizes(cfg)
         self.samplers = {t: TaskSampler(len(ds), cfg.seed, t) for t, ds in train_sets.items()}
         self._empty: dict[str, dict] = {}
+
+    def _check_sizes(self, cfg) -> None:
+        """Before the first step: every task's training set fills the most rows a step can ask of it (its
+        per-process rows x the world; with ``mixed``, the whole global batch), whatever the source. A step that
+        holds the task may come arbitrarily late (``weighted``, ``temperature``), so this is not left to it."""
+        errors = []
+        for t, size in self.sizes.items():
+            mixed = self.plan.policy == "mixed"
+            need = (cfg.data.batch_size if mixed else self.plan.batch_sizes[t]) * self.world
+            if size < need:
+                key = "data.batch_size" if mixed else f"data.per_task.{t}.batch_size"
+                errors.append(f"task {t!r}: a step can ask for {need} of its training items ({key} x "
+                              f"{self.world} process(es)) but its training set has {size}; lower {key} to at most "
+                              f"{max(1, size // self.world)} or add data")
+        if errors:
+            raise DataError("; ".join(errors))
 
     def next_batch(self, step: int) -> dict:
         order = step_tasks(self.plan, step, self.world)
