@@ -465,7 +465,7 @@ class Trainer:
             if self.amp.scaler is not None:
                 values["loss_scale"] = scale
             self.log.record(self.step, values)
-            self.log.progress(self.step, {f"loss_{k}": v for k, v in r.losses.items()})
+        self.log.progress(self.step, {f"loss_{k}": v for k, v in r.losses.items()})  # the bar moves every step
 
     # ------------------------------------------------------------------ a diverged model is never kept
 
