@@ -327,3 +327,18 @@ def test_a_task_set_of_any_source_smaller_than_its_global_rows_is_refused_before
     key = "data.batch_size" if policy == "mixed" else "data.per_task.gen.batch_size"
     assert f"task 'gen': a step can ask for 8 of its training items ({key} x 2 process(es))" in e.value.message
     assert "has 6" in e.value.message and f"lower {key} to at most 3" in e.value.message
+
+
+def test_feature_gradient_cosines_are_not_logged_when_the_tasks_see_different_rows(tmp_path, capsys):
+    """In multi-input mode each task's gradient lives on its own rows of the features, so their cosine is 0 by
+    construction: the norms are logged, the cosines are not."""
+    import train
+
+    out = tmp_path / "run"
+    assert train.main(["--config", MI, f"output_dir={out}", "ddp.strategy=feature_leaf", "trainer.max_steps=2",
+                       "trainer.log_every=1", "trainer.eval_every=100", "checkpoint.every_steps=0",
+                       "trainer.progress=false"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if x["kind"] == "train"]
+    assert train_lines and all("feat_grad_norm/cls" in x for x in train_lines)
+    assert not any(k.startswith("feat_grad_cos/") for x in train_lines for k in x)

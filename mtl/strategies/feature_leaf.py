@@ -58,6 +58,8 @@ class FeatureLeaf(Strategy):
         else:
             total, stats = self._weighted(s, grads, losses)
         out["features"].backward(total.view_as(leaf))  # the one backbone backward
+        if "multi_input" in s.batch:  # each task's feature rows are its own: their cosines are 0 by construction
+            stats = {k: v for k, v in stats.items() if "grad_cos/" not in k}
         return detached(losses), stats
 
     @staticmethod
