@@ -230,7 +230,8 @@ def _example_config(out_dir) -> dict:
     path = os.path.join(os.path.dirname(TINY), "fsdp2.yaml")
     torch.set_default_dtype(torch.float32)
     t = Trainer.from_config(path, [*cpu_overrides(path), *SMALL, *shrink(path), f"output_dir={out_dir}/example",
-                                   "ddp.timeout_s=60", "model.decoder.n_layer=2"])
+                                   "ddp.timeout_s=60", "model.decoder.n_layer=2",
+                                   "data.synthetic.train_size=8"])  # SMALL's set is one process's batch; 2 ranks
     steps = [t.step_once()]
     out = {"sharded": is_sharded(t.bare), "units": [n for n, _ in shard_units(t.bare)], "precision": t.cfg.precision,
            "backbone": t.cfg.model.backbone.name, "stepped": [r.stepped for r in steps],
