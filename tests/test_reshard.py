@@ -392,15 +392,17 @@ def _tiny_model(norm):
     from mtl.config_check import load_run_config
     from mtl.data.tokenizer import train_tokenizer
 
-    # SyncBatchNorm needs CUDA in a run: on the CPU it is converted here as model.backbone.norm=sync does
-    cfg = load_run_config(TINY, [f"model.backbone.norm={'batch' if norm == 'sync' else norm}", "tasks=[cls,gen,count]"])
+    # SyncBatchNorm needs CUDA in a run, and frozen norms pretrained weights (the config refuses them without):
+    # both are converted here as model.backbone.norm=sync / frozen does
+    converted = norm in ("sync", "frozen")
+    cfg = load_run_config(TINY, [f"model.backbone.norm={'batch' if converted else norm}", "tasks=[cls,gen,count]"])
     tok = train_tokenizer(["one small red object in the centre", "two large blue objects"], 64)
     torch.manual_seed(0)
     model = build_model(cfg, 4, ["a", "b", "c", "d"], tok)
-    if norm == "sync":
+    if converted:
         from mtl.models.backbones.torchvision_cnn import convert_norm
 
-        model.backbone = convert_norm(model.backbone, "sync")
+        model.backbone = convert_norm(model.backbone, norm)
     return model, tok, cfg
 
 
