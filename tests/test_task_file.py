@@ -152,7 +152,7 @@ def test_the_new_task_trains_under_two_processes_logs_and_is_benchmarked(task_fi
     bench = tmp_path / "bench"
     proc = subprocess.run(
         [PY, "-m", "mtl.tools.bench", "--config", TINY, f"output_dir={bench}", f"task_modules=[{task_file}]",
-         "tasks=[cls,colour]", "bench.methods=[equal]", "bench.seeds=[0]", "bench.last_k=1", "trainer.max_steps=2",
+         "tasks=[cls,colour]", "bench.methods=[equal]", "bench.seeds=[0]", "bench.last_k=2", "trainer.max_steps=4",
          "trainer.eval_every=2", "checkpoint.every_steps=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -161,5 +161,5 @@ def test_the_new_task_trains_under_two_processes_logs_and_is_benchmarked(task_fi
     assert row["method"] == "equal" and 0.0 <= float(row["colour_acc"]) <= 1.0
     assert float(row["delta_m"]) == float(row["delta_m"])  # a number: the single_colour baseline ran too
     table = (bench / "results.md").read_text()
-    assert "| method | level | source | cls_acc | colour_acc | Δm % |" in table  # its column, from its declared metrics
+    assert "| method | level | source | cls_acc | colour_acc | Δm % (lower is better) |" in table  # its declared metric
     assert "Single-task baselines: cls_acc " in table and ", colour_acc " in table
