@@ -105,7 +105,7 @@ def test_a_run_whose_final_evaluation_is_nonfinite_fails_and_keeps_no_final_chec
     import train
     from mtl import trainer as trainer_module
 
-    real, calls = trainer_module.evaluate, []
+    real, calls = trainer_module.evaluate_run, []
 
     def diverged(*args, **kwargs):
         metrics = real(*args, **kwargs)
@@ -113,7 +113,7 @@ def test_a_run_whose_final_evaluation_is_nonfinite_fails_and_keeps_no_final_chec
         metrics["cls"]["loss"] = math.nan  # as a model with inf logits scores (its accuracy still a number)
         return metrics
 
-    monkeypatch.setattr(trainer_module, "evaluate", diverged)
+    monkeypatch.setattr(trainer_module, "evaluate_run", diverged)
     out = tmp_path / "run"
     assert train.main(["--config", TINY, *RUN, "trainer.max_steps=2", f"output_dir={out}"]) == 5
     assert calls  # the final evaluation ran
