@@ -452,8 +452,9 @@ def test_the_counts_cover_every_supported_strategy_and_the_units_are_the_documen
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_collectives_per_step(runs, strategy, method):
     """FSDP2 reduce-scatters the gradients and never all-reduces them: its all-reduces are the step's own small
-    ones (the caption-token count, the losses with the stop flag, and gls's per-task loss averages), one fewer
-    than the DDP run dispatches, whose one more is its gradient all-reduce. (The global gradient norm's
+    ones (the caption-token count, the losses with the stop flag, and gls's per-task loss averages) and, after the
+    optimizer step, the ranks' agreement that every weight shard is finite (each rank holds other shards; under DDP
+    each rank checks the same full weights alone); the DDP run's one more is its gradient all-reduce. (The global gradient norm's
     collective runs inside DTensor and is not seen by the dispatch mode; that the norm is global is tested by
     comparing it with the single process's above.)"""
     small = 2 + (2 if method == "gls" else 0)
@@ -462,7 +463,7 @@ def test_collectives_per_step(runs, strategy, method):
         gathers, scatters = expected_counts()[strategy]
         assert c.get("c10d._allgather_base_", 0) == gathers, (strategy, c)
         assert c.get("c10d._reduce_scatter_base_", 0) == scatters, (strategy, c)
-        assert c.get("c10d.allreduce_", 0) == small, (strategy, c)
+        assert c.get("c10d.allreduce_", 0) == small + 1, (strategy, c)  # + the finite-weights agreement
         if f"ddp/{strategy}/{method}" in runs["rank0"]:
             d = runs["rank0"][f"ddp/{strategy}/{method}"]["steps"][i]["counts"]
             assert d.get("c10d.allreduce_", 0) == small + DDP_EXTRA[strategy] and "c10d._reduce_scatter_base_" not in d, d
@@ -583,7 +584,7 @@ def test_task_grads_collectives_one_kxk_all_reduce_and_the_reduce_scatters(runs)
     for step in runs["rank0"][f"fsdp2/task_grads/{COUNTED}"]["steps"]:
         c = step["counts"]
         assert c.get("c10d._reduce_scatter_base_", 0) == 2 * bk + h, c
-        assert c.get("c10d.allreduce_", 0) == 2 + 1, c
+        assert c.get("c10d.allreduce_", 0) == 2 + 1 + 1, c  # ... + the finite-weights agreement after the step
         assert c.get("c10d._allgather_base_", 0) == expected_counts()["feature_leaf"][0] + bk, c
     for step in runs["rank0"][f"ddp/task_grads/{COUNTED}"]["steps"]:
         assert "c10d._reduce_scatter_base_" not in step["counts"] and step["counts"], step["counts"]
