@@ -1,4 +1,4 @@
-"""Checkpoints and the run folder, in-process (issue 11, defects 3, 4, 6, 9, 10, 11, 13; issue 8's overwrite).
+"""Checkpoints and the run folder, in-process.
 
 Faults are injected where they happen (a rename that never comes because the process dies, a write that
 finds the disk full, a read-only mount, a flipped bit), and each test asserts that its fault really fired.
@@ -501,7 +501,7 @@ def test_a_key_added_to_the_schema_since_the_checkpoint_counts_as_its_default(tm
     assert "data.augment" not in e.value.message
 
 
-# ------------------------------------------------------------------ starting over (issue 8)
+# ------------------------------------------------------------------ starting over
 
 
 def test_a_re_run_is_refused_with_a_way_to_start_over(tmp_path, capsys):

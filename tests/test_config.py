@@ -258,7 +258,7 @@ def test_each_method_s_options_are_checked_by_name_type_and_range():
     assert any("unknown option 'warmup'" in e and "weighting.options.warmup_steps'" in e for e in errs), errs
 
 
-# ------------------------------------------------------------------ NaN/inf and unresolvable values (issue 24 §3, §7)
+# ------------------------------------------------------------------ NaN/inf and unresolvable values
 
 
 def _float_keys():

@@ -137,7 +137,7 @@ def test_config_validates_and_its_first_steps_lower_the_loss(path, tmp_path, cap
 
 
 def test_frozen_norms_without_pretrained_weights_are_refused(tmp_path, capsys):
-    """Frozen BatchNorm keeps pretrained statistics; on random weights it normalises nothing (issue 20)."""
+    """Frozen BatchNorm keeps pretrained statistics; on random weights it normalises nothing."""
     out_dir = tmp_path / "run"
     code = train.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "device=cpu",
                        "model.backbone.norm=frozen", f"output_dir={out_dir}"])

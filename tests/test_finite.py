@@ -1,4 +1,4 @@
-"""A diverged model is never kept as good (issue 24 §3): a non-finite weight after a step is a bad step that ends
+"""A diverged model is never kept as good: a non-finite weight after a step is a bad step that ends
 the run, no checkpoint holds a NaN/inf weight or optimizer value, and a run whose final evaluation is non-finite
 does not succeed. (NaN/inf in the config:
 tests/test_config.py.)"""

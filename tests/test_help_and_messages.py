@@ -1,4 +1,4 @@
-"""Rough edges of issue 20 (section 4): a mistyped weighting method gets a "did you mean", and ``train.py --help``
+"""A mistyped weighting method gets a "did you mean", and ``train.py --help``
 describes every key (a comment after the field, or the comment block above it) and each method's options."""
 
 from __future__ import annotations

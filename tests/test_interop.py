@@ -1,4 +1,4 @@
-"""An export's parts load in other libraries without mtl (issue 20, section 2): transformers loads ``hf_decoder/`` as
+"""An export's parts load in other libraries without mtl: transformers loads ``hf_decoder/`` as
 it is and generates the same caption from the same features; torchvision loads ``torchvision_backbone/`` and
 computes the same features. The checking side runs in a separate ``python -I`` process whose import system refuses
 ``mtl`` (and any module under it), and which asserts at the end that no mtl module was loaded."""

@@ -303,7 +303,7 @@ def test_a_users_method_is_judged_and_listed_like_a_shipped_one(tmp_path):
 @pytest.mark.parametrize("policy", ["round_robin", "weighted", "temperature", "all"])
 def test_a_task_set_smaller_than_its_global_batch_is_refused_by_the_config_check(monkeypatch, policy):
     """per_task.gen.batch_size 4 per process, train_size 6: one process fits, two (8 global rows) do not; the check
-    runs before the process group starts, with torchrun's WORLD_SIZE (issue 24 §9)."""
+    runs before the process group starts, with torchrun's WORLD_SIZE."""
     overrides = ["data.per_task.gen.train_size=6", f"data.sampling.policy={policy}", "ddp.strategy=find_unused"]
     monkeypatch.setenv("WORLD_SIZE", "1")
     load_run_config(MI, overrides)

@@ -293,7 +293,7 @@ def test_too_many_bad_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_p
 
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_before_and_at_the_collective_timeout(tmp_path):
-    """Rank 1 stops itself (SIGSTOP) after step 3 (issue 24 §6): rank 0 names it in a warning at half the timeout,
+    """Rank 1 stops itself (SIGSTOP) after step 3: rank 0 names it in a warning at half the timeout,
     then, when the collective times out, in one line with its last step and checkpoint; no traceback; non-zero."""
     out = str(tmp_path / "run")
     tic = time.time()

@@ -1,4 +1,4 @@
-"""Checkpoints that reshard (issue 12 section 3): a run saved by W processes under one engine resumes with W'
+"""Checkpoints that reshard: a run saved by W processes under one engine resumes with W'
 processes under either engine, continues the same sample order, and ends where the uninterrupted run ends.
 
 ONE spawn of three workers (tests/conftest.py ``spawn_env``): workers 0 and 1 are a 2-rank gloo run (batch B
@@ -336,7 +336,7 @@ TORCH_SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 
 
 @pytest.mark.parametrize("free", [0, 1 << 40])
 def test_torch_s_short_write_error_is_named_as_a_full_disk_in_its_own_words(tmp_path, monkeypatch, free):
-    """On a full disk torch's writer raises a RuntimeError ("unexpected pos"), not an OSError (issue 24 §8): the
+    """On a full disk torch's writer raises a RuntimeError ("unexpected pos"), not an OSError: the
     message says "no space left on device", the path and the bytes, when the disk has less room than the state;
     otherwise torch's own text, in its own case. Either way the previous checkpoint stays and no .tmp is left."""
     import shutil as shutil_module
@@ -376,7 +376,7 @@ def test_torch_s_short_write_error_is_named_as_a_full_disk_in_its_own_words(tmp_
 
 
 def test_batchnorm_on_another_world_size_asks_for_the_key(tmp_path):
-    """BatchNorm normalises over each process's own batch: another world size is another run (issue 24 §2)."""
+    """BatchNorm normalises over each process's own batch: another world size is another run."""
     from mtl.resume import reshard_problems
 
     folder = _checkpoint_dir(tmp_path, 4)

@@ -1,6 +1,6 @@
 """Every path that loads a trained model (predict, evaluate, export, ``train.py init_from=``) verifies the folder's
 manifest as a resume does (``mtl.build.verify_model_files`` -> ``mtl.checkpoint.verify_checkpoint``), and reads its
-config.yaml as data: no ``${...}`` resolved, no ``base:`` followed (issue 24, sections 4 and 5)."""
+config.yaml as data: no ``${...}`` resolved, no ``base:`` followed."""
 
 from __future__ import annotations
 

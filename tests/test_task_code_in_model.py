@@ -1,5 +1,5 @@
 """A model with a ``task_modules`` task carries the task's file (checkpoint and export: ``task_modules/<file>``)
-and loads from that copy anywhere, with a note that loading runs it (issue 20, section 2)."""
+and loads from that copy anywhere, with a note that loading runs it."""
 
 from __future__ import annotations
 

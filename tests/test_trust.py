@@ -1,4 +1,4 @@
-"""A checkpoint is data: what a load path reads from one is checked, and nothing in it runs (issue 24).
+"""A checkpoint is data: what a load path reads from one is checked, and nothing in it runs.
 
 In-process: a checkpoint with sharded state written as the trainer writes it, then tampered with as an attacker
 would (the manifest refreshed, since it is a checksum, not a signature)."""
@@ -110,7 +110,7 @@ def test_an_honest_sharded_checkpoint_still_loads(tmp_path):
 
 
 def test_a_shard_removed_from_the_folder_and_the_manifest_is_caught_and_skipped(tmp_path):
-    """The index names every shard file; each must be in the manifest (issue 24 §9)."""
+    """The index names every shard file; each must be in the manifest."""
     good = save_sharded(tmp_path, 2)
     newest = save_sharded(tmp_path, 4)
     shards = [n for n in os.listdir(os.path.join(newest, ckpt.STATE_DIR)) if n.endswith(".distcp")]
