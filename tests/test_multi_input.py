@@ -316,7 +316,8 @@ def test_a_task_set_smaller_than_its_global_batch_is_refused_by_the_config_check
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_task_set_of_any_source_smaller_than_its_global_rows_is_refused_before_the_first_step(policy):
     """The stream checks the loaded sets' sizes (a manifest's or an ImageFolder's is known only once read): gen has
-    6 items; 4 rows per process fit one process, not two, under every policy (mixed: the global batch of 4 x 2)."""
+    6 items; 4 rows per process fit one process, not two, under every policy (mixed: up to 4 x 2 - 1 rows, the
+    other task holding at least one)."""
     cfg = load_run_config(MI, ["ddp.strategy=find_unused", f"data.sampling.policy={policy}",
                                "data.per_task.cls.batch_size=2", "data.per_task.gen.batch_size=4",
                                "data.batch_size=4"])
@@ -324,8 +325,11 @@ def test_a_task_set_of_any_source_smaller_than_its_global_rows_is_refused_before
     MultiInputStream(cfg, sets, collates, 0, 1).next_batch(0)
     with pytest.raises(DataError) as e:
         MultiInputStream(cfg, sets, collates, 0, 2)
-    key = "data.batch_size" if policy == "mixed" else "data.per_task.gen.batch_size"
-    assert f"task 'gen': a step can ask for 8 of its training items ({key} x 2 process(es))" in e.value.message
+    mixed = policy == "mixed"
+    key = "data.batch_size" if mixed else "data.per_task.gen.batch_size"
+    need = "7 of its training items (data.batch_size x 2 process(es) less the 1 row(s) of the other tasks)" if mixed \
+        else f"8 of its training items ({key} x 2 process(es))"
+    assert f"task 'gen': a step can ask for {need}" in e.value.message
     assert "has 6" in e.value.message and f"lower {key} to at most 3" in e.value.message
 
 

@@ -77,7 +77,7 @@ def model_bytes(run_dir, step):
     # per-task forwards, in multi-input mode: each task's own sampler (its epochs roll over within the 10 steps,
     # gen's every 1-3 steps), per-sample mixing, so the ranks hold different numbers of each task's rows
     (2, MULTI_INPUT, ["ddp.strategy=find_unused", "data.sampling.policy=mixed", "data.per_task.gen.ratio=0.5",
-                      "data.per_task.gen.train_size=12", "data.per_task.cls.train_size=40"]),
+                      "data.per_task.gen.train_size=15", "data.per_task.cls.train_size=40"]),
     (2, TINY, ["ddp.strategy=task_grads", "weighting.method=pcgrad"]),  # a gradient-level method
     # a bilevel method: its held-out stream (one global batch of 2 x 8: a new epoch every step) and its meta state
     (2, TINY, ["weighting.method=autolambda", "data.heldout=16"]),

@@ -256,15 +256,16 @@ class MultiInputStream:
         """Before the first step: every task's training set fills the most rows a step can ask of it (its
         per-process rows x the world; with ``mixed``, the whole global batch), whatever the source. A step that
         holds the task may come arbitrarily late (``weighted``, ``temperature``), so this is not left to it."""
-        errors = []
+        errors, mixed, others = [], self.plan.policy == "mixed", len(self.sizes) - 1
         for t, size in self.sizes.items():
-            mixed = self.plan.policy == "mixed"
-            need = (cfg.data.batch_size if mixed else self.plan.batch_sizes[t]) * self.world
+            # mixed: every task holds at least one of the data.batch_size x W rows, so one task at most all but K - 1
+            need = cfg.data.batch_size * self.world - others if mixed else self.plan.batch_sizes[t] * self.world
             if size < need:
                 key = "data.batch_size" if mixed else f"data.per_task.{t}.batch_size"
+                fits = (size + others) // self.world if mixed else size // self.world
                 errors.append(f"task {t!r}: a step can ask for {need} of its training items ({key} x "
-                              f"{self.world} process(es)) but its training set has {size}; lower {key} to at most "
-                              f"{max(1, size // self.world)} or add data")
+                              f"{self.world} process(es){f' less the {others} row(s) of the other tasks' if mixed else ''}"
+                              f") but its training set has {size}; lower {key} to at most {max(1, fits)} or add data")
         if errors:
             raise DataError("; ".join(errors))
 
