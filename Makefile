@@ -47,10 +47,10 @@ bench-quick: $(STAMP)
 
 # The papers' toy problem at CAGrad's setting (Fig. 1: lr 1e-3, 100,000 steps, its three starts; ARGS=--quick or --variant nashmtl), into runs/toy/
 bench-toy: $(STAMP)
-	$(BIN)/python -m mtl.tools.bench_toy --jobs 2 --out runs/toy $(ARGS)
+	$(BIN)/python -m mtl.tools.bench.toy --jobs 2 --out runs/toy $(ARGS)
 
 bench-strategies: $(STAMP)
-	$(BIN)/python -m mtl.tools.bench_strategies --config $(CONFIG) --write docs/strategies.md $(ARGS)
+	$(BIN)/python -m mtl.tools.bench.strategies --config $(CONFIG) --write docs/strategies.md $(ARGS)
 
 doctor: $(STAMP)
 	$(BIN)/python -m mtl.tools.doctor --config $(CONFIG) $(ARGS)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtl.error_report import run_guarded
+from mtl.run.error_report import run_guarded
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtl.config import keys_help
-    from mtl.config_check import options_help
+    from mtl.config.checks import options_help
+    from mtl.config.schema import keys_help
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"{keys_help()}\n\n{options_help()}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
-        from mtl import dist
-        from mtl.config_check import load_run_config
-        from mtl.trainer import Trainer
+        from mtl.config.checks import load_run_config
+        from mtl.parallel import dist
+        from mtl.run.trainer import Trainer
 
         cfg = load_run_config(args.config, args.overrides)
         info = dist.init_distributed(cfg)

@@ -13,8 +13,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mtl import checkpoint as ckpt
-from mtl.config import multi_input
+from mtl.config.schema import multi_input
 from mtl.data.loader import (
     BatchCollate,
     all_captions,
@@ -27,11 +26,12 @@ from mtl.data.loader import (
 from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
-from mtl.dist import DistInfo, barrier
 from mtl.errors import CheckpointError, ConfigError
-from mtl.faults import install_poison
 from mtl.models.backbones import build_backbone
 from mtl.models.multitask import MultiTaskModel
+from mtl.parallel.dist import DistInfo, barrier
+from mtl.run import checkpoint as ckpt
+from mtl.run.faults import install_poison
 from mtl.strategies import strategy_types
 from mtl.tasks import BuildInfo, DataInfo, task_types
 from mtl.weighting import weighting_types
@@ -179,7 +179,7 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
 
 def build_eval_loaders(cfg, val_ds, collate: BatchCollate, task_vals: dict | None, rank: int = 0,
                        world_size: int = 1, pin_memory: bool = False) -> dict:
-    """{task: its validation loader}, as a run evaluates (``mtl.evaluate.evaluate_run``): one loader over ``val_ds``
+    """{task: its validation loader}, as a run evaluates (``mtl.run.evaluate.evaluate_run``): one loader over ``val_ds``
     shared by every task, or in multi-input mode (``task_vals``: {task: its val set}) each task's own loader over
     its own set, collated for that task alone."""
     d = cfg.data
@@ -210,7 +210,7 @@ def wrap_model(cfg, model: torch.nn.Module, strategy, dist: DistInfo) -> torch.n
     """The engine (``ddp.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
     become DTensor shards, so the optimizer is built after this). One process: ``model`` itself."""
     if cfg.ddp.engine == "fsdp2" and dist.distributed:
-        from mtl.fsdp import shard_model
+        from mtl.parallel.fsdp import shard_model
 
         return shard_model(model, cfg.precision, dist)
     return wrap_ddp(model, strategy, dist)
@@ -334,7 +334,7 @@ def find_model_files(path: str, key: str) -> ModelFiles:
 
 def verify_model_files(files: ModelFiles, key: str) -> None:
     """Trust a model folder only once its manifest checks out, as a resume does: a checkpoint through
-    ``mtl.checkpoint.verify_checkpoint`` (every file's size and SHA-256), an export folder through its own manifest
+    ``mtl.run.checkpoint.verify_checkpoint`` (every file's size and SHA-256), an export folder through its own manifest
     (``verify_manifest``, the same check), and every file of the folder that is read (the weights, config.yaml, the
     class names, the tokenizer) must be listed in it. Raises CheckpointError naming ``key``, the file and the fix."""
     folder = files.folder

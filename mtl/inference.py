@@ -29,7 +29,6 @@ from types import SimpleNamespace
 
 import torch
 
-from mtl.amp import DTYPES
 from mtl.build import (
     CLASS_NAMES_FILE,
     MODEL_FILE,
@@ -46,18 +45,19 @@ from mtl.build import (
     use_task_code_copies,
     verify_model_files,
 )
-from mtl.checkpoint import write_manifest
-from mtl.config import config_from_data, load_config, multi_input, task_data
+from mtl.config.resume import saved_config
+from mtl.config.schema import config_from_data, load_config, multi_input, task_data
 from mtl.data.images import image_normalization, normalize_images
 from mtl.data.loader import build_datasets, check_task_fields
 from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
 from mtl.data.multi_input import build_task_val_sets
 from mtl.data.tokenizer import CaptionTokenizer
-from mtl.dist import pick_device
 from mtl.errors import CheckpointError, ConfigError, DataError
-from mtl.evaluate import evaluate_run
 from mtl.interop import write_interop
-from mtl.resume import saved_config
+from mtl.parallel.amp import DTYPES
+from mtl.parallel.dist import pick_device
+from mtl.run.checkpoint import write_manifest
+from mtl.run.evaluate import evaluate_run
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
@@ -227,8 +227,8 @@ def load_model(path: str, device="cpu") -> Predictor:
 
 
 def model_config(saved: dict, source: str, overrides: list[str] | None = None):
-    """The config of a model folder (``saved``: its config.yaml as ``mtl.resume.saved_config`` reads it) as data:
-    ``mtl.config.config_from_data``; a problem in the file itself is a CheckpointError naming it."""
+    """The config of a model folder (``saved``: its config.yaml as ``mtl.config.resume.saved_config`` reads it) as data:
+    ``mtl.config.schema.config_from_data``; a problem in the file itself is a CheckpointError naming it."""
     try:
         config_from_data(saved, source)
     except ConfigError as e:
@@ -300,7 +300,7 @@ def eval_task_sets(cfg, class_names: list[str]) -> dict:
 
 def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: int | None = None) -> dict:
     """Flat metrics (``cls_acc``, ``gen_bleu4`` ...; as in the run's ``final_metrics.json``) on the eval data
-    of ``cfg`` (see ``eval_config``), through the trainer's own evaluation (``mtl.evaluate.evaluate_run`` over
+    of ``cfg`` (see ``eval_config``), through the trainer's own evaluation (``mtl.run.evaluate.evaluate_run`` over
     ``mtl.build.build_eval_loaders``), in this one process: every task on the one val split, or in multi-input
     mode (``data.per_task``) each task on its own validation set. ``images``: how many were evaluated (per task
     in multi-input mode)."""

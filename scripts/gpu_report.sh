@@ -14,6 +14,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 date -u +%Y-%m-%dT%H:%MZ | tee -a "$out/gpu.txt"
 timeout 360 "$py" -m mtl.tools.throughput --config configs/gpu.yaml --steps 100 --warmup 10 \
   --json "$out/throughput.json" model.backbone.norm=batch 2>&1 | tee "$out/throughput.txt"
-timeout 200 "$py" -m mtl.tools.bench_strategies --config configs/gpu.yaml --nproc 1 --rounds 3 --steps 3 \
+timeout 200 "$py" -m mtl.tools.bench.strategies --config configs/gpu.yaml --nproc 1 --rounds 3 --steps 3 \
   --only detach,feature_leaf,task_grads,task_grads+mgda,feature_leaf+mgda --json "$out/bench_strategies.json" \
   model.backbone.norm=batch data.batch_size=32 2>&1 | tee "$out/bench_strategies.txt"

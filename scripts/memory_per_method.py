@@ -37,7 +37,7 @@ def one(method: str, out_dir: str, steps: int = 3) -> dict:
     """In this process: build, then 3 steps; the peak RSS before and after, and the step times."""
     import torch
 
-    from mtl.trainer import Trainer
+    from mtl.run.trainer import Trainer
     from mtl.weighting import weighting_types
 
     torch.set_num_threads(1)

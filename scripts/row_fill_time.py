@@ -12,7 +12,7 @@ import time
 import torch
 
 from mtl.build import build_run_pieces
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
 from mtl.strategies.task_grads import RowWriter
 
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from mtl.dist import free_port  # noqa: F401  (the tests import it from here)
+from mtl.parallel.dist import free_port  # noqa: F401  (the tests import it from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -134,7 +134,7 @@ def make_collate(tok, max_tokens: int = 16, tasks=("cls", "gen", "count")):
     from omegaconf import OmegaConf
 
     from mtl.build import build_collate
-    from mtl.config import Config
+    from mtl.config.schema import Config
 
     cfg = OmegaConf.structured(Config)
     cfg.tasks = list(tasks)

@@ -28,9 +28,9 @@ def _worker(rank, port, out_dir):
                        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     import torch
 
-    from mtl import dist
-    from mtl.tools.bench_strategies import count_communication
-    from mtl.trainer import Trainer
+    from mtl.parallel import dist
+    from mtl.run.trainer import Trainer
+    from mtl.tools.bench.strategies import count_communication
 
     torch.set_num_threads(1)
     results = {}

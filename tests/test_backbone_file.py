@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from mtl.build import build_run_pieces
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types
 

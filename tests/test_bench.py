@@ -14,7 +14,7 @@ FAST = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.log_every=1", "c
 
 
 def bench(out, *extra):
-    return subprocess.run([PY, "-m", "mtl.tools.bench", "--config", TINY, f"output_dir={out}", *FAST, *extra], cwd=ROOT,
+    return subprocess.run([PY, "-m", "mtl.tools.bench.sweep", "--config", TINY, f"output_dir={out}", *FAST, *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -96,8 +96,8 @@ def test_bench_runs_under_torchrun_when_configured(tmp_path):
 def test_a_method_may_appear_with_options_labelled_by_its_values(capsys):
     """bench.methods entries name(key=value, ...): parsed into the method and its weighting.options, checked
     like weighting.options (errors name the entry and the key), one folder and one row label per entry."""
-    from mtl.config_check import load_run_config
-    from mtl.tools.bench import main, method_errors, parse_method, plan
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import main, method_errors, parse_method, plan
 
     assert parse_method("equal") == ("equal", {})
     assert parse_method(" cagrad( c=0.2 , rescale=false) ") == ("cagrad", {"c": 0.2, "rescale": False})
@@ -138,7 +138,7 @@ def test_loss_scale_multiplies_one_tasks_loss_and_its_gradient():
     import torch
 
     from mtl.build import build_model
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
     from mtl.data.tokenizer import train_tokenizer
     from mtl.errors import ConfigError
 
@@ -175,8 +175,8 @@ REGIMES = ("bench.regimes={natural: {expect: 'nothing moves'}, scaled: {override
 def test_regimes_and_gradient_sources_plan_the_right_runs():
     """Each regime's overrides reach its runs; a regime with baselines_from plans no baselines of its own; an
     entry's source=features becomes weighting.source with the features strategy; bad entries are refused."""
-    from mtl.config_check import load_run_config
-    from mtl.tools.bench import describe_plan, plan, regime_configs
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import describe_plan, plan, regime_configs
 
     over = [REGIMES, "bench.methods=[equal, mgda, 'mgda(source=features)', 'cagrad(c=0.2, source=features)']",
             "bench.seeds=[0, 1]"]
@@ -235,8 +235,8 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     """summarize + write_results on hand-made runs with known numbers: Δm and its t-interval, the paired
     bootstrap marks against equal (▲ for a method better on every seed, none for one better on some), the slope
     and plateau columns, peak memory per run (never n/a), and the between-regimes table."""
-    from mtl.config_check import load_run_config
-    from mtl.tools.bench import plan, regime_configs, summarize, write_results
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import plan, regime_configs, summarize, write_results
 
     over = [f"output_dir={tmp_path}", "bench.methods=[equal, uw, dwa, rlw]", "bench.seeds=[0, 1, 2, 3, 4]", REGIMES,
             "bench.last_k=3"]
@@ -311,7 +311,7 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     with open(tmp_path / "runs.csv") as f:
         assert len(list(csv.DictReader(f))) == len([r for r in runs if r["status"] == "ok"])  # the finished runs
     # the TensorBoard hparams view: one entry per finished run, from the rows summarize read (no run read again)
-    from mtl.tools.bench import write_hparams
+    from mtl.tools.bench.sweep import write_hparams
 
     entries = []
 
@@ -326,7 +326,7 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
             pass
 
     monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", Writer)
-    monkeypatch.setattr("mtl.tools.bench.read_run", lambda *a: pytest.fail("write_hparams read a run again"))
+    monkeypatch.setattr("mtl.tools.bench.sweep.read_run", lambda *a: pytest.fail("write_hparams read a run again"))
     write_hparams(cfg, per_regime, {k: v[0] for k, v in loaded.items()})
     assert sorted((h["regime"], h["method"], h["seed"]) for h, _ in entries) == \
         sorted((r["regime"], r["label"], r["seed"]) for r in runs if r["status"] == "ok")
@@ -350,8 +350,8 @@ def test_a_users_method_in_one_file_joins_the_sweep(tmp_path):
     import torch
 
     from mtl.build import build_weighting
-    from mtl.config_check import load_run_config
-    from mtl.tools.bench import method_errors, plan
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import method_errors, plan
 
     path = tmp_path / "unit_gradients.py"  # a file outside the package, as a user's would be
     shutil.copy(USER_METHOD, path)

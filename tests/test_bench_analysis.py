@@ -20,7 +20,7 @@ def _run(val: dict, test: dict) -> dict:
 
 
 def test_the_best_validation_evaluation_is_reported_on_test():
-    from mtl.tools.bench import delta, select
+    from mtl.tools.bench.sweep import delta, select
 
     ref = {"cls_acc": 0.8, "gen_bleu4": 0.5, "gen_chrf": 0.5}
     # validation peaks at step 200 (cls 0.75, the same gen), the test split peaks elsewhere (step 300): the
@@ -50,7 +50,7 @@ def test_the_best_validation_evaluation_is_reported_on_test():
 def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
     """data.synthetic.test_size: another stream of images (seed + test_seed_offset), evaluated at every evaluation
     and logged as test_<metric>; without it nothing changes."""
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
     from mtl.data.loader import build_datasets, build_test_dataset
 
     cfg = load_run_config(TINY, ["data.synthetic.test_size=16"])
@@ -76,8 +76,8 @@ def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
     (["bench.launcher=pbs"], "bench.launcher: 'pbs' must be one of local, slurm"),
 ])
 def test_bench_keys_are_checked(tmp_path, extra, error):
-    from mtl.config_check import load_run_config
-    from mtl.tools.bench import regime_configs
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import regime_configs
 
     over = [f"output_dir={tmp_path}", *extra]
     _, errors = regime_configs(load_run_config(TINY, over), TINY, over)
@@ -91,8 +91,8 @@ def test_plots_show_every_baseline_in_the_legend_in_its_own_colour_with_bands(tm
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mtl.config_check import load_run_config
-    from mtl.tools.bench_plots import write_plots
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.plots import write_plots
 
     cfg = load_run_config(TINY, [])
     methods = [f"m{i}" for i in range(21)]  # more methods than the palette's 20 colours
@@ -120,7 +120,7 @@ def test_plots_show_every_baseline_in_the_legend_in_its_own_colour_with_bands(tm
 
 
 def test_plan_lists_every_run_and_help_names_overrides_and_outputs(capsys):
-    from mtl.tools.bench import main
+    from mtl.tools.bench.sweep import main
 
     assert main(["--config", TINY, "bench.methods=[equal,'cagrad(c=0.2)']", "bench.seeds=[0,1]", "--plan"]) == 0
     out = capsys.readouterr().out

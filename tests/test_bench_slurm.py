@@ -16,7 +16,7 @@ ARGS = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.log_every=1", "c
 
 
 def bench(out):
-    return subprocess.run([PY, "-m", "mtl.tools.bench", "--config", TINY, f"output_dir={out}", *ARGS], cwd=ROOT,
+    return subprocess.run([PY, "-m", "mtl.tools.bench.sweep", "--config", TINY, f"output_dir={out}", *ARGS], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -61,7 +61,7 @@ def test_sigterm_to_the_sweep_stops_every_run_in_flight():
     import signal
     import threading
 
-    from mtl.tools.bench_launch import drive
+    from mtl.tools.bench.launch import drive
 
     stopped, started = [], []
 

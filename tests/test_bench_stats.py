@@ -1,4 +1,4 @@
-"""The benchmark's statistics (mtl/tools/bench_stats.py): known values, and by simulation the size and power of the
+"""The benchmark's statistics (mtl/tools/bench/stats.py): known values, and by simulation the size and power of the
 marks against equal (paired t-test, Holm across a table's methods) at the seed counts the presets use."""
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mtl.tools.bench_stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, power, slope_per_100
+from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, power, slope_per_100
 
 REPS = 4000  # simulated tables per case: the Monte-Carlo error of a 5% rate is sqrt(.05 * .95 / 4000) = 0.0034
 

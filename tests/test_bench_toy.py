@@ -1,4 +1,4 @@
-"""The toy problem (mtl/toy.py) and its benchmark (mtl/tools/bench_toy.py): the function's Pareto set, its
+"""The toy problem (mtl/tools/bench/toy_problem.py) and its benchmark (mtl/tools/bench/toy.py): the function's Pareto set, its
 hand-derived Jacobian and the float Adam against torch, Nash-MTL's variant (its scale, starts and shifted losses),
 the judgement of a run, the papers' setting as the default and the quick setting end to end."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import mtl.tools.bench_toy as bench_toy
-from mtl.tools.bench_toy import EXTRA_ENTRIES, Adam2, grad_methods, judge, main, run_one, setting_label
-from mtl.toy import (
+import mtl.tools.bench.toy as bench_toy
+from mtl.tools.bench.toy import EXTRA_ENTRIES, Adam2, grad_methods, judge, main, run_one, setting_label
+from mtl.tools.bench.toy_problem import (
     NASH_STARTS,
     STARTS,
     VARIANTS,

@@ -322,9 +322,9 @@ def test_autolambda_primary_tasks_must_be_tasks():
 def test_the_meta_update_moves_lambda_only_and_leaves_no_gradient(tmp_path):
     """In a real trainer: the meta update changes neither a parameter nor a .grad nor BatchNorm's statistics,
     and the step it precedes weighs the losses with the new lambda."""
-    from mtl.dist import all_reduce_sum
-    from mtl.step import restore_running_stats, snapshot_running_stats
-    from mtl.trainer import Trainer
+    from mtl.parallel.dist import all_reduce_sum
+    from mtl.run.step import restore_running_stats, snapshot_running_stats
+    from mtl.run.trainer import Trainer
     from mtl.weighting.bilevel import MetaInputs
 
     tr = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "weighting.method=autolambda", "data.heldout=32",
@@ -356,8 +356,8 @@ def test_forum_moves_the_model_along_its_direction(tmp_path):
     """One real FORUM step (SGD's first step is theta - lr grad): the model moves by -lr (nu sum_k alpha_k grad L_k +
     sum_m lam_m g_m), the weighted training gradient through the strategy plus the held-out term the step adds;
     the held-out term is handed over once."""
-    from mtl.dist import all_reduce_sum
-    from mtl.trainer import Trainer
+    from mtl.parallel.dist import all_reduce_sum
+    from mtl.run.trainer import Trainer
 
     tr = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "weighting.method=forum", "data.heldout=32",
                                     "optim.name=sgd", "optim.lr=0.05", "optim.warmup_steps=0", "optim.weight_decay=0",
@@ -423,8 +423,8 @@ def test_the_benchmark_gives_a_bilevel_method_its_held_out_items_and_states_its_
     """bench.methods accepts a bilevel method: the tool sets data.heldout on its runs (a tenth of the synthetic
     training set in whole global batches, or bench.heldout), the run's own config check accepts them, the method's
     refusals reach the sweep's config check, and the cost note names its extra passes."""
-    from mtl.config_check import load_run_config
-    from mtl.tools.bench import meta_cost_note, method_errors, plan
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import meta_cost_note, method_errors, plan
 
     cfg = load_run_config(TINY, ["bench.methods=[equal, autolambda, 'autolambda(update_every=2)']", "bench.seeds=[0]",
                                  "bench.baselines=false"])

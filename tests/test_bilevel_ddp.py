@@ -40,8 +40,8 @@ def _to64(batch):
 
 def _worker(index, port, out_dir):
     world = spawn_env(index, port)
-    from mtl import dist
-    from mtl.trainer import Trainer
+    from mtl.parallel import dist
+    from mtl.run.trainer import Trainer
     from mtl.weighting.autolambda import autolambda_hypergradient
     from mtl.weighting.bilevel import ModelVector
 

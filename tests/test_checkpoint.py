@@ -19,15 +19,15 @@ import time
 import pytest
 import torch
 
-from mtl import checkpoint as ckpt
 from mtl import files as files_module
-from mtl import logger as logger_module
-from mtl import runlock
-from mtl.config import to_yaml
-from mtl.config_check import load_run_config
-from mtl.dist import DistInfo
+from mtl.config.checks import load_run_config
+from mtl.config.schema import to_yaml
 from mtl.errors import CheckpointError, ConfigError
-from mtl.trainer import Trainer
+from mtl.parallel.dist import DistInfo
+from mtl.run import checkpoint as ckpt
+from mtl.run import logger as logger_module
+from mtl.run import runlock
+from mtl.run.trainer import Trainer
 
 from .conftest import ROOT, TINY
 
@@ -393,7 +393,7 @@ def test_a_read_only_mount_is_one_message_at_start_up_and_at_a_save(tmp_path, mo
 
 def _holder(out):
     """Another live process that holds ``out``'s lock."""
-    code = ("import sys, time; from mtl.runlock import RunLock; RunLock.acquire(sys.argv[1]); print('locked', "
+    code = ("import sys, time; from mtl.run.runlock import RunLock; RunLock.acquire(sys.argv[1]); print('locked', "
             "flush=True); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": ROOT})
@@ -463,7 +463,7 @@ def test_stale_locks_a_reused_pid_and_an_earlier_attempt_of_the_same_job(tmp_pat
 
 
 def test_a_checkpoint_config_resolves_no_interpolation(tmp_path, monkeypatch):
-    from mtl.resume import check_resume_config
+    from mtl.config.resume import check_resume_config
 
     monkeypatch.setenv("MY_API_TOKEN", "s3cret-token-value")
     path = save(tmp_path, 2)
@@ -475,7 +475,7 @@ def test_a_checkpoint_config_resolves_no_interpolation(tmp_path, monkeypatch):
         check_resume_config(path, config(tmp_path))
     assert "seed: checkpoint '${oc.env:MY_API_TOKEN}', now 0" in e.value.message
     assert "s3cret" not in e.value.message
-    # a user's own config is trusted: there the resolvers work (README, mtl/config.py)
+    # a user's own config is trusted: there the resolvers work (README, mtl/config/schema.py)
     monkeypatch.setenv("MTL_TEST_SEED", "7")
     cfg = config(tmp_path, "seed=${oc.env:MTL_TEST_SEED}")
     assert cfg.seed == 7 and "seed: 7" in to_yaml(cfg)
@@ -486,7 +486,7 @@ def test_a_key_added_to_the_schema_since_the_checkpoint_counts_as_its_default(tm
     defaults the resume goes on (the run is the same run); set otherwise, it is refused naming the key."""
     import yaml
 
-    from mtl.resume import check_resume_config
+    from mtl.config.resume import check_resume_config
 
     path = save(tmp_path, 2)
     with open(os.path.join(path, "config.yaml")) as f:
@@ -519,7 +519,7 @@ def test_a_re_run_is_refused_with_a_way_to_start_over(tmp_path, capsys):
         config(tmp_path, "overwrite=true", "resume=auto")
     with pytest.raises(ConfigError, match="overwrite"):
         config(tmp_path, "overwrite=maybe")
-    from mtl.resume import differing_keys
+    from mtl.config.resume import differing_keys
 
     assert differing_keys({"overwrite": True, "seed": 0}, {"overwrite": False, "seed": 0}) == []
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from mtl.config import load_config, parse_overrides
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
+from mtl.config.schema import load_config, parse_overrides
 from mtl.errors import ConfigError
 
 from .conftest import TINY
@@ -170,7 +170,7 @@ def test_help_lists_the_config_keys(capsys):
 
 
 def test_config_summary_shows_only_what_differs(tmp_path):
-    from mtl.config import config_summary, to_yaml
+    from mtl.config.schema import config_summary, to_yaml
 
     cfg = load_run_config(TINY, ["trainer.num_beams=3"])
     text = config_summary(cfg, "runs/tiny/config.yaml")
@@ -182,7 +182,7 @@ def test_config_summary_shows_only_what_differs(tmp_path):
 def test_a_method_s_options_are_checked_filled_and_used(tmp_path):
     """weighting.options is the method's own Options dataclass: defaults filled in, values typed, names checked."""
     from mtl.build import build_weighting
-    from mtl.config import to_yaml
+    from mtl.config.schema import to_yaml
 
     cfg = load_run_config(TINY, ["ddp.strategy=task_grads", "weighting.method=cagrad"])
     assert dict(cfg.weighting.options) == {"c": 0.4, "rescale": True}  # the paper's defaults, saved in config.yaml
@@ -225,7 +225,7 @@ def test_each_method_s_options_are_checked_by_name_type_and_range():
     whole path once per kind of error, with exit code 2."""
     from omegaconf import OmegaConf
 
-    from mtl.config import Config, check_options
+    from mtl.config.schema import Config, check_options
     from mtl.weighting import weighting_types
 
     cfg = OmegaConf.structured(Config)  # one config, its method and options set per case
@@ -265,7 +265,7 @@ def _float_keys():
     """Every float key of the schema, and every float option of every weighting method (with that method)."""
     from dataclasses import fields
 
-    from mtl.config import TaskDataConfig, config_keys
+    from mtl.config.schema import TaskDataConfig, config_keys
     from mtl.tasks import task_types
     from mtl.weighting import weighting_types
 

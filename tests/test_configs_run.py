@@ -19,8 +19,8 @@ import pytest
 from PIL import Image
 
 import train
-from mtl.config import load_config
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
+from mtl.config.schema import load_config
 
 from .conftest import ROOT
 

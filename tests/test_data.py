@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from mtl.config import Config
+from mtl.config.schema import Config
 from mtl.data import (
     CaptionTokenizer,
     ImageFolderCaptions,
@@ -511,7 +511,7 @@ def test_build_datasets_user_data(images):
 
 def test_build_tokenizer_trains_or_loads(tmp_path):
     from mtl.build import build_tokenizer
-    from mtl.dist import DistInfo
+    from mtl.parallel.dist import DistInfo
 
     cfg = _cfg(image_size=32, **{"synthetic.train_size": 50})
     cfg.output_dir = str(tmp_path / "run1")
@@ -690,7 +690,7 @@ def test_augmentation_is_off_by_default_and_reproducible_when_on(tmp_path):
 
 
 def test_augmentation_is_set_in_yaml_and_refused_for_synthetic_data(images):
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
 
     from .conftest import TINY
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mtl.dist import free_port
+from mtl.parallel.dist import free_port
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # tests of torch itself: the slow tier
 
@@ -497,7 +497,7 @@ def _patterns():
         "static_nosync_after_sync": lambda c, r: p_static_nosync(c, r, True),
         "norm_bn": lambda c, r: p_norm(c, r, "bn"),
         "norm_gn": lambda c, r: p_norm(c, r, "gn"),
-        # multi-input: a task absent from a step (mtl/multi_input_check.py, docs/multi-input.md)
+        # multi-input: a task absent from a step (mtl/config/multi_input.py, docs/multi-input.md)
         "absent_all_nofind": lambda c, r: p_absent(c, r, "all", find_unused_parameters=False),
         "absent_all_find": lambda c, r: p_absent(c, r, "all", find_unused_parameters=True),
         "absent_one_find": lambda c, r: p_absent(c, r, "one", find_unused_parameters=True),

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from mtl.config import Config
-from mtl.config_check import validate
+from mtl.config.checks import validate
+from mtl.config.schema import Config
 from mtl.tasks import BuildInfo, task_types
 from mtl.tasks.counting import CountingHead
 
@@ -196,7 +196,7 @@ def test_the_third_task_is_benchmarked_and_plotted_from_its_declared_metrics(tmp
 
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [PY, "-m", "mtl.tools.bench", "--config", TINY, f"output_dir={out}", "tasks=[cls,count]", "trainer.max_steps=4",
+        [PY, "-m", "mtl.tools.bench.sweep", "--config", TINY, f"output_dir={out}", "tasks=[cls,count]", "trainer.max_steps=4",
          "trainer.eval_every=2", "trainer.log_every=1", "checkpoint.every_steps=0", "bench.seeds=[0]",
          "bench.last_k=2", "bench.methods=[equal]", "trainer.num_samples=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

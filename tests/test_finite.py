@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from mtl import checkpoint as ckpt
-from mtl import train_state as ts
 from mtl.errors import TrainingError
-from mtl.finite import first_blown_up, first_nonfinite, nonfinite_eval, params_finite
+from mtl.run import checkpoint as ckpt
+from mtl.run import train_state as ts
+from mtl.run.finite import first_blown_up, first_nonfinite, nonfinite_eval, params_finite
 
 from .conftest import TINY
 from .test_trust import _parts, config, to_yaml
@@ -103,7 +103,7 @@ def test_a_learning_rate_that_blows_the_weights_up_stops_at_that_step_with_no_ch
 @pytest.mark.slow
 def test_a_run_whose_final_evaluation_is_nonfinite_fails_and_keeps_no_final_checkpoint(tmp_path, monkeypatch, capsys):
     import train
-    from mtl import trainer as trainer_module
+    from mtl.run import trainer as trainer_module
 
     real, calls = trainer_module.evaluate_run, []
 

@@ -71,7 +71,7 @@ def _counting_mode():
 
 
 def _full_params(trainer) -> dict:
-    from mtl.fsdp import full_model_state, is_sharded
+    from mtl.parallel.fsdp import full_model_state, is_sharded
 
     state = full_model_state(trainer.bare) if is_sharded(trainer.bare) else trainer.bare.state_dict()
     return {k: v.detach().cpu().clone() for k, v in state.items()}
@@ -79,9 +79,9 @@ def _full_params(trainer) -> dict:
 
 def _worker(index, port, out_dir):
     world = spawn_env(index, port)
-    from mtl import dist
-    from mtl.runtime_checks import check_replicas
-    from mtl.trainer import Trainer
+    from mtl.parallel import dist
+    from mtl.parallel.runtime_checks import check_replicas
+    from mtl.run.trainer import Trainer
 
     torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
@@ -129,8 +129,8 @@ def _resume_exactly(out_dir, world):
     checkpoint, 2 more. Returns whether the two ends are bitwise equal, and the checkpoint's model file keys."""
     from safetensors.torch import load_file
 
-    from mtl.fsdp import watch_gathered
-    from mtl.trainer import Trainer
+    from mtl.parallel.fsdp import watch_gathered
+    from mtl.run.trainer import Trainer
 
     torch.set_default_dtype(torch.float32)
 
@@ -177,7 +177,7 @@ def _sharding_facts(trainer) -> dict:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from mtl.fsdp import shard_units
+    from mtl.parallel.fsdp import shard_units
 
     decoder = trainer.bare.heads["gen"].decoder
     blocks = [m for _, m in decoder.blocks()]
@@ -195,7 +195,7 @@ def _fp16_overflow(out_dir) -> dict:
     each with a scaler that starts at 2^40 (every scaled gradient overflows fp16) and backs off by 2^-30 (to 2^10,
     where nothing overflows): step 0 is an overflow, skipped, steps 1 and 2 are taken. Then a 4th step whose gen
     loss is NaN on rank 1 only (``trainer.poison``): a non-finite step, skipped on every rank."""
-    from mtl.trainer import Trainer
+    from mtl.run.trainer import Trainer
 
     torch.set_default_dtype(torch.float32)
     out = {}
@@ -222,8 +222,8 @@ def _fp16_overflow(out_dir) -> dict:
 def _example_config(out_dir) -> dict:
     """configs/fsdp2.yaml (ResNet-152 + a GPT-2-medium-sized decoder, bf16, FSDP2) shrunk as
     tests/test_configs_run.py shrinks it (the CPU keys, tiny sizes, the backbone's first stage), a step on 2 ranks."""
-    from mtl.fsdp import is_sharded, shard_units
-    from mtl.trainer import Trainer
+    from mtl.parallel.fsdp import is_sharded, shard_units
+    from mtl.run.trainer import Trainer
 
     from .test_configs_run import SMALL, cpu_overrides, shrink
 
@@ -244,7 +244,7 @@ def _replica_check_sees_a_buffer(trainer, world):
     """Under FSDP2 every tiny.yaml parameter is sharded and it has no buffer: nothing replicated to compare. Give
     the backbone a float buffer, equal on both ranks (the check passes), then different (it names the buffer)."""
     from mtl.errors import TrainingError
-    from mtl.runtime_checks import check_replicas, replicated
+    from mtl.parallel.runtime_checks import check_replicas, replicated
 
     before = [n for n, _ in replicated(trainer.bare)]
     trainer.bare.backbone.register_buffer("probe", torch.ones(3))
@@ -304,8 +304,8 @@ def _sweep_args(out_dir, batch, engine, strategy, method):
 def _fresh_parts(trainer, args):
     """New StepParts for the run ``args`` around ``trainer``'s model, from the trainer's own builders."""
     from mtl.build import build_optimizer, build_scheduler, build_strategy, build_weighting
-    from mtl.config_check import load_run_config
-    from mtl.step import StepParts
+    from mtl.config.checks import load_run_config
+    from mtl.run.step import StepParts
 
     cfg = load_run_config(TINY, args)
     weighting = build_weighting(cfg).to(trainer.device)
@@ -317,8 +317,8 @@ def _fresh_parts(trainer, args):
 
 
 def _weighting_sweep(world, out_dir) -> dict:
-    from mtl.runtime_checks import check_replicas
-    from mtl.trainer import Trainer
+    from mtl.parallel.runtime_checks import check_replicas
+    from mtl.run.trainer import Trainer
 
     torch.set_default_dtype(DTYPE)  # _resume_exactly, before, sets float32
     results, trainers, batches = {}, {}, None
@@ -399,7 +399,7 @@ def test_fsdp2_equals_ddp_on_the_same_run(runs, strategy, method):
 
 def _tiny_model(*overrides):
     from mtl.build import build_model
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
     from mtl.data.tokenizer import train_tokenizer
 
     return build_model(load_run_config(TINY, list(overrides)), 4, list("abcd"), train_tokenizer(["a b c"], 64))
@@ -407,11 +407,11 @@ def _tiny_model(*overrides):
 
 @functools.cache
 def tiny_units() -> tuple[int, int]:
-    """tiny.yaml's FSDP2 units (``mtl.fsdp.shard_units``): (backbone units, head units). Backbone: the stem, layer1,
+    """tiny.yaml's FSDP2 units (``mtl.parallel.fsdp.shard_units``): (backbone units, head units). Backbone: the stem, layer1,
     layer2 (3). Heads: the classification head (one unit), and the caption head's units: one per transformer block
     (tiny.yaml: 1) and the head itself, which keeps the embeddings (wte tied to the LM head), the final norm and the
     memory projection (2): 3. U = 6."""
-    from mtl.fsdp import shard_units
+    from mtl.parallel.fsdp import shard_units
 
     names = [n for n, _ in shard_units(_tiny_model())]
     return sum(n.startswith("backbone.") for n in names), sum(n.startswith("heads.") for n in names)
@@ -439,7 +439,7 @@ DDP_EXTRA = {"feature_leaf": 1, "accumulate": 2}
 
 def test_the_counts_cover_every_supported_strategy_and_the_units_are_the_documented_ones():
     assert set(expected_counts()) == set(STRATEGIES)
-    from mtl.fsdp import shard_units
+    from mtl.parallel.fsdp import shard_units
 
     assert [n for n, _ in shard_units(_tiny_model())] == [
         "backbone.stem", "backbone.layers.0", "backbone.layers.1", "heads.cls",
@@ -632,7 +632,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("extra, says", REFUSED)
 def test_refused_combinations_are_one_config_error_naming_the_key(tmp_path, extra, says):
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
 
     with pytest.raises(ConfigError) as e:
         load_run_config(TINY, [f"output_dir={tmp_path}", "ddp.engine=fsdp2", *extra])
@@ -653,7 +653,7 @@ def test_graddrop_per_shard_is_graddrop_of_the_whole_matrix():
     """What makes GradDrop run under FSDP2: its update on any set of columns (a rank's shard, here two uneven,
     interleaved parts) is GradDrop of those columns with U's entries at the same coordinates; the kept fractions
     from the summed partial sums and the Gram diagonal equal the whole matrix's."""
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
     from mtl.weighting import weighting_types
 
     cfg = load_run_config(TINY, ["weighting.method=graddrop", "ddp.strategy=task_grads"])
@@ -679,7 +679,7 @@ def test_a_head_whose_shard_units_split_a_tied_weight_is_refused():
     """A parameter lives in one FSDP2 unit: a head that declares the block holding one end of a tied weight as its
     own unit (here GPT-2's LM head, tied to wte) is refused by name, before anything is sharded; the caption head's
     own declaration (its transformer blocks) keeps the tied pair in the head's unit."""
-    from mtl.fsdp import shard_units
+    from mtl.parallel.fsdp import shard_units
 
     model = _tiny_model()
     head = model.heads["gen"]
@@ -700,10 +700,10 @@ def test_a_head_whose_shard_units_split_a_tied_weight_is_refused():
 
 
 def test_gathered_now_counts_each_units_own_parameters_once():
-    """``mtl.fsdp.gathered_now`` (the memory tool's and the block test's probe): on a model that is not sharded every
+    """``mtl.parallel.fsdp.gathered_now`` (the memory tool's and the block test's probe): on a model that is not sharded every
     unit holds its full parameters; each unit counts only its own (an inner unit's are its own), the tied weight
     once, and together they are the whole model."""
-    from mtl.fsdp import gathered_now, shard_units
+    from mtl.parallel.fsdp import gathered_now, shard_units
 
     model = _tiny_model("model.decoder.n_layer=2")
     units = [*shard_units(model), ("", model)]
@@ -720,7 +720,7 @@ def test_task_grads_builds_the_shard_index_once_per_set_of_parameters(monkeypatc
     """The FSDP2 path's coordinates of this rank's shards (``shard_index``) are built the first step and kept; other
     parameters get their own."""
     import mtl.strategies.task_grads as tg
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
 
     calls = []
     monkeypatch.setattr(tg, "shard_index", lambda params: calls.append(1) or torch.arange(sum(p.numel() for p in params)))
@@ -739,7 +739,7 @@ def test_only_the_sharded_scaler_unscales_under_a_warning_filter(monkeypatch):
     import contextlib
     import types
 
-    import mtl.amp as amp
+    import mtl.parallel.amp as amp
 
     entered = []
     monkeypatch.setattr(amp, "warnings", types.SimpleNamespace(

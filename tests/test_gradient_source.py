@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
 from mtl.weighting import weighting_types
 from mtl.weighting.base import GramWeighting, gram_matrix
@@ -66,7 +66,7 @@ def test_a_method_that_needs_the_rows_is_refused_with_features(monkeypatch):
             return grads.sign().sum(0)
 
     assert not Rows.gram_only()
-    monkeypatch.setattr("mtl.config_check.run_method_types", lambda cfg: {**weighting_types(), "rows": Rows})
+    monkeypatch.setattr("mtl.config.checks.run_method_types", lambda cfg: {**weighting_types(), "rows": Rows})
     msg = errors_of("weighting.method=rows", "weighting.source=features")
     assert "needs the rows of G themselves" in msg and "weighting.source=parameters" in msg
     load_run_config(TINY, ["weighting.method=rows", "ddp.strategy=task_grads"])
@@ -75,7 +75,7 @@ def test_a_method_that_needs_the_rows_is_refused_with_features(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One tiny single-process run (building it is what costs; both sources' tests share it)."""
-    from mtl.trainer import Trainer
+    from mtl.run.trainer import Trainer
 
     tr = Trainer.from_config(TINY, [f"output_dir={tmp_path_factory.mktemp('source')}", "trainer.progress=false",
                                     "weighting.method=mgda", "weighting.source=features"])
@@ -85,8 +85,8 @@ def tiny_run(tmp_path_factory):
 
 def _step_grads(tr, strategy: str, source: str):
     """(w, .grad after the strategy's forward_backward, the plain-autograd expectation) on one batch."""
-    from mtl.dist import all_reduce_sum
-    from mtl.step import StepInputs
+    from mtl.parallel.dist import all_reduce_sum
+    from mtl.run.step import StepInputs
     from mtl.strategies import strategy_types
 
     batch = dict(next(tr.batches())[1])

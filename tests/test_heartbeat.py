@@ -1,4 +1,4 @@
-"""The heartbeat that names a rank which stopped answering (mtl/heartbeat.py), in-process against a real TCPStore:
+"""The heartbeat that names a rank which stopped answering (mtl/run/heartbeat.py), in-process against a real TCPStore:
 one rank beats, one is frozen. The real SIGSTOP through train.py: tests/test_reliability.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import pytest
 from torch.distributed import TCPStore
 
-from mtl import heartbeat
+from mtl.run import heartbeat
 
 from .conftest import free_port
 

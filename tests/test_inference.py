@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from mtl.data.manifest import ManifestDataset
 from mtl.data.synthetic import SHAPES, SyntheticShapes
 from mtl.data.tokenizer import CaptionTokenizer
-from mtl.dist import DistInfo
-from mtl.evaluate import evaluate
 from mtl.inference import eval_config, eval_dataset, load_model
+from mtl.parallel.dist import DistInfo
+from mtl.run.evaluate import evaluate
 from mtl.tools import evaluate as evaluate_tool
 from mtl.tools import export as export_tool
 from mtl.tools import predict as predict_tool
@@ -238,8 +238,8 @@ def test_imagefolder_runs_keep_their_class_names(tmp_path):
 
 
 def _trainer(cfg_overrides):
-    from mtl.config_check import load_run_config
-    from mtl.trainer import Trainer
+    from mtl.config.checks import load_run_config
+    from mtl.run.trainer import Trainer
 
     return Trainer(load_run_config(TINY, cfg_overrides), DistInfo())
 

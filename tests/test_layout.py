@@ -49,7 +49,7 @@ def test_only_the_trainer_and_the_tools_use_the_trainer_and_only_to_run_a_run():
     bad = []
     for path, found in modules():
         for mod, names in found:
-            if mod != "mtl.trainer":
+            if mod != "mtl.run.trainer":
                 continue
             in_tools = path.startswith(os.path.join("mtl", "tools"))
             if not in_tools or set(names) - {"Trainer"}:
@@ -60,8 +60,8 @@ def test_only_the_trainer_and_the_tools_use_the_trainer_and_only_to_run_a_run():
 def test_the_rule_checker_sees_imports():
     """The two rules above would pass on a tree the checker cannot read: make sure it reads this one."""
     found = dict(modules())
-    assert ("mtl.trainer", ["Trainer"]) in found[os.path.join("mtl", "tools", "bench_strategies.py")]
-    assert any(mod == "mtl.step" for mod, _ in found[os.path.join("mtl", "trainer.py")])
+    assert ("mtl.run.trainer", ["Trainer"]) in found[os.path.join("mtl", "tools", "bench", "strategies.py")]
+    assert any(mod == "mtl.run.step" for mod, _ in found[os.path.join("mtl", "run", "trainer.py")])
 
 
 def test_the_data_code_names_no_task():

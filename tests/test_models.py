@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mtl.build import build_model
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
 from mtl.data.tokenizer import train_tokenizer
 from mtl.errors import ConfigError
 from mtl.models.backbones.torchvision_cnn import build_torchvision_backbone as build_backbone
@@ -114,8 +114,8 @@ def test_multitask_forward_modes():
 
 
 def test_a_poisoned_loss_comes_from_a_hook_installed_only_with_trainer_poison():
-    """trainer.poison (the reliability tests' fault) is a forward hook of mtl/faults.py, not a branch of the model."""
-    from mtl.faults import poison
+    """trainer.poison (the reliability tests' fault) is a forward hook of mtl/run/faults.py, not a branch of the model."""
+    from mtl.run.faults import poison
 
     from .conftest import make_collate
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
 from mtl.data.multi_input import MultiInputStream, SamplingPlan, TaskSampler, build_task_datasets, step_tasks
 from mtl.errors import ConfigError, DataError
 from mtl.tasks import task_types
@@ -83,7 +83,7 @@ def test_sampling_without_per_task_data_is_refused():
 
 def test_the_combinations_that_cope_with_absent_tasks_are_accepted():
     cfg = load_run_config(MI, ["data.sampling.policy=round_robin", "ddp.strategy=find_unused"])
-    from mtl.multi_input_check import check
+    from mtl.config.multi_input import check
     from mtl.strategies import strategy_types
     from mtl.weighting import weighting_types
 

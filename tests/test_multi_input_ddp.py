@@ -69,7 +69,7 @@ def _to(batch):
 
 
 def _run(name, args, world, out_dir):
-    from mtl.trainer import Trainer
+    from mtl.run.trainer import Trainer
 
     trainer = Trainer.from_config(MI, args)
     assert trainer.dist.world_size == world and trainer.mi is not None
@@ -88,9 +88,9 @@ def _run(name, args, world, out_dir):
 
 def _worker(index, port, out_dir):
     world = spawn_env(index, port)
-    from mtl import dist
     from mtl.errors import ConfigError, TrainingError
     from mtl.models.multitask import MultiTaskModel
+    from mtl.parallel import dist
 
     torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
@@ -115,7 +115,7 @@ def _worker(index, port, out_dir):
             # the seed articles' failure: refused at config time, reproduced with ddp.unsafe=true, explained
             args = overrides("round_robin", "combined", [], os.path.join(out_dir, "seed_error"), world)
             try:
-                from mtl.config_check import load_run_config
+                from mtl.config.checks import load_run_config
 
                 load_run_config(MI, args)
                 results["refusal"] = None

@@ -218,7 +218,7 @@ def test_a_survivor_exits_promptly_when_torchrun_tears_the_job_down(tmp_path):
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
     # torchrun's agent keeps one store server across restarts, so a restarted rank could read the address its peer
     # published in the previous attempt and fail with "Gloo connectFullMesh failed ... Connection refused"
-    # (pytorch/pytorch#167288), more often the slower the peer starts. mtl.dist.attempt_store gives each attempt
+    # (pytorch/pytorch#167288), more often the slower the peer starts. mtl.parallel.dist.attempt_store gives each attempt
     # its own key prefix. Here rank 1 of the restarted attempt starts 5 s late on purpose: without the prefix,
     # rank 0 reads rank 1's stale address at once and every restart fails (checked by removing the prefix).
     args = ["--config", TINY, "trainer.max_steps=10", *FAST, "ddp.timeout_s=30"]
@@ -247,7 +247,7 @@ def optimizer_state(run_dir, step, tmp_path) -> dict:
     read back whole in this process (no process group), flattened to name -> tensor."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from mtl.train_state import OPTIM
+    from mtl.run.train_state import OPTIM
 
     whole = str(tmp_path / f"state_{step}.pt")
     dcp_to_torch_save(os.path.join(run_dir, "checkpoints", f"step_{step}", "state"), whole)
@@ -366,7 +366,7 @@ def test_the_launcher_names_the_rank_that_failed_first():
 
 
 def test_only_a_lost_peer_counts_as_a_secondary_failure(monkeypatch):
-    from mtl.error_report import peer_failure
+    from mtl.run.error_report import peer_failure
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert peer_failure(RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:39089")) == \
@@ -402,8 +402,8 @@ def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path, capsys)
 
 
 def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path, capsys):
-    from mtl.checkpoint import load_checkpoint
     from mtl.errors import CheckpointError
+    from mtl.run.checkpoint import load_checkpoint
 
     bad = tmp_path / "step_5"
     bad.mkdir()
@@ -427,7 +427,7 @@ def _train_in_process(args):
 
 @pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
 def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, capsys):
-    # both keys may change on resume (mtl/resume.py), so neither may move the dropout stream
+    # both keys may change on resume (mtl/config/resume.py), so neither may move the dropout stream
     base = ["--config", TINY, "trainer.max_steps=4", "model.decoder.dropout=0.1", "trainer.max_bad_steps=5"]
     runs = {
         "rare_eval": ["trainer.eval_every=1000"],
@@ -448,8 +448,8 @@ def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, ca
 
 
 def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
-    from mtl.evaluate import to_device
-    from mtl.trainer import Trainer
+    from mtl.run.evaluate import to_device
+    from mtl.run.trainer import Trainer
 
     trainer = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "model.backbone.norm=batch", "ddp.nan_monitor=true",
                                          "trainer.max_bad_steps=5"])

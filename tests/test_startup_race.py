@@ -32,8 +32,8 @@ def _worker(rank, port, out_dir, results):
     import torch.distributed as tdist
 
     from mtl.build import build_tokenizer
-    from mtl.config_check import load_run_config
-    from mtl.dist import DistInfo, all_reduce_sum
+    from mtl.config.checks import load_run_config
+    from mtl.parallel.dist import DistInfo, all_reduce_sum
 
     torch.set_num_threads(1)
     cfg = load_run_config(TINY, [f"output_dir={out_dir}", "trainer.progress=false"])

@@ -47,8 +47,8 @@ def _worker(index, port, out_dir):
     """index 0 and 1: the two ranks (batch B); index 2: the single process (batch 2B, no process group), which
     runs the references: ``combined``, each objective-changing strategy, and ``combined`` on batch B alone."""
     world = spawn_env(index, port)
-    from mtl import dist
-    from mtl.trainer import Trainer
+    from mtl.parallel import dist
+    from mtl.run.trainer import Trainer
 
     torch.set_num_threads(1)
     runs = [(s, 2 * B // world) for s in STRATEGIES] if world > 1 else \
@@ -115,7 +115,7 @@ def test_feature_leaf_step_matches_an_independently_computed_gradient(tmp_path):
     import torch.nn.functional as F
 
     from mtl.build import build_collate, build_model, seed_everything
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
     from mtl.data.loader import build_datasets, build_train_loader, set_epoch
     from mtl.data.tokenizer import CaptionTokenizer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mtl.build import build_run_pieces
-from mtl.config_check import load_run_config
+from mtl.config.checks import load_run_config
 from mtl.data.synthetic import COLOUR_NAMES
 from mtl.errors import ConfigError, DataError
 
@@ -117,9 +117,9 @@ def test_old_caption_keys_still_read_and_resume(tmp_path):
     checkpoints written before the move are read as the new keys, so those checkpoints still resume."""
     import yaml
 
-    from mtl.config import to_yaml
+    from mtl.config.resume import check_resume_config
+    from mtl.config.schema import to_yaml
     from mtl.errors import CheckpointError
-    from mtl.resume import check_resume_config
 
     cfg = load_run_config(TINY, [f"output_dir={tmp_path}"])
     assert cfg.task_options.gen == {"max_tokens": 10, "num_beams": 1}  # tiny.yaml: task_options.gen.max_tokens 10
@@ -151,7 +151,7 @@ def test_the_new_task_trains_under_two_processes_logs_and_is_benchmarked(task_fi
 
     bench = tmp_path / "bench"
     proc = subprocess.run(
-        [PY, "-m", "mtl.tools.bench", "--config", TINY, f"output_dir={bench}", f"task_modules=[{task_file}]",
+        [PY, "-m", "mtl.tools.bench.sweep", "--config", TINY, f"output_dir={bench}", f"task_modules=[{task_file}]",
          "tasks=[cls,colour]", "bench.methods=[equal]", "bench.seeds=[0]", "bench.last_k=2", "trainer.max_steps=4",
          "trainer.eval_every=2", "checkpoint.every_steps=0"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

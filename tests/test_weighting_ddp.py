@@ -80,7 +80,7 @@ def overrides(method: str, source: str, out_dir: str, batch: int) -> list[str]:
 def local_task_gradients(trainer, batch) -> torch.Tensor:
     """(K, P) this process's own gradient of each task's loss w.r.t. the backbone, by plain autograd on ``batch``
     (the losses normalised as in a step: each head's ``prepare`` runs its collective first)."""
-    from mtl.dist import all_reduce_sum
+    from mtl.parallel.dist import all_reduce_sum
 
     batch = dict(batch)
     for head in trainer.bare.heads.values():
@@ -94,9 +94,9 @@ def local_task_gradients(trainer, batch) -> torch.Tensor:
 def _worker(index, port, out_dir):
     """index 0 and 1: the two ranks (batch B); index 2: the single process (batch 2B, no process group)."""
     world = spawn_env(index, port)
-    from mtl import dist
-    from mtl.dist import Comm
-    from mtl.trainer import Trainer
+    from mtl.parallel import dist
+    from mtl.parallel.dist import Comm
+    from mtl.run.trainer import Trainer
 
     class Capture(Comm):  # keeps the first (local, reduced) pair a strategy all-reduces by hand
         def all_reduce_mean(self, t):

@@ -9,7 +9,7 @@ import io
 import torch
 from omegaconf import OmegaConf
 
-from mtl.config import Config
+from mtl.config.schema import Config
 from mtl.weighting import weighting_types
 from mtl.weighting.alignedmtl import alignedmtl
 from mtl.weighting.cagrad import cagrad

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from mtl.config import TaskDataConfig, task_data
+from mtl.config.schema import TaskDataConfig, task_data
 from mtl.data.images import Augment, image_normalization, normalize_images
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset, read_caption_lines
 from mtl.data.synthetic import SyntheticShapes

@@ -8,10 +8,10 @@ trainer then clips, steps the optimizer and zeroes the gradients; strategies nev
 A strategy describes its own costs: the class attributes (forwards, backbone backward passes,
 all-reduces per step, static_graph support) and the classmethods ``allreduce_bytes`` and
 ``extra_memory_bytes``. ``tests/test_allreduce_counts.py`` asserts the all-reduces and bytes with a
-counting comm hook; ``mtl.tools.doctor``, ``mtl.tools.bench`` and ``mtl.tools.bench_strategies`` read them from the
+counting comm hook; ``mtl.tools.doctor``, ``mtl.tools.bench.sweep`` and ``mtl.tools.bench.strategies`` read them from the
 class and never key a formula by a strategy's name.
 
-Collectives a strategy runs by hand go through ``StepInputs.comm`` (a ``mtl.dist.Comm``), never a
+Collectives a strategy runs by hand go through ``StepInputs.comm`` (a ``mtl.parallel.dist.Comm``), never a
 module-level function, so tools count them by handing over a ``CountingComm``.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mtl.dist import Comm
+from mtl.parallel.dist import Comm
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Strategy:
     supports_static_graph: bool = False  # ddp.static_graph=true: only with one backward pass per forward
     unsafe: bool = False  # kept to reproduce a failure; never recommended or benchmarked
     # every parameter gets a gradient in every step (a zero term over the unused ones), so DDP needs no
-    # find_unused_parameters when a head is unused in a step (multi-input mode, mtl/multi_input_check.py)
+    # find_unused_parameters when a head is unused in a step (multi-input mode, mtl/config/multi_input.py)
     covers_unused_parameters: bool = False
     # per-step costs: an int, or "K" for one per task
     forwards: int | str = 1  # backbone forwards
@@ -93,7 +93,7 @@ class Strategy:
     def check(cls, cfg) -> list[str]:
         """Refuse DDP flags and options that are known to fail or desync with this strategy."""
         errors = []
-        if cfg.ddp.engine == "fsdp2":  # no DDP flags apply; mtl.fsdp.check refuses them and the strategy
+        if cfg.ddp.engine == "fsdp2":  # no DDP flags apply; mtl.parallel.fsdp.check refuses them and the strategy
             return errors
         fu = cfg.ddp.find_unused_parameters
         if fu is not None and fu != cls.find_unused_parameters and not cls.tolerates_find_unused(fu):
@@ -137,7 +137,7 @@ def no_sync(model: torch.nn.Module):
     process. (DDP decides at the forward, FSDP2 at the backward: wrap both.)"""
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
-    from mtl.fsdp import is_sharded, no_gradient_sync
+    from mtl.parallel.fsdp import is_sharded, no_gradient_sync
 
     return no_gradient_sync(model) if is_sharded(model) else contextlib.nullcontext()
 

@@ -44,7 +44,7 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mtl.fsdp import is_sharded, local_shards, shard_index
+from mtl.parallel.fsdp import is_sharded, local_shards, shard_index
 from mtl.strategies.absent import absent_heads_term
 from mtl.strategies.base import Strategy, gram_stats
 from mtl.weighting.base import gram_matrix
@@ -167,7 +167,7 @@ class TaskGrads(Strategy):
         direction, partial = None, rows.new_zeros(0)
         if s.gram_weights is None and s.combine is not None and s.combine_shard is None:
             raise RuntimeError("a method that needs the rows of G whole cannot run under ddp.engine=fsdp2 "
-                               "(mtl.fsdp.check_method refuses it at config time)")
+                               "(mtl.parallel.fsdp.check_method refuses it at config time)")
         if s.gram_weights is None and s.combine_shard is not None:  # a row method, exact per shard (GradDrop)
             index, total = self._shard_index(shared, rows.device)
             direction, partial = s.combine_shard(rows / scale, index, total)

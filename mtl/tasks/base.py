@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtl.config import NoOptions, options_of
+from mtl.config.schema import NoOptions, options_of
 
 
 @dataclass
@@ -116,7 +116,7 @@ class TaskHead(nn.Module):
         """Under ``ddp.engine: fsdp2``, the submodules of this head that are sharded on their own (``fully_shard``),
         as (name relative to the head, module), so that only one of them has its full parameters gathered at a
         time (e.g. a decoder's transformer blocks). What they leave, and every tied weight, is the head's own unit;
-        a unit may not share a parameter with the rest of the head (``mtl.fsdp.shard_units`` checks). Default:
+        a unit may not share a parameter with the rest of the head (``mtl.parallel.fsdp.shard_units`` checks). Default:
         none, the whole head is one unit."""
         return []
 

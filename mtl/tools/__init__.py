@@ -1,7 +1,7 @@
 """Command-line tools over the core (``mtl.inference``): evaluate, predict and export a trained model.
 
 Each tool is thin: it parses its arguments, calls the core, writes its output, and turns user errors
-into one message and an exit code through ``mtl.error_report.run_guarded`` (2 config/option, 3 data, 4 checkpoint).
+into one message and an exit code through ``mtl.run.error_report.run_guarded`` (2 config/option, 3 data, 4 checkpoint).
 """
 
 from __future__ import annotations

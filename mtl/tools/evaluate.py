@@ -3,7 +3,7 @@
   python -m mtl.tools.evaluate --checkpoint runs/x/checkpoints/step_1000 [--config X] [data.key=value ...] \
       [--out metrics.json]
 
-One process is enough (no torchrun): the trainer's own evaluation (mtl.evaluate.evaluate_run) runs over
+One process is enough (no torchrun): the trainer's own evaluation (mtl.run.evaluate.evaluate_run) runs over
 the whole eval data. What is evaluated: the data section (data.* and seed) of --config X, or of the
 checkpoint's own config, with the key=value overrides; the model always comes from the checkpoint.
 The data is data.val_path (manifest or ImageFolder) or the built-in synthetic validation split; a
@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from mtl.error_report import run_guarded
+from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtl.error_report import run_guarded
+from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP
 
 

@@ -6,7 +6,7 @@ Builds the run once per engine (``ddp.engine=ddp``, then ``fsdp2``) in the same 
 optimizer steps (so that the optimizer state exists), and sums the bytes of the tensors each rank holds:
 its parameters (under FSDP2 its DTensor shards, ``to_local()``), their gradients, and the optimizer's state.
 Under FSDP2 a unit's full parameters also exist for a moment, while it runs forward or backward: a third step
-is watched (``mtl.fsdp.watch_gathered``: at every module's forward and backward, which units hold their full
+is watched (``mtl.parallel.fsdp.watch_gathered``: at every module's forward and backward, which units hold their full
 parameters) and the peak is printed, over the step and while each head runs, for the sharding as built (the
 caption decoder one unit per transformer block, ``TaskHead.shard_units``) and, for comparison, with each head
 one unit. With ``ddp.strategy=task_grads`` (gradient-level weighting) the
@@ -32,8 +32,8 @@ def _bytes(tensors) -> int:
 
 
 def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = False) -> dict:
-    from mtl import fsdp  # fsdp.shard_units, looked up at the call: _heads_as_one_unit replaces it
-    from mtl.trainer import Trainer
+    from mtl.parallel import fsdp  # fsdp.shard_units, looked up at the call: _heads_as_one_unit replaces it
+    from mtl.run.trainer import Trainer
 
     with _heads_as_one_unit() if whole_heads else contextlib.nullcontext():
         trainer = Trainer.from_config(config, [*overrides, f"ddp.engine={engine}", "trainer.progress=false",
@@ -77,7 +77,7 @@ def _heads_as_one_unit():
     """FSDP2 as it was before heads declared units (``TaskHead.shard_units``): each head one unit, for comparison."""
     from unittest import mock
 
-    from mtl import fsdp
+    from mtl.parallel import fsdp
 
     full = fsdp.shard_units
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
 
-    from mtl import dist
+    from mtl.parallel import dist
 
     rows = {e: measure(args.config, list(args.overrides), e) for e in ("ddp", "fsdp2")}
     rows["fsdp2, heads whole"] = measure(args.config, list(args.overrides), "fsdp2", whole_heads=True)

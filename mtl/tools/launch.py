@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, overrides = _config_args(argv)
     if config is not None:
-        from mtl.config_check import load_run_config
-        from mtl.error_report import run_guarded
+        from mtl.config.checks import load_run_config
+        from mtl.run.error_report import run_guarded
 
         code = run_guarded(lambda: load_run_config(config, overrides))
         if code:

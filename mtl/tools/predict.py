@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from mtl.error_report import run_guarded
+from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
 

@@ -3,7 +3,7 @@
     python -m mtl.tools.profile_strategies --config configs/default.yaml [--nproc 2] [--rounds 3] [--top 12]
                                            LABEL [LABEL ...] [-- key=value ...]
 
-LABEL: a strategy or a ``mtl.tools.bench_strategies`` variant (``task_grads+mgda``, ``feature_leaf+mgda``).
+LABEL: a strategy or a ``mtl.tools.bench.strategies`` variant (``task_grads+mgda``, ``feature_leaf+mgda``).
 One run of ``nproc`` processes builds a trainer per label (and ``combined``), warms each up with one step,
 then alternates them ``rounds`` times, one profiled step each time (every rank profiles, so all ranks run
 the same code). Rank 0 prints, per label, the median step time (profiled: the profiler adds its own
@@ -25,16 +25,16 @@ import time
 
 import torch.multiprocessing as mp
 
-from mtl.dist import free_port
-from mtl.tools.bench_strategies import _setup, _trainer
+from mtl.parallel.dist import free_port
+from mtl.tools.bench.strategies import _setup, _trainer
 
 
 def _worker(rank, world, port, config, overrides, labels, rounds, out_dir, result_file):
     _setup(rank, world, port)
     from torch.profiler import ProfilerActivity, profile
 
-    from mtl import dist
-    from mtl.evaluate import to_device
+    from mtl.parallel import dist
+    from mtl.run.evaluate import to_device
 
     names = ["combined", *[n for n in labels if n != "combined"]]
     trainers = {n: _trainer(config, overrides, n, out_dir) for n in names}

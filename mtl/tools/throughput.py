@@ -64,7 +64,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(config: str, overrides: list[str], steps: int, warmup: int, peak_tflops: float | None) -> dict:
-    from mtl.trainer import Trainer
+    from mtl.run.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         t = Trainer.from_config(config, [*overrides, f"output_dir={tmp}/run", "trainer.progress=false", "resume=null",
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as f:
                 json.dump(r, f, indent=1)
 
-    from mtl.error_report import run_guarded
+    from mtl.run.error_report import run_guarded
 
     return run_guarded(go)  # a bad config, data or checkpoint: one line naming it, its exit code
 

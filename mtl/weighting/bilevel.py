@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from mtl.dist import Comm
+from mtl.parallel.dist import Comm
 from mtl.weighting.base import LossWeighting
 from mtl.weighting.checks import option_range_errors
 
@@ -160,7 +160,7 @@ class BilevelWeighting(LossWeighting):
     def check(cls, cfg) -> list[str]:
         errors = []
         n = cls.name
-        if int(cfg.data.get("heldout") or 0) == 0:  # a negative value is refused by mtl/config_check.py
+        if int(cfg.data.get("heldout") or 0) == 0:  # a negative value is refused by mtl/config/checks.py
             errors.append(f"data.heldout: weighting.method={n} evaluates its meta-objective on training items the "
                           "model does not train on; set data.heldout to how many of them to hold out (at least one "
                           "global batch, data.batch_size x the number of processes; e.g. data.heldout="
@@ -188,7 +188,7 @@ class BilevelWeighting(LossWeighting):
         return False
 
     @classmethod
-    def fsdp2_problem(cls) -> str | None:  # ddp.engine=fsdp2 is refused with this reason (mtl/fsdp.py check_method)
+    def fsdp2_problem(cls) -> str | None:  # ddp.engine=fsdp2 is refused with this reason (mtl/parallel/fsdp.py check_method)
         return cls.fsdp2_refusal
 
     def meta_step(self, meta: MetaInputs) -> dict:

@@ -1,6 +1,6 @@
 """Range checks of a weighting method's options (``weighting.options``), for the methods' ``check(cfg)``.
 
-``check(cfg)`` runs before the options are type-checked and filled in (``mtl/config_check.py``), so it sees
+``check(cfg)`` runs before the options are type-checked and filled in (``mtl/config/checks.py``), so it sees
 only what the user gave: a value of the wrong type is left to the type check, which names it already.
 """
 

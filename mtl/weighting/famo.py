@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtl.dist import all_reduce_mean
+from mtl.parallel.dist import all_reduce_mean
 from mtl.weighting.base import LossWeighting
 from mtl.weighting.checks import option_range_errors
 

@@ -25,7 +25,7 @@ geometric mean of the present ones: K is their number, K'.
 
 from __future__ import annotations
 
-from mtl.dist import all_reduce_mean
+from mtl.parallel.dist import all_reduce_mean
 from mtl.weighting.base import LossWeighting
 
 GLS_EPS = 1e-12

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mtl.dist import all_reduce_mean
+from mtl.parallel.dist import all_reduce_mean
 from mtl.weighting.base import LossWeighting, k_softmax
 from mtl.weighting.checks import option_range_errors
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtl.config import NoOptions, options_of
+from mtl.config.schema import NoOptions, options_of
 
 
 class Backbone(nn.Module):

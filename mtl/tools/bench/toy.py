@@ -1,15 +1,15 @@
 """The papers' toy problem: every gradient-level method from the papers' starting points. ``make bench-toy``.
 
-    python -m mtl.tools.bench_toy [--variant cagrad|nashmtl] [--quick] [--methods 'a;b(c=1)'] [--jobs N] [--out DIR]
+    python -m mtl.tools.bench.toy [--variant cagrad|nashmtl] [--quick] [--methods 'a;b(c=1)'] [--jobs N] [--out DIR]
 
-The problem is ``mtl/toy.py``: two losses of a point x in the plane (CAGrad's Fig. 1), whose Pareto set is the curve
+The problem is ``mtl/tools/bench/toy_problem.py``: two losses of a point x in the plane (CAGrad's Fig. 1), whose Pareto set is the curve
 from (-7, -8.43) to (7, -8.43) through (0, -8.3551). Each method is the ``Weighting`` class a training run builds
 (``weighting_types()[name](cfg, tasks)``, K = 2 tasks, its options from the entry, e.g. ``cagrad(c=0.5)``),
 stepped as the trainer steps it: ``begin_step``, ``combine(J, losses)`` on the 2 x 2 Jacobian (each loss's gradient
 w.r.t. the 2-D parameter x), then Adam on x with the combined gradient, then ``end_step(losses)``. Every registered
 gradient-level method runs unless ``--methods`` names some, plus the variant's extra entries (``EXTRA_ENTRIES``).
 
-Two variants (``--variant``, ``mtl.toy.VARIANTS``), each by default at its paper's setting (``PAPER_SETTING``):
+Two variants (``--variant``, ``mtl.tools.bench.toy_problem.VARIANTS``), each by default at its paper's setting (``PAPER_SETTING``):
 ``cagrad`` is CAGrad's toy (f1 as is, its three starts, Adam lr 1e-3 for 100,000 steps); ``nashmtl`` is Nash-MTL's
 (f1 scaled by 0.1, its five starts, lr 1e-3 for 35,000 steps), with the losses shifted by their minimum so that
 methods that use loss values as positive numbers can run. ``--quick`` runs lr 1e-2 for 3,000 steps instead, a
@@ -85,8 +85,8 @@ def build_method(entry: str, seed: int = 0):
     from omegaconf import OmegaConf
 
     from mtl.build import build_weighting
-    from mtl.config import Config, check_options
-    from mtl.tools.bench import parse_method
+    from mtl.config.schema import Config, check_options
+    from mtl.tools.bench.sweep import parse_method
     from mtl.weighting import weighting_types
 
     name, options = parse_method(entry)
@@ -112,7 +112,7 @@ def run_one(entry: str, start, steps: int, lr: float, scale: float, shifted: boo
     """One method from one start: the trajectory (every ``keep_every`` steps and the last point) and its numbers."""
     import torch
 
-    from mtl.toy import distance_to_curve, loss_offsets, toy_losses_and_jacobian
+    from mtl.tools.bench.toy_problem import distance_to_curve, loss_offsets, toy_losses_and_jacobian
 
     torch.set_num_threads(1)
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -170,7 +170,7 @@ def _run_star(args):
 
 def run_all(methods: list[str], starts, steps: int, lr: float, scale: float, shifted: bool, near: float,
             keep_every: int, jobs: int) -> list[dict]:
-    from mtl.toy import pareto_curve
+    from mtl.tools.bench.toy_problem import pareto_curve
 
     curve = pareto_curve()
     work = [(m, s, steps, lr, scale, shifted, near, keep_every, curve) for m in methods for s in starts]
@@ -219,7 +219,7 @@ def plot(results: list[dict], path: str, scale: float, starts) -> None:
     import matplotlib.pyplot as plt
     import torch
 
-    from mtl.toy import pareto_curve, toy_losses
+    from mtl.tools.bench.toy_problem import pareto_curve, toy_losses
 
     methods = list(dict.fromkeys(r["method"] for r in results))
     cols = min(4, len(methods))
@@ -280,7 +280,7 @@ def setting_label(variant: str, lr: float, steps: int, papers_starts: bool) -> s
 
 
 def main(argv=None) -> int:
-    from mtl.toy import VARIANTS
+    from mtl.tools.bench.toy_problem import VARIANTS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", default="cagrad", choices=sorted(VARIANTS),
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     cpu = sum(r["cpu_s"] for r in results)
     shift = ", losses shifted by their minimum" if variant.shifted else ""
-    header = (f"Toy problem (mtl/toy.py), {a.variant}'s variant (f1 x {variant.scale:g}{shift}), {label}.\n"
+    header = (f"Toy problem (mtl/tools/bench/toy_problem.py), {a.variant}'s variant (f1 x {variant.scale:g}{shift}), {label}.\n"
               f"{len(methods)} methods x {len(starts)} starts in {a.jobs} process(es): {wall:.0f} s of wall time, "
               f"{cpu:.0f} s of CPU in the runs ({cpu / len(results):.1f} s a run on average).\n\n")
     md = header + summary(results) + "\n\n" + table(results, a.near) + "\n"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import os
 
-from mtl.config import TaskDataConfig, check_options
+from mtl.config.schema import TaskDataConfig, check_options
 from mtl.data.multi_input import ABSENT_POLICIES, POLICIES, SOURCES
 from mtl.weighting import weighting_types
 

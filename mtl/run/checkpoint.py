@@ -1,7 +1,7 @@
 """Checkpoints: ``output_dir/checkpoints/step_<N>/``.
 
 - ``state/``: the model and optimizer state, sharded (``torch.distributed.checkpoint``: one file per
-  rank and an index, ``mtl/train_state.py``); what a resume loads, on any world size and either engine;
+  rank and an index, ``mtl/run/train_state.py``); what a resume loads, on any world size and either engine;
 - ``model.safetensors``: the full, unsharded model (gathered on rank 0 under FSDP2; no DDP prefix),
   for inference and export, readable with ``safetensors.torch.load_file``;
 - ``trainer_state.pt``: scheduler, GradScaler, weighting method, step, the position in the data (in
@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from mtl.dist import all_gather_objects
 from mtl.errors import CheckpointError, TrainingError
+from mtl.parallel.dist import all_gather_objects
 
 FORMAT = "mtl-checkpoint-v2"
 # before sharded state: the optimizer in trainer_state.pt, the model only in model.safetensors (``load_checkpoint``)
@@ -126,7 +126,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def bare_state_dict(model: torch.nn.Module | dict) -> dict:
-    """The model's state dict (or an already gathered one: FSDP2's full state, mtl/fsdp.py) as CPU copies."""
+    """The model's state dict (or an already gathered one: FSDP2's full state, mtl/parallel/fsdp.py) as CPU copies."""
     state = model if isinstance(model, dict) else model.state_dict()
     # safetensors refuses tensors that share memory (GPT-2 ties lm_head to wte): save copies
     return {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
@@ -228,7 +228,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
 
     ``model``: the bare model, or its state dict already gathered (FSDP2; only rank 0's is written), for
     ``model.safetensors``. ``sharded``: this rank's part of the model and optimizer state
-    (``mtl.train_state.sharded_state``), written by every rank into ``state/``; without it the checkpoint
+    (``mtl.run.train_state.sharded_state``), written by every rank into ``state/``; without it the checkpoint
     has no ``state/`` (the trainer always passes it).
     ``extra_files`` (rank 0's are used): small files to store too, ``{relative name: bytes}``, e.g.
     ``{"class_names.json": b"[...]"}``; sub-folders are allowed (``tokenizer/tokenizer.json``).
@@ -250,7 +250,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
 
     def write_parts():
         if sharded is not None:  # first: a collective, so every rank reaches it
-            from mtl.train_state import write_sharded
+            from mtl.run.train_state import write_sharded
 
             write_sharded(os.path.join(tmp, STATE_DIR), sharded)
         _write_file(os.path.join(tmp, f"rng_rank{rank}.pt"), _torch_file(rng_state()))
@@ -286,7 +286,7 @@ def _refuse_nonfinite(step: int, model, sharded: dict | None, rank: int) -> None
     """A collective, before anything is written: a TrainingError on every rank if any rank's part of the model or
     optimizer state holds a NaN or inf (resume=auto must never pick up a diverged model). (A weighting method's
     state may hold NaN on purpose: ExcessMTL's normaliser of a task not yet seen.)"""
-    from mtl.finite import first_nonfinite
+    from mtl.run.finite import first_nonfinite
 
     if sharded is not None:  # this rank's part of the model and optimizer state (the full model under DDP)
         bad = first_nonfinite(sharded)
@@ -414,10 +414,10 @@ def verify_checkpoint(path: str) -> dict:
 
 
 def _check_index(path: str, name: str, listed: dict) -> None:
-    """The sharded state's index reads as data (``mtl.train_state.read_metadata``: a crafted one is refused unrun),
+    """The sharded state's index reads as data (``mtl.run.train_state.read_metadata``: a crafted one is refused unrun),
     and every file it refers to is in the manifest (so present and checked): a shard removed from both the folder
     and the manifest is caught here, not when the resume loads it."""
-    from mtl.train_state import read_metadata
+    from mtl.run.train_state import read_metadata
 
     try:
         metadata = read_metadata(os.path.join(path, STATE_DIR))
@@ -475,7 +475,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict,
         weights = load_file(model_file)
     except Exception as e:
         raise CheckpointError(f"checkpoint {model_file!r} cannot be read ({e}); it is truncated or corrupt") from None
-    from mtl.fsdp import is_sharded, load_full_model_state
+    from mtl.parallel.fsdp import is_sharded, load_full_model_state
 
     own = model.state_dict().keys()
     missing, unexpected = [k for k in own if k not in weights], [k for k in weights if k not in own]
@@ -508,13 +508,13 @@ def load_model_and_optimizer(path: str, trainer_state: dict, model: torch.nn.Mod
     """Collective: the model and optimizer state into this run's layout; returns the RNG state this rank
     continues with (its own rank's; on a larger world size than the checkpoint's, rank 0's for the new
     ranks: a fresh run seeds every rank alike). An mtl-checkpoint-v1 checkpoint loads as it was written (the
-    same world size and engine: ``mtl.resume.reshard_problems`` refuses others)."""
+    same world size and engine: ``mtl.config.resume.reshard_problems`` refuses others)."""
     saved_world = int(trainer_state.get("world_size") or 1)
     if trainer_state.get("state"):
         load_state(path, model, weighting, optimizer)
         return read_rng(path, rank if rank < saved_world else 0)
     _, rng = load_checkpoint(path, model, rank)
-    from mtl.fsdp import is_sharded, load_full_optimizer_state
+    from mtl.parallel.fsdp import is_sharded, load_full_optimizer_state
 
     try:
         if is_sharded(model):  # a full, name-keyed optimizer state: each rank keeps its shard
@@ -531,7 +531,7 @@ def load_state(path: str, model: torch.nn.Module, weighting: torch.nn.Module, op
     (any world size, either engine)."""
     from torch.distributed.checkpoint.api import CheckpointException as DcpError  # a BaseException
 
-    from mtl.train_state import load_sharded
+    from mtl.run.train_state import load_sharded
 
     folder = os.path.join(path, STATE_DIR)
     try:
@@ -540,7 +540,7 @@ def load_state(path: str, model: torch.nn.Module, weighting: torch.nn.Module, op
         raise
     except (Exception, DcpError) as e:  # DCP names the missing or misfitting key
         refused = [x for x, _ in getattr(e, "failures", {}).values() if isinstance(x, CheckpointError)]
-        if refused:  # mtl.train_state refused a value that is not plain data
+        if refused:  # mtl.run.train_state refused a value that is not plain data
             raise CheckpointError(refused[0].message) from None
         raise CheckpointError(f"checkpoint {folder!r} does not fit this run's model and optimizer ({str(e)[:500]}). "
                               "Was it written with another model or optimizer config?") from None

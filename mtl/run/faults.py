@@ -21,7 +21,7 @@ def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
         return
     if task == "crash":  # a rank that dies mid-step: the others must not hang
         raise RuntimeError(f"trainer.poison: rank {rank} crashes at step {step} (testing)")
-    if task == "stop":  # a rank that stops answering: the others must name it (mtl/heartbeat.py)
+    if task == "stop":  # a rank that stops answering: the others must name it (mtl/run/heartbeat.py)
         import os
         import signal
 

@@ -1,6 +1,6 @@
 """The cost of each multi-input sampling policy, as ratios in one run (docs/multi-input.md).
 
-    python -m mtl.tools.bench_sampling --config configs/multi_input.yaml [--steps 6] [--rounds 3]
+    python -m mtl.tools.bench.sampling --config configs/multi_input.yaml [--steps 6] [--rounds 3]
                                        [--strategy find_unused] [--only POLICY ...] [-- key=value ...]
 
 One process builds one trainer per policy (``data.sampling.policy``; every other key as the config says, and
@@ -31,8 +31,8 @@ def measure(config: str, overrides: list[str], policies: list[str], strategy: st
             rounds: int) -> dict:
     import torch
 
-    from mtl.evaluate import to_device
-    from mtl.trainer import Trainer
+    from mtl.run.evaluate import to_device
+    from mtl.run.trainer import Trainer
 
     torch.manual_seed(0)
     trainers, streams = {}, {}
@@ -100,7 +100,7 @@ def _time_forwards(t, steps: int, rounds: int):
 def forwards(config: str, overrides: list[str], steps: int, rounds: int) -> dict:
     """Median seconds of the backbone forward + backward over the concatenated rows vs one per task."""
 
-    from mtl.trainer import Trainer
+    from mtl.run.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="bench_forwards_") as out:
         t = Trainer.from_config(config, [*overrides, f"output_dir={out}", "data.sampling.policy=all",
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump(table, f, indent=2)
 
-    from mtl.error_report import run_guarded
+    from mtl.run.error_report import run_guarded
 
     return run_guarded(go)  # a bad config or data: one line naming it, its exit code
 

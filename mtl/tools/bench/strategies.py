@@ -1,6 +1,6 @@
 """Cost of each step strategy, measured side by side: ``make bench-strategies``.
 
-    python -m mtl.tools.bench_strategies --config configs/default.yaml [--nproc 2] [--rounds 7] [--steps 3]
+    python -m mtl.tools.bench.strategies --config configs/default.yaml [--nproc 2] [--rounds 7] [--steps 3]
                                    [--write docs/strategies.md] [key=value ...]
 
 Time: one run of ``nproc`` gloo/nccl processes builds one trainer per strategy on the same model
@@ -35,7 +35,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from mtl.dist import free_port
+from mtl.parallel.dist import free_port
 
 # label -> (strategy, overrides, how the table names it).
 # "combined+find_unused": the same single backward with find_unused_parameters=True, to isolate what
@@ -73,7 +73,7 @@ def _setup(rank: int, world: int, port: int) -> None:
 
 
 def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
-    from mtl.trainer import Trainer
+    from mtl.run.trainer import Trainer
 
     strategy, extra, _ = VARIANTS.get(label, (label, [], ""))
     return Trainer.from_config(config, [*overrides, *extra, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{label}",
@@ -85,7 +85,7 @@ def count_communication(trainer, counts: dict) -> None:
     (``counts['manual']``, through the ``CountingComm`` the step hands the strategy)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from mtl.dist import CountingComm
+    from mtl.parallel.dist import CountingComm
 
     if hasattr(trainer.model, "register_comm_hook"):
         def hook(state, bucket):
@@ -122,8 +122,8 @@ def _sync(device) -> None:
 
 def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, result_file, only=None):
     _setup(rank, world, port)
-    from mtl import dist
-    from mtl.evaluate import to_device
+    from mtl.parallel import dist
+    from mtl.run.evaluate import to_device
 
     names = strategies_to_time(only)
     trainers = {s: _trainer(config, overrides, s, out_dir) for s in names}
@@ -169,7 +169,7 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
         f_times.append(mid - tic)
         fb_times.append(time.perf_counter() - tic)
         t.optimizer.zero_grad(set_to_none=False)
-    from mtl.runtime_checks import check_replicas
+    from mtl.parallel.runtime_checks import check_replicas
 
     check_times = []
     for _ in range(max(5, rounds)):
@@ -190,8 +190,8 @@ def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_di
     import resource
 
     _setup(rank, world, port)
-    from mtl import dist
-    from mtl.evaluate import to_device
+    from mtl.parallel import dist
+    from mtl.run.evaluate import to_device
 
     t = _trainer(config, overrides, strategy, out_dir)
     batches = t.batches()
@@ -285,7 +285,7 @@ def write_into(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench_strategies", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench.strategies", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated strategies/variants to time (combined always)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
 
     cfg = load_run_config(a.config, a.overrides)
     tic = time.time()
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     default = not a.overrides and not a.only and (a.rounds, a.steps, a.nproc) == (7, 3, 2)
     args = [f"--config {a.config}", f"--nproc {a.nproc}", f"--rounds {a.rounds}", f"--steps {a.steps}",
             *([f"--only {a.only}"] if a.only else []), *a.overrides]
-    meta = {"command": "make bench-strategies" if default else f"python -m mtl.tools.bench_strategies {' '.join(args)}",
+    meta = {"command": "make bench-strategies" if default else f"python -m mtl.tools.bench.strategies {' '.join(args)}",
             "machine": f"{platform.machine()} "
             f"{os.cpu_count()}-core {'GPU' if cuda else 'CPU'}", "date": time.strftime("%Y-%m-%d"),
             "nproc": a.nproc, "backend": "nccl" if cuda else "gloo", "batch": cfg.data.batch_size,

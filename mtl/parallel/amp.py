@@ -2,7 +2,7 @@
 
 fp16 scales each task's loss on its own (``scale(loss).backward()`` per pass), unscales once before
 clipping and updates once per step. The step itself (``optimizer.step()``, skipped on an inf/NaN
-gradient) is taken in mtl/step.py, in plain sight; the scaler only scales, unscales and updates.
+gradient) is taken in mtl/run/step.py, in plain sight; the scaler only scales, unscales and updates.
 bf16 needs no scaler. Both work on CPU and CUDA.
 
 Under FSDP2 (``sharded=True``) the scaler is torch's ``ShardedGradScaler``: a rank's ``unscale_`` sees only its

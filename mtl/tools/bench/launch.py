@@ -70,7 +70,7 @@ def run_job(command: list[str], run_dir: str, env: dict, cwd: str, record_args: 
     """What one Slurm job does (on its node): record where it runs (``bench_run.json``), then train, the output in
     the run's ``log.txt``. Returns the command's exit code."""
     if record_args is not None:
-        from mtl.tools.bench_record import provenance, write_record
+        from mtl.tools.bench.record import provenance, write_record
 
         config, threads = record_args
         write_record(run_dir, config, provenance(threads))

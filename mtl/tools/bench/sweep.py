@@ -7,7 +7,7 @@ For every regime of ``bench.regimes`` (default: one, ``natural``), trains every 
 (``bench.methods`` unless the regime names its own) for every seed of ``bench.seeds``, plus one single-task
 baseline per task (``tasks=[cls]``, ...) that delta-m needs, each in ``output_dir/runs/<regime>/<method>/seed<k>/``
 and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once, on
-this machine or as one Slurm job each (``bench.launcher``, mtl/tools/bench_launch.py). A regime is a list of
+this machine or as one Slurm job each (``bench.launcher``, mtl/tools/bench/launch.py). A regime is a list of
 overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect it should show stated in
 advance (``expect``), printed above its results. Loss-level methods run with ``bench.loss_strategy``,
 gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when the entry says
@@ -17,9 +17,9 @@ Writes into ``output_dir``: ``results.md`` and ``results.csv`` (one row per regi
 row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line per run, failures with their
 error) and TensorBoard hparams under ``tb/``. A failed run is recorded and the sweep goes on. A re-run reuses a
 finished run only when the training configuration it recorded (``bench_run.json``: every key but ``output_dir``
-and ``bench.*``, plus ``bench.nproc``) is the one it would train now (mtl/tools/bench_record.py).
+and ``bench.*``, plus ``bench.nproc``) is the one it would train now (mtl/tools/bench/record.py).
 
-Definitions (mtl/tools/bench_stats.py holds the statistics):
+Definitions (mtl/tools/bench/stats.py holds the statistics):
 - the reported evaluation of a run: the one with the lowest validation delta-m (``bench.select: best``; ``last``:
   the last one), its metrics read on the held-out test split (``data.synthetic.test_size`` / ``data.test_path``)
   when the runs evaluated one; per method the mean over seeds ± the half-width of the 95% t-interval;
@@ -52,8 +52,8 @@ import statistics
 import sys
 import time
 
-from mtl.tools.bench_record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
-from mtl.tools.bench_stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
+from mtl.tools.bench.record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
+from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
 
 PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml"}
 REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
@@ -127,8 +127,8 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
     entries, the options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
     by the method's ``check``), and the gradient source against the method (as ``weighting.source``)."""
     from mtl.build import run_method_types
-    from mtl.config import check_options
-    from mtl.config_check import gradient_source_errors
+    from mtl.config.checks import gradient_source_errors
+    from mtl.config.schema import check_options
     from mtl.strategies import strategy_types
 
     types, strategies, errors, seen = run_method_types(cfg), strategy_types(), [], set()
@@ -220,7 +220,7 @@ def bench_errors(cfg) -> list[str]:
 def regime_configs(cfg, config_path: str, base_overrides: list[str]) -> tuple[dict, list[str]]:
     """``({regime: (spec, its run config)}, errors)``: each regime's overrides loaded and checked as a run's, and
     its method list checked (every error names the regime and the key)."""
-    from mtl.config_check import load_run_config
+    from mtl.config.checks import load_run_config
     from mtl.errors import ConfigError
 
     out, errors = {}, bench_errors(cfg)
@@ -348,7 +348,7 @@ def launch_threads(cfg) -> int:
 
 
 def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> None:
-    from mtl.tools.bench_launch import drive, make_launcher
+    from mtl.tools.bench.launch import drive, make_launcher
 
     threads = launch_threads(cfg)
     launcher = make_launcher(cfg, {**os.environ, "OMP_NUM_THREADS": str(threads)}, threads)
@@ -438,7 +438,7 @@ def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int, method: type | 
     plus a bilevel ``method``'s whole-model gradients (``meta_allreduces``) once in ``every`` steps."""
     from safetensors import safe_open
 
-    from mtl.checkpoint import list_checkpoints
+    from mtl.run.checkpoint import list_checkpoints
     from mtl.strategies import strategy_types
 
     ckpts = list_checkpoints(run_dir)
@@ -896,9 +896,9 @@ def main(argv: list[str] | None = None) -> int:
     config = a.config or PRESETS[a.preset or "full"]
 
     def go():
-        from mtl.config_check import load_run_config
+        from mtl.config.checks import load_run_config
         from mtl.errors import ConfigError
-        from mtl.tools.bench_plots import write_plots
+        from mtl.tools.bench.plots import write_plots
         from mtl.tools.doctor import examine
 
         if a.config and a.preset:
@@ -936,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
 
-    from mtl.error_report import run_guarded
+    from mtl.run.error_report import run_guarded
 
     return run_guarded(go)
 

@@ -9,10 +9,10 @@ Interpolations: a user config (its files and the command line) is trusted like a
 ``${other.key}`` and OmegaConf's built-in resolvers (``oc.env``, ``oc.select``, ``oc.decode`` ...);
 mtl registers none of its own. ``to_yaml`` resolves them, so the printed and saved config (and every
 checkpoint's) holds plain values. Files that are data, not config (a checkpoint's ``config.yaml``),
-are never read through OmegaConf (``mtl.resume``).
+are never read through OmegaConf (``mtl.config.resume``).
 
 Checks that need more than the schema (known names, ranges, combinations of options) live in
-``mtl.config_check`` so that this module stays free of imports from the rest of the package.
+``mtl.config.checks`` so that this module stays free of imports from the rest of the package.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class DataConfig:
     image_root: str | None = None  # base for relative image paths; default: the manifest's folder
     num_classes: int | None = None  # user data: number of classes (default: inferred from train labels)
     # multi-input: each task its own data set (task name -> its section); empty: every image serves every task
-    # (each section's keys: TaskDataConfig, checked by mtl.config_check like a task's options)
+    # (each section's keys: TaskDataConfig, checked by mtl.config.checks like a task's options)
     per_task: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # training items held out for a bilevel method's meta-objective (weighting.method=autolambda ...): the LAST
@@ -510,7 +510,7 @@ def keys_help() -> str:
     width = max(len(k) for k, _, _ in rows)
     tw = max(len(t) for _, t, _ in rows if len(t) < 40)
     lines = [f"  {k:<{width}}  {t:<{tw}}" + (f"  # {c}" if c else "") for k, t, c in rows]
-    return ("config keys (in the YAML file, or key=value on the command line; the schema is mtl/config.py):\n"
+    return ("config keys (in the YAML file, or key=value on the command line; the schema is mtl/config/schema.py):\n"
             + "\n".join(line.rstrip() for line in lines))
 
 
@@ -544,7 +544,7 @@ def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
     """Load ``path`` (and its base chain) and apply ``overrides``, checking keys, types and ``${...}``
     interpolations only.
 
-    Raises ConfigError listing every problem. ``mtl.config_check.load_run_config`` adds the semantic checks.
+    Raises ConfigError listing every problem. ``mtl.config.checks.load_run_config`` adds the semantic checks.
     """
     errors: list[str] = []
     cfg = _read_into(path, overrides, errors)
@@ -581,7 +581,7 @@ def load_config_collecting(path: str, overrides: list[str] | None, errors: list[
 
 def config_from_data(data: dict, source: str, overrides: list[str] | None = None) -> DictConfig:
     """A config from a plain mapping that is data, not a config file: a checkpoint's or an export's config.yaml as
-    ``mtl.resume.saved_config`` reads it (mtl writes it resolved and whole). Nothing in it is resolved or read: a
+    ``mtl.config.resume.saved_config`` reads it (mtl writes it resolved and whole). Nothing in it is resolved or read: a
     ``base:`` key, or a ``${...}`` in any value, is refused, never evaluated. ``overrides`` go on top. Keys and
     types are checked as in ``load_config``; raises ConfigError listing every problem (``source`` names the file)."""
     errors = [f"{source}: base: {data['base']!r}: this file is complete and is read as data; 'base:' is not "
@@ -635,7 +635,7 @@ def check_options(values, schema: type, key: str, errors: list[str]) -> dict:
 
 
 def task_data(cfg, task: str) -> TaskDataConfig:
-    """``data.per_task.<task>`` with its defaults filled in (checked: mtl.config_check refuses bad sections)."""
+    """``data.per_task.<task>`` with its defaults filled in (checked: mtl.config.checks refuses bad sections)."""
     return options_of(TaskDataConfig, (cfg.data.get("per_task") or {}).get(task), f"data.per_task.{task}")
 
 

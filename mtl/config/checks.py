@@ -14,15 +14,15 @@ import torch
 from omegaconf import OmegaConf
 
 from mtl.build import run_method_types
-from mtl.config import check_options, config_keys, interpolation_errors, load_config_collecting
+from mtl.config.multi_input import check as multi_input_check
+from mtl.config.schema import check_options, config_keys, interpolation_errors, load_config_collecting
 from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
-from mtl.fsdp import ENGINES
-from mtl.fsdp import check as fsdp_check
-from mtl.fsdp import check_method as fsdp_method_check
 from mtl.models.backbones import backbone_types, unknown_backbone
-from mtl.multi_input_check import check as multi_input_check
+from mtl.parallel.fsdp import ENGINES
+from mtl.parallel.fsdp import check as fsdp_check
+from mtl.parallel.fsdp import check_method as fsdp_method_check
 from mtl.strategies import strategy_types
 from mtl.tasks import task_types
 from mtl.weighting import weighting_types
@@ -156,7 +156,7 @@ def validate(cfg) -> list[str]:
         errors += heldout_errors(cfg, method)
         errors += gradient_source_errors(cfg, strategy, method, strategies)
         errors += fsdp_method_check(cfg, method)
-    errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/multi_input_check.py)
+    errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/config/multi_input.py)
     _options(errors, cfg, tasks, method, backbone)
     _loss_scale(errors, cfg, tasks)
     named = {e.split(":")[0] for e in errors}

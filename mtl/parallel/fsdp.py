@@ -20,9 +20,9 @@ What that changes for a step (docs/fsdp.md):
 - ``task_grads`` (gradient-level weighting) keeps each rank's shard of each task's gradient and sums the
   shards' Gram matrices in one K x K all-reduce (``local_shards``, and ``shard_index`` for a method that
   combines per shard); a weighting method that cannot run on shards is refused (``check_method``).
-- fp16 uses torch's ``ShardedGradScaler`` (mtl/amp.py), which agrees on an overflow over the ranks.
+- fp16 uses torch's ``ShardedGradScaler`` (mtl/parallel/amp.py), which agrees on an overflow over the ranks.
 - The gradient norm (finite check, clipping) is the global norm over the shards (``grad_norm``).
-- Checkpoints hold the sharded model and optimizer state (``mtl/train_state.py``) and the full model
+- Checkpoints hold the sharded model and optimizer state (``mtl/run/train_state.py``) and the full model
   gathered to rank 0 for ``model.safetensors`` (``full_model_state``); the full optimizer state
   (``full_optimizer_state``) is what mtl-checkpoint-v1 checkpoints held, still read on resume.
 
@@ -184,7 +184,7 @@ def mixed_precision(precision: str):
     if precision == "bf16":  # bf16 compute and all-gathers, fp32 sharded parameters and gradient reduction
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # fp32 throughout; fp16: fp32 parameters and gradients, the model's own fp16 autocast, the sharded GradScaler
-    # (mtl/amp.py), as under DDP
+    # (mtl/parallel/amp.py), as under DDP
     return MixedPrecisionPolicy()
 
 

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from mtl.dist import all_gather_objects
+from mtl.parallel.dist import all_gather_objects
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -1,5 +1,5 @@
 """Non-finite values where a run keeps them: the weights after a step, a state about to be saved, the final
-evaluation. (Losses and gradients are checked in the step itself, mtl/step.py.)
+evaluation. (Losses and gradients are checked in the step itself, mtl/run/step.py.)
 
 Each check that decides for the run is agreed over the ranks: under FSDP2 each rank sees only its own shards.
 """
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from mtl.dist import all_reduce_sum
+from mtl.parallel.dist import all_reduce_sum
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ def training_config(config_path: str, overrides: list[str], nproc: int) -> dict:
     checks refuse (``static`` without weights) fails as a run, recorded, and the sweep goes on."""
     from omegaconf import OmegaConf
 
-    from mtl.config import load_config_collecting
+    from mtl.config.schema import load_config_collecting
 
     cfg = OmegaConf.to_container(load_config_collecting(config_path, overrides, []), resolve=True)
     for key in NOT_TRAINING:

@@ -52,7 +52,7 @@ class RunLogger:
             self._jsonl.write(json.dumps(line) + "\n")
             self._jsonl.flush()
         except OSError as e:
-            from mtl.checkpoint import describe_os_error
+            from mtl.run.checkpoint import describe_os_error
 
             self._failed = True
             raise TrainingError(f"cannot write {self._jsonl.name}: {describe_os_error(e)}. The last checkpoint is "
@@ -95,7 +95,7 @@ class RunLogger:
                 closer.close()
             except OSError as e:
                 if not self._failed:
-                    from mtl.checkpoint import describe_os_error
+                    from mtl.run.checkpoint import describe_os_error
 
                     print(f"warning: could not finish writing the logs in {self.output_dir}: {describe_os_error(e)}",
                           file=sys.stderr, flush=True)

@@ -12,9 +12,6 @@ import time
 import numpy as np
 import torch
 
-from mtl import checkpoint as ckpt
-from mtl import heartbeat
-from mtl.amp import Amp
 from mtl.build import (
     build_eval_loaders,
     build_optimizer,
@@ -27,7 +24,8 @@ from mtl.build import (
     task_code_files,
     wrap_model,
 )
-from mtl.config import config_summary, to_yaml
+from mtl.config.resume import batch_statistics_layers, check_resume_config, random_layers, reshard_problems, saved_config
+from mtl.config.schema import config_summary, to_yaml
 from mtl.data.heldout import HeldoutStream
 from mtl.data.loader import (
     build_eval_loader,
@@ -39,20 +37,22 @@ from mtl.data.loader import (
     set_epoch,
 )
 from mtl.data.multi_input import MultiInputStream
-from mtl.dist import DistInfo, all_gather_objects, barrier, broadcast_object, init_distributed
 from mtl.errors import CheckpointError, ConfigError, TrainingError
-from mtl.evaluate import evaluate_run, to_device
-from mtl.faults import poison
 from mtl.files import write_atomic
-from mtl.finite import first_blown_up, nonfinite_eval
-from mtl.fsdp import full_model_state, gathered, is_sharded
-from mtl.logger import RunLogger, trim_metrics
-from mtl.resume import batch_statistics_layers, check_resume_config, random_layers, reshard_problems, saved_config
-from mtl.runlock import LockHeld, RunLock
-from mtl.runtime_checks import check_replicas, explain_ddp_error, locate_nonfinite
-from mtl.signals import StopSignals
-from mtl.step import StepParts, StepResult, present_tasks, train_step
-from mtl.train_state import sharded_state
+from mtl.parallel.amp import Amp
+from mtl.parallel.dist import DistInfo, all_gather_objects, barrier, broadcast_object, init_distributed
+from mtl.parallel.fsdp import full_model_state, gathered, is_sharded
+from mtl.parallel.runtime_checks import check_replicas, explain_ddp_error, locate_nonfinite
+from mtl.run import checkpoint as ckpt
+from mtl.run import heartbeat
+from mtl.run.evaluate import evaluate_run, to_device
+from mtl.run.faults import poison
+from mtl.run.finite import first_blown_up, nonfinite_eval
+from mtl.run.logger import RunLogger, trim_metrics
+from mtl.run.runlock import LockHeld, RunLock
+from mtl.run.signals import StopSignals
+from mtl.run.step import StepParts, StepResult, present_tasks, train_step
+from mtl.run.train_state import sharded_state
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -337,7 +337,7 @@ class Trainer:
     def from_config(cls, config: str, overrides: list[str] | tuple = ()) -> Trainer:
         """The public way to build a run: a config file plus ``key=value`` overrides, validated (exit-2 errors
         as ConfigError), in the process group torchrun's environment describes (none without torchrun)."""
-        from mtl.config_check import load_run_config
+        from mtl.config.checks import load_run_config
 
         cfg = load_run_config(config, list(overrides))
         return cls(cfg, init_distributed(cfg))
@@ -365,7 +365,7 @@ class Trainer:
 
     def _stop_signals(self) -> StopSignals:
         """SIGTERM/SIGUSR1/SIGINT set ``stop_requested``, acted on after the current step by every rank together."""
-        peers = all_gather_objects((socket.gethostname(), os.getpid()))  # to tell a torn-down job (mtl/signals.py)
+        peers = all_gather_objects((socket.gethostname(), os.getpid()))  # to tell a torn-down job (mtl/run/signals.py)
         return StopSignals(self.dist.rank, self.dist.world_size, peers, on_request=self._request_stop,
                            under_launcher="TORCHELASTIC_RUN_ID" in os.environ).install()
 
@@ -416,7 +416,7 @@ class Trainer:
                 self.log.info(f"step {self.step}: stop signal received; saving a checkpoint and exiting")
                 self.save()
                 self.signals.done = True
-                if self.signals.interrupted:  # Ctrl-C on this rank: saved, and exits 130 (mtl/signals.py)
+                if self.signals.interrupted:  # Ctrl-C on this rank: saved, and exits 130 (mtl/run/signals.py)
                     raise KeyboardInterrupt
                 return self.last_eval
         final = self.run_eval()

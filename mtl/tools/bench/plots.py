@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from mtl.tools.bench_stats import mean_ci
+from mtl.tools.bench.stats import mean_ci
 
 BASELINE_COLOURS = ("black", "dimgray", "saddlebrown", "darkslategray")  # outside the methods' palette
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtl.dist import all_gather_objects
 from mtl.errors import TrainingError
-from mtl.evaluate import rng_untouched
-from mtl.gradient_reach import nonfinite_parameters, reach_table, task_gradients
-from mtl.step import restore_running_stats, snapshot_running_stats
+from mtl.parallel.dist import all_gather_objects
+from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
+from mtl.run.evaluate import rng_untouched
+from mtl.run.step import restore_running_stats, snapshot_running_stats
 
 DDP_ERRORS = {
     "Expected to have finished reduction in the prior iteration": "a backward pass left some parameters without a "

@@ -6,7 +6,7 @@ weighting, batch size, seed, precision, optimizer ...) must match the checkpoint
 resumed run would not be the run that was interrupted; each differing key is listed.
 
 The world size, ``ddp.engine`` and ``data.batch_size`` may change too (the model and optimizer state is
-sharded, ``mtl/train_state.py``, and reshards on load): :func:`reshard_problems` says whether the resumed run
+sharded, ``mtl/run/train_state.py``, and reshards on load): :func:`reshard_problems` says whether the resumed run
 is still the interrupted one (same global batch, and no per-rank random stream to carry over to another
 number of ranks, no statistics over each rank's own batch: BatchNorm), and otherwise asks for
 ``resume_reshard: true``.
@@ -23,7 +23,7 @@ import os
 import yaml
 from omegaconf import OmegaConf
 
-from mtl.config import multi_input
+from mtl.config.schema import multi_input
 from mtl.errors import CheckpointError
 
 SAFE_TO_CHANGE = (
@@ -79,8 +79,8 @@ def saved_config(checkpoint_dir: str) -> dict:
 def check_resume_config(checkpoint_dir: str, cfg) -> None:
     saved = saved_config(checkpoint_dir)
     path = os.path.join(checkpoint_dir, "config.yaml")
-    from mtl.config import Config, drop_moved_options, move_keys
-    from mtl.config_check import option_defaults
+    from mtl.config.checks import option_defaults
+    from mtl.config.schema import Config, drop_moved_options, move_keys
     from mtl.tasks import task_types
 
     # a checkpoint written before a key moved into a task's options (data.max_caption_tokens ...) reads as the new key
@@ -134,7 +134,7 @@ def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, eng
     ``batch_stats``: ``batch_statistics_layers``.
 
     An mtl-checkpoint-v1 checkpoint (no sharded ``state/``) cannot reshard at all: a CheckpointError."""
-    from mtl.checkpoint import LEGACY_FORMAT
+    from mtl.run.checkpoint import LEGACY_FORMAT
 
     saved_world, saved_engine = int(state.get("world_size") or 1), state.get("engine") or "ddp"
     saved_batch = int(saved_config(checkpoint_dir).get("data", {}).get("batch_size") or cfg.data.batch_size)

@@ -35,7 +35,7 @@ MODEL, OPTIM = "model", "optim"
 
 
 def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
-    from mtl.fsdp import Owner  # the modules whose parameters the optimizer holds, for parameter names
+    from mtl.parallel.fsdp import Owner  # the modules whose parameters the optimizer holds, for parameter names
 
     return Owner(model, weighting)
 

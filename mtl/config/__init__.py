@@ -1,0 +1,1 @@
+"""Configuration: the schema, its checks, and which changes a resume may make."""

@@ -1,0 +1,1 @@
+"""The weighting benchmark: sweeps, their statistics, plots and launchers; the toy problem; the strategy benchmark."""
