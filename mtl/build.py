@@ -1,4 +1,4 @@
-"""Build a run's pieces from its config: data, tokenizer, model, collate (``build_run_pieces``, read-only),
+"""Build a run from its config: data, tokenizer, model, collate (``build_run_inputs``, read-only),
 strategy, weighting, optimizer, scheduler."""
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def build_collate(cfg, num_classes: int, class_names: list, tokenizer) -> BatchC
 
 
 @dataclass
-class RunPieces:
-    """The read-only part of a run (``build_run_pieces``): data, tokenizer, model and collate."""
+class RunInputs:
+    """The read-only part of a run (``build_run_inputs``): data, tokenizer, model and collate."""
 
     cfg: object
     train_ds: object
@@ -148,7 +148,7 @@ class RunPieces:
         return loader
 
 
-def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
+def build_run_inputs(cfg, tokenizer_for: Callable | None = None) -> RunInputs:
     """Seed, then build a run's data sets, tokenizer, model and collate from a checked config: the public builder
     for tools (the doctor) and the trainer alike. Read-only by default: it creates, locks and writes nothing (the
     tokenizer is ``output_dir``'s copy if there is one, else ``tokenizer.path``/``init_from``'s, else trained in
@@ -174,7 +174,7 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
     collate = build_collate(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
     task_collates = None if task_sets is None else {
         t: BatchCollate({t: types[t]}, collate.info) for t in task_sets}
-    return RunPieces(cfg, train_ds, val_ds, tokenizer, model, collate, task_sets, task_collates)
+    return RunInputs(cfg, train_ds, val_ds, tokenizer, model, collate, task_sets, task_collates)
 
 
 def build_eval_loaders(cfg, val_ds, collate: BatchCollate, task_vals: dict | None, rank: int = 0,

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from mtl.build import build_run_pieces
+from mtl.build import build_run_inputs
 from mtl.config.checks import load_run_config
 from mtl.strategies.task_grads import RowWriter
 
@@ -20,7 +20,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = load_run_config("configs/default.yaml", ["output_dir=/tmp/row_fill_time", "data.batch_size=8",
                                                    "data.synthetic.train_size=64", "data.synthetic.val_size=8"])
-    run = build_run_pieces(cfg)
+    run = build_run_inputs(cfg)
     batch = next(iter(run.train_loader()))
     shared = [p for p in run.model.backbone.parameters() if p.requires_grad]
     features = run.model.backbone(batch["image"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mtl.build import build_run_pieces
+from mtl.build import build_run_inputs
 from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types
@@ -29,7 +29,7 @@ def test_the_new_backbone_is_found_by_name_and_the_heads_fit_its_declared_featur
     cfg = load_run_config(TINY, [f"backbone_modules=[{backbone_file}]", "model.backbone.name=small_cnn",
                                  "model.backbone.options.width=8", f"output_dir={tmp_path / 'run'}"])
     assert cfg.model.backbone.options == {"width": 8, "blocks": 2}  # its typed section, filled and checked
-    run = build_run_pieces(cfg)
+    run = build_run_inputs(cfg)
     backbone = run.model.backbone
     assert type(backbone).__name__ == "SmallCNN" and backbone.feature_shape(cfg) == (16, 8, 8)
     batch = next(iter(run.train_loader()))

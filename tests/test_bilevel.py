@@ -330,7 +330,7 @@ def test_the_meta_update_moves_lambda_only_and_leaves_no_gradient(tmp_path):
     tr = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "weighting.method=autolambda", "data.heldout=32",
                                     "optim.warmup_steps=0", "model.backbone.norm=batch", "weighting.options.lr=0.01"])
     try:
-        batch, heldout = next(tr.batches())[1], tr.heldout.next_batch()
+        batch, heldout = next(tr.batches())[1], tr.feed.heldout.next_batch()
         for head in tr.bare.heads.values():
             head.prepare(batch, all_reduce_sum)
             head.prepare(heldout, all_reduce_sum)

@@ -57,8 +57,8 @@ def _worker(index, port, out_dir):
                 "trainer.progress=false", "ddp.timeout_s=60", f"weighting.method={method}", "data.heldout=8",
                 *EXTRA.get(method, [])])
             assert trainer.dist.world_size == world
-            collate = trainer.heldout.collate
-            trainer.heldout.collate = lambda recs, c=collate: _to64(c(recs))
+            collate = trainer.feed.heldout.collate
+            trainer.feed.heldout.collate = lambda recs, c=collate: _to64(c(recs))
             if method == "autolambda":  # the negative control: the same hypergradient without the rank averages
                 meta_step = trainer.weighting.meta_step
 
@@ -81,7 +81,7 @@ def _worker(index, port, out_dir):
             results[method] = {
                 "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
                 "weighting": trainer.weighting.state_dict(), "weights": trainer.weighting.weights(),
-                "heldout": trainer.heldout.state_dict(),
+                "heldout": trainer.feed.heldout.state_dict(),
             }
             trainer.close()
         torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{who}.pt"))

@@ -2,8 +2,8 @@
 
 Faults are injected where they happen (a rename that never comes because the process dies, a write that
 finds the disk full, a read-only mount, a flipped bit), and each test asserts that its fault really fired.
-Most tests drive ``Trainer._prepare_output_dir``, the code every run takes at start-up (lock, recovery,
-choosing the checkpoint), on a Trainer shell without a model; one test trains for real, in this process.
+Most tests drive the ``RunFolder`` alone (``lock`` and ``prepare``), the code every run takes at start-up (lock,
+recovery, choosing the checkpoint), without data or a model; one test trains for real, in this process.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from mtl.parallel.dist import DistInfo
 from mtl.run import checkpoint as ckpt
 from mtl.run import logger as logger_module
 from mtl.run import runlock
+from mtl.run.run_folder import RunFolder
 from mtl.run.trainer import Trainer
 
 from .conftest import ROOT, TINY
@@ -36,18 +37,12 @@ def config(out, *overrides):
     return load_run_config(TINY, [f"output_dir={out}", *overrides])
 
 
-def shell(cfg) -> Trainer:
-    """A Trainer with only what start-up's output_dir handling needs (no data, no model)."""
-    t = Trainer.__new__(Trainer)
-    t.cfg, t.dist, t._lock = cfg, DistInfo(), None
-    return t
-
-
 def prepare(out, *overrides):
     """Run start-up's output_dir handling as a 1-process run would; return (checkpoint to resume or None,
-    the Trainer shell holding the lock: close() it)."""
-    t = shell(config(out, *overrides))
-    return t._prepare_output_dir(), t
+    the RunFolder holding the lock: close() it)."""
+    t = RunFolder(config(out, *overrides), DistInfo())
+    t.lock()
+    return t.prepare(), t
 
 
 def decide(out, *overrides):

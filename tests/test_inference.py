@@ -252,7 +252,7 @@ def test_init_from_starts_a_new_run_from_the_weights(run, tmp_path, capsys):
     trainer = _trainer([f"output_dir={new}", f"init_from={source}", "trainer.max_steps=2",
                         "data.synthetic.train_size=16"])
     try:
-        assert trainer.step == 0 and trainer.epoch == 0
+        assert trainer.step == 0 and trainer.feed.epoch == 0
         assert not trainer.optimizer.state  # fresh: no moments
         assert trainer.scheduler.last_epoch == 0 and trainer.scheduler.get_last_lr()[0] == 0.0  # warmup starts over
         for k, v in trainer.bare.state_dict().items():

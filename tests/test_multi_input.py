@@ -146,7 +146,7 @@ def test_a_labelled_tasks_manifest_is_read_with_strict_labels(tmp_path):
 def test_the_skipped_lines_of_every_tasks_data_are_counted(tmp_path):
     """on_error=skip on the caption task's own manifest: its bad line is in the run's report (``data_skipped``),
     not only the labelled task's set's."""
-    from mtl.build import build_run_pieces
+    from mtl.build import build_run_inputs
 
     path = _manifest(tmp_path, "cap", [{}, {}, {}])
     with open(path, "a") as f:
@@ -154,7 +154,7 @@ def test_the_skipped_lines_of_every_tasks_data_are_counted(tmp_path):
     cfg = load_run_config(MI, ["data.per_task.gen.source=manifest", "data.per_task.gen.on_error=skip",
                                f"data.per_task.gen.train_path={path}", f"data.per_task.gen.val_path={path}",
                                "data.image_size=32", "data.per_task.cls.train_size=8", "data.per_task.cls.val_size=4"])
-    count, reasons = build_run_pieces(cfg).skipped_lines()
+    count, reasons = build_run_inputs(cfg).skipped_lines()
     assert count == 2 and all("cap.jsonl line 4: no 'caption'" in r for r in reasons)  # train and val
 
 

@@ -72,7 +72,7 @@ def _run(name, args, world, out_dir):
     from mtl.run.trainer import Trainer
 
     trainer = Trainer.from_config(MI, args)
-    assert trainer.dist.world_size == world and trainer.mi is not None
+    assert trainer.dist.world_size == world and trainer.feed.plan is not None
     batches, rows = trainer.batches(), []
     trainer.bare.train()
     try:
@@ -81,7 +81,7 @@ def _run(name, args, world, out_dir):
             rows.append({t: sub["rows"][1] - sub["rows"][0] for t, sub in batch["multi_input"].items()})
             trainer.step_once(batch)
         return {"model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()}, "rows": rows,
-                "samplers": trainer.mi.state_dict()}
+                "samplers": trainer.feed.state_dict()["multi_input"]}
     finally:
         trainer.close()
 

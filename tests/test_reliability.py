@@ -448,7 +448,7 @@ def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, ca
 
 
 def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
-    from mtl.run.evaluate import to_device
+    from mtl.data.loader import to_device
     from mtl.run.trainer import Trainer
 
     trainer = Trainer.from_config(TINY, [f"output_dir={tmp_path}", "model.backbone.norm=batch", "ddp.nan_monitor=true",
@@ -462,7 +462,7 @@ def test_a_skipped_step_leaves_batchnorm_running_stats_as_they_were(tmp_path):
         before = {n: b.clone() for n, b in buffers.items()}
         result = trainer.step_once(batch)
         assert result.nonfinite and not result.stepped  # the fault happened and the step was skipped
-        trainer._after_step(result, 0.1, batch)  # with the NaN monitor's own forward passes
+        trainer.steplog.after_step(trainer.step, result, 0.1, batch)  # with the NaN monitor's own forward passes
         for n, b in buffers.items():
             assert torch.equal(b, before[n]), n
         good = trainer.step_once(next(batches)[1])

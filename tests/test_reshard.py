@@ -66,7 +66,7 @@ def _worker(index, port, out):
 
     def run(name, *args, steps, save_at=None, hook=None):
         t = Trainer.from_config(TINY, [f"output_dir={out}/{name}", *COMMON, *args])
-        r = {"start": t.step, "indices": {}, "notes": list(t._resume_notes)}
+        r = {"start": t.step, "indices": {}, "notes": list(t.resume_notes)}
         stream = t.batches()
         for _ in range(steps):
             if t.step == save_at:
@@ -74,7 +74,7 @@ def _worker(index, port, out):
                 if hook:
                     hook(t)
             i, batch = next(stream)  # as Trainer._train takes it
-            t.batch_in_epoch = i + 1
+            t.feed.train.batch_in_epoch = i + 1
             r["indices"][t.step + 1] = batch["index"].tolist()
             t.step_once(batch)
         r["params"] = _full_params(t)
@@ -83,13 +83,13 @@ def _worker(index, port, out):
         results[name] = r
 
     def save_v1(t):  # FSDP2's trainer_state() and model file before sharded state (mtl-checkpoint-v1)
-        state = {"format": ckpt.LEGACY_FORMAT, "step": t.step, "epoch": t.epoch, "batch_in_epoch": t.batch_in_epoch,
+        state = {"format": ckpt.LEGACY_FORMAT, "step": t.step, "epoch": t.feed.train.epoch, "batch_in_epoch": t.feed.train.batch_in_epoch,
                  "world_size": 2, "engine": "fsdp2",
                  "optimizer": full_optimizer_state(t.bare, t.weighting, t.optimizer),
                  "scheduler": t.scheduler.state_dict(), "scaler": t.amp.state_dict(),
                  "weighting": t.weighting.state_dict()}
         ckpt.save_checkpoint(f"{out}/V", t.step, full_model_state(t.bare), state, to_yaml(t.cfg), t.dist.rank, 0,
-                             t.checkpoint_files)
+                             t.folder.files)
 
     tic = time.perf_counter()
     if world > 1:
@@ -495,5 +495,5 @@ def test_a_batchnorm_run_saved_by_two_processes_is_refused_on_one_naming_the_cau
     assert e.value.exit_code == 4 and "BatchNorm" in msg and "backbone.stem.1" in msg and "resume_reshard" in msg
     t = Trainer.from_config(TINY, [*common, "data.batch_size=8", f"resume={path}", "resume_reshard=true",
                                    f"output_dir={tmp_path}/again"])
-    assert any("BatchNorm" in n for n in t._resume_notes)
+    assert any("BatchNorm" in n for n in t.resume_notes)
     t.close()

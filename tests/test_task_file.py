@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from mtl.build import build_run_pieces
+from mtl.build import build_run_inputs
 from mtl.config.checks import load_run_config
 from mtl.data.synthetic import COLOUR_NAMES
 from mtl.errors import ConfigError, DataError
@@ -29,7 +29,7 @@ def test_the_new_task_builds_batches_and_computes_a_loss_from_the_synthetic_scen
     cfg = load_run_config(TINY, [f"task_modules=[{task_file}]", "tasks=[cls,gen,colour]",
                                  "task_options.colour.label_smoothing=0.1", f"output_dir={tmp_path / 'run'}"])
     assert cfg.task_options.colour == {"label_smoothing": 0.1}  # its typed section, filled and checked
-    run = build_run_pieces(cfg)
+    run = build_run_inputs(cfg)
     batch = next(iter(run.train_loader()))
     # the task's own field, made from each raw record's colour (which synthetic.py draws for its captions)
     records = [run.train_ds[i] for i in batch["index"].tolist()]
@@ -77,14 +77,14 @@ def test_a_data_source_without_the_task_s_field_is_one_error_naming_task_field_a
     over = [f"task_modules=[{task_file}]", "tasks=[cls,colour]", "data.source=manifest", f"data.train_path={path}",
             f"data.val_path={path}", "data.batch_size=4", "data.image_size=16", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(DataError) as e:
-        build_run_pieces(load_run_config(TINY, over))
+        build_run_inputs(load_run_config(TINY, over))
     message = e.value.message
     assert "task 'colour' needs the field 'colour'" in message
     assert f"add a 'colour' key to every line of manifest {path}" in message and "remove 'colour' from tasks" in message
     # the same manifest with a colour on every line: the key reaches the task as a record field
     good = _manifest(tmp_path / "coloured", with_colour=True)
     over = [o.replace(path, good) for o in over]
-    run = build_run_pieces(load_run_config(TINY, over))
+    run = build_run_inputs(load_run_config(TINY, over))
     batch = next(iter(run.train_loader()))
     assert sorted(batch["colour_label"].tolist()) == sorted(i % 3 for i in batch["index"].tolist())
 
@@ -101,11 +101,11 @@ def test_an_image_folder_without_captions_serves_classification_and_refuses_capt
     over = ["data.source=imagefolder", f"data.train_path={root}", f"data.val_path={root}", "data.batch_size=4",
             "data.image_size=16", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(DataError) as e:
-        build_run_pieces(load_run_config(TINY, over))  # tasks [cls, gen]: gen reads captions
+        build_run_inputs(load_run_config(TINY, over))  # tasks [cls, gen]: gen reads captions
     message = e.value.message
     assert "task 'gen' needs the field 'captions'" in message and "no captions.jsonl" in message
     assert f"add {root / 'captions.jsonl'} with one line per image" in message
-    run = build_run_pieces(load_run_config(TINY, [*over, "tasks=[cls]"]))
+    run = build_run_inputs(load_run_config(TINY, [*over, "tasks=[cls]"]))
     assert len(run.train_ds) == 8 and run.train_ds.class_names == ["cat", "dog"]
     batch = next(iter(run.train_loader()))
     assert sorted(batch["label"].tolist()) == sorted(run.train_ds[i]["label"] for i in batch["index"].tolist())

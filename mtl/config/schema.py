@@ -667,14 +667,15 @@ def _flat(node, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_summary(cfg: DictConfig, saved_to: str | None = None) -> str:
-    """A few lines for the console: only the keys that differ from the schema defaults, one line per section.
+def config_summary(cfg: DictConfig, saved_to: str | None = None, skip: tuple[str, ...] = ()) -> str:
+    """A few lines for the console: only the keys that differ from the schema defaults, one line per section,
+    leaving out the keys that start with one of ``skip`` (those the run does not read).
 
     The full resolved config is in ``saved_to`` (``output_dir/config.yaml``).
     """
     defaults = _flat(OmegaConf.to_container(OmegaConf.structured(Config)))
     values = _flat(OmegaConf.to_container(cfg, resolve=True))
-    changed = {k: v for k, v in values.items() if defaults.get(k, object()) != v}
+    changed = {k: v for k, v in values.items() if defaults.get(k, object()) != v and not k.startswith(tuple(skip))}
     groups: dict[str, list[str]] = {}
     for k, v in changed.items():
         section, _, rest = k.partition(".") if "." in k else ("", "", k)

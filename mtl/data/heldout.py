@@ -16,10 +16,9 @@ as the run it continues. Items are read and collated in the main process: one sm
 
 from __future__ import annotations
 
-import torch
 from torch.utils.data import Dataset
 
-from mtl.data.multi_input import seed_of
+from mtl.data.multi_input import TaskSampler
 from mtl.errors import DataError
 
 
@@ -36,31 +35,20 @@ def check_heldout_size(heldout: int, train_size: int, batch_size: int, world_siz
 
 
 class HeldoutStream:
-    """This rank's share of the held-out batches, in order (see the module docstring)."""
+    """This rank's share of the held-out batches, in order (see the module docstring): a ``TaskSampler`` over the
+    h held-out items under the key ``("heldout",)``, of which each global batch is this rank's every W-th."""
 
     def __init__(self, ds: Dataset, collate, heldout: int, batch_size: int, rank: int, world_size: int, seed: int):
         check_heldout_size(heldout, len(ds), batch_size, world_size)
         self.ds, self.collate = ds, collate
         self.offset, self.size = len(ds) - heldout, int(heldout)
         self.batch_size, self.rank, self.world = int(batch_size), int(rank), int(world_size)
-        self.seed = int(seed)
-        self.epoch = self.pos = 0  # pos: global items of the epoch's order consumed
-        self._perm: tuple[int, torch.Tensor] | None = None
-
-    def order(self) -> torch.Tensor:
-        if self._perm is None or self._perm[0] != self.epoch:
-            g = torch.Generator().manual_seed(seed_of(self.seed, "heldout", self.epoch))
-            self._perm = (self.epoch, torch.randperm(self.size, generator=g))
-        return self._perm[1]
+        self.sampler = TaskSampler(self.size, seed, "heldout", key=("heldout",))
 
     def indices(self) -> tuple[list[int], int]:
         """(this rank's data-set indices of the next global batch, their epoch); advances the position."""
-        glob = self.batch_size * self.world
-        if self.pos + glob > self.size:
-            self.epoch, self.pos = self.epoch + 1, 0
-        part = self.order()[self.pos + self.rank: self.pos + glob: self.world]
-        self.pos += glob
-        return [self.offset + int(i) for i in part], self.epoch
+        glob, epoch = self.sampler.take(self.batch_size * self.world)
+        return [self.offset + i for i in glob[self.rank::self.world]], epoch
 
     def next_batch(self) -> dict:
         idx, epoch = self.indices()
@@ -68,10 +56,10 @@ class HeldoutStream:
         return self.collate([self.ds[(i, epoch)] if keyed else self.ds[i] for i in idx])
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "samples": self.pos, "size": self.size}
+        return {"epoch": self.sampler.epoch, "samples": self.sampler.pos, "size": self.size}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["size"]) != self.size:
             raise DataError(f"the checkpoint's held-out stream is over {state['size']} items, this run's data.heldout "
                             f"is {self.size}; resume with the same data.heldout")
-        self.epoch, self.pos = int(state["epoch"]), int(state["samples"])
+        self.sampler.load_state_dict({"epoch": state["epoch"], "pos": state["samples"], "size": self.size})

@@ -326,3 +326,37 @@ def set_epoch(loader: DataLoader, epoch: int) -> None:
         sampler.set_epoch(epoch)
     if hasattr(loader.dataset, "set_epoch"):
         loader.dataset.set_epoch(epoch)
+
+
+# ---------------------------------------------------------------------------------------------
+# a batch on its way to the step
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """``batch`` with every value that can move (``.to``: a tensor, a PyG ``Batch`` of graphs) on ``device``; nested
+    dicts (a multi-input sub-batch) likewise; anything else (captions, references) as it is."""
+    non_blocking = device.type == "cuda"
+    return {k: to_device(v, device) if isinstance(v, dict) else
+            v.to(device, non_blocking=non_blocking) if callable(getattr(v, "to", None)) else v
+            for k, v in batch.items()}
+
+
+@contextmanager
+def rng_untouched():
+    """Run a block (evaluation, diagnostics) without moving any random stream that training draws from.
+
+    Python's, NumPy's, torch's and the current CUDA device's generator are put back as they were, so
+    how often a run evaluates or diagnoses changes nothing about its dropout or data order.
+    """
+    import random
+
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)

@@ -149,17 +149,20 @@ def class_source(task_sets: dict, task_types: dict[str, type]) -> Dataset:
 
 
 class TaskSampler:
-    """One task's resumable order: a permutation per (task, epoch); ``take(n)`` the next n indices. When fewer
-    than n are left, the epoch ends (the rest is dropped, like ``drop_last``) and the next one begins."""
+    """One resumable order over ``size`` items: a permutation per epoch, seeded by the seed, ``key`` (default: the
+    task's own, ``("order", task)``) and the epoch; ``take(n)`` the next n indices. When fewer than n are left,
+    the epoch ends (the rest is dropped, like ``drop_last``) and the next one begins. The held-out stream
+    (mtl/data/heldout.py) is one too, under its own key."""
 
-    def __init__(self, size: int, seed: int, task: str):
+    def __init__(self, size: int, seed: int, task: str, key: tuple | None = None):
         self.size, self.seed, self.task = int(size), int(seed), task
+        self.key = ("order", task) if key is None else tuple(key)
         self.epoch = self.pos = 0
         self._perm: tuple[int, torch.Tensor] | None = None
 
     def order(self) -> torch.Tensor:
         if self._perm is None or self._perm[0] != self.epoch:
-            g = torch.Generator().manual_seed(seed_of(self.seed, "order", self.task, self.epoch))
+            g = torch.Generator().manual_seed(seed_of(self.seed, *self.key, self.epoch))
             self._perm = (self.epoch, torch.randperm(self.size, generator=g))
         return self._perm[1]
 
@@ -232,6 +235,53 @@ def step_tasks(plan: SamplingPlan, step: int, world: int) -> list[str]:
     else:
         present = [tasks[int(torch.multinomial(p, 1, generator=g))]]
     return [t for t in present for _ in range(plan.batch_sizes[t] * world)]
+
+
+class WholeBatch:
+    """How the tasks read a batch of one data set: every task every row, the batch itself."""
+
+    def present(self, tasks) -> list[str]:
+        return list(tasks)
+
+    def sub_batch(self, batch: dict, task: str) -> dict:
+        return batch
+
+    def loss(self, head, shared: torch.Tensor, task: str, batch: dict) -> torch.Tensor:
+        return head(shared, batch)
+
+
+class TaskSlices:
+    """How the tasks read a multi-input batch (``MultiInputStream``): each present task its own rows of the shared
+    features and its own sub-batch; its loss is the mean over its GLOBAL rows in the step (a head's local mean times
+    n_local * W / n_global; a head whose loss already is a global mean, ``loss_is_global_mean``, as it is), so
+    DDP's average over ranks is the global mean whatever each rank holds. A task present in the step with no row
+    on this rank gets a zero loss that still reaches its head's parameters and the shared features (zero
+    gradients): every rank builds the same graph."""
+
+    def __init__(self, subs: dict):
+        self.subs = subs
+
+    def present(self, tasks) -> list[str]:
+        return [t for t in tasks if t in self.subs]
+
+    def sub_batch(self, batch: dict, task: str) -> dict:
+        return self.subs[task]
+
+    def loss(self, head, shared: torch.Tensor, task: str, batch: dict) -> torch.Tensor:
+        sub = self.subs[task]
+        start, stop = sub["rows"]
+        if stop == start:  # none of this task's rows here: zero, through the same parameters as on the other ranks
+            return 0.0 * (shared.sum() + sum(p.reshape(-1)[0] for p in head.parameters() if p.requires_grad))
+        loss = head(shared[start:stop], sub)
+        if getattr(head, "loss_is_global_mean", False):
+            return loss
+        return loss * ((stop - start) * sub.get("world", 1) / sub["global_rows"])
+
+
+def task_rows(batch: dict) -> WholeBatch | TaskSlices:
+    """Which rows of ``batch`` each task reads: the model and the step ask this, never the batch's layout."""
+    subs = batch.get("multi_input")
+    return WholeBatch() if subs is None else TaskSlices(subs)
 
 
 class MultiInputStream:

@@ -10,13 +10,10 @@ The arguments of ``forward`` are how a step strategy shapes the graph (see mtl/s
   backward passes stop at the leaf and the backbone is back-propagated once, by the strategy, with
   ``features.backward(leaf.grad)``.
 
-Multi-input mode (``batch["multi_input"]``, mtl/data/multi_input.py): the backbone runs ONCE over every local
-row (all the tasks' images, concatenated), and each head reads its own slice. Only the tasks present in the
-step are computed (``tasks=None``: all of them). Each task's loss is the mean over its GLOBAL rows in the step:
-a head's local mean times n_local * W / n_global (a head whose loss already is a global mean, the caption head
-through ``prepare``, is left as it is), so DDP's average over ranks is the global mean whatever each rank
-holds. A task present in the step but with no row on this rank gets a zero loss that still reaches its head's
-parameters and the shared features (zero gradients): every rank then builds the same graph.
+Which rows each task reads is the batch's business, not the model's: ``mtl.data.multi_input.task_rows(batch)``
+says it (every row for every task, or in multi-input mode each present task its own slice of the shared features,
+its loss the mean over its global rows). The backbone runs ONCE over every local row; ``tasks=None`` computes the
+tasks the batch holds.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from mtl.data.multi_input import task_rows
 from mtl.models.backbones.base import input_device_type
 
 
@@ -54,21 +52,10 @@ class MultiTaskModel(nn.Module):
             leaf = features.detach().requires_grad_() if feature_leaf else None
             shared = leaf if feature_leaf else features
             detach = set(detach)
-            losses = {}
-            mi = batch.get("multi_input")
-            for name in ((self.task_names if mi is None else list(mi)) if tasks is None else tasks):
+            losses, rows = {}, task_rows(batch)
+            for name in rows.present(self.task_names) if tasks is None else tasks:
                 x = shared.detach() if name in detach else shared
-                losses[name] = (self.heads[name](x, batch) if mi is None else self._task_loss(name, x, mi[name])).float()
+                losses[name] = rows.loss(self.heads[name], x, name, batch).float()
                 if name in self.loss_scale:
                     losses[name] = losses[name] * self.loss_scale[name]
         return {"losses": losses, "features": features, "leaf": leaf}
-
-    def _task_loss(self, name: str, shared: torch.Tensor, sub: dict) -> torch.Tensor:
-        """Multi-input: task ``name``'s loss on its own rows, as a share of the mean over its global rows."""
-        head, (start, stop) = self.heads[name], sub["rows"]
-        if stop == start:  # none of this task's rows here: zero, through the same parameters as on the other ranks
-            return 0.0 * (shared.sum() + sum(p.reshape(-1)[0] for p in head.parameters() if p.requires_grad))
-        loss = head(shared[start:stop], sub)
-        if getattr(head, "loss_is_global_mean", False):
-            return loss
-        return loss * ((stop - start) * sub.get("world", 1) / sub["global_rows"])

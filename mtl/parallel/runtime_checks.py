@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtl.data.loader import rng_untouched
+from mtl.data.multi_input import task_rows
 from mtl.errors import TrainingError
 from mtl.parallel.dist import all_gather_objects
 from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
-from mtl.run.evaluate import rng_untouched
 from mtl.run.step import restore_running_stats, snapshot_running_stats
 
 DDP_ERRORS = {
@@ -34,8 +35,7 @@ def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingErro
     lines = [f"DDP error at step {trainer.step + 1} with ddp.strategy={cfg.ddp.strategy} "
              f"(find_unused_parameters={trainer.strategy.ddp_kwargs()['find_unused_parameters']}): {cause}.",
              f"  torch said: {text.splitlines()[0][:200]}"]
-    mi = batch.get("multi_input")
-    tasks = list(trainer.tasks) if mi is None else [t for t in trainer.tasks if t in mi]
+    tasks = task_rows(batch).present(trainer.tasks)
     try:
         table = reach_table(task_gradients(trainer.bare, batch, tasks), depth=2)
         for t, row in table.items():
@@ -46,7 +46,7 @@ def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingErro
             lines.append(f"  reached by every task (a backward pass per task marks them ready again): {', '.join(shared)}")
     except Exception as e:  # the explanation must never hide the original error
         lines.append(f"  (could not trace the per-task gradients: {e})")
-    if mi is not None and getattr(trainer, "mi", None) is not None and trainer.step > 0:
+    if getattr(trainer.feed, "plan", None) is not None and trainer.step > 0:  # multi-input
         lines += absent_task_lines(trainer)
         return TrainingError("\n".join(lines))
     lines.append("  fix: set ddp.strategy=feature_leaf (one shared forward, exact, one all-reduce), or "
@@ -60,7 +60,7 @@ def absent_task_lines(trainer) -> list[str]:
     from mtl.data.multi_input import step_tasks
 
     cfg, prior = trainer.cfg, trainer.step - 1
-    held = list(dict.fromkeys(step_tasks(trainer.mi.plan, prior, trainer.dist.world_size)))
+    held = list(dict.fromkeys(step_tasks(trainer.feed.plan, prior, trainer.dist.world_size)))
     absent = [t for t in trainer.tasks if t not in held]
     return [f"  multi-input: step {prior + 1} (data.sampling.policy={cfg.data.sampling.policy}) held only task(s) "
             f"{', '.join(held)}: no gradient reached {', '.join(f'heads.{t}' for t in absent) or '(none)'} in that "

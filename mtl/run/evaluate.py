@@ -2,36 +2,10 @@
 
 from __future__ import annotations
 
-import random
-from contextlib import contextmanager
-
-import numpy as np
 import torch
 
+from mtl.data.loader import rng_untouched, to_device
 from mtl.parallel.dist import all_gather_objects
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    non_blocking = device.type == "cuda"
-    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else
-            to_device(v, device) if isinstance(v, dict) else v for k, v in batch.items()}
-
-
-@contextmanager
-def rng_untouched():
-    """Run a block (evaluation, diagnostics) without moving any random stream that training draws from.
-
-    Python's, NumPy's, torch's and the current CUDA device's generator are put back as they were, so
-    how often a run evaluates or diagnoses changes nothing about its dropout or data order.
-    """
-    py, npy = random.getstate(), np.random.get_state()
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
 
 
 @torch.no_grad()
@@ -55,7 +29,7 @@ def _evaluate(model, loader, tasks: list[str], device: torch.device, max_batches
                 break
             batch = to_device(batch, device)
             with model.autocast(device.type):
-                features = model.backbone(batch["image"])
+                features = model.backbone(batch[getattr(model.backbone, "consumes", "image")])
                 for t in tasks:
                     parts[t].append(model.heads[t].eval_batch(features, batch))
     finally:

@@ -35,12 +35,17 @@ class RunLogger:
                              file=sys.stderr, mininterval=1.0)
 
     def info(self, message: str) -> None:
+        """A console line (stdout). With the bar on screen it is printed through the bar: the bar is cleared, the
+        line written AND flushed, then the bar drawn again below it. Unflushed, a block-buffered stdout (a pipe, a
+        log file that stdout and stderr share) would land the line later, glued to a redrawn bar."""
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.write(message)
-        else:
+        if self._bar is None:
             print(message, flush=True)
+            return
+        with self._bar.external_write_mode(file=sys.stdout):
+            sys.stdout.write(message + "\n")
+            sys.stdout.flush()
 
     def record(self, step: int, values: dict, kind: str = "train") -> None:
         """One line in metrics.jsonl and one scalar per numeric value in TensorBoard."""

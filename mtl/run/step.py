@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mtl.data.multi_input import task_rows
 from mtl.parallel.amp import Amp
 from mtl.parallel.dist import Comm, all_reduce_mean, all_reduce_sum, average_grads
 from mtl.parallel.fsdp import clip_ as clip_grads_
@@ -65,10 +66,11 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     """One optimizer step on ``batch`` (on the device); ``step`` is the number of steps taken before it.
     ``heldout``: a bilevel method's held-out batch, at the steps it asks for one (``wants_heldout``)."""
     w = p.weighting
-    tasks = present_tasks(batch, p.tasks)  # multi-input: the tasks this step holds (the same on every rank)
+    rows = task_rows(batch)  # which rows each task reads (multi-input: the tasks present, each its own rows)
+    tasks = rows.present(p.tasks)  # the same on every rank
     w.begin_step(step, tasks)  # the method weighs / combines these tasks only (mtl/weighting/base.py)
     for t in tasks:  # collectives a loss needs first, e.g. the global caption-token count
-        p.bare.heads[t].prepare(task_batch(batch, t), all_reduce_sum)
+        p.bare.heads[t].prepare(rows.sub_batch(batch, t), all_reduce_sum)
     running_stats = snapshot_running_stats(p.bare)  # the forward updates BatchNorm's; a skipped step puts them back
 
     # 0. bilevel methods: the meta update of the task weights, on the bare model (never through DDP; no .grad)
@@ -126,19 +128,6 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=ok,
                       nonfinite=(not ok and not overflow) or not weights_ok, stop_agreed=stop_agreed,
                       stats={**meta_stats, **stats}, weights_nonfinite=not weights_ok)
-
-
-def present_tasks(batch: dict, tasks: list[str]) -> list[str]:
-    """The tasks a step holds: all of them, or in multi-input mode those the step's plan gave rows (on any rank).
-    Every rank derives the plan from the seed and the step, so every rank gets the same list."""
-    mi = batch.get("multi_input")
-    return list(tasks) if mi is None else [t for t in tasks if t in mi]
-
-
-def task_batch(batch: dict, task: str) -> dict:
-    """What ``task``'s head reads: the batch, or in multi-input mode the task's own sub-batch."""
-    mi = batch.get("multi_input")
-    return batch if mi is None else mi[task]
 
 
 def average_losses_and_stop(losses: dict, tasks: list[str], stop_requested: bool,

@@ -13,7 +13,7 @@ Prints, for the configured model (its initial weights, or a trained model's with
   forward/backward times;
 - a recommendation for this model, with the reason. It suggests a gradient-level method only when
   the conflict is significant (the whole confidence interval below zero), and says what it costs.
-It never starts a process group and writes nothing: it builds the run with ``mtl.build.build_run_pieces``,
+It never starts a process group and writes nothing: it builds the run with ``mtl.build.build_run_inputs``,
 the trainer's own builder, which creates no output_dir, lock or checkpoint.
 """
 
@@ -56,11 +56,11 @@ def _timed(fn, reps: int = 3) -> float:
 
 
 def examine(cfg, batches: int = 8) -> dict:
-    from mtl.build import build_run_pieces, init_from_weights, run_method_types
+    from mtl.build import build_run_inputs, init_from_weights, run_method_types
     from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
     from mtl.strategies import strategy_types
 
-    run = build_run_pieces(cfg)  # the run's own data, tokenizer, model and collate; read-only (no output_dir)
+    run = build_run_inputs(cfg)  # the run's own data, tokenizer, model and collate; read-only (no output_dir)
     model = run.model.train()
     if cfg.get("init_from"):
         init_from_weights(model, cfg.init_from)

@@ -33,8 +33,8 @@ def _worker(rank, world, port, config, overrides, labels, rounds, out_dir, resul
     _setup(rank, world, port)
     from torch.profiler import ProfilerActivity, profile
 
+    from mtl.data.loader import to_device
     from mtl.parallel import dist
-    from mtl.run.evaluate import to_device
 
     names = ["combined", *[n for n in labels if n != "combined"]]
     trainers = {n: _trainer(config, overrides, n, out_dir) for n in names}

@@ -31,7 +31,7 @@ def measure(config: str, overrides: list[str], policies: list[str], strategy: st
             rounds: int) -> dict:
     import torch
 
-    from mtl.run.evaluate import to_device
+    from mtl.data.loader import to_device
     from mtl.run.trainer import Trainer
 
     torch.manual_seed(0)

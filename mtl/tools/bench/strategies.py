@@ -122,8 +122,8 @@ def _sync(device) -> None:
 
 def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, result_file, only=None):
     _setup(rank, world, port)
+    from mtl.data.loader import to_device
     from mtl.parallel import dist
-    from mtl.run.evaluate import to_device
 
     names = strategies_to_time(only)
     trainers = {s: _trainer(config, overrides, s, out_dir) for s in names}
@@ -190,8 +190,8 @@ def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_di
     import resource
 
     _setup(rank, world, port)
+    from mtl.data.loader import to_device
     from mtl.parallel import dist
-    from mtl.run.evaluate import to_device
 
     t = _trainer(config, overrides, strategy, out_dir)
     batches = t.batches()

@@ -1,0 +1,117 @@
+"""What the run says about each step and each evaluation: metrics.jsonl and TensorBoard (``RunLogger``), the
+console, the progress bar; and the two ends a step's result can force (too many non-finite steps, weights that
+blew up: a TrainingError naming the checkpoint that is kept)."""
+
+from __future__ import annotations
+
+import resource
+
+import numpy as np
+import torch
+
+from mtl.data.multi_input import task_rows
+from mtl.errors import TrainingError
+from mtl.parallel.runtime_checks import locate_nonfinite
+from mtl.run import checkpoint as ckpt
+from mtl.run import heartbeat
+from mtl.run.finite import first_blown_up
+from mtl.run.logger import RunLogger
+from mtl.run.step import StepParts, StepResult
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS of this process
+
+
+class StepLog:
+    """Formats and writes a run's step and evaluation records; counts bad steps and fp16 overflows."""
+
+    def __init__(self, cfg, parts: StepParts, log: RunLogger, device: torch.device, world_size: int, is_main: bool):
+        self.cfg, self.parts, self.log, self.device = cfg, parts, log, device
+        self.world_size, self.is_main = world_size, is_main
+        self.bad_steps = self.overflows = 0
+
+    def after_step(self, step: int, r: StepResult, seconds: float, batch: dict, epoch: int = 0) -> None:
+        """Step ``step`` (1-based) is done: its bad-step bookkeeping, every ``log_every`` its record, the bar."""
+        t, bare = self.cfg.trainer, self.parts.bare
+        heartbeat.progress(step)
+        if r.weights_nonfinite:
+            self._stop_for_nonfinite_weights(step)
+        if r.nonfinite:
+            self.bad_steps += 1
+            bad = [k for k, v in r.losses.items() if not np.isfinite(v)] or ["gradient"]
+            where = (locate_nonfinite(bare, batch, task_rows(batch).present(self.parts.tasks))
+                     if self.cfg.ddp.nan_monitor else "")
+            self.log.record(step, {"bad_step": 1, "nonfinite": ",".join(bad), "consecutive": self.bad_steps,
+                                   "where": where}, kind="bad_step")
+            self.log.info(f"step {step}: non-finite {', '.join(bad)}; optimizer step skipped on every rank"
+                          + (f"\n{where}" if where else ""))
+            if self.bad_steps >= t.max_bad_steps:
+                first = step - self.bad_steps
+                raise TrainingError(
+                    f"{self.bad_steps} consecutive non-finite steps (trainer.max_bad_steps={t.max_bad_steps}). "
+                    f"Lower optim.lr, use precision=bf16/fp32, or check the data; {self.kept_checkpoint()}. The "
+                    f"skipped steps changed no weight, so every checkpoint from step {first} on holds the weights "
+                    f"that gave the first non-finite step ({first + 1}): if they blew up, resume from a checkpoint "
+                    f"before step {first}")
+        else:
+            self.bad_steps = 0
+            if not r.stepped:  # an fp16 overflow: the GradScaler skipped the step and backed off
+                self.overflows += 1
+                self.log.record(step, {"fp16_overflow": 1, "total": self.overflows}, kind="overflow")
+        if step % t.log_every == 0 or step == 1:
+            self.log.record(step, self.step_values(r, seconds, batch, epoch))
+        self.log.progress(step, {f"loss_{k}": v for k, v in r.losses.items()})  # the bar moves every step
+
+    def step_values(self, r: StepResult, seconds: float, batch: dict, epoch: int) -> dict:
+        """A step's record: losses, weights, the strategy's and method's statistics, lr, speed and memory."""
+        p = self.parts
+        scale = p.amp.loss_scale()
+        values = {f"loss_{k}": v for k, v in r.losses.items()}
+        values.update({f"weight_{k}": v for k, v in p.weighting.step_weights().items()})
+        values.update({k: float(v) / (scale if "grad_norm" in k else 1.0) for k, v in r.stats.items()})
+        values.update({
+            "lr": p.scheduler.get_last_lr()[0], "grad_norm": r.grad_norm, "step_time_s": seconds,
+            # the rows of this step (multi-input: they vary with the policy; every rank holds as many)
+            "samples_per_s": int(batch["index"].shape[0]) * self.world_size / max(seconds, 1e-9),
+            "peak_mem_mb": peak_memory_mb(self.device), "epoch": epoch, "skipped": int(not r.stepped),
+        })
+        if p.amp.scaler is not None:
+            values["loss_scale"] = scale
+        return values
+
+    def evaluation(self, step: int, metrics: dict, test: dict) -> dict:
+        """Record an evaluation ({task: {metric: value}}, and the test split's); returns the flat metrics."""
+        flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
+        flat.update({f"test_{t}_{k}": v for t, m in test.items() for k, v in m.items() if k != "samples"})
+        self.log.record(step, flat, kind="eval")
+        self.log.info(f"step {step} eval: " + ", ".join(f"{k}={v:.4f}" for k, v in flat.items()))
+        return flat
+
+    def samples(self, step: int, metrics: dict, val_sets: dict) -> None:
+        """The first ``trainer.num_samples`` generated samples: console, TensorBoard text and a figure."""
+        n = self.cfg.trainer.num_samples
+        task, samples = next(((t, m["samples"][:n]) for t, m in metrics.items() if "samples" in m), (None, []))
+        if not samples or not self.is_main:
+            return
+        lines = [f"  [{idx}] pred: {hyp!r}  ref: {ref!r}" for idx, hyp, ref in samples]
+        self.log.info("samples:\n" + "\n".join(lines))
+        self.log.text("samples", "\n\n".join(f"**{i}** pred: `{h}` — ref: `{r}`" for i, h, r in samples), step)
+        from mtl.plots import sample_figure  # matplotlib, only when there are samples to draw
+
+        images = [val_sets[task][idx]["image"] for idx, _, _ in samples]
+        self.log.figure("samples", sample_figure(images, samples), step)
+
+    def kept_checkpoint(self) -> str:
+        newest = ckpt.latest_checkpoint(self.cfg.output_dir)
+        return f"the newest checkpoint, {newest}, is kept" if newest else "no checkpoint was written"
+
+    def _stop_for_nonfinite_weights(self, step: int) -> None:
+        """The optimizer step made a weight NaN/inf: a bad step that cannot be skipped (the weights are gone)."""
+        bad = first_blown_up(dict(self.parts.bare.named_parameters())) or "a learned loss weight"
+        self.log.record(step, {"bad_step": 1, "nonfinite": "weights", "where": bad}, kind="bad_step")
+        raise TrainingError(f"step {step}: the optimizer step made the weights non-finite or blew them up past "
+                            f"what float32 holds (on this rank first in {bad}); they cannot be restored, so the run "
+                            f"stops and saves nothing. Lower optim.lr or set optim.grad_clip; {self.kept_checkpoint()}")
