@@ -33,7 +33,7 @@ from mtl.parallel.dist import DistInfo, barrier
 from mtl.run import checkpoint as ckpt
 from mtl.run.faults import install_poison
 from mtl.strategies import strategy_types
-from mtl.tasks import BuildInfo, DataInfo, task_types
+from mtl.tasks import BuildInfo, DataInfo, config_task_types
 from mtl.weighting import weighting_types
 
 
@@ -91,8 +91,9 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
 
 
 def run_task_types(cfg) -> dict[str, type]:
-    """The classes of the run's tasks (``cfg.tasks``), from mtl/tasks/ and the config's ``task_modules``."""
-    types = task_types(cfg.get("task_modules") or ())
+    """The classes of the run's tasks (``cfg.tasks``), from mtl/tasks/, the config's ``task_modules`` and its
+    ``task_instances``."""
+    types = config_task_types(cfg)
     return {t: types[t] for t in cfg.tasks}
 
 
@@ -171,6 +172,8 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
         captions = lambda: all_captions(train_ds)  # noqa: E731
     tokenizer = tokenizer_for(captions) if tokenizer_for else resolve_tokenizer(cfg, captions)
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
+    for t, head in model.heads.items():  # the training split's statistics a head keeps (a regression's mean, std)
+        head.fit_training_data(train_ds if task_sets is None else task_sets[t][0])
     collate = build_collate(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
     task_collates = None if task_sets is None else {
         t: BatchCollate({t: types[t]}, collate.info) for t in task_sets}

@@ -24,7 +24,7 @@ from mtl.parallel.fsdp import ENGINES
 from mtl.parallel.fsdp import check as fsdp_check
 from mtl.parallel.fsdp import check_method as fsdp_method_check
 from mtl.strategies import strategy_types
-from mtl.tasks import task_types
+from mtl.tasks import config_task_types, instance_types, task_kinds, task_types
 from mtl.weighting import weighting_types
 
 
@@ -121,14 +121,13 @@ def validate(cfg) -> list[str]:
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         errors.append(f"optim.betas: needs two values in [0, 1), Adam's moment decay rates (got {list(cfg.optim.betas)})")
 
-    try:
-        tasks = task_types(cfg.task_modules)
-    except ConfigError as e:
-        errors += e.errors
-        tasks = task_types()
+    tasks = _tasks(errors, cfg)
     unknown = [t for t in cfg.tasks if t not in tasks]
     if unknown:
-        errors.append(f"tasks: unknown task {', '.join(map(repr, unknown))} (known: {', '.join(tasks)})")
+        close = {t: difflib.get_close_matches(str(t), list(tasks), n=1, cutoff=0.6) for t in unknown}
+        hints = "".join(f" — did you mean {c[0]!r} for {t!r}?" for t, c in close.items() if c)
+        errors.append(f"tasks: unknown task {', '.join(map(repr, unknown))}{hints} (known: {', '.join(tasks)}; "
+                      "named tasks of a task type go in task_instances)")
     if len(set(cfg.tasks)) != len(cfg.tasks) or not cfg.tasks:
         errors.append(f"tasks: needs at least one task and no repeats (got {list(cfg.tasks)})")
 
@@ -230,6 +229,19 @@ def heldout_errors(cfg, method) -> list[str]:
     return []
 
 
+def _tasks(errors, cfg) -> dict[str, type]:
+    """The tasks the config can name: the registered ones (and ``task_modules``') and its ``task_instances``."""
+    try:
+        tasks = task_types(cfg.task_modules)
+        kinds = task_kinds(cfg.task_modules)
+    except ConfigError as e:
+        errors += e.errors
+        tasks, kinds = task_types(), task_kinds()
+    made, problems = instance_types(cfg.get("task_instances") or {}, kinds, tasks)
+    errors += problems
+    return {**tasks, **made}
+
+
 def _task_checks(errors, cfg, tasks) -> None:
     """Each configured task's own ``check`` (after its options were checked: a task reads them)."""
     for t in cfg.tasks:
@@ -259,7 +271,8 @@ def _options(errors, cfg, tasks, method, backbone=None) -> None:
         if t not in tasks:
             close = difflib.get_close_matches(str(t), list(tasks), n=1, cutoff=0.6)
             errors.append(f"task_options.{t}: {t!r} is not a task" + (f" — did you mean {close[0]!r}?" if close else "")
-                          + f" (known: {', '.join(tasks)}; a task file outside mtl/tasks goes in task_modules)")
+                          + f" (known: {', '.join(tasks)}; a task file outside mtl/tasks goes in task_modules, a "
+                          "named task of a task type in task_instances)")
         elif t not in cfg.tasks:  # checked all the same, so that a typo there is not silently dropped
             check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
     cfg.task_options = {t: check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
@@ -276,7 +289,7 @@ def _options(errors, cfg, tasks, method, backbone=None) -> None:
 
 def option_defaults(cfg) -> dict:
     """The options the config's tasks and method take when none are given, shaped like the config."""
-    tasks = task_types(cfg.get("task_modules") or ())
+    tasks = config_task_types(cfg)
     method = run_method_types(cfg).get(cfg.weighting.method)
     return {"task_options": {t: check_options({}, tasks[t].Options, "", []) for t in cfg.tasks if t in tasks},
             "weighting": {"options": check_options({}, method.Options, "", []) if method else {}}}

@@ -261,6 +261,9 @@ class Config:
     overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     task_options: dict[str, Any] = field(default_factory=dict)  # task name -> that task's options (its Options)
+    # task name -> {type: <a task type's kind>, <its arguments>}: named tasks made from one task type (e.g. QM9's
+    # U0: {type: regression, field: y, column: 12}); ``tasks`` may list them (mtl/tasks/__init__.py)
+    task_instances: dict[str, Any] = field(default_factory=dict)
     task_modules: list[str] = field(default_factory=list)  # more task files: dotted module names or .py paths (from the working directory)
     weighting_modules: list[str] = field(default_factory=list)  # more weighting-method files (as task_modules)
     backbone_modules: list[str] = field(default_factory=list)  # more backbone files (as task_modules)
@@ -416,9 +419,9 @@ def _merge_into(cfg: DictConfig, data: dict, source: str, prefix: list[str], err
         if sub is not None and isinstance(value, dict):
             _merge_into(cfg, value, source, path, errors)
             continue
-        if path == ["task_options"] and isinstance(value, dict):  # one task's options do not wipe another's
+        if path in (["task_options"], ["task_instances"]) and isinstance(value, dict):  # one task's do not wipe another's
             for task, options in value.items():
-                _update(cfg, f"task_options.{task}", options, source, errors, merge=isinstance(options, dict),
+                _update(cfg, f"{path[0]}.{task}", options, source, errors, merge=isinstance(options, dict),
                         add=True)  # task names and their options are checked against the task classes later
             continue
         if path == ["data", "per_task"] and isinstance(value, dict):  # one task's section does not wipe another's
