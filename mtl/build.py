@@ -21,6 +21,7 @@ from mtl.data.loader import (
     build_eval_loader,
     build_train_loader,
     check_task_fields,
+    input_collate,
     set_epoch,
 )
 from mtl.data.multi_input import build_task_datasets, class_source
@@ -105,7 +106,7 @@ def run_method_types(cfg) -> dict[str, type]:
 def build_collate(cfg, num_classes: int, class_names: list, tokenizer) -> BatchCollate:
     """The loaders' collate: ``image``, ``index`` and each of the run's tasks' own batch fields."""
     return BatchCollate(run_task_types(cfg), DataInfo(cfg=cfg, num_classes=num_classes, class_names=list(class_names),
-                                                      tokenizer=tokenizer))
+                                                      tokenizer=tokenizer), input_collate(cfg.data.source))
 
 
 @dataclass

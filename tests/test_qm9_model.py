@@ -129,3 +129,13 @@ def test_discovering_the_backbones_does_not_import_pyg():
             "assert 'mpnn' in backbone_types(); print('torch_geometric' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_missing_pyg_names_the_install(monkeypatch):
+    import sys
+
+    from mtl.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "torch_geometric.nn", None)  # an import of it now raises ImportError
+    with pytest.raises(ConfigError, match=r"model.backbone.name=mpnn needs torch_geometric.*pip install -e '.\[qm9\]'"):
+        MPNN()

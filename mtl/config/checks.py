@@ -58,7 +58,7 @@ def validate(cfg) -> list[str]:
     errors: list[str] = []
     _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
-    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder"))
+    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
     _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
     _augment(errors, cfg)
@@ -103,6 +103,8 @@ def validate(cfg) -> list[str]:
         problem = num_classes_problem(syn.num_classes)
         if problem:
             errors.append(problem)
+    elif cfg.data.source == "qm9":
+        errors += qm9_errors(cfg, backbone)
     elif cfg.data.train_path is None or cfg.data.val_path is None:
         errors.append(f"data.train_path / data.val_path: data.source={cfg.data.source} needs both paths")
     if not 0.0 <= cfg.model.decoder.dropout < 1.0:
@@ -181,6 +183,27 @@ def _loss_scale(errors, cfg, tasks) -> None:
             errors.append(f"loss_scale.{t}: {t!r} is not a task (known: {', '.join(tasks)})")
         elif not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
             errors.append(f"loss_scale.{t}: must be a number > 0, the factor on {t}'s training loss (got {v!r})")
+
+
+def qm9_errors(cfg, backbone) -> list[str]:
+    """data.source=qm9: its section's values, and a backbone that reads graphs (docs/qm9.md)."""
+    q, errors = cfg.data.qm9, []
+    _choice(errors, "data.qm9.graph", q.graph, ("complete", "bond"))
+    _positive(errors, cfg, "data.qm9.val_size")
+    _positive(errors, cfg, "data.qm9.molecules", "data.qm9.test_size", "data.qm9.train_size", allow_zero=True)
+    if q.molecules and q.molecules <= q.test_size + q.val_size:
+        errors.append(f"data.qm9.molecules={q.molecules}: must exceed data.qm9.test_size + val_size ({q.test_size} + "
+                      f"{q.val_size}) to leave a training split; lower the two sizes for a small run")
+    if q.root is not None and not os.path.isdir(q.root):
+        errors.append(f"data.qm9.root: {q.root!r} is not a folder — give the root of PyG's QM9 (the folder holding "
+                      "processed/data_v3.pt), or null to build QM9 from qm9pack")
+    if backbone is not None and backbone.consumes != "graph":
+        errors.append(f"data.source=qm9 gives molecule graphs, and model.backbone.name={cfg.model.backbone.name} reads "
+                      f"{backbone.consumes!r}; set model.backbone.name=mpnn")
+    if cfg.data.get("per_task"):
+        errors.append("data.per_task: multi-input mode reads image data sets; data.source=qm9 is one data set for "
+                      "every task — remove data.per_task")
+    return errors
 
 
 SOURCES = ("parameters", "features")

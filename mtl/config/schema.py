@@ -90,8 +90,22 @@ class SamplingConfig:
 
 
 @dataclass
+class QM9Config:
+    """``data.source: qm9``: QM9's molecules as graphs, split as the papers split them (docs/qm9.md)."""
+
+    root: str | None = None  # PyG's processed QM9 folder (holding processed/data_v3.pt); null: build from qm9pack
+    cache_dir: str | None = None  # where the graphs built from qm9pack are cached; null: $XDG_CACHE_HOME/mtl/qm9
+    molecules: int = 0  # read only QM9's first N molecules (the smallest ones): tests and quick tries; 0: all
+    test_size: int = 10000  # the first molecules of the seeded shuffle are the test split
+    val_size: int = 10000  # the next ones the validation split
+    train_size: int = 0  # the rest is the training split; N > 0: only its first N molecules (a smaller run)
+    split_seed: int | None = None  # the shuffle's seed; null: the run's seed
+    graph: str = "complete"  # complete (every atom pair, the distance as a 5th edge feature: the papers') | bond
+
+
+@dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | manifest | imagefolder
+    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
     eval_batch_size: int = 64
     num_workers: int = 0
@@ -100,6 +114,7 @@ class DataConfig:
     normalize: str = "auto"  # auto (the pretrained weights' mean/std; none without weights) | imagenet | none
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    qm9: QM9Config = field(default_factory=QM9Config)
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
     val_path: str | None = None

@@ -13,7 +13,8 @@ from mtl.parallel.dist import all_gather_objects
 
 def to_device(batch: dict, device: torch.device) -> dict:
     non_blocking = device.type == "cuda"
-    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else
+    # tensors, and objects with their own .to (a PyG graph batch)
+    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) or callable(getattr(v, "to", None)) else
             to_device(v, device) if isinstance(v, dict) else v for k, v in batch.items()}
 
 
@@ -55,7 +56,7 @@ def _evaluate(model, loader, tasks: list[str], device: torch.device, max_batches
                 break
             batch = to_device(batch, device)
             with model.autocast(device.type):
-                features = model.backbone(batch["image"])
+                features = model.backbone(batch[getattr(model.backbone, "consumes", "image")])
                 for t in tasks:
                     parts[t].append(model.heads[t].eval_batch(features, batch))
     finally:

@@ -459,7 +459,7 @@ class Trainer:
             values.update({
                 "lr": self.scheduler.get_last_lr()[0], "grad_norm": r.grad_norm, "step_time_s": seconds,
                 # the rows of this step (multi-input: they vary with the policy; every rank holds as many)
-                "samples_per_s": int(batch["image"].shape[0]) * self.dist.world_size / max(seconds, 1e-9),
+                "samples_per_s": int(batch["index"].shape[0]) * self.dist.world_size / max(seconds, 1e-9),
                 "peak_mem_mb": peak_memory_mb(self.device), "epoch": self.epoch, "skipped": int(not r.stepped),
             })
             if self.amp.scaler is not None:

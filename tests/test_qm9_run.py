@@ -1,0 +1,103 @@
+"""``data.source: qm9`` end to end: the papers' split, records and graph batches, the standardisation from the
+training split, and configs/qm9.yaml training (a tiny subset: QM9's first molecules)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torch_geometric")
+pytest.importorskip("rdkit")
+if importlib.util.find_spec("qm9pack") is None:
+    pytest.skip("qm9pack is not installed (pip install -e '.[qm9]')", allow_module_level=True)
+
+from .conftest import ROOT  # noqa: E402
+
+QM9_YAML = os.path.join(ROOT, "configs", "qm9.yaml")
+MOLECULES, TEST, VAL = 240, 40, 40
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One cache of QM9's first molecules for the module (built once: ~2 s)."""
+    return str(tmp_path_factory.mktemp("qm9_cache"))
+
+
+def small(cache_dir, tmp_path, *more):
+    """configs/qm9.yaml on QM9's first MOLECULES molecules, with small batches."""
+    return [f"output_dir={tmp_path / 'run'}", f"data.qm9.cache_dir={cache_dir}", f"data.qm9.molecules={MOLECULES}",
+            f"data.qm9.test_size={TEST}", f"data.qm9.val_size={VAL}", "data.batch_size=8", "data.eval_batch_size=40",
+            "trainer.progress=false", "trainer.log_every=1", *more]
+
+
+def test_the_papers_split_records_and_graph_batches(cache_dir, tmp_path):
+    from mtl.build import build_run_pieces
+    from mtl.config.checks import load_run_config
+    from mtl.data import qm9
+    from mtl.data.loader import build_test_dataset
+
+    cfg = load_run_config(QM9_YAML, small(cache_dir, tmp_path, "seed=3"))
+    pieces = build_run_pieces(cfg)
+    train, val, test = pieces.train_ds, pieces.val_ds, build_test_dataset(cfg, pieces.train_ds)
+    split = qm9.paper_split(MOLECULES, 3, TEST, VAL)  # the run's seed shuffles, test first, then val
+    assert torch.equal(test.indices, split["test"]) and torch.equal(val.indices, split["val"])
+    assert torch.equal(train.indices, split["train"]) and len(train) == MOLECULES - TEST - VAL
+    record = train[0]
+    g = train.graphs[int(train.indices[0])]
+    n = g.num_nodes
+    assert record["graph"].edge_attr.shape == (n * (n - 1), 5)  # the complete graph, the distance as 5th feature
+    assert record["U0_atom"] == pytest.approx(float(g.y[0, 12])) and torch.equal(record["y"], g.y.view(-1))
+    batch = pieces.collate([train[i] for i in range(4)])
+    assert type(batch["graph"]).__name__ == "DataBatch" and batch["graph"].num_graphs == 4
+    assert batch["U0_target"].shape == (4,) and batch["index"].tolist() == [0, 1, 2, 3]
+    # each head's mean and std are the training split's, in PyG's units
+    y = train.graphs.y[train.indices].double()
+    for task, column in (("U0", 12), ("mu", 0), ("Cv", 11)):
+        head = pieces.model.heads[task]
+        assert float(head.mean) == pytest.approx(float(y[:, column].mean()), rel=1e-6)
+        assert float(head.std) == pytest.approx(float(y[:, column].std()), rel=1e-6)
+    assert pieces.model.heads["U0"].scale == 1000 and pieces.model.heads["U0"].unit == "meV"
+    features = pieces.model.backbone(batch["graph"])
+    assert features.shape == (4, 64)
+    cfg.data.qm9.graph = "bond"
+    from mtl.data.qm9_source import qm9_splits
+
+    bond = qm9_splits(cfg)["train"][0]["graph"]
+    assert torch.equal(bond.edge_attr, g.edge_attr) and bond.edge_attr.shape[1] == 4
+
+
+def test_sizes_that_do_not_fit_are_named(cache_dir, tmp_path):
+    from mtl.build import build_run_pieces
+    from mtl.config.checks import load_run_config
+    from mtl.errors import ConfigError, DataError
+
+    with pytest.raises(ConfigError, match=r"data.qm9.molecules=240: must exceed data.qm9.test_size \+ val_size"):
+        load_run_config(QM9_YAML, small(cache_dir, tmp_path, "data.qm9.test_size=200"))
+    with pytest.raises(DataError, match="data.qm9.train_size=500: only 160 molecules are left"):
+        build_run_pieces(load_run_config(QM9_YAML, small(cache_dir, tmp_path, "data.qm9.train_size=500")))
+    with pytest.raises(ConfigError) as e:
+        load_run_config(QM9_YAML, small(cache_dir, tmp_path, "model.backbone.name=resnet18", "data.qm9.graph=full"))
+    text = "\n".join(e.value.errors)
+    assert "data.qm9.graph: 'full' is not one of complete, bond" in text
+    assert "set model.backbone.name=mpnn" in text
+
+
+@pytest.mark.slow
+def test_configs_qm9_trains_a_few_steps(cache_dir, tmp_path):
+    """configs/qm9.yaml as it is (its 11 tasks, the 64-wide MPNN, the complete graph), on the tiny subset: steps,
+    evaluates on val and test, and the MAE is in the reported units. (11 s here: the slow tier.)"""
+    from mtl.run.trainer import Trainer
+
+    trainer = Trainer.from_config(QM9_YAML, small(cache_dir, tmp_path, "trainer.max_steps=3", "trainer.eval_every=3"))
+    try:
+        final = trainer.train()
+    finally:
+        trainer.close()
+    assert trainer.step == 3
+    tasks = ["mu", "alpha", "homo", "lumo", "r2", "zpve", "U0", "U", "H", "G", "Cv"]
+    assert all(f"{t}_mae" in final and f"test_{t}_mae" in final for t in tasks)
+    # an untrained model's U0 error is of the order of the split's spread: hundreds of meV or more, not eV
+    assert final["U0_mae"] > 50
