@@ -126,7 +126,8 @@ class RegressionHead(TaskHead):
     def standardised_prediction(self, features: torch.Tensor) -> torch.Tensor:
         if features.dim() == 4:
             features = features.mean(dim=(2, 3))
-        return self.fc(features).squeeze(-1).float()
+        out = self.fc(features).squeeze(-1)
+        return out.to(torch.promote_types(out.dtype, torch.float32))  # bf16/fp16 up to float32; float64 kept
 
     def standardise(self, y: torch.Tensor) -> torch.Tensor:
         return (y.float() - self.mean) / self.std
