@@ -242,6 +242,12 @@ def build_scheduler(cfg, optimizer):
     )
 
     o, total = cfg.optim, cfg.trainer.max_steps
+    if o.scheduler == "plateau":  # on the validation Δm, stepped by the trainer after each evaluation
+        from mtl.delta_m import metric_specs
+        from mtl.run.plateau import PlateauOnDeltaM
+
+        p = o.plateau
+        return PlateauOnDeltaM(optimizer, metric_specs(cfg), dict(p.baselines), p.factor, p.patience, p.min_lr)
     if o.scheduler == "cosine":
         return get_cosine_schedule_with_warmup(optimizer, o.warmup_steps, total)
     if o.scheduler == "linear":

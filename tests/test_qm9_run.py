@@ -101,3 +101,5 @@ def test_configs_qm9_trains_a_few_steps(cache_dir, tmp_path):
     assert all(f"{t}_mae" in final and f"test_{t}_mae" in final for t in tasks)
     # an untrained model's U0 error is of the order of the split's spread: hundreds of meV or more, not eV
     assert final["U0_mae"] > 50
+    # the plateau schedule read the validation Δm against the published MAEs (an untrained model: far above 0)
+    assert final["plateau_delta_m"] > 100 and trainer.scheduler.last_delta_m == final["plateau_delta_m"]

@@ -245,3 +245,47 @@ def test_many_binary_attributes_are_one_task_file_and_one_config_section(tmp_pat
         assert set(trainer.run_eval()) == {"red_acc", "green_acc", "blue_acc"}
     finally:
         trainer.close()
+
+
+# ----------------------------------------------------------------------------- the plateau schedule on the val Δm
+
+def test_the_plateau_scheduler_follows_the_validation_delta_m():
+    """Δm % against the baselines (lower is better), and ReduceLROnPlateau on it: the rate drops by ``factor`` after
+    ``patience`` evaluations without improvement, never below ``min_lr``, and its state round-trips."""
+    from mtl.run.plateau import PlateauOnDeltaM
+
+    specs = [("mu_mae", "mu", False), ("U0_mae", "U0", False)]
+    base = {"mu_mae": 0.0671, "U0_mae": 58.838}
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    s = PlateauOnDeltaM(opt, specs, base, factor=0.7, patience=2, min_lr=4e-4)
+    s.step()  # a training step: nothing moves
+    dm = s.evaluated({"mu_mae": 0.0671 * 2, "U0_mae": 58.838 * 1.5, "test_mu_mae": 9.0})
+    assert dm == pytest.approx((100 + 50) / 2) and s.get_last_lr() == [1e-3]
+    for _ in range(2):  # patience 2: two evaluations no better, the rate stays
+        s.evaluated({"mu_mae": 0.0671 * 2, "U0_mae": 58.838 * 1.5})
+        assert s.get_last_lr() == [1e-3]
+    s.evaluated({"mu_mae": 0.0671 * 2, "U0_mae": 58.838 * 1.5})  # the third: x0.7
+    assert s.get_last_lr() == [pytest.approx(7e-4)]
+    state = s.state_dict()
+    for _ in range(6):
+        s.evaluated({"mu_mae": 1.0, "U0_mae": 100.0})
+    assert s.get_last_lr() == [pytest.approx(4e-4)]  # min_lr
+    fresh = PlateauOnDeltaM(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=7e-4), specs, base, 0.7, 2, 4e-4)
+    fresh.load_state_dict(state)
+    assert fresh.inner.num_bad_epochs == state["inner"]["num_bad_epochs"] and fresh.last_delta_m == pytest.approx(75)
+
+
+def test_the_plateau_needs_a_baseline_for_every_metric(tmp_path):
+    over = ["tasks=[cls, radius]", "task_instances.radius={type: regression, field: radius}",
+            "optim.scheduler=plateau", "optim.warmup_steps=0", "optim.plateau.baselines={cls_acc: 0.9, radios_mae: 1}"]
+    with pytest.raises(ConfigError) as e:
+        tiny_config(tmp_path, *over)
+    text = "\n".join(e.value.errors)
+    assert "optim.plateau.baselines.radius_mae: needs the single-task value of radius_mae" in text
+    assert "optim.plateau.baselines.radios_mae: not a metric of the run's tasks — did you mean 'radius_mae'?" in text
+    cfg = tiny_config(tmp_path, *over[:-1], "optim.plateau.baselines={cls_acc: 0.9, radius_mae: 1.5}")
+    from mtl.build import build_scheduler
+
+    sched = build_scheduler(cfg, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
+    # accuracy: higher is better, so Δm counts its drop as a loss; the MAE's rise likewise
+    assert sched.evaluated({"cls_acc": 0.45, "radius_mae": 3.0}) == pytest.approx((50 + 100) / 2)

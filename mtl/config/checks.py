@@ -65,7 +65,7 @@ def validate(cfg) -> list[str]:
     _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
     _choice(errors, "ddp.engine", cfg.ddp.engine, ENGINES)
     _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
-    _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant"))
+    _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant", "plateau"))
     backbone = _backbone(errors, cfg)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.model.backbone.norm == "sync" and on_cpu:
@@ -160,6 +160,7 @@ def validate(cfg) -> list[str]:
     errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/config/multi_input.py)
     _options(errors, cfg, tasks, method, backbone)
     _loss_scale(errors, cfg, tasks)
+    errors += plateau_errors(cfg, tasks)
     named = {e.split(":")[0] for e in errors}
     _finite(errors, OmegaConf.to_container(cfg, resolve=True), named)
     return errors
@@ -183,6 +184,35 @@ def _loss_scale(errors, cfg, tasks) -> None:
             errors.append(f"loss_scale.{t}: {t!r} is not a task (known: {', '.join(tasks)})")
         elif not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
             errors.append(f"loss_scale.{t}: must be a number > 0, the factor on {t}'s training loss (got {v!r})")
+
+
+def plateau_errors(cfg, tasks: dict) -> list[str]:
+    """optim.scheduler=plateau: a baseline > 0 for every metric of the run's tasks (its Δm needs them), no other
+    key, and the scheduler's own ranges."""
+    p = cfg.optim.plateau
+    if cfg.optim.scheduler != "plateau":
+        return [] if not p.baselines else ["optim.plateau.baselines: read only by optim.scheduler=plateau (the rate "
+                                           f"on the validation Δm), and optim.scheduler={cfg.optim.scheduler}; set "
+                                           "optim.scheduler=plateau or remove the baselines"]
+    errors = []
+    if not 0 < p.factor < 1:
+        errors.append(f"optim.plateau.factor: must be in (0, 1), the factor on the rate (got {p.factor})")
+    if p.patience < 0 or p.min_lr < 0:
+        errors.append(f"optim.plateau.patience / min_lr: must be >= 0 (got {p.patience}, {p.min_lr})")
+    if cfg.optim.warmup_steps:
+        errors.append(f"optim.warmup_steps={cfg.optim.warmup_steps}: optim.scheduler=plateau has no warmup; set 0")
+    keys = [k for t in cfg.tasks if t in tasks for k, _ in tasks[t].metric_keys()]
+    for key in keys:
+        value = p.baselines.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            errors.append(f"optim.plateau.baselines.{key}: needs the single-task value of {key} (> 0) for the Δm the "
+                          f"rate follows (got {value!r}); give one for each of {', '.join(keys)}")
+    for key in p.baselines:
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1, cutoff=0.6)
+            errors.append(f"optim.plateau.baselines.{key}: not a metric of the run's tasks"
+                          + (f" — did you mean {close[0]!r}?" if close else "") + f" (they are: {', '.join(keys)})")
+    return errors
 
 
 def qm9_errors(cfg, backbone) -> list[str]:

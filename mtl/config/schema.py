@@ -186,14 +186,28 @@ class WeightingConfig:
 
 
 @dataclass
+class PlateauConfig:
+    """``optim.scheduler: plateau``: ReduceLROnPlateau on the validation Δm % against ``baselines`` (mtl/run/plateau.py)."""
+
+    factor: float = 0.7  # the rate is multiplied by this when Δm has not improved for ``patience`` evaluations
+    patience: int = 5
+    min_lr: float = 1.0e-5
+    # metric key (<task>_<metric>) -> its single-task value, for every metric of the run's tasks (e.g. QM9's
+    # published single-task MAEs, configs/qm9.yaml)
+    baselines: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | sgd (momentum 0.9; the parity tests use it, see docs/strategies.md)
     lr: float = 1e-3
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    scheduler: str = "cosine"  # cosine | linear | constant  (all with linear warmup, from transformers)
+    # cosine | linear | constant (all with linear warmup, from transformers) | plateau (on the validation Δm: plateau)
+    scheduler: str = "cosine"
     warmup_steps: int = 100
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    plateau: PlateauConfig = field(default_factory=PlateauConfig)
 
 
 @dataclass

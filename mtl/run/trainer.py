@@ -498,6 +498,8 @@ class Trainer:
                 self.bare, dict.fromkeys(self.tasks, self.test_loader), self.device, self.cfg.trainer.eval_max_batches)
         flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
         flat.update({f"test_{t}_{k}": v for t, m in test.items() for k, v in m.items() if k != "samples"})
+        if hasattr(self.scheduler, "evaluated"):  # optim.scheduler=plateau: the rate follows the validation Δm
+            flat["plateau_delta_m"] = self.scheduler.evaluated(flat)
         self.last_eval = flat
         self.log.record(self.step, flat, kind="eval")
         self.log.info(f"step {self.step} eval: " + ", ".join(f"{k}={v:.4f}" for k, v in flat.items()))
