@@ -103,3 +103,25 @@ def test_configs_qm9_trains_a_few_steps(cache_dir, tmp_path):
     assert final["U0_mae"] > 50
     # the plateau schedule read the validation Δm against the published MAEs (an untrained model: far above 0)
     assert final["plateau_delta_m"] > 100 and trainer.scheduler.last_delta_m == final["plateau_delta_m"]
+
+
+@pytest.mark.slow
+def test_the_plateau_state_survives_a_resume(cache_dir, tmp_path):
+    """The rate the plateau lowered, and its count of evaluations without improvement, come back with the run."""
+    from mtl.run.trainer import Trainer
+
+    over = small(cache_dir, tmp_path, "trainer.eval_every=1", "optim.plateau.patience=0", "optim.lr=0.05",
+                 "checkpoint.every_steps=0", "data.eval_batch_size=80")
+    first = Trainer.from_config(QM9_YAML, [*over, "trainer.max_steps=3"])
+    try:
+        first.train()
+    finally:
+        first.close()
+    state, lr = first.scheduler.state_dict(), first.scheduler.get_last_lr()
+    assert first.scheduler.inner.best < float("inf") and state["last_delta_m"] is not None
+    resumed = Trainer.from_config(QM9_YAML, [*over, "trainer.max_steps=4", "resume=auto"])
+    try:
+        assert resumed.step == 3
+        assert resumed.scheduler.state_dict() == state and resumed.scheduler.get_last_lr() == lr
+    finally:
+        resumed.close()
