@@ -137,3 +137,53 @@ def test_the_plateau_state_survives_a_resume(cache_dir, tmp_path):
         assert resumed.scheduler.state_dict() == state and resumed.scheduler.get_last_lr() == lr
     finally:
         resumed.close()
+
+
+def _load_on_two_ranks(rank, port, folder, results):
+    """One rank of a 2-process gloo group loading QM9 into an empty cache; ``folder/fail`` makes rank 0's qm9pack
+    lookup fail. Reports (rank, how many times this rank built the graphs, the error it raised or None)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mtl.data import qm9
+    from mtl.data.qm9_source import load_graphs
+    from mtl.errors import DataError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    builds = []
+    real = qm9.build_from_rows
+    qm9.build_from_rows = lambda rows: builds.append(len(rows)) or real(rows)
+    if rank == 0 and os.path.exists(os.path.join(folder, "fail")):
+        def missing():
+            raise DataError("QM9: the package 'qm9pack' is not installed — pip install -e '.[qm9]'")
+        qm9.qm9pack_folder = missing
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"data": {"qm9": {"root": None, "cache_dir": os.path.join(folder, "cache"),
+                                             "molecules": 30}}})
+    try:
+        graphs = load_graphs(cfg)
+        results.put((rank, builds, None, len(graphs)))
+    except DataError as e:
+        results.put((rank, builds, e.message, 0))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail", [False, True])
+def test_rank_0_builds_the_cache_and_its_failure_stops_every_rank(tmp_path, fail):
+    """Under a process group rank 0 builds the graphs while rank 1 waits, then rank 1 reads the cache (it builds
+    nothing); when rank 0 cannot load QM9, both ranks raise its message, within seconds, instead of waiting."""
+    from .conftest import spawn_ranks
+
+    if fail:
+        (tmp_path / "fail").write_text("")
+    got = spawn_ranks(_load_on_two_ranks, tmp_path, timeout_s=120)
+    if not fail:
+        assert got[0] == ([30], None, 30) and got[1] == ([], None, 30)
+    else:
+        assert got[0][1] == "QM9: the package 'qm9pack' is not installed — pip install -e '.[qm9]'"
+        assert got[1][1] == "QM9 could not be loaded on rank 0: " + got[0][1]
