@@ -118,8 +118,10 @@ def test_the_mpnn_is_a_backbone_plug_in_with_options(molecules):
     assert any("set data.source=qm9" in e for e in MPNN.check(cfg))
 
 
+@pytest.mark.slow
 def test_discovering_the_backbones_does_not_import_pyg():
-    """An image run neither needs the qm9 extra nor pays PyG's import: the plug-in imports it when it is built."""
+    """An image run neither needs the qm9 extra nor pays PyG's import: the plug-in imports it when it is built. (A
+    fresh interpreter: ~10 s here, the slow tier; tests/test_layout.py checks the same rule on the source.)"""
     import subprocess
     import sys
 
