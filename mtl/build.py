@@ -21,6 +21,7 @@ from mtl.data.loader import (
     build_eval_loader,
     build_train_loader,
     check_task_fields,
+    input_collate,
     set_epoch,
 )
 from mtl.data.multi_input import build_task_datasets, class_source
@@ -33,7 +34,7 @@ from mtl.parallel.dist import DistInfo, barrier
 from mtl.run import checkpoint as ckpt
 from mtl.run.faults import install_poison
 from mtl.strategies import strategy_types
-from mtl.tasks import BuildInfo, DataInfo, task_types
+from mtl.tasks import BuildInfo, DataInfo, config_task_types
 from mtl.weighting import weighting_types
 
 
@@ -91,8 +92,9 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
 
 
 def run_task_types(cfg) -> dict[str, type]:
-    """The classes of the run's tasks (``cfg.tasks``), from mtl/tasks/ and the config's ``task_modules``."""
-    types = task_types(cfg.get("task_modules") or ())
+    """The classes of the run's tasks (``cfg.tasks``), from mtl/tasks/, the config's ``task_modules`` and its
+    ``task_instances``."""
+    types = config_task_types(cfg)
     return {t: types[t] for t in cfg.tasks}
 
 
@@ -104,7 +106,7 @@ def run_method_types(cfg) -> dict[str, type]:
 def build_collate(cfg, num_classes: int, class_names: list, tokenizer) -> BatchCollate:
     """The loaders' collate: ``image``, ``index`` and each of the run's tasks' own batch fields."""
     return BatchCollate(run_task_types(cfg), DataInfo(cfg=cfg, num_classes=num_classes, class_names=list(class_names),
-                                                      tokenizer=tokenizer))
+                                                      tokenizer=tokenizer), input_collate(cfg.data.source))
 
 
 @dataclass
@@ -171,6 +173,8 @@ def build_run_inputs(cfg, tokenizer_for: Callable | None = None) -> RunInputs:
         captions = lambda: all_captions(train_ds)  # noqa: E731
     tokenizer = tokenizer_for(captions) if tokenizer_for else resolve_tokenizer(cfg, captions)
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
+    for t, head in model.heads.items():  # the training split's statistics a head keeps (a regression's mean, std)
+        head.fit_training_data(train_ds if task_sets is None else task_sets[t][0])
     collate = build_collate(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
     task_collates = None if task_sets is None else {
         t: BatchCollate({t: types[t]}, collate.info) for t in task_sets}
@@ -238,6 +242,12 @@ def build_scheduler(cfg, optimizer):
     )
 
     o, total = cfg.optim, cfg.trainer.max_steps
+    if o.scheduler == "plateau":  # on the validation Δm, stepped by the trainer after each evaluation
+        from mtl.delta_m import metric_specs
+        from mtl.run.plateau import PlateauOnDeltaM
+
+        p = o.plateau
+        return PlateauOnDeltaM(optimizer, metric_specs(cfg), dict(p.baselines), p.factor, p.patience, p.min_lr)
     if o.scheduler == "cosine":
         return get_cosine_schedule_with_warmup(optimizer, o.warmup_steps, total)
     if o.scheduler == "linear":

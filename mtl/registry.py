@@ -13,21 +13,22 @@ import os
 import pkgutil
 
 
-def _plugins(module, base: type) -> dict[str, type]:
-    """The ``base`` subclasses defined in ``module`` with a ``name``, by each name they answer to."""
+def _plugins(module, base: type, attr: str = "name") -> dict[str, type]:
+    """The ``base`` subclasses defined in ``module`` with a non-empty ``attr`` (``name``; or ``kind``: a task *type*
+    that makes named tasks, ``TaskHead.instance``), by each name they answer to."""
     found = {}
     for obj in vars(module).values():
-        if isinstance(obj, type) and issubclass(obj, base) and obj.name and obj.__module__ == module.__name__:
-            for name in getattr(obj, "variants", ()) or (obj.name,):
+        if isinstance(obj, type) and issubclass(obj, base) and getattr(obj, attr, "") and obj.__module__ == module.__name__:
+            for name in (getattr(obj, "variants", ()) if attr == "name" else ()) or (getattr(obj, attr),):
                 found[name] = obj
     return found
 
 
-def discover(package: str, base: type) -> dict[str, type]:
+def discover(package: str, base: type, attr: str = "name") -> dict[str, type]:
     pkg = importlib.import_module(package)
     found: dict[str, type] = {}
     for mod in pkgutil.iter_modules(pkg.__path__):
-        found.update(_plugins(importlib.import_module(f"{package}.{mod.name}"), base))
+        found.update(_plugins(importlib.import_module(f"{package}.{mod.name}"), base, attr))
     return dict(sorted(found.items()))
 
 
@@ -57,8 +58,9 @@ def _import(spec: str):
     return module
 
 
-def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
-    """The ``base`` subclasses with a ``name`` defined in each module of ``specs`` (dotted names or .py paths).
+def discover_modules(specs: list[str], base: type, key: str, attr: str = "name") -> dict[str, type]:
+    """The ``base`` subclasses with a ``name`` (or another ``attr``) defined in each module of ``specs`` (dotted names
+    or .py paths). A module must define at least one class with a ``name`` or a ``kind``.
 
     ConfigError (all problems at once) names ``key``, the module and why it cannot be used."""
     from mtl.errors import ConfigError
@@ -72,8 +74,8 @@ def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
             errors.append(f"{key}: cannot import {spec!r}: {type(e).__name__}: {e} — give a dotted module name "
                           "importable here, or a path to a .py file")
             continue
-        classes = _plugins(module, base)
-        if not classes:
+        classes = _plugins(module, base, attr)
+        if not _plugins(module, base) and not _plugins(module, base, "kind"):
             errors.append(f"{key}: {spec!r} defines no {base.__name__} subclass with a name")
         found.update(classes)
     if errors:
@@ -81,13 +83,14 @@ def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
     return found
 
 
-def registered(package: str, base: type, extra_modules, key: str, kind: str) -> dict[str, type]:
+def registered(package: str, base: type, extra_modules, key: str, kind: str, attr: str = "name") -> dict[str, type]:
     """``package``'s ``base`` subclasses by name plus those of ``extra_modules`` (the config's ``key``: dotted module
     names or ``.py`` file paths), sorted by name. Raises ConfigError naming a module that cannot be used, or a
-    ``kind`` ("task", "backbone", "method") whose name a built-in one already has."""
-    found = discover(package, base)
+    ``kind`` ("task", "backbone", "method") whose name a built-in one already has. ``attr``: what the classes are
+    found by (``name``; ``kind`` for the task types that make named tasks)."""
+    found = discover(package, base, attr)
     if extra_modules:
-        for name, cls in discover_modules(list(extra_modules), base, key).items():
+        for name, cls in discover_modules(list(extra_modules), base, key, attr).items():
             if name in found and found[name] is not cls:
                 from mtl.errors import ConfigError
 

@@ -16,7 +16,7 @@ if importlib.util.find_spec("qm9pack") is None:
 from torch_geometric.loader import DataLoader  # noqa: E402
 
 from mtl.data import qm9  # noqa: E402
-from mtl.models.mpnn import MPNN, EdgeNetConv  # noqa: E402
+from mtl.models.backbones.mpnn import MPNN, EdgeNetConv  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +95,49 @@ def test_the_edge_network_benchmark_tool(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["graph"] == "complete" and result["batches"] == 2 and result["ratio_pyg_over_ours"] > 0
     assert f"{result['ratio_pyg_over_ours']:.2f}x" in capsys.readouterr().out
+
+
+def test_the_mpnn_is_a_backbone_plug_in_with_options(molecules):
+    """``model.backbone.name: mpnn`` finds it; its options are ``model.backbone.options``; it reads ``graph`` and its
+    features are (dim,) per molecule, as ``feature_shape`` says."""
+    from omegaconf import OmegaConf
+
+    from mtl.config.schema import Config
+    from mtl.models.backbones import backbone_types, build_backbone
+
+    assert backbone_types()["mpnn"] is MPNN and MPNN.consumes == "graph"
+    cfg = OmegaConf.structured(Config)
+    cfg.data.source, cfg.model.backbone.name = "qm9", "mpnn"
+    cfg.model.backbone.options = {"dim": 16, "steps": 2, "set2set_steps": 1}
+    net = build_backbone(cfg)
+    assert net.steps == 2 and net.set2set.processing_steps == 1 and net.feature_shape(cfg) == (16,)
+    assert net(batch_of(molecules[:5], complete=True)).shape == (5, *net.feature_shape(cfg))
+    cfg.model.backbone.options = {"dim": 0}
+    assert "model.backbone.options.dim: must be >= 1 (got 0)" in MPNN.check(cfg)
+    cfg.data.source = "synthetic"
+    assert any("set data.source=qm9" in e for e in MPNN.check(cfg))
+
+
+@pytest.mark.slow
+def test_discovering_the_backbones_does_not_import_pyg():
+    """An image run neither needs the qm9 extra nor pays PyG's import: the plug-in imports it when it is built. (A
+    fresh interpreter: ~10 s here, the slow tier; tests/test_layout.py checks the same rule on the source.)"""
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    code = ("import sys; from mtl.models.backbones import backbone_types; import mtl.config.checks; "
+            "assert 'mpnn' in backbone_types(); print('torch_geometric' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_a_missing_pyg_names_the_install(monkeypatch):
+    import sys
+
+    from mtl.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "torch_geometric.nn", None)  # an import of it now raises ImportError
+    with pytest.raises(ConfigError, match=r"model.backbone.name=mpnn needs torch_geometric.*pip install -e '.\[qm9\]'"):
+        MPNN()

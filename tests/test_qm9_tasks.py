@@ -11,6 +11,8 @@ from mtl.errors import ConfigError
 from mtl.tasks import BuildInfo, DataInfo, task_types
 from mtl.tasks.regression import RegressionHead
 
+from .conftest import TINY
+
 # QM9's 11 tasks as the papers report them: name -> (column of PyG's y, factor to the reported unit, unit).
 # (The same table as mtl.data.qm9.PAPER_TASKS / PAPER_SCALE / PAPER_UNITS; spelled out so this test needs no PyG.)
 QM9 = {"mu": (0, 1, "D"), "alpha": (1, 1, "a0^3"), "homo": (2, 1000, "meV"), "lumo": (3, 1000, "meV"),
@@ -110,3 +112,180 @@ def test_a_feature_map_is_mean_pooled():
     head = RegressionHead.instance("mu", field="y", column=0).build(info(qm9_cfg(), channels=3))
     fmap = torch.randn(2, 3, 4, 4)
     torch.testing.assert_close(head.standardised_prediction(fmap), head.standardised_prediction(fmap.mean((2, 3))))
+
+
+# ----------------------------------------------------------------------------- task_instances: named tasks in a config
+
+TINY_OVERRIDES = ["trainer.progress=false", "data.synthetic.train_size=64", "data.synthetic.val_size=16"]
+
+
+def tiny_config(tmp_path, *overrides):
+    from mtl.config.checks import load_run_config
+
+    return load_run_config(TINY, [f"output_dir={tmp_path / 'run'}", *TINY_OVERRIDES, *overrides])
+
+
+def test_a_config_declares_named_tasks_of_one_type_and_the_build_standardises_them(tmp_path):
+    """Two regression tasks on the synthetic records' ``radius`` and ``background[1]``, beside a built-in task: the
+    builder makes them, fits each head's mean and std on the training split, and a step trains them."""
+    from mtl.build import build_run_inputs
+    from mtl.run.trainer import Trainer
+
+    over = ["tasks=[cls, radius, green]", "task_instances.radius={type: regression, field: radius}",
+            "task_instances.green={type: regression, field: background, column: 1}",
+            "task_options.radius={unit: px}"]
+    cfg = tiny_config(tmp_path, *over)
+    inputs = build_run_inputs(cfg)
+    heads = inputs.model.heads
+    assert type(heads["radius"]).name == "radius" and heads["radius"].unit == "px"
+    radius = torch.tensor([float(inputs.train_ds[i]["radius"]) for i in range(len(inputs.train_ds))], dtype=torch.float64)
+    green = torch.tensor([float(inputs.train_ds[i]["background"][1]) for i in range(len(inputs.train_ds))],
+                         dtype=torch.float64)
+    assert float(heads["radius"].mean) == pytest.approx(float(radius.mean()), rel=1e-6)
+    assert float(heads["radius"].std) == pytest.approx(float(radius.std()), rel=1e-6)
+    assert float(heads["green"].mean) == pytest.approx(float(green.mean()), rel=1e-6)
+    trainer = Trainer.from_config(TINY, [f"output_dir={tmp_path / 'run'}", *TINY_OVERRIDES, *over])
+    try:
+        result = trainer.step_once()
+        assert set(result.losses) == {"cls", "radius", "green"}
+        metrics = trainer.run_eval()
+        assert metrics["radius_mae"] > 0 and metrics["green_mae"] > 0
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("task_instances.radius={type: regresion, field: radius}",
+     "task_instances.radius.type: unknown task type 'regresion' — did you mean 'regression'?"),
+    ("task_instances.radius={type: regression, feild: radius}",
+     "task_instances.radius: unknown key 'feild' — did you mean 'task_instances.radius.field'?"),
+    ("task_instances.radius={type: regression, field: radius, column: -1}",
+     "task_instances.radius: column: the target's index in the field's vector, an integer >= 0 (got -1)"),
+    ("task_instances.radius={field: radius}", "task_instances.radius: needs a mapping with 'type'"),
+    ("task_instances.cls={type: regression, field: radius}", "task_instances.cls: 'cls' is already a task"),
+])
+def test_a_bad_instance_is_named_with_the_fix(tmp_path, override, message):
+    with pytest.raises(ConfigError) as e:
+        tiny_config(tmp_path, "tasks=[cls, radius]", override)
+    assert any(message in m for m in e.value.errors), e.value.errors
+
+
+def test_a_task_name_that_is_not_declared_gets_a_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        tiny_config(tmp_path, "tasks=[cls, radios]", "task_instances.radius={type: regression, field: radius}")
+    assert any("unknown task 'radios' — did you mean 'radius' for 'radios'?" in m for m in e.value.errors), e.value.errors
+
+
+def test_a_missing_field_is_refused_before_training(tmp_path):
+    from mtl.build import build_run_inputs
+    from mtl.errors import DataError
+
+    cfg = tiny_config(tmp_path, "tasks=[cls, mass]", "task_instances.mass={type: regression, field: mass}")
+    with pytest.raises(DataError, match="task 'mass' needs the field 'mass'"):
+        build_run_inputs(cfg)
+
+
+ATTRIBUTE_TYPE = '''
+"""A CelebA-style binary attribute: one task type, any number of named attributes (one file)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtl.tasks.base import TaskHead
+
+
+class Attribute(TaskHead):
+    kind = "attribute"
+    metrics = {"acc": True}
+
+    @classmethod
+    def instance(cls, name, field, column, above=0.5):
+        return type(f"Attribute_{name}", (cls,), {"name": name, "field": field, "column": column, "above": above,
+                                                   "requires": (field,)})
+
+    @classmethod
+    def item_fields(cls, record, info):
+        return {f"{cls.name}_on": float(torch.as_tensor(record[cls.field]).reshape(-1)[cls.column] > cls.above)}
+
+    def __init__(self, info):
+        super().__init__()
+        self.fc = nn.Linear(info.feature_channels, 1)
+
+    def logits(self, features):
+        return self.fc(features.mean(dim=(2, 3))).squeeze(-1).float()
+
+    def forward(self, features, batch):
+        return F.binary_cross_entropy_with_logits(self.logits(features), batch[f"{self.name}_on"])
+
+    @torch.no_grad()
+    def eval_batch(self, features, batch):
+        right = ((self.logits(features) > 0).float() == batch[f"{self.name}_on"]).sum()
+        return {"right": int(right), "n": len(batch[f"{self.name}_on"])}
+
+    def eval_reduce(self, parts):
+        return {"acc": sum(p["right"] for p in parts) / max(1, sum(p["n"] for p in parts))}
+'''
+
+
+def test_many_binary_attributes_are_one_task_file_and_one_config_section(tmp_path):
+    """The CelebA pattern: a type of kind ``attribute`` in a file outside mtl (task_modules), three attributes
+    declared in task_instances, trained together for a step and evaluated."""
+    from mtl.run.trainer import Trainer
+
+    path = tmp_path / "attribute.py"
+    path.write_text(ATTRIBUTE_TYPE)
+    over = [f"task_modules=[{path}]", "tasks=[red, green, blue]",
+            *(f"task_instances.{c}={{type: attribute, field: background, column: {i}, above: 0.4}}"
+              for i, c in enumerate(("red", "green", "blue")))]
+    trainer = Trainer.from_config(TINY, [f"output_dir={tmp_path / 'run'}", *TINY_OVERRIDES, *over])
+    try:
+        assert [type(h).__name__ for h in trainer.bare.heads.values()] == [
+            "Attribute_red", "Attribute_green", "Attribute_blue"]
+        assert set(trainer.step_once().losses) == {"red", "green", "blue"}
+        assert set(trainer.run_eval()) == {"red_acc", "green_acc", "blue_acc"}
+    finally:
+        trainer.close()
+
+
+# ----------------------------------------------------------------------------- the plateau schedule on the val Δm
+
+def test_the_plateau_scheduler_follows_the_validation_delta_m():
+    """Δm % against the baselines (lower is better), and ReduceLROnPlateau on it: the rate drops by ``factor`` after
+    ``patience`` evaluations without improvement, never below ``min_lr``, and its state round-trips."""
+    from mtl.run.plateau import PlateauOnDeltaM
+
+    specs = [("mu_mae", "mu", False), ("U0_mae", "U0", False)]
+    base = {"mu_mae": 0.0671, "U0_mae": 58.838}
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    s = PlateauOnDeltaM(opt, specs, base, factor=0.7, patience=2, min_lr=4e-4)
+    s.step()  # a training step: nothing moves
+    dm = s.evaluated({"mu_mae": 0.0671 * 2, "U0_mae": 58.838 * 1.5, "test_mu_mae": 9.0})
+    assert dm == pytest.approx((100 + 50) / 2) and s.get_last_lr() == [1e-3]
+    for _ in range(2):  # patience 2: two evaluations no better, the rate stays
+        s.evaluated({"mu_mae": 0.0671 * 2, "U0_mae": 58.838 * 1.5})
+        assert s.get_last_lr() == [1e-3]
+    s.evaluated({"mu_mae": 0.0671 * 2, "U0_mae": 58.838 * 1.5})  # the third: x0.7
+    assert s.get_last_lr() == [pytest.approx(7e-4)]
+    state = s.state_dict()
+    for _ in range(6):
+        s.evaluated({"mu_mae": 1.0, "U0_mae": 100.0})
+    assert s.get_last_lr() == [pytest.approx(4e-4)]  # min_lr
+    fresh = PlateauOnDeltaM(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=7e-4), specs, base, 0.7, 2, 4e-4)
+    fresh.load_state_dict(state)
+    assert fresh.inner.num_bad_epochs == state["inner"]["num_bad_epochs"] and fresh.last_delta_m == pytest.approx(75)
+
+
+def test_the_plateau_needs_a_baseline_for_every_metric(tmp_path):
+    over = ["tasks=[cls, radius]", "task_instances.radius={type: regression, field: radius}",
+            "optim.scheduler=plateau", "optim.warmup_steps=0", "optim.plateau.baselines={cls_acc: 0.9, radios_mae: 1}"]
+    with pytest.raises(ConfigError) as e:
+        tiny_config(tmp_path, *over)
+    text = "\n".join(e.value.errors)
+    assert "optim.plateau.baselines.radius_mae: needs the single-task value of radius_mae" in text
+    assert "optim.plateau.baselines.radios_mae: not a metric of the run's tasks — did you mean 'radius_mae'?" in text
+    cfg = tiny_config(tmp_path, *over[:-1], "optim.plateau.baselines={cls_acc: 0.9, radius_mae: 1.5}")
+    from mtl.build import build_scheduler
+
+    sched = build_scheduler(cfg, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
+    # accuracy: higher is better, so Δm counts its drop as a loss; the MAE's rise likewise
+    assert sched.evaluated({"cls_acc": 0.45, "radius_mae": 3.0}) == pytest.approx((50 + 100) / 2)

@@ -27,7 +27,7 @@ from mtl.run.feed import LoaderFeed, PlanFeed, data_summary
 from mtl.run.logger import RunLogger
 from mtl.run.run_folder import RunFolder, unused_keys
 from mtl.run.step import StepParts, StepResult
-from mtl.run.step_log import StepLog
+from mtl.run.step_log import StepLog, flat_metrics
 from mtl.run.trainer import Trainer
 
 from .conftest import ROOT, TINY
@@ -242,8 +242,8 @@ def test_the_step_log_counts_bad_steps_and_stops_at_the_limit(tmp_path):
 
 def test_the_step_log_flattens_and_prints_an_evaluation(tmp_path, capsys):
     steplog, log = _step_log(tmp_path)
-    flat = steplog.evaluation(6, {"cls": {"acc": 0.5}, "gen": {"bleu4": 0.125, "samples": [(0, "a", "b")]}},
-                              {"cls": {"acc": 0.25}})
+    flat = steplog.evaluation(6, flat_metrics({"cls": {"acc": 0.5}, "gen": {"bleu4": 0.125, "samples": [(0, "a", "b")]}},
+                                              {"cls": {"acc": 0.25}}))
     log.close()
     assert flat == {"cls_acc": 0.5, "gen_bleu4": 0.125, "test_cls_acc": 0.25}
     assert "step 6 eval: cls_acc=0.5000, gen_bleu4=0.1250, test_cls_acc=0.2500" in capsys.readouterr().out

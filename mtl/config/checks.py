@@ -24,7 +24,7 @@ from mtl.parallel.fsdp import ENGINES
 from mtl.parallel.fsdp import check as fsdp_check
 from mtl.parallel.fsdp import check_method as fsdp_method_check
 from mtl.strategies import strategy_types
-from mtl.tasks import task_types
+from mtl.tasks import config_task_types, instance_types, task_kinds, task_types
 from mtl.weighting import weighting_types
 
 
@@ -58,14 +58,14 @@ def validate(cfg) -> list[str]:
     errors: list[str] = []
     _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
-    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder"))
+    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
     _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
     _augment(errors, cfg)
     _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
     _choice(errors, "ddp.engine", cfg.ddp.engine, ENGINES)
     _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
-    _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant"))
+    _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant", "plateau"))
     backbone = _backbone(errors, cfg)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.model.backbone.norm == "sync" and on_cpu:
@@ -103,6 +103,8 @@ def validate(cfg) -> list[str]:
         problem = num_classes_problem(syn.num_classes)
         if problem:
             errors.append(problem)
+    elif cfg.data.source == "qm9":
+        errors += qm9_errors(cfg, backbone)
     elif cfg.data.train_path is None or cfg.data.val_path is None:
         errors.append(f"data.train_path / data.val_path: data.source={cfg.data.source} needs both paths")
     if not 0.0 <= cfg.model.decoder.dropout < 1.0:
@@ -121,14 +123,13 @@ def validate(cfg) -> list[str]:
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         errors.append(f"optim.betas: needs two values in [0, 1), Adam's moment decay rates (got {list(cfg.optim.betas)})")
 
-    try:
-        tasks = task_types(cfg.task_modules)
-    except ConfigError as e:
-        errors += e.errors
-        tasks = task_types()
+    tasks = _tasks(errors, cfg)
     unknown = [t for t in cfg.tasks if t not in tasks]
     if unknown:
-        errors.append(f"tasks: unknown task {', '.join(map(repr, unknown))} (known: {', '.join(tasks)})")
+        close = {t: difflib.get_close_matches(str(t), list(tasks), n=1, cutoff=0.6) for t in unknown}
+        hints = "".join(f" — did you mean {c[0]!r} for {t!r}?" for t, c in close.items() if c)
+        errors.append(f"tasks: unknown task {', '.join(map(repr, unknown))}{hints} (known: {', '.join(tasks)}; "
+                      "named tasks of a task type go in task_instances)")
     if len(set(cfg.tasks)) != len(cfg.tasks) or not cfg.tasks:
         errors.append(f"tasks: needs at least one task and no repeats (got {list(cfg.tasks)})")
 
@@ -159,6 +160,7 @@ def validate(cfg) -> list[str]:
     errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/config/multi_input.py)
     _options(errors, cfg, tasks, method, backbone)
     _loss_scale(errors, cfg, tasks)
+    errors += plateau_errors(cfg, tasks)
     named = {e.split(":")[0] for e in errors}
     _finite(errors, OmegaConf.to_container(cfg, resolve=True), named)
     return errors
@@ -182,6 +184,56 @@ def _loss_scale(errors, cfg, tasks) -> None:
             errors.append(f"loss_scale.{t}: {t!r} is not a task (known: {', '.join(tasks)})")
         elif not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
             errors.append(f"loss_scale.{t}: must be a number > 0, the factor on {t}'s training loss (got {v!r})")
+
+
+def plateau_errors(cfg, tasks: dict) -> list[str]:
+    """optim.scheduler=plateau: a baseline > 0 for every metric of the run's tasks (its Δm needs them), no other
+    key, and the scheduler's own ranges."""
+    p = cfg.optim.plateau
+    if cfg.optim.scheduler != "plateau":
+        return [] if not p.baselines else ["optim.plateau.baselines: read only by optim.scheduler=plateau (the rate "
+                                           f"on the validation Δm), and optim.scheduler={cfg.optim.scheduler}; set "
+                                           "optim.scheduler=plateau or remove the baselines"]
+    errors = []
+    if not 0 < p.factor < 1:
+        errors.append(f"optim.plateau.factor: must be in (0, 1), the factor on the rate (got {p.factor})")
+    if p.patience < 0 or p.min_lr < 0:
+        errors.append(f"optim.plateau.patience / min_lr: must be >= 0 (got {p.patience}, {p.min_lr})")
+    if cfg.optim.warmup_steps:
+        errors.append(f"optim.warmup_steps={cfg.optim.warmup_steps}: optim.scheduler=plateau has no warmup; set 0")
+    keys = [k for t in cfg.tasks if t in tasks for k, _ in tasks[t].metric_keys()]
+    for key in keys:
+        value = p.baselines.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            errors.append(f"optim.plateau.baselines.{key}: needs the single-task value of {key} (> 0) for the Δm the "
+                          f"rate follows (got {value!r}); give one for each of {', '.join(keys)}")
+    for key in p.baselines:
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1, cutoff=0.6)
+            errors.append(f"optim.plateau.baselines.{key}: not a metric of the run's tasks"
+                          + (f" — did you mean {close[0]!r}?" if close else "") + f" (they are: {', '.join(keys)})")
+    return errors
+
+
+def qm9_errors(cfg, backbone) -> list[str]:
+    """data.source=qm9: its section's values, and a backbone that reads graphs (docs/qm9.md)."""
+    q, errors = cfg.data.qm9, []
+    _choice(errors, "data.qm9.graph", q.graph, ("complete", "bond"))
+    _positive(errors, cfg, "data.qm9.val_size")
+    _positive(errors, cfg, "data.qm9.molecules", "data.qm9.test_size", "data.qm9.train_size", allow_zero=True)
+    if q.molecules and q.molecules <= q.test_size + q.val_size:
+        errors.append(f"data.qm9.molecules={q.molecules}: must exceed data.qm9.test_size + val_size ({q.test_size} + "
+                      f"{q.val_size}) to leave a training split; lower the two sizes for a small run")
+    if q.root is not None and not os.path.isdir(q.root):
+        errors.append(f"data.qm9.root: {q.root!r} is not a folder — give the root of PyG's QM9 (the folder holding "
+                      "processed/data_v3.pt), or null to build QM9 from qm9pack")
+    if backbone is not None and backbone.consumes != "graph":
+        errors.append(f"data.source=qm9 gives molecule graphs, and model.backbone.name={cfg.model.backbone.name} reads "
+                      f"{backbone.consumes!r}; set model.backbone.name=mpnn")
+    if cfg.data.get("per_task"):
+        errors.append("data.per_task: multi-input mode reads image data sets; data.source=qm9 is one data set for "
+                      "every task — remove data.per_task")
+    return errors
 
 
 SOURCES = ("parameters", "features")
@@ -230,6 +282,19 @@ def heldout_errors(cfg, method) -> list[str]:
     return []
 
 
+def _tasks(errors, cfg) -> dict[str, type]:
+    """The tasks the config can name: the registered ones (and ``task_modules``') and its ``task_instances``."""
+    try:
+        tasks = task_types(cfg.task_modules)
+        kinds = task_kinds(cfg.task_modules)
+    except ConfigError as e:
+        errors += e.errors
+        tasks, kinds = task_types(), task_kinds()
+    made, problems = instance_types(cfg.get("task_instances") or {}, kinds, tasks)
+    errors += problems
+    return {**tasks, **made}
+
+
 def _task_checks(errors, cfg, tasks) -> None:
     """Each configured task's own ``check`` (after its options were checked: a task reads them)."""
     for t in cfg.tasks:
@@ -259,7 +324,8 @@ def _options(errors, cfg, tasks, method, backbone=None) -> None:
         if t not in tasks:
             close = difflib.get_close_matches(str(t), list(tasks), n=1, cutoff=0.6)
             errors.append(f"task_options.{t}: {t!r} is not a task" + (f" — did you mean {close[0]!r}?" if close else "")
-                          + f" (known: {', '.join(tasks)}; a task file outside mtl/tasks goes in task_modules)")
+                          + f" (known: {', '.join(tasks)}; a task file outside mtl/tasks goes in task_modules, a "
+                          "named task of a task type in task_instances)")
         elif t not in cfg.tasks:  # checked all the same, so that a typo there is not silently dropped
             check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
     cfg.task_options = {t: check_options(cfg.task_options.get(t), tasks[t].Options, f"task_options.{t}", errors)
@@ -276,7 +342,7 @@ def _options(errors, cfg, tasks, method, backbone=None) -> None:
 
 def option_defaults(cfg) -> dict:
     """The options the config's tasks and method take when none are given, shaped like the config."""
-    tasks = task_types(cfg.get("task_modules") or ())
+    tasks = config_task_types(cfg)
     method = run_method_types(cfg).get(cfg.weighting.method)
     return {"task_options": {t: check_options({}, tasks[t].Options, "", []) for t in cfg.tasks if t in tasks},
             "weighting": {"options": check_options({}, method.Options, "", []) if method else {}}}

@@ -90,8 +90,22 @@ class SamplingConfig:
 
 
 @dataclass
+class QM9Config:
+    """``data.source: qm9``: QM9's molecules as graphs, split as the papers split them (docs/qm9.md)."""
+
+    root: str | None = None  # PyG's processed QM9 folder (holding processed/data_v3.pt); null: build from qm9pack
+    cache_dir: str | None = None  # where the graphs built from qm9pack are cached; null: $XDG_CACHE_HOME/mtl/qm9
+    molecules: int = 0  # read only QM9's first N molecules (the smallest ones): tests and quick tries; 0: all
+    test_size: int = 10000  # the first molecules of the seeded shuffle are the test split
+    val_size: int = 10000  # the next ones the validation split
+    train_size: int = 0  # the rest is the training split; N > 0: only its first N molecules (a smaller run)
+    split_seed: int | None = None  # the shuffle's seed; null: the run's seed
+    graph: str = "complete"  # complete (every atom pair, the distance as a 5th edge feature: the papers') | bond
+
+
+@dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | manifest | imagefolder
+    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
     eval_batch_size: int = 64
     num_workers: int = 0
@@ -100,6 +114,7 @@ class DataConfig:
     normalize: str = "auto"  # auto (the pretrained weights' mean/std; none without weights) | imagenet | none
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    qm9: QM9Config = field(default_factory=QM9Config)
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
     val_path: str | None = None
@@ -171,14 +186,28 @@ class WeightingConfig:
 
 
 @dataclass
+class PlateauConfig:
+    """``optim.scheduler: plateau``: ReduceLROnPlateau on the validation Δm % against ``baselines`` (mtl/run/plateau.py)."""
+
+    factor: float = 0.7  # the rate is multiplied by this when Δm has not improved for ``patience`` evaluations
+    patience: int = 5
+    min_lr: float = 1.0e-5
+    # metric key (<task>_<metric>) -> its single-task value, for every metric of the run's tasks (e.g. QM9's
+    # published single-task MAEs, configs/qm9.yaml)
+    baselines: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | sgd (momentum 0.9; the parity tests use it, see docs/strategies.md)
     lr: float = 1e-3
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    scheduler: str = "cosine"  # cosine | linear | constant  (all with linear warmup, from transformers)
+    # cosine | linear | constant (all with linear warmup, from transformers) | plateau (on the validation Δm: plateau)
+    scheduler: str = "cosine"
     warmup_steps: int = 100
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    plateau: PlateauConfig = field(default_factory=PlateauConfig)
 
 
 @dataclass
@@ -261,6 +290,9 @@ class Config:
     overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     task_options: dict[str, Any] = field(default_factory=dict)  # task name -> that task's options (its Options)
+    # task name -> {type: <a task type's kind>, <its arguments>}: named tasks made from one task type (e.g. QM9's
+    # U0: {type: regression, field: y, column: 12}); ``tasks`` may list them (mtl/tasks/__init__.py)
+    task_instances: dict[str, Any] = field(default_factory=dict)
     task_modules: list[str] = field(default_factory=list)  # more task files: dotted module names or .py paths (from the working directory)
     weighting_modules: list[str] = field(default_factory=list)  # more weighting-method files (as task_modules)
     backbone_modules: list[str] = field(default_factory=list)  # more backbone files (as task_modules)
@@ -416,9 +448,9 @@ def _merge_into(cfg: DictConfig, data: dict, source: str, prefix: list[str], err
         if sub is not None and isinstance(value, dict):
             _merge_into(cfg, value, source, path, errors)
             continue
-        if path == ["task_options"] and isinstance(value, dict):  # one task's options do not wipe another's
+        if path in (["task_options"], ["task_instances"]) and isinstance(value, dict):  # one task's do not wipe another's
             for task, options in value.items():
-                _update(cfg, f"task_options.{task}", options, source, errors, merge=isinstance(options, dict),
+                _update(cfg, f"{path[0]}.{task}", options, source, errors, merge=isinstance(options, dict),
                         add=True)  # task names and their options are checked against the task classes later
             continue
         if path == ["data", "per_task"] and isinstance(value, dict):  # one task's section does not wipe another's

@@ -14,7 +14,7 @@ from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestData
 from mtl.data.synthetic import MIN_CLASSES, SyntheticShapes
 from mtl.errors import ConfigError, DataError
 
-SOURCES = ("synthetic", "manifest", "imagefolder")
+SOURCES = ("synthetic", "manifest", "imagefolder", "qm9")
 
 
 def build_datasets(cfg) -> tuple[Dataset, Dataset]:
@@ -22,6 +22,11 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
 
     Each gets ``normalization``: the (mean, std) that the loaders normalise its batches with, or None.
     """
+    if cfg.data.source == "qm9":  # molecule graphs (mtl/data/qm9_source.py): no image normalisation
+        from mtl.data.qm9_source import qm9_splits
+
+        splits = qm9_splits(cfg)
+        return splits["train"], splits["val"]
     train, val = _datasets(cfg)
     train.normalization = val.normalization = image_normalization(cfg)
     return train, val
@@ -32,6 +37,10 @@ def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
     the validation split and logged as ``test_<metric>``; nothing in training reads it, and the benchmark selects
     on validation only. Labels are checked against ``train``'s classes, as the validation split's are."""
     d = cfg.data
+    if d.source == "qm9":  # the papers' test split (data.qm9.test_size)
+        from mtl.data.qm9_source import qm9_splits
+
+        return qm9_splits(cfg)["test"] if d.qm9.test_size else None
     if d.source == "synthetic":
         if not d.synthetic.test_size:
             return None
@@ -103,20 +112,38 @@ def all_captions(ds: Dataset) -> list[str]:
         return [ds.caption(i) for i in range(len(ds))]
     if isinstance(ds, CaptionedImages):
         return ds.all_captions()
+    if "captions" not in provided_fields(ds):  # QM9's molecules: none (the run's tokenizer then has no words)
+        return []
     return [c for i in range(len(ds)) for c in ds[i]["captions"]]
 
 
-class BatchCollate:
-    """Raw records -> a batch. Every batch has ``image`` (B, 3, S, S) and ``index`` (B,); the rest is what each
-    task makes of the records (``TaskHead.item_fields`` per record, then ``TaskHead.collate_fields``): the data
-    sets and this collate name no task. ``tasks`` maps task names to their classes, ``info`` is the
-    ``mtl.tasks.DataInfo`` they read (the tokenizer, the config, the class names)."""
+def stack_images(records: list[dict]) -> dict:
+    """The input field of a batch of image records: ``image`` (B, 3, S, S)."""
+    return {"image": torch.stack([r["image"] for r in records])}
 
-    def __init__(self, tasks: dict[str, type], info):
-        self.tasks, self.info = dict(tasks), info
+
+def input_collate(source: str):
+    """How a batch's input field (what the backbone consumes) is made from the records of ``data.source``: images
+    stacked under ``image``, or for ``qm9`` the molecule graphs as one PyG ``Batch`` under ``graph``."""
+    if source == "qm9":
+        from mtl.data.qm9_source import batch_graphs
+
+        return batch_graphs
+    return stack_images
+
+
+class BatchCollate:
+    """Raw records -> a batch. Every batch has its input field (``inputs(records)``: ``image`` (B, 3, S, S) by
+    default, a graph batch for QM9, ``input_collate``) and ``index`` (B,); the rest is what each task makes of the
+    records (``TaskHead.item_fields`` per record, then ``TaskHead.collate_fields``): the data sets and this collate
+    name no task. ``tasks`` maps task names to their classes, ``info`` is the ``mtl.tasks.DataInfo`` they read (the
+    tokenizer, the config, the class names)."""
+
+    def __init__(self, tasks: dict[str, type], info, inputs=stack_images):
+        self.tasks, self.info, self.inputs = dict(tasks), info, inputs
 
     def __call__(self, records: list[dict]) -> dict:
-        batch = {"image": torch.stack([r["image"] for r in records]),
+        batch = {**self.inputs(records),
                  "index": torch.tensor([int(r["index"]) for r in records], dtype=torch.long)}
         owner = dict.fromkeys(batch, "the loader")
         for name, task in self.tasks.items():

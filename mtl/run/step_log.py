@@ -25,6 +25,13 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS of this process
 
 
+def flat_metrics(metrics: dict, test: dict) -> dict:
+    """{task: {metric: value}} and the test split's as one flat dict: ``<task>_<metric>``, ``test_<task>_<metric>``."""
+    flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
+    flat.update({f"test_{t}_{k}": v for t, m in test.items() for k, v in m.items() if k != "samples"})
+    return flat
+
+
 class StepLog:
     """Formats and writes a run's step and evaluation records; counts bad steps and fp16 overflows."""
 
@@ -82,10 +89,8 @@ class StepLog:
             values["loss_scale"] = scale
         return values
 
-    def evaluation(self, step: int, metrics: dict, test: dict) -> dict:
-        """Record an evaluation ({task: {metric: value}}, and the test split's); returns the flat metrics."""
-        flat = {f"{t}_{k}": v for t, m in metrics.items() for k, v in m.items() if k != "samples"}
-        flat.update({f"test_{t}_{k}": v for t, m in test.items() for k, v in m.items() if k != "samples"})
+    def evaluation(self, step: int, flat: dict) -> dict:
+        """Record an evaluation's flat metrics (``flat_metrics``) and return them."""
         self.log.record(step, flat, kind="eval")
         self.log.info(f"step {step} eval: " + ", ".join(f"{k}={v:.4f}" for k, v in flat.items()))
         return flat

@@ -41,7 +41,7 @@ from mtl.run.logger import RunLogger
 from mtl.run.run_folder import RunFolder
 from mtl.run.signals import StopSignals
 from mtl.run.step import StepParts, StepResult, train_step
-from mtl.run.step_log import StepLog
+from mtl.run.step_log import StepLog, flat_metrics
 
 
 class Trainer:
@@ -198,7 +198,10 @@ class Trainer:
             metrics = evaluate_run(self.bare, self.val_loaders, self.device, limit)
             test = {} if self.test_loader is None else evaluate_run(
                 self.bare, dict.fromkeys(self.tasks, self.test_loader), self.device, limit)
-        self.last_eval = self.steplog.evaluation(self.step, metrics, test)
+        flat = flat_metrics(metrics, test)
+        if hasattr(self.scheduler, "evaluated"):  # optim.scheduler=plateau: the rate follows the validation Δm
+            flat["plateau_delta_m"] = self.scheduler.evaluated(flat)
+        self.last_eval = self.steplog.evaluation(self.step, flat)
         self.steplog.samples(self.step, metrics, {t: loader.dataset for t, loader in self.val_loaders.items()})
         return self.last_eval
 

@@ -70,6 +70,10 @@ class BuildInfo:
 
 class TaskHead(nn.Module):
     name: str = ""  # the key of this task's loss; set by each subclass
+    # A task *type* sets ``kind`` instead of ``name`` and defines ``instance(name, **arguments)``, which makes the
+    # class of one task named ``name``: the config's ``task_instances.<name>: {type: <kind>, **arguments}``
+    # (mtl/tasks/__init__.py). Its arguments are the keys of that section, checked against the signature.
+    kind: str = ""
     # The task's own config section, ``task_options.<name>``: a dataclass whose fields are the keys, with
     # defaults (checked like every config key; the filled values are saved in config.yaml).
     Options: type = NoOptions
@@ -111,6 +115,15 @@ class TaskHead(nn.Module):
     @classmethod
     def build(cls, info: BuildInfo) -> TaskHead:
         return cls(info)
+
+    @classmethod
+    def instance(cls, name: str, **arguments) -> type[TaskHead]:
+        """A task type (``kind``): the class of the task named ``name``. Raises ValueError for bad arguments."""
+        raise NotImplementedError(f"{cls.__name__} is not a task type (it has no kind)")
+
+    def fit_training_data(self, train_ds) -> None:
+        """Statistics of the training split that the head keeps (a regression head's mean and std): called once by
+        the run's builder with this task's training set, before training. Default: nothing."""
 
     def shard_units(self) -> list[tuple[str, nn.Module]]:
         """Under ``ddp.engine: fsdp2``, the submodules of this head that are sharded on their own (``fully_shard``),

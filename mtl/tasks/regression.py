@@ -8,10 +8,12 @@ data is in eV). ``mean`` and ``std`` are buffers of the head, set once from the 
 (``set_standardisation``) and saved with it, so evaluation and inference of a saved run use the same ones.
 
 One class per task name is what the task registry finds (``name`` is a class attribute), so the type itself has no
-name and registers nothing: ``RegressionHead.instance("U0", field="y", column=12)`` makes the class of one task,
-named ``U0``, reading column 12 of each record's ``y`` (or the scalar field ``field`` when ``column`` is None), with
-its options (unit, scale) in ``task_options.U0`` like any task's. The loss is a mean over the local rows: every rank
-holds the same number of items (drop_last), so DDP's average over ranks is the global mean.
+name: it is the task type of kind ``regression``. ``RegressionHead.instance("U0", field="y", column=12)`` makes the
+class of one task, named ``U0``, reading column 12 of each record's ``y`` (or the scalar field ``field`` when
+``column`` is None), with its options (unit, scale) in ``task_options.U0`` like any task's. A config declares it as
+``task_instances: {U0: {type: regression, field: y, column: 12}}`` (mtl/tasks/__init__.py). The builder calls
+``fit_training_data`` with the training split, which sets ``mean`` and ``std``. The loss is a mean over the local
+rows: every rank holds the same number of items (drop_last), so DDP's average over ranks is the global mean.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.errors import DataError
 from mtl.tasks.base import BuildInfo, TaskHead
 
 # (type, name, field, column) -> the class ``RegressionHead.instance`` made. The classes are made from a run's
@@ -33,10 +36,13 @@ _INSTANCES: dict[tuple, type] = {}
 class RegressionOptions:
     unit: str = ""  # the reported unit, for logs and predictions (e.g. "meV")
     scale: float = 1.0  # factor from the data's unit to the reported one (eV -> meV: 1000)
+    # train on (y - mean) / std with the training split's mean and std (the QM9 papers); false: on y itself
+    standardise: bool = True
 
 
 class RegressionHead(TaskHead):
     name = ""  # the type: ``instance`` makes the named tasks
+    kind = "regression"
     Options = RegressionOptions
     metrics = {"mae": False}
     field: str = ""  # the record field holding the target
@@ -49,6 +55,10 @@ class RegressionHead(TaskHead):
         registry's "one class per name" check holds when a run's config is read twice)."""
         if not name or not name.isidentifier():
             raise ValueError(f"a regression task's name must be an identifier, not {name!r}")
+        if field is not None and (not isinstance(field, str) or not field):
+            raise ValueError(f"field: the record field holding the target, a name (got {field!r})")
+        if column is not None and (isinstance(column, bool) or not isinstance(column, int) or column < 0):
+            raise ValueError(f"column: the target's index in the field's vector, an integer >= 0 (got {column!r})")
         key = (cls, name, field or name, column)
         if key not in _INSTANCES:
             _INSTANCES[key] = type(f"Regression_{name}", (cls,), {
@@ -77,9 +87,34 @@ class RegressionHead(TaskHead):
         super().__init__()
         options = self.options_from(info.cfg)
         self.unit, self.scale = options.unit, float(options.scale)
+        self.standardise_targets = bool(options.standardise)
         self.fc = nn.Linear(info.feature_channels, 1)
         self.register_buffer("mean", torch.zeros(()))
         self.register_buffer("std", torch.ones(()))
+
+    def fit_training_data(self, train_ds) -> None:
+        """The training split's mean and std of this target (``standardise``; else 0 and 1)."""
+        if not self.standardise_targets:
+            return
+        values = self.targets_of(train_ds).double()
+        std = float(values.std()) if values.numel() > 1 else 0.0
+        if not std > 0:
+            raise DataError(f"task {self.name!r}: its target ({self.field}" + (f"[{self.column}]" if self.column is not None
+                                                                               else "")
+                            + f") is constant on the training split ({values.numel()} item(s)), so it cannot be "
+                            f"standardised; use more training data, or set task_options.{self.name}.standardise=false")
+        self.set_standardisation(float(values.mean()), std)
+
+    @classmethod
+    def targets_of(cls, ds) -> torch.Tensor:
+        """This task's target for every item of ``ds``: from ``ds.field_values(field)`` (all items' values of one
+        field at once, without reading the rest of each record) where the data set has it, else item by item."""
+        values = getattr(ds, "field_values", None)
+        if values is None:
+            return torch.tensor([cls.target_of(ds[i]) for i in range(len(ds))], dtype=torch.float64)
+        t = torch.as_tensor(values(cls.field))
+        t = t.reshape(t.shape[0], -1)
+        return t[:, cls.column] if cls.column is not None else t[:, 0]
 
     def set_standardisation(self, mean: float, std: float) -> None:
         """The training split's mean and std of this target (in the data's units)."""
@@ -91,7 +126,8 @@ class RegressionHead(TaskHead):
     def standardised_prediction(self, features: torch.Tensor) -> torch.Tensor:
         if features.dim() == 4:
             features = features.mean(dim=(2, 3))
-        return self.fc(features).squeeze(-1).float()
+        out = self.fc(features).squeeze(-1)
+        return out.to(torch.promote_types(out.dtype, torch.float32))  # bf16/fp16 up to float32; float64 kept
 
     def standardise(self, y: torch.Tensor) -> torch.Tensor:
         return (y.float() - self.mean) / self.std

@@ -3,7 +3,7 @@
     python -m mtl.tools.qm9_edge_network [--graph complete|bonds] [--batch-size 120] [--molecules 1200]
                                          [--repeats 10] [--device cpu|cuda] [--cache-dir DIR] [--json out.json]
 
-Both models (``mtl.models.mpnn.MPNN`` with ``reuse_edge_network`` True and False) hold the same parameters and
+Both models (``mtl.models.backbones.mpnn.MPNN`` with ``reuse_edge_network`` True and False) hold the same parameters and
 run a training step (forward, a sum of the features as the loss, backward) on the same batches of real QM9
 molecules (qm9pack's first ``--molecules``, built by ``mtl.data.qm9``; on the papers' complete graph by default).
 The two are timed alternately, batch by batch, so that the machine's load affects both alike; the figure is the
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
     from mtl.data import qm9
     from mtl.errors import MTLError
-    from mtl.models.mpnn import MPNN
+    from mtl.models.backbones.mpnn import MPNN
 
     device = torch.device(a.device)
     try:

@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 
+from mtl.delta_m import delta  # the one Δm, in the core
 from mtl.tools.bench.record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
 from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
 
@@ -465,21 +466,6 @@ def meta_cost_note(method: type, options: dict, heldout: int, num_tasks: int) ->
             f"{c['meta_allreduces']} whole-model gradient all-reduces and ~{c['meta_param_copies']} parameter-sized "
             f"vectors held, {'every step' if every == 1 else f'once every {every} steps'}; trains on all but the "
             f"{heldout} held-out items (data.heldout)")
-
-
-def delta(d: dict, base: dict, specs: list, partial: bool = False) -> float:
-    """Δm % of one run against the baselines, lower is better (as Nash-MTL and FAMO report it): per task the mean over
-    its metrics of ``(-1)^h_i (M_i - B_i) / B_i * 100`` (h_i = 1 if higher is better), then the mean over tasks, so
-    each task weighs the same however many metrics it declares. nan when a metric or a baseline is missing (with
-    ``partial``: over the tasks whose metrics the run has, as a single-task baseline has its own task's)."""
-    rel = {key: (-1 if higher else 1) * (d[key] - base[key]) / base[key] * 100
-           for key, _, higher in specs if d.get(key) == d.get(key) and key in d and base.get(key) == base.get(key)
-           and base.get(key)}
-    tasks = [t for t in dict.fromkeys(t for _, t, _ in specs)
-             if not partial or all(k in rel for k, tt, _ in specs if tt == t)]
-    if not specs or not tasks or any(k not in rel for k, t, _ in specs if t in tasks):
-        return float("nan")
-    return statistics.mean(statistics.mean(rel[k] for k, t, _ in specs if t == task) for task in tasks)
 
 
 def per_seed(runs: list[dict], last_k: int, specs: list) -> dict:
