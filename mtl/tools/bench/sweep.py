@@ -1,17 +1,17 @@
 """Benchmark task-weighting methods: quality, convergence, significance and cost in one table. ``make bench``.
 
-    python -m mtl.tools.bench [--preset full|quick|gpu | --config configs/bench.yaml] [--plan] [--analyze]
+    python -m mtl.tools.bench [--preset full|quick|gpu|qm9|qm9_cpu | --config configs/bench.yaml] [--plan] [--analyze]
                               [--on-change retrain|refuse] [key=value ...]
 
 For every regime of ``bench.regimes`` (default: one, ``natural``), trains every method of the regime's list
 (``bench.methods`` unless the regime names its own) for every seed of ``bench.seeds``, plus one single-task
-baseline per task (``tasks=[cls]``, ...) that delta-m needs, each in ``output_dir/runs/<regime>/<method>/seed<k>/``
-and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once, on
-this machine or as one Slurm job each (``bench.launcher``, mtl/tools/bench/launch.py). A regime is a list of
-overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect it should show stated in
-advance (``expect``), printed above its results. Loss-level methods run with ``bench.loss_strategy``,
-gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when the entry says
-``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
+baseline per task of the config (``single_<task>``: ``tasks=[<task>]``) that delta-m needs, each in
+``output_dir/runs/<regime>/<method>/seed<k>/`` and each in **its own process** (``train.py``, or torchrun with
+``bench.nproc`` > 1), ``bench.parallel`` at once, on this machine or as one Slurm job each (``bench.launcher``,
+mtl/tools/bench/launch.py). A regime is a list of overrides (e.g. ``loss_scale.gen=100``: one task's loss on another
+scale) with the effect it should show stated in advance (``expect``), printed above its results. Loss-level methods
+run with ``bench.loss_strategy``, gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy``
+when the entry says ``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
 
 Writes into ``output_dir``: ``results.md`` and ``results.csv`` (one row per regime and method), ``runs.csv`` (one
 row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line per run, failures with their
@@ -32,6 +32,9 @@ Definitions (mtl/tools/bench/stats.py holds the statistics):
   regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime;
 - convergence: per run the least-squares slope of each validation metric over its last ``last_k`` evaluations, per
   100 steps; converged when the 95% t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
+- read against numbers from elsewhere (mtl/tools/bench/compare.py): Δm against ``bench.reference`` (single-task
+  metrics given in the config) in a second column; a paper's Δm per method (``bench.published``) beside ours, with
+  Spearman's rank correlation and its Fisher-z interval; step time and memory of both gradient sources side by side;
 - cost: step time (the median over seeds of each run's median step) as a ratio to ``equal``; peak memory of the
   run's (rank 0's) process: peak RSS on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU; the method's own
   maths (``combine_s``); bytes all-reduced per step with two or more processes; wall time. Each table prints the
