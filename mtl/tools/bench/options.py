@@ -9,7 +9,8 @@ merged like ``task_options``: a file built on another, or the command line, chan
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import yaml
@@ -109,7 +110,25 @@ def bench_option_errors(cfg) -> tuple[BenchOptions, list[str]]:
         sections[name] = schema(**check_options(raw.pop(name, None), schema, f"bench.{name}", errors))
     top = check_options(raw, BenchOptions, "bench", errors)
     top.update(sections)
-    return BenchOptions(**top), errors
+    options = BenchOptions(**top)
+    errors += _finite(options, "bench")
+    return options, errors
+
+
+def _finite(options, prefix: str) -> list[str]:
+    """NaN and inf in a number of the section: refused (NaN passes every range check; YAML reads ``nan`` as a
+    string, which only the typed check above makes a float)."""
+    errors = []
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if is_dataclass(value):
+            errors += _finite(value, f"{prefix}.{f.name}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"{prefix}.{f.name}: must be finite (got {value})")
+        elif isinstance(value, dict):
+            errors += [f"{prefix}.{f.name}.{k}: must be finite (got {v})" for k, v in value.items()
+                       if isinstance(v, float) and not math.isfinite(v)]
+    return errors
 
 
 def bench_options(cfg) -> BenchOptions:
