@@ -174,3 +174,20 @@ def test_the_cost_table_pairs_each_method_s_two_sources():
     assert "| `cagrad(c=0.2)` | 5.00x | 2.00x | 2.00x | 1.25x | 2.50x | 1.60x |" in text
     assert "`pcgrad`" not in text and "| `cagrad` |" not in text  # on one source only: no pair
     assert cost_table("natural", rows[:1] + rows[3:], 11) == ""
+
+
+def test_plan_prints_the_protocol_from_the_config(capsys):
+    """--plan: the protocol the runs follow, read from the config (tasks and Δm's metrics, data, batch, optimizer,
+    steps, selection, seeds, baselines) with the reference and the published table it will be read against."""
+    from mtl.tools.bench.sweep import main
+
+    published = "bench.published={source: 'a paper', dm: {ls: 2.0, si: 1.0}, methods: {ls: equal, si: null}}"
+    assert main(["--config", TINY, TASKS, "bench.methods=[equal]", "bench.seeds=[0, 1]", REFERENCE, published,
+                 "bench.protocol='as the paper says'", "optim.lr=0.002", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "8 runs" in out and "in words: as the paper says" in out
+    assert "tasks (K = 3): cls, gen, count; Δm over cls_acc (higher is better)" in out
+    assert "batch 8 per process x 1 process(es) = 8" in out and "lr=0.002" in out and "max_steps=6" in out
+    assert "single-task baselines: single_cls, single_gen, single_count" in out and "seeds: [0, 1]" in out
+    assert "Δm also against a paper, Table 1: cls_acc 0.8, gen_bleu4 0.5, gen_chrf 0.5, count_acc 0.4" in out
+    assert "read beside a paper: ls 2 (ours: equal), si 1 (ours: not in mtl)" in out
