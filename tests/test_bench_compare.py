@@ -75,6 +75,13 @@ def test_every_task_gets_a_baseline_and_delta_m_is_also_read_against_the_referen
     # (d) the cost of both sources at K = 3: mgda 3x equal's step on the parameters, 1.2x on the features
     cost = text.split("### Cost by gradient source in `natural` (K = 3 tasks)")[1]
     assert "| `mgda` | 3.00x | 1.20x | 1.50x | 1.10x | 2.50x | 1.36x |" in cost
+    # a published table is read beside the first regime only
+    published = "bench.published={source: 'a paper', dm: {ls: 30.0, uw: 1.0, mgda: 40.0}, methods: {ls: equal}}"
+    cfg = load_run_config(TINY, [*over, published])
+    text = write_results(cfg, {"natural": (rcfg, rows, base), "again": (rcfg, rows, base)},
+                         {"regimes": {"natural": spec, "again": {**spec, "baselines_from": "natural"}}})
+    assert text.count("beside a paper") == 1 and "### Regime `natural` beside a paper" in text
+    assert "| ls | `equal` | 30.00 | 27.78 ± 0.00 | 16.67 ± 0.00 |" in text
 
 
 def test_the_reference_is_checked_against_the_tasks_and_their_metrics():

@@ -791,7 +791,9 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
     for regime, (rcfg, rows, base) in per_regime.items():
         spec = meta["regimes"][regime]
         blocks.append(regime_table(cfg, rcfg, regime, spec, rows, base, spec["baselines_from"]))
-        blocks += [t for t in (published_table(opts, regime, rows), cost_table(regime, rows, len(rcfg.tasks))) if t]
+        first = regime == next(iter(per_regime))  # the published table is read beside the first regime only
+        blocks += [t for t in (published_table(opts, regime, rows) if first else "",
+                               cost_table(regime, rows, len(rcfg.tasks))) if t]
     effects = regime_effects(cfg, {k: v[1] for k, v in per_regime.items()})
     if effects:
         blocks.append(effects_table(cfg, effects))
