@@ -198,3 +198,28 @@ def test_plan_prints_the_protocol_from_the_config(capsys):
     assert "single-task baselines: single_cls, single_gen, single_count" in out and "seeds: [0, 1]" in out
     assert "Δm also against a paper, Table 1: cls_acc 0.8, gen_bleu4 0.5, gen_chrf 0.5, count_acc 0.4" in out
     assert "read beside a paper: ls 2 (ours: equal), si 1 (ours: not in mtl)" in out
+
+
+@pytest.mark.parametrize("preset", ["full", "quick", "gpu", "qm9", "qm9_cpu"])
+def test_every_preset_plans(preset, capsys):
+    """Each preset's config checks and plans (``--plan``: the protocol and every run). The QM9 presets are built on
+    configs/qm9.yaml and qm9_cpu.yaml (the QM9 data source and its tasks)."""
+    import os
+
+    from mtl.tools.bench.sweep import main
+
+    from .conftest import ROOT
+
+    base = {"qm9": "qm9.yaml", "qm9_cpu": "qm9_cpu.yaml"}.get(preset)
+    if base and not os.path.isfile(os.path.join(ROOT, "configs", base)):
+        pytest.skip(f"configs/{base} (the QM9 configs) is not in this checkout")
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the presets are paths from the repository's root, as make runs them
+    try:
+        assert main(["--preset", preset, "--plan"]) == 0, capsys.readouterr().err
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr().out
+    assert "protocol (from the config" in out
+    if preset.startswith("qm9"):
+        assert "tasks (K = 11)" in out and "single_Cv" in out and "read beside Nash-MTL" in out
