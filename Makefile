@@ -7,7 +7,7 @@ CONFIG  ?= configs/default.yaml
 NPROC   ?= 2
 RUN_DIR ?= runs/default
 
-.PHONY: install train test test-fast lint tensorboard bench bench-quick bench-toy bench-strategies doctor clean
+.PHONY: install train test test-fast lint tensorboard bench bench-quick bench-qm9 bench-toy bench-strategies doctor clean
 
 # Ranges in pyproject.toml, exact versions from constraints.txt (what CI tests); the qm9 and slurm extras are
 # installed too, since the tests cover the QM9 data and the Slurm launcher.
@@ -44,6 +44,11 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m mtl.tools.bench --preset quick $(ARGS)
+
+# The weighting benchmark on QM9, reduced to this CPU (configs/bench_qm9_cpu.yaml; the install step above brings the
+# qm9 extra). The papers' protocol, for GPUs: python -m mtl.tools.bench --preset qm9. docs/benchmark.md
+bench-qm9: $(STAMP)
+	$(BIN)/python -m mtl.tools.bench --preset qm9_cpu $(ARGS)
 
 # The papers' toy problem at CAGrad's setting (Fig. 1: lr 1e-3, 100,000 steps, its three starts; ARGS=--quick or --variant nashmtl), into runs/toy/
 bench-toy: $(STAMP)

@@ -145,3 +145,34 @@ def test_a_test_split_in_multi_input_mode_is_refused_by_name(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "data.synthetic.test_size / data.test_path: a test split is not supported in multi-input mode" in \
         proc.stderr + proc.stdout
+
+
+def test_the_bench_section_is_the_tools_own_and_checked_by_it(tmp_path, capsys):
+    """The core schema keeps ``bench:`` as a mapping that train.py ignores; the tool checks it against its own
+    dataclasses: a mistyped key is one message with the nearest key (exit 2), a wrong type names the key. A config
+    built on another (``base:``) and the command line change only the bench keys they name, at every depth."""
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.options import bench_option_errors, bench_options
+    from mtl.tools.bench.sweep import main
+
+    assert load_run_config(TINY, ["bench.seedz=[0]"]).bench == {"seedz": [0]}  # train.py's loader lets it pass
+    assert main(["--config", TINY, "bench.seedz=[0]", "bench.slurm.partiton=gpu", "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert "bench: unknown option 'seedz' — did you mean 'bench.seeds'?" in err, err
+    assert "bench.slurm: unknown option 'partiton' — did you mean 'bench.slurm.partition'?" in err, err
+    _, errors = bench_option_errors(load_run_config(TINY, ["bench.alpha=often", "bench.published.dm.ls=high"]))
+    assert any(e.startswith("bench.alpha: bad value 'often'") for e in errors), errors
+    assert any(e.startswith("bench.published.dm: bad value") and "'high'" in e for e in errors), errors
+    base = tmp_path / "base.yaml"
+    base.write_text(f"base: {TINY}\nbench:\n  seeds: [3, 4]\n  slurm: {{partition: gpu, time_min: 30}}\n"
+                    "  regimes: {natural: {expect: kept}}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("base: base.yaml\nbench:\n  slurm: {time_min: 90}\n  regimes: {scaled: {overrides: [loss_scale.gen=2]}}\n")
+    b = bench_options(load_run_config(str(child), ["bench.parallel=2"]))
+    assert (b.seeds, b.parallel, b.slurm.partition, b.slurm.time_min) == ([3, 4], 2, "gpu", 90)
+    assert b.regimes == {"natural": {"expect": "kept"}, "scaled": {"overrides": ["loss_scale.gen=2"]}}
+    assert bench_options(load_run_config(TINY, [])).methods[0] == "equal"  # the tool's defaults
+    # NaN passes every range check: refused in every number of the section
+    _, errors = bench_option_errors(load_run_config(TINY, ["bench.plateau_tol=nan", "bench.published.dm.ls=inf"]))
+    assert "bench.plateau_tol: must be finite (got nan)" in errors and "bench.published.dm.ls: must be finite (got inf)" \
+        in errors, errors

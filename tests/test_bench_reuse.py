@@ -45,7 +45,8 @@ def test_a_changed_training_key_is_never_reused(tmp_path, monkeypatch, capsys):
     _, trained = _sweep(tmp_path, monkeypatch, BASE)
     assert trained == [] and "finished before with this configuration, skipped" in capsys.readouterr().out
     # an analysis-only key (bench.*) may differ: still reused
-    _, trained = _sweep(tmp_path, monkeypatch, [*BASE, "bench.last_k=2", "bench.plateau_tol=0.1"])
+    _, trained = _sweep(tmp_path, monkeypatch, [*BASE, "bench.last_k=2", "bench.plateau_tol=0.1",
+                                                "bench.published.dm={ls: 1.0}", "bench.protocol='in words'"])
     assert trained == []
     # optim.lr changed: trained again, saying which key changed and how
     _, trained = _sweep(tmp_path, monkeypatch, [*BASE, "optim.lr=0.5"])

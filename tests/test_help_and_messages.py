@@ -23,10 +23,23 @@ def test_help_describes_the_keys_documented_above_their_field(capsys):
     lines = {x.split()[0]: x for x in out.splitlines() if x.startswith("  ") and x.split()}
     for key, says in [("data.per_task", "multi-input: each task its own data set"),
                       ("loss_scale", "factor on its training loss"), ("data.heldout", "held out for a bilevel"),
-                      ("bench.regimes", "overrides: [key=value"), ("bench.heldout", "data.heldout of a bilevel"),
                       ("optim.lr", "float = 0.001")]:
         assert says in lines[key], (key, lines[key])
+    assert not any(k.startswith("bench.") for k in lines)  # the benchmark's keys: its own --help (below)
     # each weighting method's options with the comment of its Options dataclass
     options = out[out.index("weighting.options (method=<name>):"):]
     assert "    c: float = 0.4  # the radius of the ball around the average gradient" in options
     assert "  equal: (no options)" in options
+
+
+def test_the_benchmark_s_help_describes_its_own_keys(capsys):
+    from mtl.tools.bench.sweep import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    lines = {x.split()[0]: x for x in out.splitlines() if x.startswith("  ") and x.split()}
+    for key, says in [("bench.regimes", "overrides: [key=value"), ("bench.heldout", "data.heldout of a bilevel"),
+                      ("bench.slurm.partition", "null: the cluster's default partition"),
+                      ("bench.reference.metrics", "task -> {metric: value}")]:
+        assert says in lines[key], (key, lines[key])

@@ -229,54 +229,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class SlurmConfig:
-    """``bench.launcher: slurm``: each run one Slurm job through submitit (docs/benchmark.md, "On a Slurm cluster")."""
-
-    partition: str | None = None  # null: the cluster's default partition
-    time_min: int = 60  # the job's time limit, minutes
-    gpus_per_run: int = 0  # GPUs of each run's job (one node)
-    cpus_per_run: int = 0  # CPUs of each run's job; 0: bench.nproc x bench.threads (at least bench.nproc)
-    mem_gb: int = 0  # memory of each run's job; 0: the partition's default
-    cluster: str = "slurm"  # slurm | local (submitit's local executor: the tests, a check without a cluster)
-    extra: dict[str, Any] = field(default_factory=dict)  # more sbatch parameters (submitit's slurm_additional_parameters)
-
-
-@dataclass
-class BenchConfig:
-    """``python -m mtl.tools.bench``: which methods to compare, over which seeds (train.py ignores this)."""
-
-    # any registered method (weighting_modules too), as name or name(option=value, ...); ``source=features`` in the
-    # parentheses runs a gradient-level method on the shared features' gradients (weighting.source)
-    methods: list[str] = field(default_factory=lambda: ["equal", "uw", "dwa", "rlw", "gls", "famo", "pcgrad", "mgda",
-                                                        "cagrad", "nashmtl", "imtlg", "alignedmtl", "upgrad",
-                                                        "gradnorm"])
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    nproc: int = 1  # processes per run: 1 runs train.py, more run it under torchrun (python -m mtl.tools.launch)
-    parallel: int = 1  # runs at once (each its own process or torchrun)
-    threads: int = 0  # OMP_NUM_THREADS of each run's processes; 0: the CPU count / (parallel x nproc), at least 1
-    baselines: bool = True  # also train the single-task runs that delta-m needs
-    last_k: int = 3  # the convergence slope is read over the last k evaluations
-    # a run has converged when the 95% interval over seeds of each metric's slope (per 100 steps) lies within +-this
-    plateau_tol: float = 0.005
-    alpha: float = 0.05  # family-wise level of the marks against equal: paired t-test, Holm across a table's methods
-    # the evaluation a run reports: best (the best validation delta-m, as Nash-MTL's protocol) | last; its metrics are
-    # read on the test split (data.synthetic.test_size / data.test_path) when the runs have one
-    select: str = "best"
-    launcher: str = "local"  # local (processes on this machine) | slurm (a job per run through submitit: bench.slurm)
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    loss_strategy: str = "feature_leaf"  # ddp.strategy for loss-level methods
-    grad_strategy: str = "task_grads"  # ddp.strategy for gradient-level methods (weighting.source=parameters)
-    feature_strategy: str = "feature_leaf"  # ddp.strategy for gradient-level methods with source=features
-    # data.heldout of a bilevel method's runs (its meta-objective's items, which it does not train on); 0: a tenth
-    # of data.synthetic.train_size, rounded up to whole global batches (user data: set it)
-    heldout: int = 0
-    # name -> {overrides: [key=value, ...], methods: [...] (default: methods), baselines_from: <regime> (reuse that
-    # regime's single-task runs), expect: "what this regime should show, stated before the run"}; empty: one
-    # regime, "natural", with no overrides
-    regimes: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class Config:
     output_dir: str = "runs/default"
     seed: int = 0
@@ -307,7 +259,9 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
+    # the benchmark's section (python -m mtl.tools.bench declares and checks its keys: mtl/tools/bench/options.py);
+    # train.py ignores it. Merged like task_options: a later file or the command line changes only the keys it names
+    bench: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +406,9 @@ def _merge_into(cfg: DictConfig, data: dict, source: str, prefix: list[str], err
             for task, options in value.items():
                 _update(cfg, f"{path[0]}.{task}", options, source, errors, merge=isinstance(options, dict),
                         add=True)  # task names and their options are checked against the task classes later
+            continue
+        if path == ["bench"] and isinstance(value, dict):  # the tool's section: merged key by key, at every depth
+            _update(cfg, "bench", value, source, errors, merge=True, add=True)
             continue
         if path == ["data", "per_task"] and isinstance(value, dict):  # one task's section does not wipe another's
             for task, section in value.items():

@@ -8,19 +8,22 @@ terminated, job cancelled) when the sweep itself is interrupted, so no run outli
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 
+from mtl.errors import ConfigError
+from mtl.tools.bench.options import bench_options
+from mtl.tools.bench.record import provenance, write_record
+
 
 def _die_with_parent() -> None:
     """In a run's process (Linux): SIGTERM when the sweep's process dies, even by SIGKILL, so no run outlives it."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
@@ -70,8 +73,6 @@ def run_job(command: list[str], run_dir: str, env: dict, cwd: str, record_args: 
     """What one Slurm job does (on its node): record where it runs (``bench_run.json``), then train, the output in
     the run's ``log.txt``. Returns the command's exit code."""
     if record_args is not None:
-        from mtl.tools.bench.record import provenance, write_record
-
         config, threads = record_args
         write_record(run_dir, config, provenance(threads))
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
@@ -87,13 +88,12 @@ class SlurmLauncher:
 
     def __init__(self, cfg, env: dict, threads: int):
         try:
-            import submitit
+            import submitit  # an optional dependency (the slurm extra): imported only by this launcher
         except ImportError as e:
-            from mtl.errors import ConfigError
-
             raise ConfigError("bench.launcher=slurm needs submitit (pip install -e '.[slurm]'), or set "
                               "bench.launcher=local") from e
-        s, nproc = cfg.bench.slurm, max(1, int(cfg.bench.nproc))
+        b = bench_options(cfg)
+        s, nproc = b.slurm, max(1, int(b.nproc))
         self.env, self.threads, self.cwd = env, threads, os.getcwd()
         self.executor = submitit.AutoExecutor(folder=os.path.join(cfg.output_dir, "slurm", "%j"), cluster=s.cluster)
         params = {"timeout_min": int(s.time_min), "nodes": 1, "tasks_per_node": 1, "name": "mtl-bench",
@@ -127,7 +127,7 @@ class SlurmLauncher:
 
 
 def make_launcher(cfg, env: dict, threads: int):
-    return SlurmLauncher(cfg, env, threads) if cfg.bench.launcher == "slurm" else LocalLauncher(env)
+    return SlurmLauncher(cfg, env, threads) if bench_options(cfg).launcher == "slurm" else LocalLauncher(env)
 
 
 def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: float = 0.2) -> None:
@@ -135,8 +135,6 @@ def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: f
     ``(command, record)`` (``record()`` writes where it runs); ``finish(run, outcome)`` records it (outcome: True or
     the error). Whatever is still in flight when this is interrupted (Ctrl-C, or SIGTERM: ``scancel`` of a driver
     job) is stopped."""
-    import signal
-
     running: list = []
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is threading.main_thread():

@@ -14,6 +14,8 @@ BASELINE_COLOURS = ("black", "dimgray", "saddlebrown", "darkslategray")  # outsi
 def write_plots(cfg, specs: list, data: dict[str, list], out: str, methods: list[str]) -> list[str]:
     """PNGs into ``out`` from ``data`` (label -> the finished runs' ``read_run`` dicts; baselines as single_<task>)
     for the metrics ``specs`` of the regime's config ``cfg``."""
+    # here, not at the top: the file backend (Agg) is chosen when a figure is written, never as a side effect of
+    # importing this module (an importer may have chosen another backend)
     import matplotlib
 
     matplotlib.use("Agg")

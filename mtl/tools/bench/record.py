@@ -14,6 +14,12 @@ import platform
 import subprocess
 import sys
 
+import numpy
+import torch
+from omegaconf import OmegaConf
+
+from mtl.config.schema import load_config_collecting
+
 RECORD = "bench_run.json"
 # keys of the run config that cannot change what a run trains: where it writes, and the benchmark's own section (every
 # bench.* key that reaches training does so through the run's overrides: methods, strategies, heldout, regimes;
@@ -25,10 +31,6 @@ def training_config(config_path: str, overrides: list[str], nproc: int) -> dict:
     """The resolved configuration a run trains with (``config_path`` + ``overrides``), without ``NOT_TRAINING``, plus
     the number of processes per run (it changes the global batch). Not checked: a run whose configuration its own
     checks refuse (``static`` without weights) fails as a run, recorded, and the sweep goes on."""
-    from omegaconf import OmegaConf
-
-    from mtl.config.schema import load_config_collecting
-
     cfg = OmegaConf.to_container(load_config_collecting(config_path, overrides, []), resolve=True)
     for key in NOT_TRAINING:
         cfg.pop(key, None)
@@ -76,9 +78,6 @@ def provenance(threads: int | None = None) -> dict:
     """Where a run is trained: the commit (with ``+dirty`` for uncommitted changes to tracked files; ``unknown``
     outside a git checkout), the versions of python, torch and numpy, and the hardware (CPU model and count, the
     GPUs torch sees), plus ``OMP_NUM_THREADS`` of the run."""
-    import numpy
-    import torch
-
     commit = _git("rev-parse", "--short=10", "HEAD")
     if commit and _git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"

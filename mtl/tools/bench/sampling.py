@@ -24,15 +24,16 @@ import sys
 import tempfile
 import time
 
+import torch
+
+from mtl.data.loader import to_device
 from mtl.data.multi_input import POLICIES
+from mtl.run.error_report import run_guarded
+from mtl.run.trainer import Trainer
 
 
 def measure(config: str, overrides: list[str], policies: list[str], strategy: str, steps: int,
             rounds: int) -> dict:
-    import torch
-
-    from mtl.data.loader import to_device
-    from mtl.run.trainer import Trainer
 
     torch.manual_seed(0)
     trainers, streams = {}, {}
@@ -99,9 +100,6 @@ def _time_forwards(t, steps: int, rounds: int):
 
 def forwards(config: str, overrides: list[str], steps: int, rounds: int) -> dict:
     """Median seconds of the backbone forward + backward over the concatenated rows vs one per task."""
-
-    from mtl.run.trainer import Trainer
-
     with tempfile.TemporaryDirectory(prefix="bench_forwards_") as out:
         t = Trainer.from_config(config, [*overrides, f"output_dir={out}", "data.sampling.policy=all",
                                          "trainer.progress=false"])
@@ -143,8 +141,6 @@ def main(argv=None) -> int:
         if a.json:
             with open(a.json, "w", encoding="utf-8") as f:
                 json.dump(table, f, indent=2)
-
-    from mtl.run.error_report import run_guarded
 
     return run_guarded(go)  # a bad config or data: one line naming it, its exit code
 

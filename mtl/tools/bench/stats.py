@@ -2,6 +2,9 @@
 reference, Holm's correction across the methods of one table, the smallest difference a table can detect, and the
 slope of a curve.
 
+The rank correlation of our order of methods with a published one is Spearman's rho with a Fisher-z interval
+(``rank_correlation``).
+
 The test is the two-sided **paired t-test** (``scipy.stats.ttest_1samp`` on the per-seed differences, which is
 ``ttest_rel``): at the n = 3-10 seeds a sweep affords it has its nominal size when the differences are about normal,
 and it has power. The exact sign-flip permutation test, the distribution-free alternative, cannot reject at 5% below
@@ -122,3 +125,24 @@ def slope_per_100(points, last_k: int) -> float:
     if len(pts) < 2 or len({p[0] for p in pts}) < 2:
         return float("nan")
     return 100 * float(stats.linregress([p[0] for p in pts], [p[1] for p in pts]).slope)
+
+
+def rank_correlation(x, y, level: float = 0.95) -> dict:
+    """Spearman's rank correlation of paired values (``scipy.stats.spearmanr``; ties get mid-ranks): ``{n, rho, p,
+    lo, hi}``, ``p`` two-sided against no association, ``[lo, hi]`` the ``level`` interval through Fisher's z with
+    the standard error of Fieller, Hartley and Pearson (1957) for Spearman's rho, ``sqrt(1.06 / (n - 3))``:
+    ``tanh(atanh(rho) -+ z_q * se)``. It treats both orders as fixed (the seed noise of our Δm is not in it). Pairs
+    with a nan are left out. rho is nan below 3 pairs, the interval below 4 (and at rho = +-1, where z is
+    infinite)."""
+    pairs = [(float(a), float(b)) for a, b in zip(x, y) if a == a and b == b]
+    nan = float("nan")
+    out = {"n": len(pairs), "rho": nan, "p": nan, "lo": nan, "hi": nan}
+    if len(pairs) < 3:
+        return out
+    res = stats.spearmanr([a for a, _ in pairs], [b for _, b in pairs])
+    out["rho"], out["p"] = float(res.statistic), float(res.pvalue)
+    if len(pairs) >= 4 and abs(out["rho"]) < 1:
+        half = float(stats.norm.ppf(0.5 + level / 2)) * math.sqrt(1.06 / (len(pairs) - 3))
+        z = math.atanh(out["rho"])
+        out["lo"], out["hi"] = math.tanh(z - half), math.tanh(z + half)
+    return out

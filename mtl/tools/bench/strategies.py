@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -34,8 +35,16 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from mtl.parallel.dist import free_port
+from mtl.config.checks import load_run_config
+from mtl.data.loader import to_device
+from mtl.parallel import dist
+from mtl.parallel.dist import CountingComm, free_port
+from mtl.parallel.runtime_checks import check_replicas
+from mtl.run.trainer import Trainer
+from mtl.strategies import strategy_types
 
 # label -> (strategy, overrides, how the table names it).
 # "combined+find_unused": the same single backward with find_unused_parameters=True, to isolate what
@@ -59,8 +68,6 @@ VARIANTS = {
 def strategies_to_time(only: list[str] | None = None) -> list[str]:
     """Every registered strategy but the unsafe ones, ``combined`` (the baseline) first, then the variants
     (or only those in ``only``, ``combined`` always)."""
-    from mtl.strategies import strategy_types
-
     names = [n for n, cls in strategy_types().items() if not cls.unsafe and n != "combined"]
     return [n for n in ["combined", *names, *VARIANTS] if only is None or n == "combined" or n in only]
 BEGIN, END = "<!-- bench-strategies:begin -->", "<!-- bench-strategies:end -->"
@@ -73,8 +80,6 @@ def _setup(rank: int, world: int, port: int) -> None:
 
 
 def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
-    from mtl.run.trainer import Trainer
-
     strategy, extra, _ = VARIANTS.get(label, (label, [], ""))
     return Trainer.from_config(config, [*overrides, *extra, f"ddp.strategy={strategy}", f"output_dir={out_dir}/{label}",
                                         "trainer.progress=false", "resume=null", "ddp.replica_check_every=0"])
@@ -83,10 +88,6 @@ def _trainer(config: str, overrides: list[str], label: str, out_dir: str):
 def count_communication(trainer, counts: dict) -> None:
     """Count reduction rounds and bytes: a DDP comm hook, and the strategy's hand-made collectives
     (``counts['manual']``, through the ``CountingComm`` the step hands the strategy)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    from mtl.parallel.dist import CountingComm
-
     if hasattr(trainer.model, "register_comm_hook"):
         def hook(state, bucket):
             counts["rounds"] += bucket.index() == 0
@@ -99,8 +100,6 @@ def count_communication(trainer, counts: dict) -> None:
 
 def count_fsdp2_step(trainer, batch) -> dict:
     """One more (untimed) step of an FSDP2 trainer under a dispatch mode: its reduce-scatters and their bytes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     seen = {"reduce_scatters": 0, "rs_bytes": 0}
 
     class Count(TorchDispatchMode):
@@ -122,9 +121,6 @@ def _sync(device) -> None:
 
 def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, result_file, only=None):
     _setup(rank, world, port)
-    from mtl.data.loader import to_device
-    from mtl.parallel import dist
-
     names = strategies_to_time(only)
     trainers = {s: _trainer(config, overrides, s, out_dir) for s in names}
     batches = {s: t.batches() for s, t in trainers.items()}
@@ -169,8 +165,6 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
         f_times.append(mid - tic)
         fb_times.append(time.perf_counter() - tic)
         t.optimizer.zero_grad(set_to_none=False)
-    from mtl.parallel.runtime_checks import check_replicas
-
     check_times = []
     for _ in range(max(5, rounds)):
         dist.barrier()
@@ -187,12 +181,7 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
 
 
 def _memory_worker(rank, world, port, config, overrides, strategy, steps, out_dir, result_file):
-    import resource
-
     _setup(rank, world, port)
-    from mtl.data.loader import to_device
-    from mtl.parallel import dist
-
     t = _trainer(config, overrides, strategy, out_dir)
     batches = t.batches()
     batch = to_device(next(batches)[1], t.device)
@@ -234,8 +223,6 @@ def run(config: str, overrides: list[str], nproc: int, rounds: int, steps: int, 
 
 
 def table(result: dict, meta: dict) -> str:
-    from mtl.strategies import strategy_types
-
     types = strategy_types()
     t = result["timing"]
     med = {s: statistics.median(v) for s, v in t["times"].items()}
@@ -295,8 +282,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated strategies/variants to time (combined always)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    from mtl.config.checks import load_run_config
-
     cfg = load_run_config(a.config, a.overrides)
     tic = time.time()
     only = a.only.split(",") if a.only else None

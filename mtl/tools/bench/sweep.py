@@ -1,17 +1,17 @@
 """Benchmark task-weighting methods: quality, convergence, significance and cost in one table. ``make bench``.
 
-    python -m mtl.tools.bench [--preset full|quick|gpu | --config configs/bench.yaml] [--plan] [--analyze]
+    python -m mtl.tools.bench [--preset full|quick|gpu|qm9|qm9_cpu | --config configs/bench.yaml] [--plan] [--analyze]
                               [--on-change retrain|refuse] [key=value ...]
 
 For every regime of ``bench.regimes`` (default: one, ``natural``), trains every method of the regime's list
 (``bench.methods`` unless the regime names its own) for every seed of ``bench.seeds``, plus one single-task
-baseline per task (``tasks=[cls]``, ...) that delta-m needs, each in ``output_dir/runs/<regime>/<method>/seed<k>/``
-and each in **its own process** (``train.py``, or torchrun with ``bench.nproc`` > 1), ``bench.parallel`` at once, on
-this machine or as one Slurm job each (``bench.launcher``, mtl/tools/bench/launch.py). A regime is a list of
-overrides (e.g. ``loss_scale.gen=100``: one task's loss on another scale) with the effect it should show stated in
-advance (``expect``), printed above its results. Loss-level methods run with ``bench.loss_strategy``,
-gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy`` when the entry says
-``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
+baseline per task of the config (``single_<task>``: ``tasks=[<task>]``) that delta-m needs, each in
+``output_dir/runs/<regime>/<method>/seed<k>/`` and each in **its own process** (``train.py``, or torchrun with
+``bench.nproc`` > 1), ``bench.parallel`` at once, on this machine or as one Slurm job each (``bench.launcher``,
+mtl/tools/bench/launch.py). A regime is a list of overrides (e.g. ``loss_scale.gen=100``: one task's loss on another
+scale) with the effect it should show stated in advance (``expect``), printed above its results. Loss-level methods
+run with ``bench.loss_strategy``, gradient-level ones with ``bench.grad_strategy``, or with ``bench.feature_strategy``
+when the entry says ``source=features`` (``mgda(source=features)``: weighting.source, see docs/strategies.md).
 
 Writes into ``output_dir``: ``results.md`` and ``results.csv`` (one row per regime and method), ``runs.csv`` (one
 row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line per run, failures with their
@@ -32,6 +32,9 @@ Definitions (mtl/tools/bench/stats.py holds the statistics):
   regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime;
 - convergence: per run the least-squares slope of each validation metric over its last ``last_k`` evaluations, per
   100 steps; converged when the 95% t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
+- read against numbers from elsewhere (mtl/tools/bench/compare.py): Δm against ``bench.reference`` (single-task
+  metrics given in the config) in a second column; a paper's Δm per method (``bench.published``) beside ours, with
+  Spearman's rank correlation and its Fisher-z interval; step time and memory of both gradient sources side by side;
 - cost: step time (the median over seeds of each run's median step) as a ratio to ``equal``; peak memory of the
   run's (rank 0's) process: peak RSS on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU; the method's own
   maths (``combine_s``); bytes all-reduced per step with two or more processes; wall time. Each table prints the
@@ -52,11 +55,30 @@ import statistics
 import sys
 import time
 
+import yaml
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from torch.utils import tensorboard
+
+from mtl.build import run_method_types, run_task_types
+from mtl.config.checks import gradient_source_errors, load_run_config
+from mtl.config.schema import check_options
 from mtl.delta_m import delta  # the one Δm, in the core
+from mtl.errors import ConfigError
+from mtl.run.checkpoint import list_checkpoints
+from mtl.run.error_report import run_guarded
+from mtl.strategies import strategy_types
+from mtl.tools.bench.compare import cost_table, published_entries, published_errors, published_table, reference_values
+from mtl.tools.bench.entries import method_spec, parse_method  # noqa: F401  (parse_method: this module's interface too)
+from mtl.tools.bench.launch import drive, make_launcher
+from mtl.tools.bench.options import bench_option_errors, bench_options, keys_help
+from mtl.tools.bench.plots import write_plots
 from mtl.tools.bench.record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
 from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
+from mtl.tools.doctor import examine
 
-PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml"}
+PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml",
+           "qm9": "configs/bench_qm9.yaml", "qm9_cpu": "configs/bench_qm9_cpu.yaml"}
 REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
 MARK = {1: "▲", -1: "▼", 0: ""}
 LAUNCHERS = ("local", "slurm")
@@ -65,61 +87,28 @@ LAUNCHERS = ("local", "slurm")
 def metric_specs(cfg) -> list[tuple[str, str, bool]]:
     """``[(metric key, task, higher is better)]``: what each of the config's tasks declares (``TaskHead.metrics``;
     the tasks of ``task_modules`` too)."""
-    from mtl.tasks import task_types
-
-    types = task_types(cfg.get("task_modules") or ())
+    types = run_task_types(cfg)
     return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
 
 
 # ---------------------------------------------------------------------------------------------- methods
 
-_ENTRY = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$")
-
-
-def parse_method(entry: str) -> tuple[str, dict]:
-    """``"cagrad(c=0.2, rescale=false)"`` -> ``("cagrad", {"c": 0.2, "rescale": False})``; values are YAML.
-    A plain name has no options. Raises ValueError for anything else."""
-    import yaml
-
-    m = _ENTRY.match(str(entry))
-    if not m:
-        raise ValueError("needs a method name, optionally with options: name(key=value, ...)")
-    options = {}
-    for part in (m.group(2) or "").split(","):
-        if not part.strip():
-            continue
-        key, eq, raw = part.partition("=")
-        if not eq or not key.strip().isidentifier():
-            raise ValueError(f"{part.strip()!r} is not key=value")
-        try:
-            options[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            options[key.strip()] = raw.strip()
-    return m.group(1), options
-
-
-def method_spec(entry: str) -> tuple[str, dict, str]:
-    """``(name, weighting.options, weighting.source)`` of an entry: ``source`` in the parentheses is the gradient
-    source (``mgda(source=features)``), every other key a method option."""
-    name, options = parse_method(entry)
-    source = options.pop("source", "parameters")
-    return name, options, source
-
-
 def strategy_for(cfg, level: str, source: str) -> str:
+    b = bench_options(cfg)
     if level != "grad":
-        return cfg.bench.loss_strategy
-    return cfg.bench.feature_strategy if source == "features" else cfg.bench.grad_strategy
+        return b.loss_strategy
+    return b.feature_strategy if source == "features" else b.grad_strategy
 
 
 def heldout_for(cfg) -> int:
     """``data.heldout`` for a bilevel method's runs (``needs_heldout_batch``): ``bench.heldout``, else a tenth of the
     synthetic training set rounded up to whole global batches (0 on user data: the method's check then asks)."""
-    if cfg.bench.heldout:
-        return int(cfg.bench.heldout)
+    b = bench_options(cfg)
+    if b.heldout:
+        return int(b.heldout)
     if cfg.data.source != "synthetic":
         return 0
-    glob = int(cfg.data.batch_size) * max(1, int(cfg.bench.nproc))
+    glob = int(cfg.data.batch_size) * max(1, int(b.nproc))
     return -(-int(cfg.data.synthetic.train_size) // 10 // glob) * glob
 
 
@@ -127,13 +116,8 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
     """Every problem of a list of methods (default ``bench.methods``), each naming the entry: unknown or repeated
     entries, the options checked as ``weighting.options`` is for a run (names and types by ``check_options``, ranges
     by the method's ``check``), and the gradient source against the method (as ``weighting.source``)."""
-    from mtl.build import run_method_types
-    from mtl.config.checks import gradient_source_errors
-    from mtl.config.schema import check_options
-    from mtl.strategies import strategy_types
-
     types, strategies, errors, seen = run_method_types(cfg), strategy_types(), [], set()
-    for i, entry in enumerate(cfg.bench.methods if entries is None else entries):
+    for i, entry in enumerate(bench_options(cfg).methods if entries is None else entries):
         where = f"{where_prefix}[{i}] {entry!r}"
         try:
             name, options, source = method_spec(entry)
@@ -165,8 +149,6 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
 
 def method_overrides(entry: str) -> list[str]:
     """The run overrides of one ``bench.methods`` entry: the method, its source and each of its options."""
-    import yaml
-
     name, options, source = method_spec(entry)
     shown = {k: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip() for k, v in options.items()}
     return [f"weighting.method={name}", f"weighting.source={source}",
@@ -182,25 +164,24 @@ def run_folder(label: str) -> str:
 
 def regimes(cfg) -> dict[str, dict]:
     """``{name: {overrides, methods, baselines_from, expect}}`` with defaults filled, in the config's order."""
-    from omegaconf import OmegaConf
-
-    raw = cfg.bench.regimes
-    raw = OmegaConf.to_container(raw) if OmegaConf.is_config(raw) else dict(raw or {})
+    b = bench_options(cfg)
+    raw = dict(b.regimes or {})
     if not raw:
         raw = {"natural": {}}
     out = {}
     for name, spec in raw.items():
         spec = dict(spec or {})
         out[str(name)] = {"overrides": [str(o) for o in spec.get("overrides") or []],
-                          "methods": list(spec.get("methods") or cfg.bench.methods),
+                          "methods": list(spec.get("methods") or b.methods),
                           "baselines_from": spec.get("baselines_from"), "expect": spec.get("expect") or "",
                           "_unknown": [k for k in spec if k not in REGIME_KEYS]}
     return out
 
 
 def bench_errors(cfg) -> list[str]:
-    """Problems of the bench section's own keys (each naming the key and the fix)."""
-    b, errors = cfg.bench, []
+    """Problems of the bench section's own keys (each naming the key and the fix): unknown keys and wrong types
+    (``bench_option_errors``), then their values."""
+    b, errors = bench_option_errors(cfg)
     if not 0 < b.alpha < 1:
         errors.append(f"bench.alpha: {b.alpha} must lie in (0, 1) (the family-wise level of the marks, e.g. 0.05)")
     if b.select not in ("best", "last"):
@@ -221,11 +202,10 @@ def bench_errors(cfg) -> list[str]:
 def regime_configs(cfg, config_path: str, base_overrides: list[str]) -> tuple[dict, list[str]]:
     """``({regime: (spec, its run config)}, errors)``: each regime's overrides loaded and checked as a run's, and
     its method list checked (every error names the regime and the key)."""
-    from mtl.config.checks import load_run_config
-    from mtl.errors import ConfigError
-
     out, errors = {}, bench_errors(cfg)
-    specs = regimes(cfg)
+    if bench_option_errors(cfg)[1]:  # a key or a type: the rest reads the section
+        return out, errors
+    specs, raw_regimes = regimes(cfg), bench_options(cfg).regimes
     for name, spec in specs.items():
         key = f"bench.regimes.{name}"
         if spec["_unknown"]:
@@ -239,9 +219,12 @@ def regime_configs(cfg, config_path: str, base_overrides: list[str]) -> tuple[di
         except ConfigError as e:
             errors += [f"{key}.overrides {spec['overrides']}: {m}" for m in e.errors]
             continue
-        errors += method_errors(rcfg, spec["methods"], f"{key}.methods" if cfg.bench.regimes else "bench.methods")
+        errors += method_errors(rcfg, spec["methods"], f"{key}.methods" if raw_regimes else "bench.methods")
+        errors += reference_values(bench_options(cfg), metric_specs(rcfg))[1]
         out[name] = (spec, rcfg)
-    return out, errors
+    if out:
+        errors += published_errors(bench_options(cfg), run_method_types(next(iter(out.values()))[1]))
+    return out, list(dict.fromkeys(errors))  # a problem every regime shares, once
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -250,22 +233,21 @@ def plan(cfg, loaded: dict | None = None) -> list[dict]:
     """Every run of the sweep: ``{regime, label, seed, dir, overrides, level}``; the baselines as ``single_<task>``
     (in a regime with ``baselines_from``, the other regime's baseline runs stand in: not planned twice). ``loaded``:
     ``regime_configs``' regimes (default: every regime with ``cfg`` itself)."""
-    from mtl.build import run_method_types
-
+    b = bench_options(cfg)
     if loaded is None:
         loaded = {name: (spec, cfg) for name, spec in regimes(cfg).items()}
     runs = []
     for regime, (spec, rcfg) in loaded.items():
         types = run_method_types(rcfg)
         labels = list(spec["methods"])
-        if cfg.bench.baselines and spec["baselines_from"] is None:
+        if b.baselines and spec["baselines_from"] is None:
             labels += [f"single_{t}" for t in rcfg.tasks]
         for label in labels:
-            for seed in cfg.bench.seeds:
+            for seed in b.seeds:
                 if label.startswith("single_"):
                     task = label.split("_", 1)[1]
                     level, over = "loss", [f"tasks=[{task}]", "weighting.method=equal",
-                                           f"ddp.strategy={cfg.bench.loss_strategy}"]
+                                           f"ddp.strategy={b.loss_strategy}"]
                 else:
                     name, _, source = method_spec(label)
                     level = types[name].level
@@ -292,9 +274,10 @@ def run_command(config: str, overrides: list[str], nproc: int) -> list[str]:
 
 
 def run_threads(cfg) -> int:
-    if cfg.bench.threads > 0:
-        return cfg.bench.threads
-    return max(1, (os.cpu_count() or 1) // (max(1, cfg.bench.parallel) * max(1, cfg.bench.nproc)))
+    b = bench_options(cfg)
+    if b.threads > 0:
+        return b.threads
+    return max(1, (os.cpu_count() or 1) // (max(1, b.parallel) * max(1, b.nproc)))
 
 
 def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], on_change: str = "retrain",
@@ -304,11 +287,11 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
     whose configuration changed is trained again (``on_change="retrain"``) or refused before anything trains
     (``"refuse"``: a ConfigError listing every such run and what changed). ``train=False`` (``--analyze``): train
     nothing; the runs not finished with this configuration are marked ``missing``."""
-    total, pending, refused = len(runs), [], []
+    total, pending, refused, nproc = len(runs), [], [], bench_options(cfg).nproc
     for i, r in enumerate(runs, 1):
         r["index"] = i
         head = f"[{i}/{total}] {r['regime']} {r['label']} seed {r['seed']}"
-        r["config"] = training_config(config_path, [*base_overrides, *r["overrides"]], cfg.bench.nproc)
+        r["config"] = training_config(config_path, [*base_overrides, *r["overrides"]], nproc)
         if os.path.isfile(os.path.join(r["dir"], "final_metrics.json")):
             problem = reuse_problem(r["dir"], r["config"])
             if problem is None:
@@ -329,8 +312,6 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
             continue
         pending.append(r)
     if refused:
-        from mtl.errors import ConfigError
-
         raise ConfigError([f"--on-change refuse: {len(refused)} finished run(s) were trained with another "
                            "configuration (re-train them with --on-change retrain, or use another output_dir):",
                            *refused])
@@ -343,17 +324,17 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
 def launch_threads(cfg) -> int:
     """OMP_NUM_THREADS of each run's processes: ``bench.threads``; else for the local launcher this machine's CPUs
     shared by the runs at once, for Slurm the job's CPUs (``bench.slurm.cpus_per_run``) over its processes."""
-    if cfg.bench.launcher == "slurm":
-        return cfg.bench.threads or max(1, int(cfg.bench.slurm.cpus_per_run) // max(1, cfg.bench.nproc))
+    b = bench_options(cfg)
+    if b.launcher == "slurm":
+        return b.threads or max(1, int(b.slurm.cpus_per_run) // max(1, b.nproc))
     return run_threads(cfg)
 
 
 def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> None:
-    from mtl.tools.bench.launch import drive, make_launcher
-
+    b = bench_options(cfg)
     threads = launch_threads(cfg)
     launcher = make_launcher(cfg, {**os.environ, "OMP_NUM_THREADS": str(threads)}, threads)
-    parallel, durations = max(1, cfg.bench.parallel), []
+    parallel, durations = max(1, b.parallel), []
 
     def begin(r):
         left = len(pending) + 1
@@ -363,7 +344,7 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
         if os.path.isdir(r["dir"]):
             shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
         os.makedirs(r["dir"])
-        command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"]], cfg.bench.nproc)
+        command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"]], b.nproc)
         return command, lambda: write_record(r["dir"], r["config"], provenance(threads))
 
     def finish(r, outcome):
@@ -437,11 +418,6 @@ def select(d: dict, specs: list, ref: dict, how: str, split: str) -> None:
 def allreduce_bytes(run_dir: str, strategy: str, num_tasks: int, method: type | None = None, every: int = 1) -> int:
     """Bytes each process all-reduces per step with two or more processes (from the model's sizes): the strategy's,
     plus a bilevel ``method``'s whole-model gradients (``meta_allreduces``) once in ``every`` steps."""
-    from safetensors import safe_open
-
-    from mtl.run.checkpoint import list_checkpoints
-    from mtl.strategies import strategy_types
-
     ckpts = list_checkpoints(run_dir)
     if not ckpts:
         return 0
@@ -486,23 +462,24 @@ def report_split(datas: list[dict]) -> str:
 
 def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_runs: list[dict]) -> tuple[list, dict]:
     """One regime's rows (one per method, then one per baseline) and its baselines ``{metric: mean}``."""
-    from mtl.build import run_method_types
-
+    b = bench_options(cfg)
     specs = metric_specs(rcfg)
     types = run_method_types(rcfg)
     status = {(r["label"], r["seed"]): r.get("status") for r in [*runs, *baseline_runs]}
-    data = per_seed(runs, cfg.bench.last_k, specs)
-    bdata = per_seed(baseline_runs, cfg.bench.last_k, specs)
+    data = per_seed(runs, b.last_k, specs)
+    bdata = per_seed(baseline_runs, b.last_k, specs)
     bruns = {key: [d for d in bdata.get(f"single_{task}", {}).values() if d] for key, task, _ in specs}
     # the scale the evaluations are selected on: the baselines' last validation values (mean over seeds)
     ref = {key: mean_ci(d["val"][key][-1][1] for d in bruns[key] if key in d["val"])[0] for key, _, _ in specs}
     every = [d for group in (data, bdata) for seeds in group.values() for d in seeds.values() if d]
     split = report_split(every)
     for d in every:
-        select(d, specs, ref, cfg.bench.select, split)
+        select(d, specs, ref, b.select, split)
     base = {key: mean_ci(d.get(key) for d in bruns[key])[0] for key, _, _ in specs}
+    given = reference_values(b, specs)[0]  # bench.reference: a second Δm, against single-task metrics from elsewhere
     for d in every:
         d["delta_m"] = delta(d, base, specs)
+        d["delta_m_ref"] = delta(d, given, specs, partial=True) if given else float("nan")
     eq = data.get("equal", {})
     rows = []
     labels = list(spec["methods"]) + [f"single_{t}" for t in rcfg.tasks if f"single_{t}" in bdata]
@@ -519,13 +496,14 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         for key in keys:
             row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
             row[key + "_slope"], row[key + "_slope_ci"] = mean_ci(d.get(key + "_slope") for d in ok.values())
-        row["plateau"], row["moving"] = converged(row, keys, cfg.bench.plateau_tol)
+        row["plateau"], row["moving"] = converged(row, keys, b.plateau_tol)
         row["delta_m"], row["delta_m_ci"] = mean_ci(d.get("delta_m") for d in ok.values())
+        row["delta_m_ref"], row["delta_m_ref_ci"] = mean_ci(d.get("delta_m_ref") for d in ok.values())
         row["split"] = split
         row["selected_step"] = statistics.median(d["selected_step"] for d in ok.values() if "selected_step" in d) \
             if any("selected_step" in d for d in ok.values()) else float("nan")
         diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single and label != "equal"]
-        test = paired_test(diffs, cfg.bench.alpha)
+        test = paired_test(diffs, b.alpha)
         row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"], row["vs_equal_p"] = (
             test["mean"], test["lo"], test["hi"], test["p"])
         row["_diffs"] = diffs
@@ -534,7 +512,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
             row[key], row[key + "_ci"] = mean_ci(d[key] for d in ok.values())
         # the median over seeds of each run's median step time: one run slowed by a busy machine does not count
         row["step_time_s"] = statistics.median(d["step_time_s"] for d in ok.values()) if ok else float("nan")
-        strategy = cfg.bench.loss_strategy if single else strategy_for(cfg, level, source)
+        strategy = b.loss_strategy if single else strategy_for(cfg, level, source)
         row["strategy"] = strategy
         first = next(iter(ok), None)
         row["allreduce_mb"] = (allreduce_bytes(_run_dir(baseline_runs if single else runs, label, first), strategy,
@@ -544,7 +522,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         row["meta_cost"] = meta_cost_note(types[name], options, heldout_for(rcfg), len(rcfg.tasks)) if not single else ""
         row["_seeds"] = ok
         rows.append(row)
-    adjust(rows, "vs_equal", cfg.bench.alpha)
+    adjust(rows, "vs_equal", b.alpha)
     eqrow = next((r for r in rows if r["method"] == "equal"), None)
     for r in rows:
         r["time_vs_equal"] = r["step_time_s"] / eqrow["step_time_s"] if eqrow else float("nan")
@@ -596,6 +574,7 @@ def _run_dir(runs: list[dict], label: str, seed) -> str:
 def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
     """For each regime after the first and each method in both: its delta-m there minus its delta-m in the first
     regime, seed by seed (the paired bootstrap): did the regime change what the method reaches?"""
+    alpha = bench_options(cfg).alpha
     names = list(all_rows)
     if len(names) < 2:
         return []
@@ -607,12 +586,12 @@ def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
                 continue
             a, b = ref[r["method"]]["_seeds"], r["_seeds"]
             diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in b if s in a]
-            t = paired_test(diffs, cfg.bench.alpha)
+            t = paired_test(diffs, alpha)
             out.append({"regime": name, "reference": names[0], "method": r["method"],
                         "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": t["mean"],
                         "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"], "_diffs": diffs})
     for name in names[1:]:  # Holm across the methods of each regime's comparison
-        adjust([e for e in out if e["regime"] == name], "change", cfg.bench.alpha)
+        adjust([e for e in out if e["regime"] == name], "change", alpha)
     return out
 
 
@@ -637,7 +616,7 @@ def quality_sentence(cfg, rows: list[dict]) -> str:
     """How each run's reported evaluation was chosen and on which split it is read."""
     split = next((r["split"] for r in rows if r.get("split")), "validation")
     how = ("the evaluation with the best (lowest) validation Δm (bench.select=best; a run's Δm on validation against "
-           "the baselines' last validation values)" if cfg.bench.select == "best" else
+           "the baselines' last validation values)" if bench_options(cfg).select == "best" else
            "the last evaluation (bench.select=last)")
     where = ("read on the held-out test split, which nothing selected on" if split == "test" else
              "read on the same validation split it was chosen on (the runs have no test split: set "
@@ -655,8 +634,10 @@ def eval_window(rows: list[dict], last_k: int) -> tuple[int, list[int]]:
 
 
 def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dict, shares_baselines: str | None) -> str:
+    b = bench_options(cfg)
     specs = metric_specs(rcfg)
     keys = [k for k, _, _ in specs]
+    has_ref = bool(b.reference.metrics)
     methods = [r for r in rows if r["level"] != "single-task"]
     lines = [f"### Regime `{regime}`" + (f" (overrides: `{' '.join(spec['overrides'])}`)" if spec["overrides"] else ""),
              ""]
@@ -664,38 +645,41 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
         lines += [f"Expected (stated before the run): {spec['expect'].strip()}", ""]
     tasks = list(dict.fromkeys(t for _, t, _ in specs))
     per_task = "; ".join(f"{t}: {', '.join(k for k, tt, _ in specs if tt == t)}" for t in tasks)
-    lines += [f"Mean ± 95% t-interval over seeds {list(cfg.bench.seeds)}. {quality_sentence(cfg, rows)} Δm %: lower "
+    lines += [f"Mean ± 95% t-interval over seeds {list(b.seeds)}. {quality_sentence(cfg, rows)} Δm %: lower "
               f"is better (as Nash-MTL and FAMO report it); per task the mean relative change of its metrics against "
               f"the single-task baseline ({per_task}), then the mean over the {len(tasks)} tasks, so each task weighs "
               "the same. Single-task baselines"
               + (f" (from regime `{shares_baselines}`)" if shares_baselines else "") + ": "
-              + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". " + test_sentence(cfg, methods) + " Peak memory: "
+              + ", ".join(f"{k} {base[k]:.3f}" for k in keys) + ". " + reference_sentence(b, specs, rows)
+              + test_sentence(cfg, methods) + " Peak memory: "
               "the run's own process (peak RSS on the CPU, max allocated on a GPU).", "",
               *provenance_lines([d.get("record") for r in rows for d in r["_seeds"].values()]), "",
-              "| method | level | source | " + " | ".join(keys) + " | Δm % (lower is better) | vs equal (Δm) "
+              "| method | level | source | " + " | ".join(keys) + " | Δm % (lower is better) "
+              + ("| Δm % vs reference " if has_ref else "") + "| vs equal (Δm) "
               "| seeds better | mean rank | step time vs equal | peak mem MB (vs equal) | method maths (ms) "
               "| MB all-reduced/step | wall (s) |",
-              "|---|---|---|" + "---|" * len(keys) + "---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|" + "---|" * (len(keys) + has_ref) + "---|---|---|---|---|---|---|---|---|"]
     for r in sorted(methods, key=lambda r: (r["delta_m"] != r["delta_m"], r["delta_m"] if r["delta_m"] == r["delta_m"]
                                             else 0)):
         failed = f" ({r['runs'] - r['runs_ok']} of {r['runs']} failed)" if r["runs_ok"] < r["runs"] else ""
         if not r["runs_ok"]:
             lines.append(f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
-                         + " | ".join("n/a" for _ in range(len(keys) + 9)) + " |")
+                         + " | ".join("n/a" for _ in range(len(keys) + 9 + has_ref)) + " |")
             continue
         mem = "n/a" if r["peak_mem_mb"] != r["peak_mem_mb"] else f"{r['peak_mem_mb']:.0f} ({r['mem_vs_equal']:.2f}x)"
         lines.append(
             f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
             + " | ".join(_pm(r[k], r[k + "_ci"]) for k in keys)
             + f" | {_pm(r['delta_m'], r['delta_m_ci'], 2)} "
-            f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'], r['vs_equal_p_holm'])} "
+            + (f"| {_pm(r['delta_m_ref'], r['delta_m_ref_ci'], 2)} " if has_ref else "")
+            + f"| {_interval(r['vs_equal'], r['vs_equal_lo'], r['vs_equal_hi'], r['vs_equal_sig'], r['vs_equal_p_holm'])} "
             f"| {r['seeds_better']} | {r['mean_rank']:.1f} "
             f"| {r['time_vs_equal']:.2f}x | {mem} | {r['combine_s'] * 1e3:.2f} | {r['allreduce_mb']:.1f} "
             f"| {r['wall_s']:.0f} |")
-    window, steps = eval_window(rows, cfg.bench.last_k)
+    window, steps = eval_window(rows, b.last_k)
     lines += ["", f"Convergence in `{regime}`: the slope of each validation metric over the last {window} evaluations"
               + (f" (steps {', '.join(map(str, steps))})" if steps else "") + ", per 100 steps (mean ± 95% t-interval "
-              f"over seeds); converged: the interval of every slope lies within ±{cfg.bench.plateau_tol:g}. The "
+              f"over seeds); converged: the interval of every slope lies within ±{b.plateau_tol:g}. The "
               "selected evaluation's step is the median over seeds.",
               "", "| run | steps | selected step | " + " | ".join(f"{k} slope/100 steps" for k in keys)
               + " | converged |", "|---|---|---|" + "---|" * len(keys) + "---|"]
@@ -721,9 +705,23 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
     return "\n".join(lines)
 
 
+def reference_sentence(b, specs: list, rows: list[dict]) -> str:
+    """With ``bench.reference``: its values, and each of our single-task runs' Δm against them (its own task's);
+    empty without one."""
+    given = reference_values(b, specs)[0]
+    if not given:
+        return ""
+    singles = ", ".join(f"{r['method']} {_pm(r['delta_m_ref'], r['delta_m_ref_ci'], 2)}" for r in rows
+                        if r["level"] == "single-task")
+    return (f"Δm % vs reference: the same Δm against the single-task metrics of {b.reference.source or 'bench.reference'} "
+            f"(" + ", ".join(f"{k} {v:g}" for k, v in given.items()) + "); our single-task runs against them: "
+            + (singles or "none") + ". ")
+
+
 def test_sentence(cfg, rows: list[dict], what: str = "vs equal: Δm − Δm(equal) on the same seed") -> str:
     """How one table's marks are made and what its seeds can detect (``detectable``)."""
-    a, d = cfg.bench.alpha, detectable(rows, cfg.bench.alpha)
+    b = bench_options(cfg)
+    a, d = b.alpha, detectable(rows, b.alpha)
     text = (f"{what}: mean [{100 * (1 - a):g}% t-interval], two-sided paired t-test over seeds; ▲ / ▼ where Holm's "
             f"adjusted p (p_Holm, across the {d['m']} comparison{'s' if d['m'] != 1 else ''} of this table) is below "
             f"{a:g}: ▼ a lower Δm "
@@ -750,7 +748,8 @@ def effects_table(cfg, effects: list[dict]) -> str:
 
 
 CSV_FIXED = ["regime", "method", "level", "source", "strategy", "runs_ok", "runs"]
-CSV_TAIL = ["split", "selected_step", "delta_m", "delta_m_ci", "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_p",
+CSV_TAIL = ["split", "selected_step", "delta_m", "delta_m_ci", "delta_m_ref", "delta_m_ref_ci",
+            "vs_equal", "vs_equal_lo", "vs_equal_hi", "vs_equal_p",
             "vs_equal_p_holm", "vs_equal_sig", "seeds_better", "mean_rank", "plateau", "time_vs_equal", "mem_vs_equal",
             "combine_s", "allreduce_mb", "step_time_s", "peak_mem_mb", "wall_s"]
 
@@ -766,17 +765,21 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
         for _, rows, _ in per_regime.values():
             for r in rows:
                 w.writerow(r)
-    run_fields = ["regime", "method", "seed", "selected_step", "delta_m", "steps", "step_time_s", "peak_mem_mb",
-                  "combine_s", "wall_s"] + [k + s for k in all_keys for s in ("", "_slope")]
+    run_fields = ["regime", "method", "seed", "selected_step", "delta_m", "delta_m_ref", "steps", "step_time_s",
+                  "peak_mem_mb", "combine_s", "wall_s"] + [k + s for k in all_keys for s in ("", "_slope")]
     with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=run_fields, extrasaction="ignore")
         w.writeheader()
         for regime, method, seed, d in finished_runs(per_regime, meta["regimes"]):
             w.writerow({**d, "regime": regime, "method": method, "seed": seed})
-    blocks = []
+    opts = bench_options(cfg)
+    blocks = [f"Protocol: {opts.protocol.strip()}"] if opts.protocol.strip() else []
     for regime, (rcfg, rows, base) in per_regime.items():
         spec = meta["regimes"][regime]
         blocks.append(regime_table(cfg, rcfg, regime, spec, rows, base, spec["baselines_from"]))
+        first = regime == next(iter(per_regime))  # the published table is read beside the first regime only
+        blocks += [t for t in (published_table(opts, regime, rows) if first else "",
+                               cost_table(regime, rows, len(rcfg.tasks))) if t]
     effects = regime_effects(cfg, {k: v[1] for k, v in per_regime.items()})
     if effects:
         blocks.append(effects_table(cfg, effects))
@@ -807,9 +810,7 @@ def finished_runs(per_regime: dict, regime_specs: dict) -> list[tuple[str, str, 
 
 def write_hparams(cfg, per_regime: dict, regime_specs: dict) -> None:
     """The TensorBoard hparams view (``tb/``): one entry per finished run, from ``summarize``'s rows."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(os.path.join(cfg.output_dir, "tb"))
+    writer = tensorboard.SummaryWriter(os.path.join(cfg.output_dir, "tb"))
     for regime, method, seed, d in finished_runs(per_regime, regime_specs):
         metrics = {f"hparam/{k}": d[k] for k, _, _ in metric_specs(per_regime[regime][0]) if k in d}
         metrics["hparam/delta_m"] = d["delta_m"]  # lower is better, as in the tables
@@ -832,6 +833,54 @@ def describe_plan(runs: list[dict]) -> str:
     lines = [f"{len(runs)} runs"]
     for regime, kinds in counts.items():
         lines.append(f"  {regime}: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
+    return "\n".join(lines)
+
+
+def _flat(node, prefix: str = "") -> list[str]:
+    """``key=value`` for every leaf of a (nested) mapping."""
+    out = []
+    for k, v in (node or {}).items():
+        if isinstance(v, dict) and v:
+            out += _flat(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={yaml.safe_dump(v, default_flow_style=True, width=1_000).strip().removesuffix('...').strip()}")
+    return out
+
+
+def describe_protocol(cfg, loaded: dict) -> str:
+    """The protocol the runs follow, read from the config (``--plan``): the tasks and the metrics Δm takes, the data
+    and its splits, the batch, the optimizer and schedule, the steps and evaluations, the selection and the split
+    reported, the seeds, and what Δm and the published table are read against. ``bench.protocol`` (the protocol in
+    words) comes first when given; the lines below are what runs."""
+    b = bench_options(cfg)
+    rcfg = next(iter(loaded.values()))[1] if loaded else cfg
+    c = OmegaConf.to_container(rcfg, resolve=True)
+    specs = metric_specs(rcfg)
+    data = c["data"]
+    source_section = data.get(data["source"]) if isinstance(data.get(data["source"]), dict) else None
+    lines = ["protocol (from the config; the runs use exactly this):"]
+    if b.protocol.strip():
+        lines.append(f"  in words: {b.protocol.strip()}")
+    lines += [f"  tasks (K = {len(c['tasks'])}): {', '.join(c['tasks'])}; Δm over "
+              + ", ".join(f"{k} ({'higher' if h else 'lower'} is better)" for k, _, h in specs),
+              f"  data: source={data['source']}" + (f" {' '.join(_flat(source_section))}" if source_section else "")
+              + f"; batch {data['batch_size']} per process x {b.nproc} process(es) = {data['batch_size'] * b.nproc}",
+              f"  model: {' '.join(_flat(c['model']['backbone']))}",
+              f"  optimizer: {' '.join(_flat(c['optim']))}",
+              f"  trainer: {' '.join(_flat({k: v for k, v in c['trainer'].items() if k not in ('progress', 'poison')}))}",
+              f"  selection: bench.select={b.select} ("
+              + ("the evaluation with the best validation Δm against our single-task runs" if b.select == "best"
+                 else "the last evaluation") + "), its metrics read on the test split when the runs evaluate one",
+              f"  seeds: {list(b.seeds)}; single-task baselines: "
+              + (", ".join(f"single_{t}" for t in c["tasks"]) if b.baselines else "none (bench.baselines=false)")]
+    given, _ = reference_values(b, specs)
+    if given:
+        lines.append(f"  Δm also against {b.reference.source or 'bench.reference'}: "
+                     + ", ".join(f"{k} {v:g}" for k, v in given.items()))
+    if b.published.dm:
+        lines.append(f"  read beside {b.published.source or 'bench.published'}: "
+                     + ", ".join(f"{name} {dm:g} (ours: {entry or 'not in mtl'})"
+                                 for name, dm, entry in published_entries(b)))
     return "\n".join(lines)
 
 
@@ -861,13 +910,14 @@ Methodology and presets: docs/benchmark.md."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", epilog=HELP,
+    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench", epilog=f"{HELP}\n\n{keys_help()}",
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Benchmark task-weighting methods: every method of bench.methods x every "
                                             "seed, plus the single-task baselines, each its own run; then the tables.")
     p.add_argument("--config", default=None, help="the bench config (default: the preset's)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="full (configs/bench.yaml, the 60-minute CPU sweep), quick (<= 10 min CPU), gpu")
+                   help="full (configs/bench.yaml, the 60-minute CPU sweep), quick (<= 10 min CPU), gpu; qm9 (the "
+                        "papers' QM9 protocol, for GPUs), qm9_cpu (QM9 reduced to this CPU: make bench-qm9)")
     p.add_argument("--plan", action="store_true",
                    help="check the config and list every run (regime, method, seed, folder, overrides); train nothing")
     p.add_argument("--on-change", choices=("retrain", "refuse"), default="retrain",
@@ -882,11 +932,6 @@ def main(argv: list[str] | None = None) -> int:
     config = a.config or PRESETS[a.preset or "full"]
 
     def go():
-        from mtl.config.checks import load_run_config
-        from mtl.errors import ConfigError
-        from mtl.tools.bench.plots import write_plots
-        from mtl.tools.doctor import examine
-
         if a.config and a.preset:
             raise ConfigError("--config and --preset: give one of them (a preset is a config file: "
                               f"{PRESETS[a.preset]})")
@@ -897,6 +942,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(cfg, loaded=loaded)
         print(describe_plan(runs), flush=True)
         if a.plan:
+            print(describe_protocol(cfg, loaded))
             print(list_runs(runs))
             return
         tic = time.time()
@@ -913,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
         first_cfg = next(iter(loaded.values()))[1]
         # F and B of the bench model, one process on this machine: where the runs trained (the local launcher);
         # a Slurm sweep's runs trained on other nodes, so this machine's F and B would say nothing of them
-        report = examine(first_cfg, batches=1) if cfg.bench.launcher == "local" else {}
+        report = examine(first_cfg, batches=1) if bench_options(cfg).launcher == "local" else {}
         regime_specs = {k: v[0] for k, v in loaded.items()}
         text = write_results(cfg, per_regime, {"forward_s": report.get("forward_s", float("nan")),
                                                "backward_s": report.get("backward_s", float("nan")),
@@ -921,8 +967,6 @@ def main(argv: list[str] | None = None) -> int:
         write_hparams(cfg, per_regime, regime_specs)
         print(text)
         print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
-
-    from mtl.run.error_report import run_guarded
 
     return run_guarded(go)
 

@@ -35,11 +35,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing as mp
 import os
 import sys
 import time
 
 import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from mtl.build import build_weighting
+from mtl.config.schema import Config, check_options
+from mtl.tools.bench.entries import parse_method
+from mtl.tools.bench.toy_problem import VARIANTS, distance_to_curve, loss_offsets, pareto_curve, toy_losses, toy_losses_and_jacobian
+from mtl.weighting import weighting_types
 
 # The papers' settings: (Adam's lr, steps). CAGrad's toy.py: lr 1e-3, n_iter = 100,000; Nash-MTL's
 # experiments/toy/trainer.py: lr 1e-3, n_epochs = 35,000 (its default).
@@ -72,8 +81,6 @@ class Adam2:
 
 def grad_methods() -> list[str]:
     """Every registered gradient-level method, by name."""
-    from mtl.weighting import weighting_types
-
     return sorted(n for n, cls in weighting_types().items() if cls.level == "grad")
 
 
@@ -82,13 +89,6 @@ _CFG = None
 
 def build_method(entry: str, seed: int = 0):
     """The ``Weighting`` a run with ``weighting.method`` (and ``weighting.options``) from ``entry`` builds, K = 2."""
-    from omegaconf import OmegaConf
-
-    from mtl.build import build_weighting
-    from mtl.config.schema import Config, check_options
-    from mtl.tools.bench.sweep import parse_method
-    from mtl.weighting import weighting_types
-
     name, options = parse_method(entry)
     types = weighting_types()
     if name not in types or types[name].level != "grad":
@@ -110,10 +110,6 @@ def build_method(entry: str, seed: int = 0):
 def run_one(entry: str, start, steps: int, lr: float, scale: float, shifted: bool, near: float, keep_every: int,
             curve) -> dict:
     """One method from one start: the trajectory (every ``keep_every`` steps and the last point) and its numbers."""
-    import torch
-
-    from mtl.tools.bench.toy_problem import distance_to_curve, loss_offsets, toy_losses_and_jacobian
-
     torch.set_num_threads(1)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     offsets = loss_offsets(scale, shifted)
@@ -170,14 +166,10 @@ def _run_star(args):
 
 def run_all(methods: list[str], starts, steps: int, lr: float, scale: float, shifted: bool, near: float,
             keep_every: int, jobs: int) -> list[dict]:
-    from mtl.tools.bench.toy_problem import pareto_curve
-
     curve = pareto_curve()
     work = [(m, s, steps, lr, scale, shifted, near, keep_every, curve) for m in methods for s in starts]
     if jobs <= 1:
         return [run_one(*w) for w in work]
-    import multiprocessing as mp
-
     with mp.get_context("spawn").Pool(jobs) as pool:
         return pool.map(_run_star, work, chunksize=1)
 
@@ -213,13 +205,12 @@ def table(results: list[dict], near: float) -> str:
 
 
 def plot(results: list[dict], path: str, scale: float, starts) -> None:
+    # here, not at the top: the file backend (Agg) is chosen when a figure is written, never as a side effect of
+    # importing this module (an importer may have chosen another backend)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import torch
-
-    from mtl.tools.bench.toy_problem import pareto_curve, toy_losses
 
     methods = list(dict.fromkeys(r["method"] for r in results))
     cols = min(4, len(methods))
@@ -280,8 +271,6 @@ def setting_label(variant: str, lr: float, steps: int, papers_starts: bool) -> s
 
 
 def main(argv=None) -> int:
-    from mtl.tools.bench.toy_problem import VARIANTS
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", default="cagrad", choices=sorted(VARIANTS),
                    help="cagrad: CAGrad's toy (default); nashmtl: Nash-MTL's (f1 x 0.1, five starts, shifted losses)")

@@ -35,6 +35,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from scipy.optimize import minimize_scalar
 from torch import Tensor
 
 LOWER = 5e-6  # the log-valleys' floor, as in the papers' code
@@ -67,8 +68,6 @@ def _unscaled_f1_at(x2: float) -> float:
 def loss_minimum() -> tuple[float, float]:
     """(x2, value) of the minimum of the unscaled f1 over the plane, at x1 = 7 (f2's is the mirror image, at x1 = -7,
     with the same value): in the lower bowl, where f1 = q1 c2 (the upper half's f1 is >= log(5e-6) + 6 > -7)."""
-    from scipy.optimize import minimize_scalar
-
     res = minimize_scalar(_unscaled_f1_at, bounds=(-10.0, -7.0), method="bounded", options={"xatol": 1e-12})
     return float(res.x), float(res.fun)
 
