@@ -60,10 +60,10 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from torch.utils import tensorboard
 
-from mtl.build import run_method_types, run_task_types
+from mtl.build import run_method_types
 from mtl.config.checks import gradient_source_errors, load_run_config
 from mtl.config.schema import check_options
-from mtl.delta_m import delta  # the one Δm, in the core
+from mtl.delta_m import delta, metric_specs  # the one Δm, in the core
 from mtl.errors import ConfigError
 from mtl.run.checkpoint import list_checkpoints
 from mtl.run.error_report import run_guarded
@@ -82,13 +82,6 @@ PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "g
 REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
 MARK = {1: "▲", -1: "▼", 0: ""}
 LAUNCHERS = ("local", "slurm")
-
-
-def metric_specs(cfg) -> list[tuple[str, str, bool]]:
-    """``[(metric key, task, higher is better)]``: what each of the config's tasks declares (``TaskHead.metrics``;
-    the tasks of ``task_modules`` too)."""
-    types = run_task_types(cfg)
-    return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]
 
 
 # ---------------------------------------------------------------------------------------------- methods
