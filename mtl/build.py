@@ -30,6 +30,7 @@ from mtl.errors import CheckpointError, ConfigError
 from mtl.models.backbones import build_backbone
 from mtl.models.multitask import MultiTaskModel
 from mtl.parallel.dist import DistInfo, barrier
+from mtl.parallel.fsdp import shard_model
 from mtl.run import checkpoint as ckpt
 from mtl.run.faults import install_poison
 from mtl.strategies import strategy_types
@@ -210,8 +211,6 @@ def wrap_model(cfg, model: torch.nn.Module, strategy, dist: DistInfo) -> torch.n
     """The engine (``ddp.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
     become DTensor shards, so the optimizer is built after this). One process: ``model`` itself."""
     if cfg.ddp.engine == "fsdp2" and dist.distributed:
-        from mtl.parallel.fsdp import shard_model
-
         return shard_model(model, cfg.precision, dist)
     return wrap_ddp(model, strategy, dist)
 

@@ -12,6 +12,8 @@ import importlib.util
 import os
 import pkgutil
 
+from mtl.errors import ConfigError
+
 
 def _plugins(module, base: type) -> dict[str, type]:
     """The ``base`` subclasses defined in ``module`` with a ``name``, by each name they answer to."""
@@ -61,8 +63,6 @@ def discover_modules(specs: list[str], base: type, key: str) -> dict[str, type]:
     """The ``base`` subclasses with a ``name`` defined in each module of ``specs`` (dotted names or .py paths).
 
     ConfigError (all problems at once) names ``key``, the module and why it cannot be used."""
-    from mtl.errors import ConfigError
-
     found: dict[str, type] = {}
     errors = []
     for spec in specs:
@@ -89,8 +89,6 @@ def registered(package: str, base: type, extra_modules, key: str, kind: str) -> 
     if extra_modules:
         for name, cls in discover_modules(list(extra_modules), base, key).items():
             if name in found and found[name] is not cls:
-                from mtl.errors import ConfigError
-
                 raise ConfigError(f"{key}: {kind} {name!r} of {cls.__module__} is also a built-in {kind} "
                                   f"({found[name].__module__}); give it another name")
             found[name] = cls

@@ -196,3 +196,64 @@ def test_the_data_code_names_no_task():
             tree = ast.parse(f.read())
         bad += [(path, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in task_made]
     assert not bad, bad
+
+
+# Files whose imports inside functions are not yet sorted (each is to move to the top or get its reason): how many
+# they hold at most. The numbers may only fall.
+UNSORTED_IN_FUNCTION = {
+    "mtl/run/trainer.py": 3,
+    "mtl/tools/bench/launch.py": 2,
+    "mtl/tools/bench/record.py": 1,
+    "mtl/tools/bench/sampling.py": 4,
+    "mtl/tools/bench/strategies.py": 10,
+    "mtl/tools/bench/sweep.py": 18,
+    "mtl/tools/bench/toy.py": 9,
+}
+REASON = "# import here:"  # then why: the cycle it breaks, or the optional dependency it guards
+
+
+def in_function_imports(folder: str = PACKAGE, root: str = ROOT) -> dict[str, list[tuple[int, bool]]]:
+    """path (relative to root) -> (line, has its reason) of each import of an mtl module inside a function. The
+    reason is a ``# import here: why`` comment on the import's first line or the line above it."""
+    out: dict[str, list[tuple[int, bool]]] = {}
+    for path, found in modules(folder, root):
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        seen = set()
+        for mod, _, node, in_function in found:
+            if not in_function or not (mod == "mtl" or mod.startswith("mtl.")) or node.lineno in seen:
+                continue
+            seen.add(node.lineno)
+            above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+            said = any(REASON in text and text.split(REASON, 1)[1].strip() != ""
+                       for text in (lines[node.lineno - 1], above if above.startswith("#") else ""))
+            out.setdefault(os.path.relpath(path, root).replace(os.sep, "/"), []).append((node.lineno, said))
+    return out
+
+
+def test_an_import_inside_a_function_says_why():
+    """An import inside a function hides an arrow from a reader: one is there only to break a cycle or to guard an
+    optional dependency, and says which (``# import here: ...``)."""
+    bad = []
+    for path, found in in_function_imports().items():
+        unsaid = [line for line, said in found if not said]
+        if path in UNSORTED_IN_FUNCTION:
+            if len(unsaid) > UNSORTED_IN_FUNCTION[path]:
+                bad.append(f"{path}: {len(unsaid)} imports inside functions without a reason, at most "
+                           f"{UNSORTED_IN_FUNCTION[path]} allowed (lines {unsaid})")
+        else:
+            bad += [f"{path}:{line}: an import inside a function, without '{REASON} <why>'" for line in unsaid]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_in_function_checker_sees_them(tmp_path):
+    found = in_function_imports()
+    assert len(found["mtl/tools/bench/sweep.py"]) >= 1  # the tree's own, as long as bench/ holds any
+    pkg = tmp_path / "mtl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import os\n\n\ndef f():\n    from mtl import b\n    import json\n\n\n"
+                              "def g():\n    # import here: mtl.b imports this module\n    from mtl.b import h\n"
+                              "    from mtl.b import k  # import here:\n")
+    (pkg / "b.py").write_text("")
+    assert in_function_imports(str(pkg), str(tmp_path)) == {"mtl/a.py": [(5, False), (11, True), (12, False)]}

@@ -23,8 +23,11 @@ import os
 import yaml
 from omegaconf import OmegaConf
 
-from mtl.config.schema import multi_input
+from mtl.config.checks import option_defaults
+from mtl.config.schema import Config, drop_moved_options, move_keys, multi_input
 from mtl.errors import CheckpointError
+from mtl.run.checkpoint import LEGACY_FORMAT
+from mtl.tasks import task_types
 
 SAFE_TO_CHANGE = (
     "output_dir", "resume", "overwrite", "device", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
@@ -79,9 +82,6 @@ def saved_config(checkpoint_dir: str) -> dict:
 def check_resume_config(checkpoint_dir: str, cfg) -> None:
     saved = saved_config(checkpoint_dir)
     path = os.path.join(checkpoint_dir, "config.yaml")
-    from mtl.config.checks import option_defaults
-    from mtl.config.schema import Config, drop_moved_options, move_keys
-    from mtl.tasks import task_types
 
     # a checkpoint written before a key moved into a task's options (data.max_caption_tokens ...) reads as the new key
     moved = move_keys(saved, path, [])
@@ -134,8 +134,6 @@ def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, eng
     ``batch_stats``: ``batch_statistics_layers``.
 
     An mtl-checkpoint-v1 checkpoint (no sharded ``state/``) cannot reshard at all: a CheckpointError."""
-    from mtl.run.checkpoint import LEGACY_FORMAT
-
     saved_world, saved_engine = int(state.get("world_size") or 1), state.get("engine") or "ddp"
     saved_batch = int(saved_config(checkpoint_dir).get("data", {}).get("batch_size") or cfg.data.batch_size)
     layout = f"{saved_world} process(es) with ddp.engine={saved_engine}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mtl.data.multi_input import step_tasks
 from mtl.errors import TrainingError
 from mtl.parallel.dist import all_gather_objects
 from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
@@ -57,8 +58,6 @@ def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingErro
 
 def absent_task_lines(trainer) -> list[str]:
     """Multi-input: which tasks the previous step left out (every rank derives it from the seed and the step)."""
-    from mtl.data.multi_input import step_tasks
-
     cfg, prior = trainer.cfg, trainer.step - 1
     held = list(dict.fromkeys(step_tasks(trainer.mi.plan, prior, trainer.dist.world_size)))
     absent = [t for t in trainer.tasks if t not in held]

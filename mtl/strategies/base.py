@@ -25,6 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mtl.parallel.dist import Comm
+from mtl.parallel.fsdp import is_sharded, no_gradient_sync
 
 
 @dataclass
@@ -137,7 +138,6 @@ def no_sync(model: torch.nn.Module):
     process. (DDP decides at the forward, FSDP2 at the backward: wrap both.)"""
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
-    from mtl.parallel.fsdp import is_sharded, no_gradient_sync
 
     return no_gradient_sync(model) if is_sharded(model) else contextlib.nullcontext()
 

@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+from mtl.errors import ConfigError
+from mtl.inference import eval_config, evaluate_model, load_model
 from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
@@ -38,9 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
-        from mtl.errors import ConfigError
-        from mtl.inference import eval_config, evaluate_model, load_model
-
         if args.max_batches < 0 or (args.beams is not None and args.beams < 1):
             raise ConfigError("--max-batches must be >= 0 and --beams >= 1")
         predictor = load_model(args.checkpoint, args.device)

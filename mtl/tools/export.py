@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtl.inference import export_model
 from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP
 
@@ -25,8 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
-        from mtl.inference import export_model
-
         print(f"exported to {export_model(args.checkpoint, args.out)}", flush=True)
 
     return run_guarded(run)

@@ -20,6 +20,9 @@ import argparse
 import contextlib
 import sys
 
+from mtl.parallel import dist, fsdp
+from mtl.run.trainer import Trainer
+
 
 def _local(t):
     from torch.distributed.tensor import DTensor
@@ -32,9 +35,6 @@ def _bytes(tensors) -> int:
 
 
 def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = False) -> dict:
-    from mtl.parallel import fsdp  # fsdp.shard_units, looked up at the call: _heads_as_one_unit replaces it
-    from mtl.run.trainer import Trainer
-
     with _heads_as_one_unit() if whole_heads else contextlib.nullcontext():
         trainer = Trainer.from_config(config, [*overrides, f"ddp.engine={engine}", "trainer.progress=false",
                                                "overwrite=true"])
@@ -77,8 +77,6 @@ def _heads_as_one_unit():
     """FSDP2 as it was before heads declared units (``TaskHead.shard_units``): each head one unit, for comparison."""
     from unittest import mock
 
-    from mtl.parallel import fsdp
-
     full = fsdp.shard_units
 
     def whole(model):
@@ -93,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-
-    from mtl.parallel import dist
 
     rows = {e: measure(args.config, list(args.overrides), e) for e in ("ddp", "fsdp2")}
     rows["fsdp2, heads whole"] = measure(args.config, list(args.overrides), "fsdp2", whole_heads=True)

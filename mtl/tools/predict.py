@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from mtl.errors import ConfigError, DataError
+from mtl.inference import image_paths, load_model
 from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
@@ -33,12 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
-        from mtl.errors import ConfigError
-        from mtl.inference import image_paths, load_model
-
         if args.beams < 1 or args.batch_size < 1:
             raise ConfigError("--beams and --batch-size must be >= 1")
-        from mtl.errors import DataError
 
         paths = image_paths(args.images)  # before loading the model: a typo fails fast
         predictor = load_model(args.model, args.device)

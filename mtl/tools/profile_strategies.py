@@ -25,16 +25,15 @@ import time
 
 import torch.multiprocessing as mp
 
+from mtl.parallel import dist
 from mtl.parallel.dist import free_port
+from mtl.run.evaluate import to_device
 from mtl.tools.bench.strategies import _setup, _trainer
 
 
 def _worker(rank, world, port, config, overrides, labels, rounds, out_dir, result_file):
     _setup(rank, world, port)
     from torch.profiler import ProfilerActivity, profile
-
-    from mtl.parallel import dist
-    from mtl.run.evaluate import to_device
 
     names = ["combined", *[n for n in labels if n != "combined"]]
     trainers = {n: _trainer(config, overrides, n, out_dir) for n in names}
