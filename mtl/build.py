@@ -208,9 +208,9 @@ def wrap_ddp(model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Modul
 
 
 def wrap_model(cfg, model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Module:
-    """The engine (``ddp.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
+    """The engine (``parallel.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
     become DTensor shards, so the optimizer is built after this). One process: ``model`` itself."""
-    if cfg.ddp.engine == "fsdp2" and dist.distributed:
+    if cfg.parallel.engine == "fsdp2" and dist.distributed:
         return shard_model(model, cfg.precision, dist)
     return wrap_ddp(model, strategy, dist)
 

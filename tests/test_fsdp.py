@@ -1,4 +1,4 @@
-"""``ddp.engine: fsdp2``, proven: 2 processes x batch B == 1 process x batch 2B, FSDP2 == DDP, the collectives
+"""``parallel.engine: fsdp2``, proven: 2 processes x batch B == 1 process x batch 2B, FSDP2 == DDP, the collectives
 per step, the global gradient norm over shards, and an exact save/resume; plus the config-time refusals.
 
 ONE spawn of three workers (as tests/test_weighting_ddp.py): workers 0 and 1 are a 2-rank gloo run (batch B
@@ -50,7 +50,7 @@ DEADLINE_S = 400
 def overrides(out_dir, batch, strategy, method, engine):
     return [f"output_dir={out_dir}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
             "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.progress=false", "ddp.timeout_s=60",
-            f"ddp.strategy={strategy}", f"weighting.method={method}", f"ddp.engine={engine}", "optim.grad_clip=1.0"]
+            f"ddp.strategy={strategy}", f"weighting.method={method}", f"parallel.engine={engine}", "optim.grad_clip=1.0"]
 
 
 def _counting_mode():
@@ -135,7 +135,7 @@ def _resume_exactly(out_dir, world):
     torch.set_default_dtype(torch.float32)
 
     # 33 validation images in batches of 8: rank 0 evaluates 3 batches, rank 1 2 (a collective per batch would hang)
-    args = [f"output_dir={out_dir}/resume", f"data.batch_size={B}", "trainer.progress=false", "ddp.engine=fsdp2",
+    args = [f"output_dir={out_dir}/resume", f"data.batch_size={B}", "trainer.progress=false", "parallel.engine=fsdp2",
             "ddp.timeout_s=60", "optim.name=adamw", "checkpoint.every_steps=0", "data.synthetic.val_size=33",
             "data.eval_batch_size=8", "trainer.eval_max_batches=0", "trainer.num_samples=0", *RESUME_DECODER]
     a = Trainer.from_config(TINY, args)
@@ -619,14 +619,14 @@ def test_the_fsdp2_example_config_shrunk_trains_on_two_ranks(runs):
 # ---------------------------------------------------------------------------- refusals (in-process, fast)
 
 REFUSED = [
-    (["ddp.strategy=placeholder"], "ddp.strategy: placeholder does not run with ddp.engine=fsdp2"),
-    (["ddp.strategy=task_grads", "weighting.method=dbmtl"], "weighting.method: dbmtl does not run with ddp.engine=fsdp2"),
+    (["ddp.strategy=placeholder"], "ddp.strategy: placeholder does not run with parallel.engine=fsdp2"),
+    (["ddp.strategy=task_grads", "weighting.method=dbmtl"], "weighting.method: dbmtl does not run with parallel.engine=fsdp2"),
     (["ddp.strategy=task_grads", "weighting.method=excessmtl"], "its K x P accumulator S is kept between steps"),
     (["ddp.find_unused_parameters=true"], "ddp.find_unused_parameters: a DistributedDataParallel option"),
     (["ddp.static_graph=true"], "ddp.static_graph: a DistributedDataParallel option"),
-    (["ddp.nan_monitor=true"], "ddp.nan_monitor: not supported with ddp.engine=fsdp2"),
+    (["ddp.nan_monitor=true"], "ddp.nan_monitor: not supported with parallel.engine=fsdp2"),
     (["model.backbone.norm=batch"], "model.backbone.norm: batch keeps per-rank running statistics"),
-    (["ddp.engine=fsdp"], "ddp.engine: 'fsdp' is not one of ddp, fsdp2"),
+    (["parallel.engine=fsdp"], "parallel.engine: 'fsdp' is not one of ddp, fsdp2"),
 ]
 
 
@@ -635,7 +635,7 @@ def test_refused_combinations_are_one_config_error_naming_the_key(tmp_path, extr
     from mtl.config.checks import load_run_config
 
     with pytest.raises(ConfigError) as e:
-        load_run_config(TINY, [f"output_dir={tmp_path}", "ddp.engine=fsdp2", *extra])
+        load_run_config(TINY, [f"output_dir={tmp_path}", "parallel.engine=fsdp2", *extra])
     errors = e.value.errors
     assert sum(says in m for m in errors) == 1, errors
     assert len(errors) == 1, errors
@@ -644,9 +644,9 @@ def test_refused_combinations_are_one_config_error_naming_the_key(tmp_path, extr
 def test_a_refusal_exits_2_through_train_py(tmp_path, capsys):
     import train
 
-    code = train.main(["--config", TINY, f"output_dir={tmp_path}", "ddp.engine=fsdp2", "ddp.strategy=placeholder"])
+    code = train.main(["--config", TINY, f"output_dir={tmp_path}", "parallel.engine=fsdp2", "ddp.strategy=placeholder"])
     assert code == 2
-    assert "ddp.strategy: placeholder does not run with ddp.engine=fsdp2" in capsys.readouterr().err
+    assert "ddp.strategy: placeholder does not run with parallel.engine=fsdp2" in capsys.readouterr().err
 
 
 def test_graddrop_per_shard_is_graddrop_of_the_whole_matrix():

@@ -97,7 +97,7 @@ class Trainer:
         self.heads = dict(self.bare.heads.items())
         self.strategy = build_strategy(cfg)
         self.weighting = build_weighting(cfg).to(self.device)
-        self.amp = Amp(cfg.precision, self.device, sharded=cfg.ddp.engine == "fsdp2" and dist.distributed)
+        self.amp = Amp(cfg.precision, self.device, sharded=cfg.parallel.engine == "fsdp2" and dist.distributed)
         self.bare.autocast_dtype = self.amp.dtype
         self.model = wrap_model(cfg, self.bare, self.strategy, dist)
         self.sharded = is_sharded(self.bare)  # ddp.engine=fsdp2 with a process group

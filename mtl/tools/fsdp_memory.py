@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 -m mtl.tools.fsdp_memory --config configs/default.yaml [key=value ...]
 
-Builds the run once per engine (``ddp.engine=ddp``, then ``fsdp2``) in the same process group, takes two
+Builds the run once per engine (``parallel.engine=ddp``, then ``fsdp2``) in the same process group, takes two
 optimizer steps (so that the optimizer state exists), and sums the bytes of the tensors each rank holds:
 its parameters (under FSDP2 its DTensor shards, ``to_local()``), their gradients, and the optimizer's state.
 Under FSDP2 a unit's full parameters also exist for a moment, while it runs forward or backward: a third step
@@ -36,7 +36,7 @@ def _bytes(tensors) -> int:
 
 def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = False) -> dict:
     with _heads_as_one_unit() if whole_heads else contextlib.nullcontext():
-        trainer = Trainer.from_config(config, [*overrides, f"ddp.engine={engine}", "trainer.progress=false",
+        trainer = Trainer.from_config(config, [*overrides, f"parallel.engine={engine}", "trainer.progress=false",
                                                "overwrite=true"])
         trainer.bare.train()
         for _ in range(2):

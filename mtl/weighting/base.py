@@ -164,7 +164,7 @@ class Weighting(nn.Module):
 
     @classmethod
     def fsdp2_problem(cls) -> str | None:
-        """Why this method cannot run under ``ddp.engine=fsdp2``, or None."""
+        """Why this method cannot run under ``parallel.engine=fsdp2``, or None."""
         return None
 
     def wants_heldout(self, step: int) -> bool:
@@ -195,7 +195,7 @@ class RowWeighting(Weighting):
     gradients of the present tasks -> the (P,) update, and works only where the strategy hands it the rows
     (``task_grads``).
 
-    ``ddp.engine=fsdp2`` (``task_grads`` on sharded gradients, mtl/strategies/task_grads.py): each rank holds only
+    ``parallel.engine=fsdp2`` (``task_grads`` on sharded gradients, mtl/strategies/task_grads.py): each rank holds only
     its columns of G. Such a method runs only if its update is exact column by column: it defines
     ``combine_shard`` (and ``finish_shard``); any other says why not in ``fsdp2_refusal``."""
 
