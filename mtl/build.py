@@ -20,8 +20,8 @@ from mtl.data.loader import (
     build_datasets,
     build_eval_loader,
     build_train_loader,
-    check_task_fields,
     set_epoch,
+    verify_task_fields,
 )
 from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
@@ -160,7 +160,7 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
     if multi_input(cfg):  # each task its own data set; the class list is the labelled task's
         task_sets = build_task_datasets(cfg, types)
         for t, (train, val) in task_sets.items():
-            check_task_fields({t: types[t]}, {"training": train, "validation": val})
+            verify_task_fields({t: types[t]}, {"training": train, "validation": val})
         train_ds = class_source(task_sets, types)
         val_ds = next(v for tr, v in task_sets.values() if tr is train_ds)
 
@@ -168,7 +168,7 @@ def build_run_pieces(cfg, tokenizer_for: Callable | None = None) -> RunPieces:
             return [c for tr, _ in task_sets.values() if "captions" in tr.provides for c in all_captions(tr.inner)]
     else:
         train_ds, val_ds = build_datasets(cfg)
-        check_task_fields(types, {"training": train_ds, "validation": val_ds})
+        verify_task_fields(types, {"training": train_ds, "validation": val_ds})
         captions = lambda: all_captions(train_ds)  # noqa: E731
     tokenizer = tokenizer_for(captions) if tokenizer_for else resolve_tokenizer(cfg, captions)
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)

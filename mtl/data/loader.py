@@ -138,7 +138,7 @@ def provided_fields(ds: Dataset) -> frozenset:
     return frozenset(provides)
 
 
-def check_task_fields(tasks: dict[str, type], datasets: dict[str, Dataset]) -> None:
+def verify_task_fields(tasks: dict[str, type], datasets: dict[str, Dataset]) -> None:
     """Every task's ``requires`` must be in every split's records: one error naming each task, field and fix. A
     task that reads labels needs at least two classes in its training split (one would score 1.0 by
     construction), whatever the source: the synthetic set's own range, ``MIN_CLASSES``."""
@@ -212,7 +212,7 @@ def resume_position(position: dict, batch_size: int, world_size: int) -> tuple[i
     return int(position["epoch"]), batches, rest
 
 
-def check_train_size(size: int, batch_size: int, world_size: int) -> None:
+def verify_train_size(size: int, batch_size: int, world_size: int) -> None:
     """The training set must fill at least one GLOBAL batch (``data.batch_size`` x the number of processes).
 
     Every rank sees the same data-set size, so every rank takes the same decision. With fewer items each
@@ -274,7 +274,7 @@ def build_train_loader(
     sizes comparable. (A resume still needs the world size of the checkpoint: the per-rank RNG
     states do not map onto another number of ranks, and the resume refuses it.) Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
     """
-    check_train_size(len(ds) - heldout, batch_size, world_size)
+    verify_train_size(len(ds) - heldout, batch_size, world_size)
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
     cls = EpochDistributedSampler if hasattr(ds, "set_epoch") else ResumableDistributedSampler
     # the sampler reads only the length of what it is given: the first len(ds) - heldout indices

@@ -108,13 +108,13 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 units.append((f"backbone.{name}" + (f".{sub}" if sub else ""), m))
     for name, head in model.heads.items():
         inner = head.shard_units()
-        _check_no_shared_parameters(name, head, inner)
+        _verify_no_shared_parameters(name, head, inner)
         units += [(f"heads.{name}.{sub}", m) for sub, m in inner]
         units.append((f"heads.{name}", head))
     return units
 
 
-def _check_no_shared_parameters(name: str, head: nn.Module, inner: list[tuple[str, nn.Module]]) -> None:
+def _verify_no_shared_parameters(name: str, head: nn.Module, inner: list[tuple[str, nn.Module]]) -> None:
     """A parameter lives in one FSDP2 unit: a tied weight (GPT-2's wte and LM head) split over two units would be
     sharded twice and stop being one parameter. Refuse a head whose declared units share a parameter with each
     other or with the rest of the head: a ConfigError (one message for the job, not a traceback per rank) naming

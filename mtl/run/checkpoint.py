@@ -217,7 +217,7 @@ def _attempt(what, path_of_error, rank: int) -> str | None:
     return None
 
 
-def _check_extra_name(name: str) -> str:
+def _verify_extra_name(name: str) -> str:
     norm = os.path.normpath(name)
     if os.path.isabs(name) or norm.startswith("..") or norm in (*CORE_FILES, MANIFEST) or norm.startswith("rng_rank"):
         raise ValueError(f"extra checkpoint file name {name!r} is not a free relative name")
@@ -239,7 +239,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".step_{step}.tmp")
-    extra = {_check_extra_name(k): v for k, v in (extra_files or {}).items()}
+    extra = {_verify_extra_name(k): v for k, v in (extra_files or {}).items()}
     _refuse_nonfinite(step, model, sharded, rank)
 
     def start():
@@ -408,11 +408,11 @@ def verify_checkpoint(path: str) -> dict:
         if rel not in listed:
             raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
     if state.get("state"):
-        _check_index(path, name, listed)
+        _verify_index(path, name, listed)
     return state
 
 
-def _check_index(path: str, name: str, listed: dict) -> None:
+def _verify_index(path: str, name: str, listed: dict) -> None:
     """The sharded state's index reads as data (``mtl.run.train_state.read_metadata``: a crafted one is refused unrun),
     and every file it refers to is in the manifest (so present and checked): a shard removed from both the folder
     and the manifest is caught here, not when the resume loads it."""
