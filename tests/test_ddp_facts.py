@@ -18,13 +18,14 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mtl.parallel.dist import free_port
+
+from .conftest import join_spawned
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # tests of torch itself: the slow tier
 
@@ -553,18 +554,7 @@ def _worker(rank, ports, outdir, data, states):
 
 def _spawn(outdir, data, states):
     ports = [free_port() for _ in range(1 + SPARE_GROUPS)]  # spares: re-init after a pattern breaks the group
-    pctx = mp.start_processes(_worker, args=(ports, str(outdir), data, states), nprocs=WORLD, join=False,
-                              start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    try:
-        while not pctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"DDP workers did not finish within {SPAWN_DEADLINE_S} s")
-    finally:
-        for p in pctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    join_spawned(_worker, (ports, str(outdir), data, states), WORLD, SPAWN_DEADLINE_S, "DDP facts")
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
