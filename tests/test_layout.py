@@ -8,6 +8,8 @@ import ast
 import functools
 import os
 import re
+import subprocess
+import sys
 
 from .conftest import ROOT
 
@@ -217,7 +219,7 @@ UNSORTED_IN_FUNCTION = {
     "mtl/tools/bench/sweep.py": 18,
     "mtl/tools/bench/toy.py": 9,
 }
-REASON = "# import here:"  # then why: the cycle it breaks, or the optional dependency it guards
+REASON = "# import here:"  # then why: the cycle it breaks, the optional dependency it guards, or the start-up it spares
 
 
 def in_function_imports(folder: str = PACKAGE, root: str = ROOT) -> dict[str, list[tuple[int, bool]]]:
@@ -239,8 +241,8 @@ def in_function_imports(folder: str = PACKAGE, root: str = ROOT) -> dict[str, li
 
 
 def test_an_import_inside_a_function_says_why():
-    """An import inside a function hides an arrow from a reader: one is there only to break a cycle or to guard an
-    optional dependency, and says which (``# import here: ...``)."""
+    """An import inside a function hides an arrow from a reader: one is there only to break a cycle, to guard an
+    optional dependency or to keep a thin tool's --help from loading torch, and says which (``# import here: ...``)."""
     bad = []
     for path, found in in_function_imports().items():
         unsaid = [line for line, said in found if not said]
@@ -251,6 +253,16 @@ def test_an_import_inside_a_function_says_why():
         else:
             bad += [f"{path}:{line}: an import inside a function, without '{REASON} <why>'" for line in unsaid]
     assert not bad, "\n".join(bad)
+
+
+def test_the_thin_tools_answer_help_without_loading_torch():
+    """evaluate, predict and export import the model code only once their arguments parse (their reason above): their
+    --help and usage errors take a tenth of a second, not the seconds torch and transformers take to load."""
+    code = ("import sys, mtl.tools.evaluate, mtl.tools.predict, mtl.tools.export; "
+            "print(sorted(m for m in ('torch', 'transformers', 'mtl.inference') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
 
 
 def test_the_in_function_checker_sees_them(tmp_path):

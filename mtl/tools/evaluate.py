@@ -19,7 +19,6 @@ import json
 import sys
 
 from mtl.errors import ConfigError
-from mtl.inference import eval_config, evaluate_model, load_model
 from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
@@ -40,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
+        # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
+        from mtl.inference import eval_config, evaluate_model, load_model
+
         if args.max_batches < 0 or (args.beams is not None and args.beams < 1):
             raise ConfigError("--max-batches must be >= 0 and --beams >= 1")
         predictor = load_model(args.checkpoint, args.device)

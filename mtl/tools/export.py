@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtl.inference import export_model
 from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP
 
@@ -26,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
+        # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
+        from mtl.inference import export_model
+
         print(f"exported to {export_model(args.checkpoint, args.out)}", flush=True)
 
     return run_guarded(run)
