@@ -20,17 +20,20 @@ from mtl.data.loader import (
     build_datasets,
     build_eval_loader,
     build_train_loader,
-    check_task_fields,
     input_collate,
     set_epoch,
+    verify_task_fields,
 )
 from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
+from mtl.delta_m import metric_specs
 from mtl.errors import CheckpointError, ConfigError
 from mtl.models.backbones import build_backbone
 from mtl.models.multitask import MultiTaskModel
 from mtl.parallel.dist import DistInfo, barrier
+from mtl.parallel.fsdp import shard_model
+from mtl.plateau import PlateauOnDeltaM
 from mtl.run import checkpoint as ckpt
 from mtl.run.faults import install_poison
 from mtl.strategies import strategy_types
@@ -161,7 +164,7 @@ def build_run_inputs(cfg, tokenizer_for: Callable | None = None) -> RunInputs:
     if multi_input(cfg):  # each task its own data set; the class list is the labelled task's
         task_sets = build_task_datasets(cfg, types)
         for t, (train, val) in task_sets.items():
-            check_task_fields({t: types[t]}, {"training": train, "validation": val})
+            verify_task_fields({t: types[t]}, {"training": train, "validation": val})
         train_ds = class_source(task_sets, types)
         val_ds = next(v for tr, v in task_sets.values() if tr is train_ds)
 
@@ -169,7 +172,7 @@ def build_run_inputs(cfg, tokenizer_for: Callable | None = None) -> RunInputs:
             return [c for tr, _ in task_sets.values() if "captions" in tr.provides for c in all_captions(tr.inner)]
     else:
         train_ds, val_ds = build_datasets(cfg)
-        check_task_fields(types, {"training": train_ds, "validation": val_ds})
+        verify_task_fields(types, {"training": train_ds, "validation": val_ds})
         captions = lambda: all_captions(train_ds)  # noqa: E731
     tokenizer = tokenizer_for(captions) if tokenizer_for else resolve_tokenizer(cfg, captions)
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
@@ -211,11 +214,9 @@ def wrap_ddp(model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Modul
 
 
 def wrap_model(cfg, model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Module:
-    """The engine (``ddp.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
+    """The engine (``parallel.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
     become DTensor shards, so the optimizer is built after this). One process: ``model`` itself."""
-    if cfg.ddp.engine == "fsdp2" and dist.distributed:
-        from mtl.parallel.fsdp import shard_model
-
+    if cfg.parallel.engine == "fsdp2" and dist.distributed:
         return shard_model(model, cfg.precision, dist)
     return wrap_ddp(model, strategy, dist)
 
@@ -243,9 +244,6 @@ def build_scheduler(cfg, optimizer):
 
     o, total = cfg.optim, cfg.trainer.max_steps
     if o.scheduler == "plateau":  # on the validation Δm, stepped by the trainer after each evaluation
-        from mtl.delta_m import metric_specs
-        from mtl.run.plateau import PlateauOnDeltaM
-
         p = o.plateau
         return PlateauOnDeltaM(optimizer, metric_specs(cfg), dict(p.baselines), p.factor, p.patience, p.min_lr)
     if o.scheduler == "cosine":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import statistics
 
+from mtl.tasks import config_task_types
+
 
 def delta(d: dict, base: dict, specs: list, partial: bool = False) -> float:
     """Δm % of one run against the baselines, lower is better (as Nash-MTL and FAMO report it): per task the mean over
@@ -26,7 +28,5 @@ def delta(d: dict, base: dict, specs: list, partial: bool = False) -> float:
 def metric_specs(cfg) -> list[tuple[str, str, bool]]:
     """``[(metric key, task, higher is better)]``: the quality metrics each of the config's tasks declares
     (``TaskHead.metrics``; ``task_modules``' and ``task_instances``' tasks too)."""
-    from mtl.tasks import config_task_types
-
     types = config_task_types(cfg)
     return [(key, t, higher) for t in cfg.tasks for key, higher in types[t].metric_keys()]

@@ -48,7 +48,7 @@ from mtl.build import (
 from mtl.config.resume import saved_config
 from mtl.config.schema import config_from_data, load_config, multi_input, task_data
 from mtl.data.images import image_normalization, normalize_images
-from mtl.data.loader import build_datasets, check_task_fields
+from mtl.data.loader import build_datasets, verify_task_fields
 from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
 from mtl.data.multi_input import build_task_val_sets
 from mtl.data.tokenizer import CaptionTokenizer
@@ -294,7 +294,7 @@ def eval_task_sets(cfg, class_names: list[str]) -> dict:
     sets = build_task_val_sets(cfg, types, SimpleNamespace(class_names=list(class_names),
                                                             num_classes=len(class_names)))
     for t, ds in sets.items():
-        check_task_fields({t: types[t]}, {f"validation (data.per_task.{t}.val_path)": ds})
+        verify_task_fields({t: types[t]}, {f"validation (data.per_task.{t}.val_path)": ds})
     return sets
 
 
@@ -309,7 +309,7 @@ def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: i
         val_ds, task_vals = None, eval_task_sets(cfg, predictor.class_names)
     else:
         val_ds, task_vals = eval_dataset(cfg, predictor.class_names), None
-        check_task_fields(run_task_types(cfg), {"evaluation": val_ds})
+        verify_task_fields(run_task_types(cfg), {"evaluation": val_ds})
     loaders = build_eval_loaders(cfg, val_ds, collate, task_vals)
     beamed = {h: h.num_beams for h in predictor.model.heads.values() if hasattr(h, "num_beams")}  # e.g. gen's
     try:

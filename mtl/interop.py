@@ -20,6 +20,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from mtl.data.images import image_normalization
 from mtl.models.backbones.torchvision_cnn import CONVNEXTS, RESNETS
 
 HF_DIR = "hf_decoder"
@@ -112,7 +113,6 @@ def write_torchvision_backbone(folder: str, cfg, backbone: torch.nn.Module) -> b
         blocks = 2 * int(b.stages) if b.name in CONVNEXTS else None
         run = [f"features[:{blocks}]" if blocks else "features"]
         unused = ["classifier", "features"] if blocks else ["classifier"]
-    from mtl.data.images import image_normalization
 
     normalize = image_normalization(cfg)
     spec = {"torchvision_model": b.name, "norm": "batch" if b.norm in ("sync", "frozen") else b.norm,

@@ -12,6 +12,8 @@ import importlib.util
 import os
 import pkgutil
 
+from mtl.errors import ConfigError
+
 
 def _plugins(module, base: type, attr: str = "name") -> dict[str, type]:
     """The ``base`` subclasses defined in ``module`` with a non-empty ``attr`` (``name``; or ``kind``: a task *type*
@@ -63,8 +65,6 @@ def discover_modules(specs: list[str], base: type, key: str, attr: str = "name")
     or .py paths). A module must define at least one class with a ``name`` or a ``kind``.
 
     ConfigError (all problems at once) names ``key``, the module and why it cannot be used."""
-    from mtl.errors import ConfigError
-
     found: dict[str, type] = {}
     errors = []
     for spec in specs:
@@ -92,8 +92,6 @@ def registered(package: str, base: type, extra_modules, key: str, kind: str, att
     if extra_modules:
         for name, cls in discover_modules(list(extra_modules), base, key, attr).items():
             if name in found and found[name] is not cls:
-                from mtl.errors import ConfigError
-
                 raise ConfigError(f"{key}: {kind} {name!r} of {cls.__module__} is also a built-in {kind} "
                                   f"({found[name].__module__}); give it another name")
             found[name] = cls

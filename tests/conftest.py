@@ -41,16 +41,15 @@ def spawn_env(index: int, port: int) -> int:
     return world
 
 
-def run_spawn(worker, out_dir, deadline_s: float, what: str) -> None:
-    """Run ``worker(index, port, out_dir)`` in three spawned processes (see ``spawn_env``: two ranks and a single
-    process) until all end; a failed worker fails at once (the others are terminated), and past ``deadline_s``
-    every worker is killed and this raises, naming ``what``."""
+def join_spawned(worker, args: tuple, nprocs: int, deadline_s: float, what: str) -> None:
+    """Run ``worker(index, *args)`` in ``nprocs`` spawned processes until all end; a failed worker fails at once (the
+    others are terminated), and past ``deadline_s`` every worker is killed and this raises, naming ``what``."""
     import time
 
     import torch.multiprocessing as mp
 
     deadline = time.monotonic() + deadline_s
-    ctx = mp.start_processes(worker, args=(free_port(), str(out_dir)), nprocs=3, start_method="spawn", join=False)
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, start_method="spawn", join=False)
     try:
         while not ctx.join(timeout=0.5):  # raises if a worker failed (and terminates the others)
             if time.monotonic() > deadline:
@@ -60,6 +59,21 @@ def run_spawn(worker, out_dir, deadline_s: float, what: str) -> None:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def run_spawn(worker, out_dir, deadline_s: float, what: str) -> None:
+    """Run ``worker(index, port, out_dir)`` in three spawned processes (see ``spawn_env``: two ranks and a single
+    process), as ``join_spawned`` does."""
+    join_spawned(worker, (free_port(), str(out_dir)), 3, deadline_s, what)
+
+
+def end_state(trainer, **extra) -> dict:
+    """What a parity test compares after a run's steps: the model's state (cloned), the weighting method's state and
+    weights, and ``extra``. Closes the trainer."""
+    out = {"model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
+           "weighting": trainer.weighting.state_dict(), "weights": trainer.weighting.weights(), **extra}
+    trainer.close()
+    return out
 
 
 def copy_outside(example: str, tmp_path, name: str) -> str:
@@ -96,6 +110,22 @@ def spawn_ranks(target, folder, timeout_s: float, world: int = 2) -> dict:
             if p.is_alive():
                 p.kill()
     return got
+
+
+def parity_worker(run, index: int, port: int, out_dir: str) -> None:
+    """A spawned worker of a 2-processes-equal-1-process test, given to ``spawn_parity_runs`` as
+    ``functools.partial(parity_worker, run)``: index 0 and 1 are the two ranks, 2 the single process (``spawn_env``),
+    one thread each. Saves what ``run(world, out_dir)`` returns as ``<who>.pt``; the process group ends in any case."""
+    import torch
+
+    from mtl.parallel import dist
+
+    world = spawn_env(index, port)
+    torch.set_num_threads(1)
+    try:
+        torch.save(run(world, out_dir), os.path.join(out_dir, f"rank{index}.pt" if world > 1 else "single.pt"))
+    finally:
+        dist.destroy()
 
 
 def spawn_parity_runs(worker, tmp_path_factory, name: str, deadline_s: float, what: str) -> dict:

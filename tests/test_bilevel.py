@@ -296,7 +296,7 @@ def test_the_config_refuses_what_a_bilevel_method_cannot_do(method):
     assert err.startswith("data.heldout:") and "data.heldout=32" in err
     (err,) = errors_of(TINY, [m, "data.heldout=16", "precision=fp16"])
     assert err.startswith("precision:") and "bf16" in err
-    (err,) = errors_of(TINY, [m, "data.heldout=16", "ddp.engine=fsdp2", "ddp.strategy=feature_leaf"])
+    (err,) = errors_of(TINY, [m, "data.heldout=16", "parallel.engine=fsdp2", "ddp.strategy=feature_leaf"])
     assert err.startswith("weighting.method:") and "whole parameter vector" in err
     errs = errors_of("configs/multi_input.yaml", [m, "data.heldout=16"])
     assert any(e.startswith("data.per_task:") and "multi-input" in e for e in errs), errs

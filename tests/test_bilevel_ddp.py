@@ -11,6 +11,7 @@ rank average) misses the single process's by far, while the rank-averaged one th
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 
 from mtl.weighting import weighting_types
 
-from .conftest import TINY, spawn_env, spawn_parity_runs
+from .conftest import TINY, end_state, parity_worker, spawn_parity_runs
 from .test_weighting_ddp import DTYPE, bitwise_equal, max_rel_diff
 
 B = 4
@@ -38,60 +39,49 @@ def _to64(batch):
     return {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
 
 
-def _worker(index, port, out_dir):
-    world = spawn_env(index, port)
-    from mtl.parallel import dist
+def _runs(world, out_dir):
     from mtl.run.trainer import Trainer
     from mtl.weighting.autolambda import autolambda_hypergradient
     from mtl.weighting.bilevel import ModelVector
 
-    torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
-    who = f"rank{index}" if world > 1 else "single"
     results, captured = {}, {}
-    try:
-        for method in METHODS:
-            trainer = Trainer.from_config(TINY, [
-                f"output_dir={os.path.join(out_dir, f'world{world}', method)}", f"data.batch_size={2 * B // world}",
-                "optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0", "optim.warmup_steps=0",
-                "trainer.progress=false", "ddp.timeout_s=60", f"weighting.method={method}", "data.heldout=8",
-                *EXTRA.get(method, [])])
-            assert trainer.dist.world_size == world
-            collate = trainer.feed.heldout.collate
-            trainer.feed.heldout.collate = lambda recs, c=collate: _to64(c(recs))
-            if method == "autolambda":  # the negative control: the same hypergradient without the rank averages
-                meta_step = trainer.weighting.meta_step
+    for method in METHODS:
+        trainer = Trainer.from_config(TINY, [
+            f"output_dir={os.path.join(out_dir, f'world{world}', method)}", f"data.batch_size={2 * B // world}",
+            "optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0", "optim.warmup_steps=0",
+            "trainer.progress=false", "ddp.timeout_s=60", f"weighting.method={method}", "data.heldout=8",
+            *EXTRA.get(method, [])])
+        assert trainer.dist.world_size == world
+        collate = trainer.feed.heldout.collate
+        trainer.feed.heldout.collate = lambda recs, c=collate: _to64(c(recs))
+        if method == "autolambda":  # the negative control: the same hypergradient without the rank averages
+            meta_step = trainer.weighting.meta_step
 
-                def spy(meta, w=trainer.weighting, meta_step=meta_step):
-                    if "local" not in captured:
-                        mv = ModelVector(meta.model)
-                        captured["local"] = autolambda_hypergradient(
-                            lambda th: mv.losses(th, meta.batch, w.tasks), lambda th: mv.losses(th, meta.heldout,
-                                                                                                w.primary).sum(),
-                            mv.vector(), w.lam, float(meta.lr), float(w.options.fd_eps))[0]
-                    stats = meta_step(meta)
-                    captured.setdefault("reduced", torch.stack([stats[f"meta_hypergrad/{t}"] for t in w.tasks]))
-                    return stats
+            def spy(meta, w=trainer.weighting, meta_step=meta_step):
+                if "local" not in captured:
+                    mv = ModelVector(meta.model)
+                    captured["local"] = autolambda_hypergradient(
+                        lambda th: mv.losses(th, meta.batch, w.tasks), lambda th: mv.losses(th, meta.heldout,
+                                                                                            w.primary).sum(),
+                        mv.vector(), w.lam, float(meta.lr), float(w.options.fd_eps))[0]
+                stats = meta_step(meta)
+                captured.setdefault("reduced", torch.stack([stats[f"meta_hypergrad/{t}"] for t in w.tasks]))
+                return stats
 
-                trainer.weighting.meta_step = spy
-            batches = trainer.batches()
-            trainer.bare.train()
-            for _ in range(STEPS):
-                trainer.step_once(_to64(next(batches)[1]))
-            results[method] = {
-                "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
-                "weighting": trainer.weighting.state_dict(), "weights": trainer.weighting.weights(),
-                "heldout": trainer.feed.heldout.state_dict(),
-            }
-            trainer.close()
-        torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{who}.pt"))
-    finally:
-        dist.destroy()
+            trainer.weighting.meta_step = spy
+        batches = trainer.batches()
+        trainer.bare.train()
+        for _ in range(STEPS):
+            trainer.step_once(_to64(next(batches)[1]))
+        results[method] = end_state(trainer, heldout=trainer.feed.heldout.state_dict())
+    return {"results": results, "captured": captured}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawn_parity_runs(_worker, tmp_path_factory, "bilevel_ddp", DEADLINE_S, "bilevel DDP")
+    worker = functools.partial(parity_worker, _runs)
+    return spawn_parity_runs(worker, tmp_path_factory, "bilevel_ddp", DEADLINE_S, "bilevel DDP")
 
 
 @pytest.mark.slow  # one 3-process spawn, about 30 s: the full suite's, like the other parity proofs

@@ -458,7 +458,7 @@ def test_stale_locks_a_reused_pid_and_an_earlier_attempt_of_the_same_job(tmp_pat
 
 
 def test_a_checkpoint_config_resolves_no_interpolation(tmp_path, monkeypatch):
-    from mtl.config.resume import check_resume_config
+    from mtl.config.resume import verify_resume_config
 
     monkeypatch.setenv("MY_API_TOKEN", "s3cret-token-value")
     path = save(tmp_path, 2)
@@ -467,7 +467,7 @@ def test_a_checkpoint_config_resolves_no_interpolation(tmp_path, monkeypatch):
     with open(os.path.join(path, "config.yaml"), "w") as f:
         f.write(crafted)
     with pytest.raises(CheckpointError) as e:
-        check_resume_config(path, config(tmp_path))
+        verify_resume_config(path, config(tmp_path))
     assert "seed: checkpoint '${oc.env:MY_API_TOKEN}', now 0" in e.value.message
     assert "s3cret" not in e.value.message
     # a user's own config is trusted: there the resolvers work (README, mtl/config/schema.py)
@@ -481,7 +481,7 @@ def test_a_key_added_to_the_schema_since_the_checkpoint_counts_as_its_default(tm
     defaults the resume goes on (the run is the same run); set otherwise, it is refused naming the key."""
     import yaml
 
-    from mtl.config.resume import check_resume_config
+    from mtl.config.resume import verify_resume_config
 
     path = save(tmp_path, 2)
     with open(os.path.join(path, "config.yaml")) as f:
@@ -489,9 +489,9 @@ def test_a_key_added_to_the_schema_since_the_checkpoint_counts_as_its_default(tm
     del old["data"]["normalize"], old["data"]["augment"]
     with open(os.path.join(path, "config.yaml"), "w") as f:
         yaml.safe_dump(old, f)
-    check_resume_config(path, config(tmp_path))  # nothing differs
+    verify_resume_config(path, config(tmp_path))  # nothing differs
     with pytest.raises(CheckpointError) as e:
-        check_resume_config(path, config(tmp_path, "data.normalize=imagenet"))
+        verify_resume_config(path, config(tmp_path, "data.normalize=imagenet"))
     assert "data.normalize: checkpoint 'auto', now 'imagenet'" in e.value.message
     assert "data.augment" not in e.value.message
 

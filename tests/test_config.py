@@ -84,6 +84,39 @@ def test_semantic_errors_name_the_key(override, key):
     assert any(e.startswith(key) for e in errs), errs
 
 
+def test_the_engine_under_its_old_name_still_reads_with_a_note(tmp_path, capsys, monkeypatch):
+    """ddp.engine moved to parallel.engine: a config file or an override with the old name is read as the new key and
+    says so, once per process; a checkpoint's config.yaml with it is read without a note (mtl wrote it, and it still
+    resumes); the two names at odds are an error."""
+    import yaml
+
+    from mtl.config import schema
+    from mtl.config.resume import verify_resume_config
+
+    monkeypatch.setattr(schema, "_NOTED", set())
+    monkeypatch.delenv("RANK", raising=False)
+    old = write(tmp_path, f"base: {TINY}\nddp:\n  engine: fsdp2\n  strategy: combined\n")
+    cfg = load_config(old)
+    assert cfg.parallel.engine == "fsdp2" and "engine" not in cfg.ddp and cfg.ddp.strategy == "combined"
+    load_config(old, ["trainer.max_steps=2"])
+    err = capsys.readouterr().err
+    assert err.count("ddp.engine is now parallel.engine") == 1 and old in err, err
+    assert load_config(TINY, ["ddp.engine=fsdp2"]).parallel.engine == "fsdp2"
+    assert "command line: ddp.engine is now parallel.engine" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"ddp.engine \(the old name\) and parallel.engine"):
+        load_config(TINY, ["ddp.engine=fsdp2", "parallel.engine=ddp"])
+
+    cfg = load_run_config(TINY, [f"output_dir={tmp_path}"])
+    saved = yaml.safe_load(schema.to_yaml(cfg))  # a checkpoint's config.yaml from before the move
+    saved["ddp"]["engine"] = saved.pop("parallel")["engine"]
+    ckpt = tmp_path / "step_3"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(saved))
+    verify_resume_config(str(ckpt), cfg)
+    assert schema.config_from_data(saved, "config.yaml").parallel.engine == "ddp"
+    assert "parallel.engine" not in capsys.readouterr().err
+
+
 def test_known_bad_ddp_combinations_explain_why():
     # one shared forward with find_unused_parameters=True: refused with the reason
     errs = errors_of(TINY, ["ddp.strategy=feature_leaf", "ddp.find_unused_parameters=true"])

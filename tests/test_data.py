@@ -433,6 +433,18 @@ def _image_folder(root):
     return root
 
 
+def _line_2_refused_or_skipped(make, path: str, why: str):
+    """``make(**kw)`` builds a data set whose ``path`` has one good line and a bad line 2: by default a DataError names
+    the file, the line and ``why``; with on_error="skip" the set holds the good line and counts the bad one. Returns
+    that set."""
+    with pytest.raises(DataError) as err:
+        make()
+    assert path in str(err.value) and "line 2" in str(err.value) and why in str(err.value)
+    skipping = make(on_error="skip")
+    assert len(skipping) == 1 and skipping.skipped == 1
+    return skipping
+
+
 def test_image_folder(tmp_path):
     root = _image_folder(tmp_path / "train")
     _write_lines(
@@ -455,11 +467,8 @@ def test_image_folder(tmp_path):
         tmp_path / "val_caps.jsonl",
         [{"image": "cat/1.png", "caption": "c"}, {"image": "bird/1.png", "caption": "b"}],
     )
-    with pytest.raises(DataError) as err:
-        ImageFolderCaptions(str(val), captions_file=caps, class_names=ds.class_names)
-    assert caps in str(err.value) and "line 2" in str(err.value) and "class folder" in str(err.value)
-    skipping = ImageFolderCaptions(str(val), captions_file=caps, class_names=ds.class_names, on_error="skip")
-    assert len(skipping) == 1 and skipping.skipped == 1
+    _line_2_refused_or_skipped(lambda **kw: ImageFolderCaptions(str(val), captions_file=caps, class_names=ds.class_names,
+                                                                **kw), caps, "class folder")
 
 
 def test_image_folder_bad_image(tmp_path):
@@ -469,11 +478,8 @@ def test_image_folder_bad_image(tmp_path):
         root / "captions.jsonl",
         [{"image": "cat/1.png", "caption": "a cat"}, {"image": "dog/cut.jpg", "caption": "a dog"}],
     )
-    with pytest.raises(DataError) as err:
-        ImageFolderCaptions(str(root))
-    assert path in str(err.value) and "line 2" in str(err.value) and "cut.jpg" in str(err.value)
-    ds = ImageFolderCaptions(str(root), on_error="skip")
-    assert len(ds) == 1 and ds.skipped == 1 and "cut.jpg" in ds.skip_reasons[0]
+    ds = _line_2_refused_or_skipped(lambda **kw: ImageFolderCaptions(str(root), **kw), path, "cut.jpg")
+    assert "cut.jpg" in ds.skip_reasons[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,13 +18,14 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mtl.parallel.dist import free_port
+
+from .conftest import join_spawned
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]  # tests of torch itself: the slow tier
 
@@ -176,40 +177,40 @@ def _pertask_step(ddp, rec, it, x, yc, yg):
     lg.backward()
 
 
-def p_pertask(ctx, rec, hook=True, **flags):
-    ddp, cnt = ctx.make(hook=hook, **flags)
+def _counted_iterations(ctx, rec, ddp, cnt):
+    """The two iterations of a pattern whose buckets are counted: zero_grad, then ``(it, x, yc, yg)`` for the caller's
+    passes; after them, the iteration's gradients and how many buckets it reduced; at the end the highest bucket
+    index seen."""
     for it in range(2):
         ddp.zero_grad()
         before = cnt["b0"]
-        _pertask_step(ddp, rec, it, *ctx.batch(it))
+        yield (it, *ctx.batch(it))
         rec[f"grads{it}"], rec[f"count{it}"] = ctx.grads(ddp.module), cnt["b0"] - before
     rec["max_bucket_index"] = cnt["max_index"]
+
+
+def p_pertask(ctx, rec, hook=True, **flags):
+    ddp, cnt = ctx.make(hook=hook, **flags)
+    for it, x, yc, yg in _counted_iterations(ctx, rec, ddp, cnt):
+        _pertask_step(ddp, rec, it, x, yc, yg)
 
 
 def p_placeholder(ctx, rec, hook=True):
     ddp, cnt = ctx.make(hook=hook, find_unused_parameters=False)
     mod = ddp.module
-    for it in range(2):
-        ddp.zero_grad()
-        before = cnt["b0"]
-        x, yc, yg = ctx.batch(it)
+    for it, x, yc, yg in _counted_iterations(ctx, rec, ddp, cnt):
         rec["stage"] = f"it{it}:cls"
         lc = _loss_cls(ddp(x, "cls"), yc) + 0 * sum(p.sum() for p in mod.gen.parameters())
         lc.backward()
         rec["stage"] = f"it{it}:gen"
         lg = _loss_gen(ddp(x, "gen"), yg) + 0 * sum(p.sum() for p in mod.cls.parameters())
         lg.backward()
-        rec[f"grads{it}"], rec[f"count{it}"] = ctx.grads(mod), cnt["b0"] - before
-    rec["max_bucket_index"] = cnt["max_index"]
 
 
 def p_nosync_first(ctx, rec, hook=True, **flags):
     """First task's F and B inside no_sync(), second task's F and B synced."""
     ddp, cnt = ctx.make(hook=hook, **flags)
-    for it in range(2):
-        ddp.zero_grad()
-        before = cnt["b0"]
-        x, yc, yg = ctx.batch(it)
+    for it, x, yc, yg in _counted_iterations(ctx, rec, ddp, cnt):
         rec["stage"] = f"it{it}:F_cls(no_sync)"
         with ddp.no_sync():
             _loss_cls(ddp(x, "cls"), yc).backward()
@@ -217,8 +218,6 @@ def p_nosync_first(ctx, rec, hook=True, **flags):
         lg = _loss_gen(ddp(x, "gen"), yg)
         rec["stage"] = f"it{it}:B_gen"
         lg.backward()
-        rec[f"grads{it}"], rec[f"count{it}"] = ctx.grads(ddp.module), cnt["b0"] - before
-    rec["max_bucket_index"] = cnt["max_index"]
 
 
 def p_shared_retain(ctx, rec, **flags):
@@ -240,10 +239,8 @@ def p_shared_retain(ctx, rec, **flags):
 def p_detach(ctx, rec, hook=True, **flags):
     """Shared F, the generation head reads features.detach(); l_gen.backward(); l_cls.backward()."""
     ddp, cnt = ctx.make(hook=hook, **flags)
-    for it in range(2):
-        ddp.zero_grad()
+    for it, x, yc, yg in _counted_iterations(ctx, rec, ddp, cnt):
         before = cnt["b0"]
-        x, yc, yg = ctx.batch(it)
         rec["stage"] = f"it{it}:F"
         oc, og = ddp(x, "detach")
         lc, lg = _loss_cls(oc, yc), _loss_gen(og, yg)
@@ -252,17 +249,12 @@ def p_detach(ctx, rec, hook=True, **flags):
         rec[f"count_after_B_gen{it}"] = cnt["b0"] - before
         rec["stage"] = f"it{it}:B_cls"
         lc.backward()
-        rec[f"grads{it}"], rec[f"count{it}"] = ctx.grads(ddp.module), cnt["b0"] - before
-    rec["max_bucket_index"] = cnt["max_index"]
 
 
 def p_leaf(ctx, rec, hook=True, **flags):
     """Heads read fl = features.detach().requires_grad_(); l_cls.backward(); l_gen.backward(); f.backward(fl.grad)."""
     ddp, cnt = ctx.make(hook=hook, **flags)
-    for it in range(2):
-        ddp.zero_grad()
-        before = cnt["b0"]
-        x, yc, yg = ctx.batch(it)
+    for it, x, yc, yg in _counted_iterations(ctx, rec, ddp, cnt):
         rec["stage"] = f"it{it}:F"
         f, fl, oc, og = ddp(x, "leaf")
         lc, lg = _loss_cls(oc, yc), _loss_gen(og, yg)
@@ -274,8 +266,6 @@ def p_leaf(ctx, rec, hook=True, **flags):
         rec[f"fgrad_gen{it}"] = fl.grad.clone() - rec[f"fgrad_cls{it}"]
         rec["stage"] = f"it{it}:B_features"
         f.backward(fl.grad)
-        rec[f"grads{it}"], rec[f"count{it}"] = ctx.grads(ddp.module), cnt["b0"] - before
-    rec["max_bucket_index"] = cnt["max_index"]
 
 
 def p_clone_zero(ctx, rec, hook=True):
@@ -435,10 +425,7 @@ def p_absent(ctx, rec, where, zero_term=False, **flags):
     2 x its local mean). ``zero_term``: rank 1 adds ``0 * sum(p.sum())`` over the generation head (what mtl's model
     does for a task with no row on a rank)."""
     ddp, cnt = ctx.make(**flags)
-    for it in range(2):
-        ddp.zero_grad()
-        before = cnt["b0"]
-        x, yc, yg = ctx.batch(it)
+    for it, x, yc, yg in _counted_iterations(ctx, rec, ddp, cnt):
         rec["stage"] = f"it{it}:F"
         oc, og = ddp(x)
         loss = _loss_cls(oc, yc)
@@ -448,8 +435,6 @@ def p_absent(ctx, rec, where, zero_term=False, **flags):
             loss = loss + 0 * sum(p.sum() for p in ddp.module.gen.parameters())
         rec["stage"] = f"it{it}:B"
         loss.backward()
-        rec[f"grads{it}"], rec[f"count{it}"] = ctx.grads(ddp.module), cnt["b0"] - before
-    rec["max_bucket_index"] = cnt["max_index"]
 
 
 def p_norm(ctx, rec, norm):
@@ -553,18 +538,7 @@ def _worker(rank, ports, outdir, data, states):
 
 def _spawn(outdir, data, states):
     ports = [free_port() for _ in range(1 + SPARE_GROUPS)]  # spares: re-init after a pattern breaks the group
-    pctx = mp.start_processes(_worker, args=(ports, str(outdir), data, states), nprocs=WORLD, join=False,
-                              start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    try:
-        while not pctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"DDP workers did not finish within {SPAWN_DEADLINE_S} s")
-    finally:
-        for p in pctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    join_spawned(_worker, (ports, str(outdir), data, states), WORLD, SPAWN_DEADLINE_S, "DDP facts")
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 

@@ -1,4 +1,4 @@
-"""``ddp.engine: fsdp2``, proven: 2 processes x batch B == 1 process x batch 2B, FSDP2 == DDP, the collectives
+"""``parallel.engine: fsdp2``, proven: 2 processes x batch B == 1 process x batch 2B, FSDP2 == DDP, the collectives
 per step, the global gradient norm over shards, and an exact save/resume; plus the config-time refusals.
 
 ONE spawn of three workers (as tests/test_weighting_ddp.py): workers 0 and 1 are a 2-rank gloo run (batch B
@@ -50,7 +50,7 @@ DEADLINE_S = 400
 def overrides(out_dir, batch, strategy, method, engine):
     return [f"output_dir={out_dir}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
             "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.progress=false", "ddp.timeout_s=60",
-            f"ddp.strategy={strategy}", f"weighting.method={method}", f"ddp.engine={engine}", "optim.grad_clip=1.0"]
+            f"ddp.strategy={strategy}", f"weighting.method={method}", f"parallel.engine={engine}", "optim.grad_clip=1.0"]
 
 
 def _counting_mode():
@@ -80,7 +80,7 @@ def _full_params(trainer) -> dict:
 def _worker(index, port, out_dir):
     world = spawn_env(index, port)
     from mtl.parallel import dist
-    from mtl.parallel.runtime_checks import check_replicas
+    from mtl.run.runtime_checks import verify_replicas
     from mtl.run.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def _worker(index, port, out_dir):
             steps.append({"counts": dict(mode.counts), "grad_norm": r.grad_norm, "losses": r.losses,
                           "stepped": r.stepped, "stats": {k: float(v) for k, v in r.stats.items()}})
             if world > 1:
-                check_replicas(trainer.bare, trainer.step)
+                verify_replicas(trainer.bare, trainer.step)
         results[key] = {"steps": steps, "params": _full_params(trainer)}
         trainer.close()
         return trainer
@@ -135,7 +135,7 @@ def _resume_exactly(out_dir, world):
     torch.set_default_dtype(torch.float32)
 
     # 33 validation images in batches of 8: rank 0 evaluates 3 batches, rank 1 2 (a collective per batch would hang)
-    args = [f"output_dir={out_dir}/resume", f"data.batch_size={B}", "trainer.progress=false", "ddp.engine=fsdp2",
+    args = [f"output_dir={out_dir}/resume", f"data.batch_size={B}", "trainer.progress=false", "parallel.engine=fsdp2",
             "ddp.timeout_s=60", "optim.name=adamw", "checkpoint.every_steps=0", "data.synthetic.val_size=33",
             "data.eval_batch_size=8", "trainer.eval_max_batches=0", "trainer.num_samples=0", *RESUME_DECODER]
     a = Trainer.from_config(TINY, args)
@@ -244,14 +244,14 @@ def _replica_check_sees_a_buffer(trainer, world):
     """Under FSDP2 every tiny.yaml parameter is sharded and it has no buffer: nothing replicated to compare. Give
     the backbone a float buffer, equal on both ranks (the check passes), then different (it names the buffer)."""
     from mtl.errors import TrainingError
-    from mtl.parallel.runtime_checks import check_replicas, replicated
+    from mtl.run.runtime_checks import replicated, verify_replicas
 
     before = [n for n, _ in replicated(trainer.bare)]
     trainer.bare.backbone.register_buffer("probe", torch.ones(3))
-    check_replicas(trainer.bare, trainer.step)
+    verify_replicas(trainer.bare, trainer.step)
     trainer.bare.backbone.probe.fill_(float(int(os.environ["RANK"])))
     try:
-        check_replicas(trainer.bare, trainer.step)
+        verify_replicas(trainer.bare, trainer.step)
         caught = None
     except TrainingError as e:
         caught = str(e)
@@ -317,7 +317,7 @@ def _fresh_parts(trainer, args):
 
 
 def _weighting_sweep(world, out_dir) -> dict:
-    from mtl.parallel.runtime_checks import check_replicas
+    from mtl.run.runtime_checks import verify_replicas
     from mtl.run.trainer import Trainer
 
     torch.set_default_dtype(DTYPE)  # _resume_exactly, before, sets float32
@@ -345,7 +345,7 @@ def _weighting_sweep(world, out_dir) -> dict:
             steps.append({"counts": dict(mode.counts), "grad_norm": r.grad_norm, "stepped": r.stepped,
                           "stats": {k: float(v) for k, v in r.stats.items()}})
             if world > 1:
-                check_replicas(t.bare, t.step)
+                verify_replicas(t.bare, t.step)
         results[key] = {"steps": steps, "params": _full_params(t), "weights": t.parts.weighting.weights(),
                         "kind": type(t.parts.weighting).__name__}
     for t in trainers.values():
@@ -619,14 +619,14 @@ def test_the_fsdp2_example_config_shrunk_trains_on_two_ranks(runs):
 # ---------------------------------------------------------------------------- refusals (in-process, fast)
 
 REFUSED = [
-    (["ddp.strategy=placeholder"], "ddp.strategy: placeholder does not run with ddp.engine=fsdp2"),
-    (["ddp.strategy=task_grads", "weighting.method=dbmtl"], "weighting.method: dbmtl does not run with ddp.engine=fsdp2"),
+    (["ddp.strategy=placeholder"], "ddp.strategy: placeholder does not run with parallel.engine=fsdp2"),
+    (["ddp.strategy=task_grads", "weighting.method=dbmtl"], "weighting.method: dbmtl does not run with parallel.engine=fsdp2"),
     (["ddp.strategy=task_grads", "weighting.method=excessmtl"], "its K x P accumulator S is kept between steps"),
     (["ddp.find_unused_parameters=true"], "ddp.find_unused_parameters: a DistributedDataParallel option"),
     (["ddp.static_graph=true"], "ddp.static_graph: a DistributedDataParallel option"),
-    (["ddp.nan_monitor=true"], "ddp.nan_monitor: not supported with ddp.engine=fsdp2"),
+    (["ddp.nan_monitor=true"], "ddp.nan_monitor: not supported with parallel.engine=fsdp2"),
     (["model.backbone.norm=batch"], "model.backbone.norm: batch keeps per-rank running statistics"),
-    (["ddp.engine=fsdp"], "ddp.engine: 'fsdp' is not one of ddp, fsdp2"),
+    (["parallel.engine=fsdp"], "parallel.engine: 'fsdp' is not one of ddp, fsdp2"),
 ]
 
 
@@ -635,7 +635,7 @@ def test_refused_combinations_are_one_config_error_naming_the_key(tmp_path, extr
     from mtl.config.checks import load_run_config
 
     with pytest.raises(ConfigError) as e:
-        load_run_config(TINY, [f"output_dir={tmp_path}", "ddp.engine=fsdp2", *extra])
+        load_run_config(TINY, [f"output_dir={tmp_path}", "parallel.engine=fsdp2", *extra])
     errors = e.value.errors
     assert sum(says in m for m in errors) == 1, errors
     assert len(errors) == 1, errors
@@ -644,9 +644,9 @@ def test_refused_combinations_are_one_config_error_naming_the_key(tmp_path, extr
 def test_a_refusal_exits_2_through_train_py(tmp_path, capsys):
     import train
 
-    code = train.main(["--config", TINY, f"output_dir={tmp_path}", "ddp.engine=fsdp2", "ddp.strategy=placeholder"])
+    code = train.main(["--config", TINY, f"output_dir={tmp_path}", "parallel.engine=fsdp2", "ddp.strategy=placeholder"])
     assert code == 2
-    assert "ddp.strategy: placeholder does not run with ddp.engine=fsdp2" in capsys.readouterr().err
+    assert "ddp.strategy: placeholder does not run with parallel.engine=fsdp2" in capsys.readouterr().err
 
 
 def test_graddrop_per_shard_is_graddrop_of_the_whole_matrix():

@@ -54,7 +54,7 @@ def test_bad_combinations_are_refused_with_the_fix():
     assert "weighting.source: features applies to gradient-level methods only" in msg
     assert "is not one of parameters, features" in errors_of("weighting.method=mgda", "weighting.source=feature")
     load_run_config(TINY, ["weighting.method=mgda", "weighting.source=features"])  # the right ones pass
-    load_run_config(TINY, ["weighting.method=mgda", "weighting.source=features", "ddp.engine=fsdp2"])  # test_fsdp.py
+    load_run_config(TINY, ["weighting.method=mgda", "weighting.source=features", "parallel.engine=fsdp2"])  # test_fsdp.py
     load_run_config(TINY, ["weighting.method=mgda", "ddp.strategy=task_grads"])
 
 

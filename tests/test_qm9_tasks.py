@@ -252,7 +252,7 @@ def test_many_binary_attributes_are_one_task_file_and_one_config_section(tmp_pat
 def test_the_plateau_scheduler_follows_the_validation_delta_m():
     """Δm % against the baselines (lower is better), and ReduceLROnPlateau on it: the rate drops by ``factor`` after
     ``patience`` evaluations without improvement, never below ``min_lr``, and its state round-trips."""
-    from mtl.run.plateau import PlateauOnDeltaM
+    from mtl.plateau import PlateauOnDeltaM
 
     specs = [("mu_mae", "mu", False), ("U0_mae", "U0", False)]
     base = {"mu_mae": 0.0671, "U0_mae": 58.838}

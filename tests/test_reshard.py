@@ -93,9 +93,9 @@ def _worker(index, port, out):
 
     tic = time.perf_counter()
     if world > 1:
-        run("E", f"data.batch_size={B}", "ddp.engine=fsdp2", f"resume={_wait_for(ckpt_of('D', 2))}", steps=2,
+        run("E", f"data.batch_size={B}", "parallel.engine=fsdp2", f"resume={_wait_for(ckpt_of('D', 2))}", steps=2,
             save_at=3, hook=save_v1)
-        run("V", f"data.batch_size={B}", "ddp.engine=fsdp2", f"resume={ckpt_of('V', 3)}", steps=1)
+        run("V", f"data.batch_size={B}", "parallel.engine=fsdp2", f"resume={ckpt_of('V', 3)}", steps=1)
         run("C", f"data.batch_size={B}", f"resume={ckpt_of('E', 3)}", steps=1)
     else:
         run("D", f"data.batch_size={2 * B}", steps=4, save_at=2)
@@ -197,9 +197,9 @@ def test_the_same_global_batch_on_another_world_size_or_engine_is_exact_up_to_ro
     folder = _checkpoint_dir(tmp_path, 4)  # 2 x 4
     assert reshard_problems(folder, V2_STATE, _now(4), 2, "ddp", []) == ([], "")
     problems, note = reshard_problems(folder, V2_STATE, _now(8), 1, "ddp", [])
-    assert problems == [] and "2 process(es) with ddp.engine=ddp, resumed with 1" in note and "not bitwise" in note
+    assert problems == [] and "2 process(es) with parallel.engine=ddp, resumed with 1" in note and "not bitwise" in note
     problems, note = reshard_problems(folder, V2_STATE, _now(4), 2, "fsdp2", [])
-    assert problems == [] and "ddp.engine=fsdp2" in note
+    assert problems == [] and "parallel.engine=fsdp2" in note
 
 
 def test_where_the_resume_cannot_be_exact_it_says_why_and_how_to_keep_it(tmp_path):
@@ -244,7 +244,7 @@ def test_an_old_format_checkpoint_on_another_world_size_is_one_message_naming_th
         reshard_problems(folder, old, _now(8), 1, "ddp", [])
     msg = e.value.message
     assert os.path.join(folder, "trainer_state.pt") in msg and "mtl-checkpoint-v1" in msg
-    assert "with 2 process(es) with ddp.engine=fsdp2" in msg and "its next checkpoint" in msg
+    assert "with 2 process(es) with parallel.engine=fsdp2" in msg and "its next checkpoint" in msg
 
 
 def test_random_layers_are_dropout_above_zero():

@@ -13,6 +13,7 @@ correct runs that differ in summation order would not agree to 1e-5. Both ranks'
 compared with each other bitwise: identical averaged gradients give identical replicas.
 """
 
+import functools
 import os
 
 import pytest
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 
 from mtl.strategies import strategy_types
 
-from .conftest import TINY, run_train, spawn_env, spawn_parity_runs
+from .conftest import TINY, parity_worker, run_train, spawn_parity_runs
 
 COMMON = ["optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.max_steps=3",
           "trainer.eval_every=3", "trainer.eval_max_batches=1", "checkpoint.every_steps=0",
@@ -43,38 +44,33 @@ def max_rel_diff(a, b):
     return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-12)) for k in a)
 
 
-def _worker(index, port, out_dir):
-    """index 0 and 1: the two ranks (batch B); index 2: the single process (batch 2B, no process group), which
+def _runs(world, out_dir):
+    """world 2: one of the two ranks (batch B); world 1: the single process (batch 2B, no process group), which
     runs the references: ``combined``, each objective-changing strategy, and ``combined`` on batch B alone."""
-    world = spawn_env(index, port)
-    from mtl.parallel import dist
     from mtl.run.trainer import Trainer
 
-    torch.set_num_threads(1)
     runs = [(s, 2 * B // world) for s in STRATEGIES] if world > 1 else \
         [("combined", 2 * B), *[(s, 2 * B) for s in OBJECTIVE_CHANGERS], ("combined", B)]
     results = {}
-    try:
-        for strategy, batch in runs:
-            name = f"{strategy}@{batch}"
-            trainer = Trainer.from_config(TINY, [*COMMON, f"output_dir={os.path.join(out_dir, f'w{world}', name)}",
-                                                 f"data.batch_size={batch}", f"ddp.strategy={strategy}",
-                                                 "trainer.progress=false", "ddp.timeout_s=60"])
-            assert trainer.dist.world_size == world
-            trainer.bare.train()
-            for _ in range(STEPS):
-                trainer.step_once()
-            results[name] = {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()
-                             if v.is_floating_point()}
-            trainer.close()
-        torch.save(results, os.path.join(out_dir, f"rank{index}.pt" if world > 1 else "single.pt"))
-    finally:
-        dist.destroy()
+    for strategy, batch in runs:
+        name = f"{strategy}@{batch}"
+        trainer = Trainer.from_config(TINY, [*COMMON, f"output_dir={os.path.join(out_dir, f'w{world}', name)}",
+                                             f"data.batch_size={batch}", f"ddp.strategy={strategy}",
+                                             "trainer.progress=false", "ddp.timeout_s=60"])
+        assert trainer.dist.world_size == world
+        trainer.bare.train()
+        for _ in range(STEPS):
+            trainer.step_once()
+        results[name] = {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()
+                         if v.is_floating_point()}
+        trainer.close()
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawn_parity_runs(_worker, tmp_path_factory, "strategies_ddp", DEADLINE_S, "strategy DDP")
+    worker = functools.partial(parity_worker, _runs)
+    return spawn_parity_runs(worker, tmp_path_factory, "strategies_ddp", DEADLINE_S, "strategy DDP")
 
 
 def test_every_strategy_is_in_the_parity_run():

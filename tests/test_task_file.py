@@ -117,7 +117,7 @@ def test_old_caption_keys_still_read_and_resume(tmp_path):
     checkpoints written before the move are read as the new keys, so those checkpoints still resume."""
     import yaml
 
-    from mtl.config.resume import check_resume_config
+    from mtl.config.resume import verify_resume_config
     from mtl.config.schema import to_yaml
     from mtl.errors import CheckpointError
 
@@ -129,9 +129,9 @@ def test_old_caption_keys_still_read_and_resume(tmp_path):
     ckpt = tmp_path / "step_3"
     ckpt.mkdir()
     (ckpt / "config.yaml").write_text(yaml.safe_dump(old))
-    check_resume_config(str(ckpt), cfg)  # same caption length; the beam width is an eval setting that may change
+    verify_resume_config(str(ckpt), cfg)  # same caption length; the beam width is an eval setting that may change
     with pytest.raises(CheckpointError, match="task_options.gen.max_tokens: checkpoint 10, now 12"):
-        check_resume_config(str(ckpt), load_run_config(TINY, [f"output_dir={tmp_path}", "data.max_caption_tokens=12"]))
+        verify_resume_config(str(ckpt), load_run_config(TINY, [f"output_dir={tmp_path}", "data.max_caption_tokens=12"]))
     with pytest.raises(ConfigError, match="data.max_caption_tokens .the old name. and task_options.gen.max_tokens"):
         load_run_config(TINY, ["data.max_caption_tokens=12", "task_options.gen.max_tokens=14"])
 

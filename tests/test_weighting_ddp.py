@@ -30,6 +30,7 @@ shared features, which must be that of the GLOBAL batch (the sum of the ranks' G
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -37,7 +38,7 @@ import torch
 
 from mtl.weighting import weighting_types
 
-from .conftest import TINY, spawn_env, spawn_parity_runs
+from .conftest import TINY, end_state, parity_worker, spawn_parity_runs
 
 B = 4
 STEPS = 3
@@ -91,10 +92,8 @@ def local_task_gradients(trainer, batch) -> torch.Tensor:
         losses[t], shared, retain_graph=True, materialize_grads=True)]) for t in trainer.tasks])
 
 
-def _worker(index, port, out_dir):
-    """index 0 and 1: the two ranks (batch B); index 2: the single process (batch 2B, no process group)."""
-    world = spawn_env(index, port)
-    from mtl.parallel import dist
+def _runs(world, out_dir):
+    """world 2: one of the two ranks (batch B); world 1: the single process (batch 2B, no process group)."""
     from mtl.parallel.dist import Comm
     from mtl.run.trainer import Trainer
 
@@ -105,40 +104,31 @@ def _worker(index, port, out_dir):
             captured.setdefault("gram_reduced", out.detach().clone())
             return out
 
-    torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
-    who = f"rank{index}" if world > 1 else "single"
     results, captured = {}, {}
-    try:
-        for method, source in RUNS:
-            name = label(method, source)
-            trainer = Trainer.from_config(TINY, overrides(method, source, os.path.join(out_dir, f"world{world}", name),
-                                                          2 * B // world))
-            assert trainer.dist.world_size == world and trainer.dist.distributed == (world > 1)
-            trainer.parts.comm = Capture() if name == f"{CAPTURE_FEATURES}@features" else Comm()
-            batches = trainer.batches()
-            trainer.bare.train()
-            for step in range(STEPS):
-                batch = {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v
-                         for k, v in next(batches)[1].items()}
-                if step == 0 and name == CAPTURE:
-                    captured["local"] = local_task_gradients(trainer, batch).detach()
-                trainer.step_once(batch)
-            results[name] = {
-                "model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
-                "weighting": trainer.weighting.state_dict(),
-                "weights": trainer.weighting.weights(),
-                "shared": sum(p.numel() for p in trainer.bare.backbone.parameters() if p.requires_grad),
-            }
-            trainer.close()
-        torch.save({"results": results, "captured": captured}, os.path.join(out_dir, f"{who}.pt"))
-    finally:
-        dist.destroy()
+    for method, source in RUNS:
+        name = label(method, source)
+        trainer = Trainer.from_config(TINY, overrides(method, source, os.path.join(out_dir, f"world{world}", name),
+                                                      2 * B // world))
+        assert trainer.dist.world_size == world and trainer.dist.distributed == (world > 1)
+        trainer.parts.comm = Capture() if name == f"{CAPTURE_FEATURES}@features" else Comm()
+        batches = trainer.batches()
+        trainer.bare.train()
+        for step in range(STEPS):
+            batch = {k: v.to(DTYPE) if torch.is_tensor(v) and v.is_floating_point() else v
+                     for k, v in next(batches)[1].items()}
+            if step == 0 and name == CAPTURE:
+                captured["local"] = local_task_gradients(trainer, batch).detach()
+            trainer.step_once(batch)
+        shared = sum(p.numel() for p in trainer.bare.backbone.parameters() if p.requires_grad)
+        results[name] = end_state(trainer, shared=shared)
+    return {"results": results, "captured": captured}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawn_parity_runs(_worker, tmp_path_factory, "weighting_ddp", DEADLINE_S, "weighting DDP")
+    worker = functools.partial(parity_worker, _runs)
+    return spawn_parity_runs(worker, tmp_path_factory, "weighting_ddp", DEADLINE_S, "weighting DDP")
 
 
 def _leaves(obj, prefix=""):

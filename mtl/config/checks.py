@@ -63,7 +63,7 @@ def validate(cfg) -> list[str]:
     _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
     _augment(errors, cfg)
     _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
-    _choice(errors, "ddp.engine", cfg.ddp.engine, ENGINES)
+    _choice(errors, "parallel.engine", cfg.parallel.engine, ENGINES)
     _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
     _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant", "plateau"))
     backbone = _backbone(errors, cfg)

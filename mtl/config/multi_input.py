@@ -95,8 +95,8 @@ def check(cfg, strategy, method, methods: dict[str, type] | None = None) -> list
     if sp.policy == "mixed" and cfg.data.batch_size < len(cfg.tasks):
         errors.append(f"data.batch_size: {cfg.data.batch_size} is fewer than the {len(cfg.tasks)} tasks; "
                       "sampling.policy=mixed puts every task in every step, so raise it")
-    if cfg.ddp.get("engine", "ddp") == "fsdp2":
-        errors.append("data.per_task: multi-input mode is tested under ddp.engine=ddp only; use ddp.engine=ddp")
+    if cfg.parallel.engine == "fsdp2":
+        errors.append("data.per_task: multi-input mode is tested under parallel.engine=ddp only; use parallel.engine=ddp")
     if sp.policy in ABSENT_POLICIES:
         errors += _absent_task_errors(cfg, strategy, method, methods)
     return errors

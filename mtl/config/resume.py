@@ -5,7 +5,7 @@ operational switches that do not touch the maths. Everything else (model shape, 
 weighting, batch size, seed, precision, optimizer ...) must match the checkpoint's config, or the
 resumed run would not be the run that was interrupted; each differing key is listed.
 
-The world size, ``ddp.engine`` and ``data.batch_size`` may change too (the model and optimizer state is
+The world size, ``parallel.engine`` and ``data.batch_size`` may change too (the model and optimizer state is
 sharded, ``mtl/run/train_state.py``, and reshards on load): :func:`reshard_problems` says whether the resumed run
 is still the interrupted one (same global batch, and no per-rank random stream to carry over to another
 number of ranks, no statistics over each rank's own batch: BatchNorm), and otherwise asks for
@@ -23,8 +23,11 @@ import os
 import yaml
 from omegaconf import OmegaConf
 
-from mtl.config.schema import multi_input
+from mtl.config.checks import option_defaults
+from mtl.config.schema import Config, drop_moved_options, move_keys, multi_input
 from mtl.errors import CheckpointError
+from mtl.run.checkpoint import LEGACY_FORMAT
+from mtl.tasks import task_types
 
 SAFE_TO_CHANGE = (
     "output_dir", "resume", "overwrite", "device", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
@@ -35,7 +38,7 @@ SAFE_TO_CHANGE = (
     "task_modules",  # where the task files are found; the tasks and their options are compared themselves
     "weighting_modules",  # where a method's file is found; the method and its options are compared themselves
     "backbone_modules",  # where a backbone's file is found; the backbone and its options are compared themselves
-    "ddp.engine", "data.batch_size", "resume_reshard",  # checked by reshard_problems: the global batch must stay
+    "parallel.engine", "data.batch_size", "resume_reshard",  # checked by reshard_problems: the global batch must stay
 )
 
 
@@ -76,12 +79,9 @@ def saved_config(checkpoint_dir: str) -> dict:
     return saved
 
 
-def check_resume_config(checkpoint_dir: str, cfg) -> None:
+def verify_resume_config(checkpoint_dir: str, cfg) -> None:
     saved = saved_config(checkpoint_dir)
     path = os.path.join(checkpoint_dir, "config.yaml")
-    from mtl.config.checks import option_defaults
-    from mtl.config.schema import Config, drop_moved_options, move_keys
-    from mtl.tasks import task_types
 
     # a checkpoint written before a key moved into a task's options (data.max_caption_tokens ...) reads as the new key
     moved = move_keys(saved, path, [])
@@ -134,16 +134,14 @@ def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, eng
     ``batch_stats``: ``batch_statistics_layers``.
 
     An mtl-checkpoint-v1 checkpoint (no sharded ``state/``) cannot reshard at all: a CheckpointError."""
-    from mtl.run.checkpoint import LEGACY_FORMAT
-
     saved_world, saved_engine = int(state.get("world_size") or 1), state.get("engine") or "ddp"
     saved_batch = int(saved_config(checkpoint_dir).get("data", {}).get("batch_size") or cfg.data.batch_size)
-    layout = f"{saved_world} process(es) with ddp.engine={saved_engine}"
+    layout = f"{saved_world} process(es) with parallel.engine={saved_engine}"
     if not state.get("state") and (saved_world, saved_engine) != (world_size, engine):
         raise CheckpointError(
             f"checkpoint {os.path.join(checkpoint_dir, 'trainer_state.pt')!r} is in the {LEGACY_FORMAT} format (the full "
             f"optimizer state in trainer_state.pt, written before mtl saved sharded state): it resumes only as it "
-            f"was written, with {layout}; this run has {world_size} process(es) with ddp.engine={engine}. Resume it "
+            f"was written, with {layout}; this run has {world_size} process(es) with parallel.engine={engine}. Resume it "
             "with that world size and engine once: its next checkpoint can be resumed on any world size or engine")
     problems = []
     before, now = saved_batch * saved_world, cfg.data.batch_size * world_size
@@ -170,7 +168,7 @@ def reshard_problems(checkpoint_dir: str, state: dict, cfg, world_size: int, eng
                         "saved it (to keep it: the same number of processes)")
     note = ""
     if (saved_world, saved_engine) != (world_size, engine) and not problems:
-        note = (f"resume: a checkpoint of {layout}, resumed with {world_size} process(es) with ddp.engine={engine}; "
+        note = (f"resume: a checkpoint of {layout}, resumed with {world_size} process(es) with parallel.engine={engine}; "
                 f"the same global batch ({now}) and sample order: it continues the interrupted run up to floating-"
                 "point rounding (another reduction order), not bitwise")
     return problems, note

@@ -22,6 +22,7 @@ import difflib
 import inspect
 import os
 import re
+import sys
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -165,7 +166,6 @@ class ModelConfig:
 @dataclass
 class DDPConfig:
     strategy: str = "feature_leaf"  # see docs/strategies.md
-    engine: str = "ddp"  # ddp (DistributedDataParallel) | fsdp2 (fully_shard: sharded parameters, see docs/fsdp.md)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
     find_unused_parameters: bool | None = None  # null: what the strategy needs; set it only to override
     static_graph: bool = False
@@ -178,6 +178,11 @@ class DDPConfig:
 
 
 @dataclass
+class ParallelConfig:
+    engine: str = "ddp"  # ddp (DistributedDataParallel) | fsdp2 (fully_shard: sharded parameters, see docs/fsdp.md)
+
+
+@dataclass
 class WeightingConfig:
     method: str = "equal"
     weights: dict[str, float] = field(default_factory=dict)  # static: task name -> weight
@@ -187,7 +192,7 @@ class WeightingConfig:
 
 @dataclass
 class PlateauConfig:
-    """``optim.scheduler: plateau``: ReduceLROnPlateau on the validation Δm % against ``baselines`` (mtl/run/plateau.py)."""
+    """``optim.scheduler: plateau``: ReduceLROnPlateau on the validation Δm % against ``baselines`` (mtl/plateau.py)."""
 
     factor: float = 0.7  # the rate is multiplied by this when Δm has not improved for ``patience`` evaluations
     patience: int = 5
@@ -254,6 +259,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     weighting: WeightingConfig = field(default_factory=WeightingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -267,18 +273,23 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 # loading
 
-# Keys that moved into a task's own options (``task_options.<task>``): old key -> new key. A config (file or
-# command line) or a checkpoint's config.yaml that uses the old key keeps working: its value is read as the new
-# key's, in the same place of the precedence order. Giving both, with different values, in one file is an error.
+# Keys that moved: old key -> new key. A config (file or command line) or a checkpoint's config.yaml that uses the old
+# key keeps working: its value is read as the new key's, in the same place of the precedence order, and a config that
+# uses it gets a one-line note naming the new key. Giving both, with different values, in one file is an error.
 MOVED_KEYS = {
-    "data.max_caption_tokens": "task_options.gen.max_tokens",
+    "data.max_caption_tokens": "task_options.gen.max_tokens",  # into the caption task's own options
     "trainer.num_beams": "task_options.gen.num_beams",
+    "ddp.engine": "parallel.engine",  # fsdp2 is not DDP: the engine is chosen beside DDP, not inside it
 }
 
 
-def move_keys(data: dict, source: str, errors: list[str]) -> set[str]:
+_NOTED: set[str] = set()
+
+
+def move_keys(data: dict, source: str, errors: list[str], notes: list[str] | None = None) -> set[str]:
     """Rewrite the ``MOVED_KEYS`` of one plain nested mapping (a YAML file, the overrides, a saved config) to their
-    new place, in place. Returns the tasks whose options received a moved value."""
+    new place, in place. Returns the tasks whose options received a moved value; ``notes`` gets one line per old key
+    found."""
     tasks = set()
     for old, new in MOVED_KEYS.items():
         *parents, leaf = old.split(".")
@@ -299,7 +310,10 @@ def move_keys(data: dict, source: str, errors: list[str]) -> set[str]:
                           f"{target[new_leaf]!r}; keep only {new}")
             continue
         target.setdefault(new_leaf, value)
-        tasks.add(new_parents[1])
+        if notes is not None:
+            notes.append(f"note: {source}: {old} is now {new} (the old name still works; rename it)")
+        if new_parents[0] == "task_options":
+            tasks.add(new_parents[1])
     return tasks
 
 
@@ -515,13 +529,18 @@ def _read_into(path: str, overrides: list[str] | None, errors: list[str], chain:
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
     moved: set[str] = set()
+    notes: list[str] = []  # a config file or the command line, not a checkpoint's config.yaml (mtl wrote that one)
     for data, source in (_read_yaml(path) if chain is None else chain):
-        moved |= move_keys(data, source, errors)
+        moved |= move_keys(data, source, errors, notes if chain is None else None)
         _merge_into(cfg, data, source, [], errors)
     over, over_errors = parse_overrides(list(overrides or []))
     errors += over_errors
-    moved |= move_keys(over, "command line", errors)
+    moved |= move_keys(over, "command line", errors, notes)
     _merge_into(cfg, over, "command line", [], errors)
+    new = [n for n in dict.fromkeys(notes) if n not in _NOTED]
+    if new and os.environ.get("RANK", "0") == "0":  # said once per process (of rank 0), not once per rank or load
+        _NOTED.update(new)
+        print("\n".join(new), file=sys.stderr, flush=True)
     if moved:
         options = OmegaConf.to_container(cfg.task_options)
         drop_moved_options({"task_options": options}, moved, cfg.tasks)

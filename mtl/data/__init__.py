@@ -16,10 +16,10 @@ from mtl.data.loader import (
     build_datasets,
     build_eval_loader,
     build_train_loader,
-    check_task_fields,
     data_position,
     resume_position,
     set_epoch,
+    verify_task_fields,
 )
 from mtl.data.manifest import ImageFolderCaptions, ManifestDataset
 from mtl.data.synthetic import SyntheticShapes
@@ -36,7 +36,7 @@ __all__ = [
     "build_datasets",
     "build_eval_loader",
     "build_train_loader",
-    "check_task_fields",
+    "verify_task_fields",
     "data_position",
     "resume_position",
     "set_epoch",

@@ -22,7 +22,7 @@ from mtl.data.multi_input import TaskSampler
 from mtl.errors import DataError
 
 
-def check_heldout_size(heldout: int, train_size: int, batch_size: int, world_size: int) -> None:
+def verify_heldout_size(heldout: int, train_size: int, batch_size: int, world_size: int) -> None:
     """The held-out part must fill one global batch and leave one for training (the same decision on every rank)."""
     need = batch_size * world_size
     if heldout < need:
@@ -39,7 +39,7 @@ class HeldoutStream:
     h held-out items under the key ``("heldout",)``, of which each global batch is this rank's every W-th."""
 
     def __init__(self, ds: Dataset, collate, heldout: int, batch_size: int, rank: int, world_size: int, seed: int):
-        check_heldout_size(heldout, len(ds), batch_size, world_size)
+        verify_heldout_size(heldout, len(ds), batch_size, world_size)
         self.ds, self.collate = ds, collate
         self.offset, self.size = len(ds) - heldout, int(heldout)
         self.batch_size, self.rank, self.world = int(batch_size), int(rank), int(world_size)

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from mtl.data.images import Augment, Normalized, image_normalization
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
+from mtl.data.qm9_source import batch_graphs, qm9_splits
 from mtl.data.synthetic import MIN_CLASSES, SyntheticShapes
 from mtl.errors import ConfigError, DataError
 
@@ -23,7 +24,6 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
     Each gets ``normalization``: the (mean, std) that the loaders normalise its batches with, or None.
     """
     if cfg.data.source == "qm9":  # molecule graphs (mtl/data/qm9_source.py): no image normalisation
-        from mtl.data.qm9_source import qm9_splits
 
         splits = qm9_splits(cfg)
         return splits["train"], splits["val"]
@@ -38,7 +38,6 @@ def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
     on validation only. Labels are checked against ``train``'s classes, as the validation split's are."""
     d = cfg.data
     if d.source == "qm9":  # the papers' test split (data.qm9.test_size)
-        from mtl.data.qm9_source import qm9_splits
 
         return qm9_splits(cfg)["test"] if d.qm9.test_size else None
     if d.source == "synthetic":
@@ -126,7 +125,6 @@ def input_collate(source: str):
     """How a batch's input field (what the backbone consumes) is made from the records of ``data.source``: images
     stacked under ``image``, or for ``qm9`` the molecule graphs as one PyG ``Batch`` under ``graph``."""
     if source == "qm9":
-        from mtl.data.qm9_source import batch_graphs
 
         return batch_graphs
     return stack_images
@@ -165,7 +163,7 @@ def provided_fields(ds: Dataset) -> frozenset:
     return frozenset(provides)
 
 
-def check_task_fields(tasks: dict[str, type], datasets: dict[str, Dataset]) -> None:
+def verify_task_fields(tasks: dict[str, type], datasets: dict[str, Dataset]) -> None:
     """Every task's ``requires`` must be in every split's records: one error naming each task, field and fix. A
     task that reads labels needs at least two classes in its training split (one would score 1.0 by
     construction), whatever the source: the synthetic set's own range, ``MIN_CLASSES``."""
@@ -239,7 +237,7 @@ def resume_position(position: dict, batch_size: int, world_size: int) -> tuple[i
     return int(position["epoch"]), batches, rest
 
 
-def check_train_size(size: int, batch_size: int, world_size: int) -> None:
+def verify_train_size(size: int, batch_size: int, world_size: int) -> None:
     """The training set must fill at least one GLOBAL batch (``data.batch_size`` x the number of processes).
 
     Every rank sees the same data-set size, so every rank takes the same decision. With fewer items each
@@ -301,7 +299,7 @@ def build_train_loader(
     sizes comparable. (A resume still needs the world size of the checkpoint: the per-rank RNG
     states do not map onto another number of ranks, and the resume refuses it.) Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
     """
-    check_train_size(len(ds) - heldout, batch_size, world_size)
+    verify_train_size(len(ds) - heldout, batch_size, world_size)
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
     cls = EpochDistributedSampler if hasattr(ds, "set_epoch") else ResumableDistributedSampler
     # the sampler reads only the length of what it is given: the first len(ds) - heldout indices

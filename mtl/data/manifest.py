@@ -70,7 +70,7 @@ def _captions_of(obj: dict) -> list[str]:
     return out
 
 
-def _check_image(path: str, rel: str, root: str) -> None:
+def _verify_image(path: str, rel: str, root: str) -> None:
     if not os.path.isfile(path):
         raise LineError(f"image {rel!r} not found under {root!r}", fix="fix the path")
     try:
@@ -93,7 +93,7 @@ def _parse_line(text: str, number: int, image_root: str, label_fn: LabelFn) -> R
     captions = _captions_of(obj)
     label = label_fn(obj, rel)
     path = rel if os.path.isabs(rel) else os.path.join(image_root, rel)
-    _check_image(path, rel, image_root)
+    _verify_image(path, rel, image_root)
     extra = {k: v for k, v in obj.items() if k not in RESERVED}
     return Record(image=path, label=label, captions=captions, line=number, extra=extra)
 
@@ -343,7 +343,7 @@ def _scan_class_folders(root: str, class_names: list[str], on_error: str) -> tup
                     continue
                 path = os.path.join(dirpath, f)
                 try:
-                    _check_image(path, os.path.relpath(path, root), root)
+                    _verify_image(path, os.path.relpath(path, root), root)
                 except LineError as e:
                     if on_error == "raise":
                         raise DataError(f"image folder {root}: {e} — {e.fix} or set data.on_error=skip") from None

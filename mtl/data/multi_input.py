@@ -298,11 +298,11 @@ class MultiInputStream:
         self.tasks = list(train_sets)
         self.sizes = {t: len(ds) for t, ds in train_sets.items()}
         self.plan = SamplingPlan.from_config(cfg, self.sizes)
-        self._check_sizes(cfg)
+        self._verify_sizes(cfg)
         self.samplers = {t: TaskSampler(len(ds), cfg.seed, t) for t, ds in train_sets.items()}
         self._empty: dict[str, dict] = {}
 
-    def _check_sizes(self, cfg) -> None:
+    def _verify_sizes(self, cfg) -> None:
         """Before the first step: every task's training set fills the most rows a step can ask of it (its
         per-process rows x the world; with ``mixed``, the whole global batch), whatever the source. A step that
         holds the task may come arbitrarily late (``weighted``, ``temperature``), so this is not left to it."""

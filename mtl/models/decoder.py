@@ -89,7 +89,7 @@ class CaptionDecoder(nn.Module):
         out = self.lm.generate(
             input_ids=bos, attention_mask=torch.ones_like(bos), encoder_hidden_states=memory,
             max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=False, early_stopping=num_beams > 1,
-            # transformers turns synced_gpus on for an FSDP-managed module (ddp.engine=fsdp2): an all-reduce per
+            # transformers turns synced_gpus on for an FSDP-managed module (parallel.engine=fsdp2): an all-reduce per
             # token, which hangs when ranks evaluate different numbers of batches. Generation here is local.
             synced_gpus=False,
         )

@@ -1,7 +1,7 @@
-"""The FSDP2 engine (``ddp.engine: fsdp2``): ``fully_shard`` per backbone stage, per head and per unit a head
+"""The FSDP2 engine (``parallel.engine: fsdp2``): ``fully_shard`` per backbone stage, per head and per unit a head
 declares (the caption decoder's transformer blocks), then the root.
 
-DDP (``ddp.engine: ddp``, the default) keeps a full copy of the parameters, gradients and optimizer
+DDP (``parallel.engine: ddp``, the default) keeps a full copy of the parameters, gradients and optimizer
 state on every rank and all-reduces the gradients. FSDP2 (``torch.distributed.fsdp.fully_shard``,
 DTensor-based) keeps 1/W of each on every rank: a group's parameters are all-gathered for its forward
 and again for its backward, and its gradients are reduce-scattered when its backward is done, so each
@@ -43,37 +43,37 @@ ENGINES = ("ddp", "fsdp2")
 
 
 def check(cfg, strategy) -> list[str]:
-    """Config-time refusals for ``ddp.engine: fsdp2`` (``strategy``: the strategy class, or None)."""
-    if cfg.ddp.engine != "fsdp2":
+    """Config-time refusals for ``parallel.engine: fsdp2`` (``strategy``: the strategy class, or None)."""
+    if cfg.parallel.engine != "fsdp2":
         return []
     errors = []
     why = strategy.fsdp2_problem() if strategy is not None else None
     if why:
-        errors.append(f"ddp.strategy: {cfg.ddp.strategy} does not run with ddp.engine=fsdp2: {why}. "
-                      "Use ddp.strategy=feature_leaf (or combined, detach, accumulate), or ddp.engine=ddp")
+        errors.append(f"ddp.strategy: {cfg.ddp.strategy} does not run with parallel.engine=fsdp2: {why}. "
+                      "Use ddp.strategy=feature_leaf (or combined, detach, accumulate), or parallel.engine=ddp")
     for key, value, default in (("find_unused_parameters", cfg.ddp.find_unused_parameters, None),
                                 ("static_graph", cfg.ddp.static_graph, False)):
         if value != default:
-            errors.append(f"ddp.{key}: a DistributedDataParallel option, meaningless with ddp.engine=fsdp2 "
+            errors.append(f"ddp.{key}: a DistributedDataParallel option, meaningless with parallel.engine=fsdp2 "
                           "(FSDP2 has no reducer); remove the key")
     if cfg.ddp.nan_monitor:
-        errors.append("ddp.nan_monitor: not supported with ddp.engine=fsdp2 (it recomputes each task's gradient "
+        errors.append("ddp.nan_monitor: not supported with parallel.engine=fsdp2 (it recomputes each task's gradient "
                       "with autograd.grad on the parameters, which FSDP2 holds as shards); non-finite steps are "
-                      "still skipped on every rank. Set ddp.nan_monitor=false, or ddp.engine=ddp to locate a NaN")
+                      "still skipped on every rank. Set ddp.nan_monitor=false, or parallel.engine=ddp to locate a NaN")
     if cfg.model.backbone.norm == "batch":
         errors.append("model.backbone.norm: batch keeps per-rank running statistics, which DDP copies from rank 0 at "
                       "every forward and FSDP2 does not (each rank would evaluate with its own); use "
-                      "model.backbone.norm=group or frozen (rank-independent) or sync (CUDA), or ddp.engine=ddp")
+                      "model.backbone.norm=group or frozen (rank-independent) or sync (CUDA), or parallel.engine=ddp")
     return errors
 
 
 def check_method(cfg, method) -> list[str]:
-    """Config-time refusal of a weighting method (``method``: its class) for ``ddp.engine: fsdp2``."""
-    why = method.fsdp2_problem() if cfg.ddp.engine == "fsdp2" else None
+    """Config-time refusal of a weighting method (``method``: its class) for ``parallel.engine: fsdp2``."""
+    why = method.fsdp2_problem() if cfg.parallel.engine == "fsdp2" else None
     if not why:
         return []
-    return [f"weighting.method: {method.name} does not run with ddp.engine=fsdp2: {why}. Use a Gram-based method "
-            "(pcgrad, mgda, cagrad, nashmtl, ...) or graddrop, or ddp.engine=ddp"]
+    return [f"weighting.method: {method.name} does not run with parallel.engine=fsdp2: {why}. Use a Gram-based method "
+            "(pcgrad, mgda, cagrad, nashmtl, ...) or graddrop, or parallel.engine=ddp"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -108,19 +108,19 @@ def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 units.append((f"backbone.{name}" + (f".{sub}" if sub else ""), m))
     for name, head in model.heads.items():
         inner = head.shard_units()
-        _check_no_shared_parameters(name, head, inner)
+        _verify_no_shared_parameters(name, head, inner)
         units += [(f"heads.{name}.{sub}", m) for sub, m in inner]
         units.append((f"heads.{name}", head))
     return units
 
 
-def _check_no_shared_parameters(name: str, head: nn.Module, inner: list[tuple[str, nn.Module]]) -> None:
+def _verify_no_shared_parameters(name: str, head: nn.Module, inner: list[tuple[str, nn.Module]]) -> None:
     """A parameter lives in one FSDP2 unit: a tied weight (GPT-2's wte and LM head) split over two units would be
     sharded twice and stop being one parameter. Refuse a head whose declared units share a parameter with each
     other or with the rest of the head: a ConfigError (one message for the job, not a traceback per rank) naming
     the head and ``TaskHead.shard_units``, the code to change."""
     owner = {}
-    fix = "keep tied weights in one FSDP2 unit (declare neither end, or a module holding both), or use ddp.engine=ddp"
+    fix = "keep tied weights in one FSDP2 unit (declare neither end, or a module holding both), or use parallel.engine=ddp"
     for sub, m in inner:
         for p in m.parameters():
             if id(p) in owner:

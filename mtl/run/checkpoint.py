@@ -40,6 +40,9 @@ from safetensors.torch import save as safetensors_bytes
 
 from mtl.errors import CheckpointError, TrainingError
 from mtl.parallel.dist import all_gather_objects
+from mtl.parallel.fsdp import is_sharded, load_full_model_state, load_full_optimizer_state
+from mtl.run.finite import first_nonfinite
+from mtl.run.train_state import load_sharded, read_metadata, write_sharded
 
 FORMAT = "mtl-checkpoint-v2"
 # before sharded state: the optimizer in trainer_state.pt, the model only in model.safetensors (``load_checkpoint``)
@@ -214,7 +217,7 @@ def _attempt(what, path_of_error, rank: int) -> str | None:
     return None
 
 
-def _check_extra_name(name: str) -> str:
+def _verify_extra_name(name: str) -> str:
     norm = os.path.normpath(name)
     if os.path.isabs(name) or norm.startswith("..") or norm in (*CORE_FILES, MANIFEST) or norm.startswith("rng_rank"):
         raise ValueError(f"extra checkpoint file name {name!r} is not a free relative name")
@@ -236,7 +239,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".step_{step}.tmp")
-    extra = {_check_extra_name(k): v for k, v in (extra_files or {}).items()}
+    extra = {_verify_extra_name(k): v for k, v in (extra_files or {}).items()}
     _refuse_nonfinite(step, model, sharded, rank)
 
     def start():
@@ -250,8 +253,6 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
 
     def write_parts():
         if sharded is not None:  # first: a collective, so every rank reaches it
-            from mtl.run.train_state import write_sharded
-
             write_sharded(os.path.join(tmp, STATE_DIR), sharded)
         _write_file(os.path.join(tmp, f"rng_rank{rank}.pt"), _torch_file(rng_state()))
         if rank != 0:
@@ -286,8 +287,6 @@ def _refuse_nonfinite(step: int, model, sharded: dict | None, rank: int) -> None
     """A collective, before anything is written: a TrainingError on every rank if any rank's part of the model or
     optimizer state holds a NaN or inf (resume=auto must never pick up a diverged model). (A weighting method's
     state may hold NaN on purpose: ExcessMTL's normaliser of a task not yet seen.)"""
-    from mtl.run.finite import first_nonfinite
-
     if sharded is not None:  # this rank's part of the model and optimizer state (the full model under DDP)
         bad = first_nonfinite(sharded)
     else:
@@ -409,16 +408,14 @@ def verify_checkpoint(path: str) -> dict:
         if rel not in listed:
             raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
     if state.get("state"):
-        _check_index(path, name, listed)
+        _verify_index(path, name, listed)
     return state
 
 
-def _check_index(path: str, name: str, listed: dict) -> None:
+def _verify_index(path: str, name: str, listed: dict) -> None:
     """The sharded state's index reads as data (``mtl.run.train_state.read_metadata``: a crafted one is refused unrun),
     and every file it refers to is in the manifest (so present and checked): a shard removed from both the folder
     and the manifest is caught here, not when the resume loads it."""
-    from mtl.run.train_state import read_metadata
-
     try:
         metadata = read_metadata(os.path.join(path, STATE_DIR))
     except CheckpointError as e:
@@ -475,7 +472,6 @@ def load_checkpoint(path: str, model: torch.nn.Module, rank: int) -> tuple[dict,
         weights = load_file(model_file)
     except Exception as e:
         raise CheckpointError(f"checkpoint {model_file!r} cannot be read ({e}); it is truncated or corrupt") from None
-    from mtl.parallel.fsdp import is_sharded, load_full_model_state
 
     own = model.state_dict().keys()
     missing, unexpected = [k for k in own if k not in weights], [k for k in weights if k not in own]
@@ -514,7 +510,6 @@ def load_model_and_optimizer(path: str, trainer_state: dict, model: torch.nn.Mod
         load_state(path, model, weighting, optimizer)
         return read_rng(path, rank if rank < saved_world else 0)
     _, rng = load_checkpoint(path, model, rank)
-    from mtl.parallel.fsdp import is_sharded, load_full_optimizer_state
 
     try:
         if is_sharded(model):  # a full, name-keyed optimizer state: each rank keeps its shard
@@ -530,8 +525,6 @@ def load_state(path: str, model: torch.nn.Module, weighting: torch.nn.Module, op
     """Collective: the model and optimizer state from the checkpoint's sharded ``state/``, into this run's layout
     (any world size, either engine)."""
     from torch.distributed.checkpoint.api import CheckpointException as DcpError  # a BaseException
-
-    from mtl.run.train_state import load_sharded
 
     folder = os.path.join(path, STATE_DIR)
     try:

@@ -10,6 +10,7 @@ import time
 
 from mtl.errors import TrainingError
 from mtl.files import write_atomic
+from mtl.run.checkpoint import describe_os_error
 
 
 class RunLogger:
@@ -57,8 +58,6 @@ class RunLogger:
             self._jsonl.write(json.dumps(line) + "\n")
             self._jsonl.flush()
         except OSError as e:
-            from mtl.run.checkpoint import describe_os_error
-
             self._failed = True
             raise TrainingError(f"cannot write {self._jsonl.name}: {describe_os_error(e)}. The last checkpoint is "
                                 "intact; free space or make output_dir writable, then resume with resume=auto") from None
@@ -100,8 +99,6 @@ class RunLogger:
                 closer.close()
             except OSError as e:
                 if not self._failed:
-                    from mtl.run.checkpoint import describe_os_error
-
                     print(f"warning: could not finish writing the logs in {self.output_dir}: {describe_os_error(e)}",
                           file=sys.stderr, flush=True)
                 self._failed = True

@@ -20,7 +20,7 @@ import os
 import shutil
 
 from mtl.build import task_code_files
-from mtl.config.resume import batch_statistics_layers, check_resume_config, random_layers, reshard_problems, saved_config
+from mtl.config.resume import batch_statistics_layers, random_layers, reshard_problems, saved_config, verify_resume_config
 from mtl.config.schema import config_summary, multi_input, task_data, to_yaml
 from mtl.data.loader import data_position
 from mtl.errors import CheckpointError, ConfigError, DataError
@@ -101,7 +101,7 @@ class RunFolder:
                 notes += start_over(cfg.output_dir)
             path = self._choose_checkpoint(notes)
             if path:
-                check_resume_config(path, cfg)  # the world size, engine and global batch: load (reshard_problems)
+                verify_resume_config(path, cfg)  # the world size, engine and global batch: load (reshard_problems)
                 notes += restore_tokenizer(path, cfg.output_dir)
             trim_metrics(cfg.output_dir, ckpt.read_trainer_state(path)["step"] if path else 0)
             write_atomic(os.path.join(cfg.output_dir, "config.yaml"), to_yaml(cfg).encode("utf-8"))

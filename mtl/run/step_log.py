@@ -11,11 +11,11 @@ import torch
 
 from mtl.data.multi_input import task_rows
 from mtl.errors import TrainingError
-from mtl.parallel.runtime_checks import locate_nonfinite
 from mtl.run import checkpoint as ckpt
 from mtl.run import heartbeat
 from mtl.run.finite import first_blown_up
 from mtl.run.logger import RunLogger
+from mtl.run.runtime_checks import locate_nonfinite
 from mtl.run.step import StepParts, StepResult
 
 
@@ -104,7 +104,7 @@ class StepLog:
         lines = [f"  [{idx}] pred: {hyp!r}  ref: {ref!r}" for idx, hyp, ref in samples]
         self.log.info("samples:\n" + "\n".join(lines))
         self.log.text("samples", "\n\n".join(f"**{i}** pred: `{h}` — ref: `{r}`" for i, h, r in samples), step)
-        from mtl.plots import sample_figure  # matplotlib, only when there are samples to draw
+        from mtl.plots import sample_figure  # import here: matplotlib, only when there are samples to draw
 
         images = [val_sets[task][idx]["image"] for idx, _, _ in samples]
         self.log.figure("samples", sample_figure(images, samples), step)

@@ -30,13 +30,12 @@ import torch
 from torch import nn
 
 from mtl.errors import CheckpointError
+from mtl.parallel.fsdp import Owner  # the modules whose parameters the optimizer holds, for parameter names
 
 MODEL, OPTIM = "model", "optim"
 
 
 def _owner(model: nn.Module, weighting: nn.Module) -> nn.Module:
-    from mtl.parallel.fsdp import Owner  # the modules whose parameters the optimizer holds, for parameter names
-
     return Owner(model, weighting)
 
 

@@ -31,7 +31,6 @@ from mtl.errors import TrainingError
 from mtl.parallel.amp import Amp
 from mtl.parallel.dist import DistInfo, all_gather_objects, init_distributed
 from mtl.parallel.fsdp import gathered, is_sharded
-from mtl.parallel.runtime_checks import check_replicas, explain_ddp_error
 from mtl.run import heartbeat
 from mtl.run.evaluate import evaluate_run
 from mtl.run.faults import poison
@@ -39,6 +38,7 @@ from mtl.run.feed import build_eval_feeds, build_feed, data_summary
 from mtl.run.finite import nonfinite_eval
 from mtl.run.logger import RunLogger
 from mtl.run.run_folder import RunFolder
+from mtl.run.runtime_checks import explain_ddp_error, verify_replicas
 from mtl.run.signals import StopSignals
 from mtl.run.step import StepParts, StepResult, train_step
 from mtl.run.step_log import StepLog, flat_metrics
@@ -76,10 +76,10 @@ class Trainer:
         self.bare.to(self.device)
         self.heads = dict(self.bare.heads.items())
         self.strategy, self.weighting = build_strategy(cfg), build_weighting(cfg).to(self.device)
-        self.amp = Amp(cfg.precision, self.device, sharded=cfg.ddp.engine == "fsdp2" and dist.distributed)
+        self.amp = Amp(cfg.precision, self.device, sharded=cfg.parallel.engine == "fsdp2" and dist.distributed)
         self.bare.autocast_dtype = self.amp.dtype
         self.model = wrap_model(cfg, self.bare, self.strategy, dist)
-        self.sharded = is_sharded(self.bare)  # ddp.engine=fsdp2 with a process group
+        self.sharded = is_sharded(self.bare)  # parallel.engine=fsdp2 with a process group
         self.params = [p for p in self.bare.parameters() if p.requires_grad] + list(self.weighting.parameters())
         self.optimizer = build_optimizer(cfg, self.bare, self.weighting)
         self.scheduler = build_scheduler(cfg, self.optimizer)
@@ -169,7 +169,7 @@ class Trainer:
             self.steplog.after_step(self.step, result, seconds, self.batch, self.feed.epoch)
             every = cfg.ddp.replica_check_every
             if self.dist.distributed and every and self.step % every == 0:
-                check_replicas(self.bare, self.step)
+                verify_replicas(self.bare, self.step)
             if self.step % trainer_cfg.eval_every == 0 and not self.folder.is_last(self.step):
                 self.run_eval()
             if self.folder.save_due(self.step):
@@ -223,7 +223,7 @@ class Trainer:
                        "fp16_overflows": self.steplog.overflows, "data_skipped": self.skipped_lines[0], **final}
             with open(os.path.join(out, "final_metrics.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
-            from mtl.plots import plot_curves  # matplotlib, at the end of a run only
+            from mtl.plots import plot_curves  # import here: matplotlib, at the end of a run only
 
             plot_curves(os.path.join(out, "metrics.jsonl"), os.path.join(out, "curves.png"),
                         [key for head in self.heads.values() for key, _ in head.metric_keys()])

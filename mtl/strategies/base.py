@@ -25,6 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from mtl.parallel.dist import Comm
+from mtl.parallel.fsdp import is_sharded, no_gradient_sync
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Strategy:
     # the weighting.source values it serves a gradient-level method: "parameters" (each task's gradient of the
     # shared parameters) and/or "features" (of the shared features, through their Gram matrix)
     gradient_sources: tuple[str, ...] = ()
-    # ddp.engine=fsdp2: None if the strategy runs under FSDP2 (and is in its parity test), else why it does not
+    # parallel.engine=fsdp2: None if the strategy runs under FSDP2 (and is in its parity test), else why it does not
     fsdp2_refusal: str | None = None
 
     def __init__(self, cfg):
@@ -86,14 +87,14 @@ class Strategy:
 
     @classmethod
     def fsdp2_problem(cls) -> str | None:
-        """Why this strategy does not run under ``ddp.engine=fsdp2``, or None."""
+        """Why this strategy does not run under ``parallel.engine=fsdp2``, or None."""
         return cls.fsdp2_refusal
 
     @classmethod
     def check(cls, cfg) -> list[str]:
         """Refuse DDP flags and options that are known to fail or desync with this strategy."""
         errors = []
-        if cfg.ddp.engine == "fsdp2":  # no DDP flags apply; mtl.parallel.fsdp.check refuses them and the strategy
+        if cfg.parallel.engine == "fsdp2":  # no DDP flags apply; mtl.parallel.fsdp.check refuses them and the strategy
             return errors
         fu = cfg.ddp.find_unused_parameters
         if fu is not None and fu != cls.find_unused_parameters and not cls.tolerates_find_unused(fu):
@@ -137,7 +138,6 @@ def no_sync(model: torch.nn.Module):
     process. (DDP decides at the forward, FSDP2 at the backward: wrap both.)"""
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
-    from mtl.parallel.fsdp import is_sharded, no_gradient_sync
 
     return no_gradient_sync(model) if is_sharded(model) else contextlib.nullcontext()
 

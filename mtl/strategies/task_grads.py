@@ -22,7 +22,7 @@ Cost: one backbone forward, K backbone backward passes; K all-reduces (K - 1 row
 carrying the K losses; DDP's bucketed one for the last row and the heads), K*P_shared + P_heads + K
 numbers in all; the K x P buffer held between steps.
 
-Under FSDP2 (``ddp.engine=fsdp2``, ``_sharded``) every task's backbone backward goes through FSDP2, which
+Under FSDP2 (``parallel.engine=fsdp2``, ``_sharded``) every task's backbone backward goes through FSDP2, which
 reduce-scatters it: each rank ends the pass holding ITS SHARD of that task's rank-averaged gradient, which
 is copied into row t of a K x (P / W) buffer and zeroed before the next pass. The Gram matrix is the sum
 over the ranks of the shards' local products, ``G G^T = sum_r G_r G_r^T``: ONE all-reduce of K x K numbers
@@ -166,7 +166,7 @@ class TaskGrads(Strategy):
         scale = s.loss_scale()  # fp16: the rows are scaled; a method sees them unscaled
         direction, partial = None, rows.new_zeros(0)
         if s.gram_weights is None and s.combine is not None and s.combine_shard is None:
-            raise RuntimeError("a method that needs the rows of G whole cannot run under ddp.engine=fsdp2 "
+            raise RuntimeError("a method that needs the rows of G whole cannot run under parallel.engine=fsdp2 "
                                "(mtl.parallel.fsdp.check_method refuses it at config time)")
         if s.gram_weights is None and s.combine_shard is not None:  # a row method, exact per shard (GradDrop)
             index, total = self._shard_index(shared, rows.device)

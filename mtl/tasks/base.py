@@ -126,7 +126,7 @@ class TaskHead(nn.Module):
         the run's builder with this task's training set, before training. Default: nothing."""
 
     def shard_units(self) -> list[tuple[str, nn.Module]]:
-        """Under ``ddp.engine: fsdp2``, the submodules of this head that are sharded on their own (``fully_shard``),
+        """Under ``parallel.engine: fsdp2``, the submodules of this head that are sharded on their own (``fully_shard``),
         as (name relative to the head, module), so that only one of them has its full parameters gathered at a
         time (e.g. a decoder's transformer blocks). What they leave, and every tied weight, is the head's own unit;
         a unit may not share a parameter with the rest of the head (``mtl.parallel.fsdp.shard_units`` checks). Default:

@@ -27,7 +27,11 @@ import time
 
 import torch
 
+from mtl.build import build_run_inputs, init_from_weights, run_method_types
+from mtl.config.checks import load_run_config
+from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
 from mtl.run.error_report import run_guarded
+from mtl.strategies import strategy_types
 
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -56,10 +60,6 @@ def _timed(fn, reps: int = 3) -> float:
 
 
 def examine(cfg, batches: int = 8) -> dict:
-    from mtl.build import build_run_inputs, init_from_weights, run_method_types
-    from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
-    from mtl.strategies import strategy_types
-
     run = build_run_inputs(cfg)  # the run's own data, tokenizer, model and collate; read-only (no output_dir)
     model = run.model.train()
     if cfg.get("init_from"):
@@ -202,8 +202,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(key, None)  # one process, always
 
     def run():
-        from mtl.config.checks import load_run_config
-
         cfg = load_run_config(args.config, args.overrides)
         report = examine(cfg, max(1, args.batches))
         print(json.dumps(report, indent=2) if args.json else render(report))

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from mtl.errors import ConfigError
 from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
-        from mtl.errors import ConfigError
+        # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
         from mtl.inference import eval_config, evaluate_model, load_model
 
         if args.max_batches < 0 or (args.beams is not None and args.beams < 1):

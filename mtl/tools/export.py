@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
+        # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
         from mtl.inference import export_model
 
         print(f"exported to {export_model(args.checkpoint, args.out)}", flush=True)

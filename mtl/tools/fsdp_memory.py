@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 -m mtl.tools.fsdp_memory --config configs/default.yaml [key=value ...]
 
-Builds the run once per engine (``ddp.engine=ddp``, then ``fsdp2``) in the same process group, takes two
+Builds the run once per engine (``parallel.engine=ddp``, then ``fsdp2``) in the same process group, takes two
 optimizer steps (so that the optimizer state exists), and sums the bytes of the tensors each rank holds:
 its parameters (under FSDP2 its DTensor shards, ``to_local()``), their gradients, and the optimizer's state.
 Under FSDP2 a unit's full parameters also exist for a moment, while it runs forward or backward: a third step
@@ -20,6 +20,9 @@ import argparse
 import contextlib
 import sys
 
+from mtl.parallel import dist, fsdp
+from mtl.run.trainer import Trainer
+
 
 def _local(t):
     from torch.distributed.tensor import DTensor
@@ -32,11 +35,8 @@ def _bytes(tensors) -> int:
 
 
 def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = False) -> dict:
-    from mtl.parallel import fsdp  # fsdp.shard_units, looked up at the call: _heads_as_one_unit replaces it
-    from mtl.run.trainer import Trainer
-
     with _heads_as_one_unit() if whole_heads else contextlib.nullcontext():
-        trainer = Trainer.from_config(config, [*overrides, f"ddp.engine={engine}", "trainer.progress=false",
+        trainer = Trainer.from_config(config, [*overrides, f"parallel.engine={engine}", "trainer.progress=false",
                                                "overwrite=true"])
         trainer.bare.train()
         for _ in range(2):
@@ -77,8 +77,6 @@ def _heads_as_one_unit():
     """FSDP2 as it was before heads declared units (``TaskHead.shard_units``): each head one unit, for comparison."""
     from unittest import mock
 
-    from mtl.parallel import fsdp
-
     full = fsdp.shard_units
 
     def whole(model):
@@ -93,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-
-    from mtl.parallel import dist
 
     rows = {e: measure(args.config, list(args.overrides), e) for e in ("ddp", "fsdp2")}
     rows["fsdp2, heads whole"] = measure(args.config, list(args.overrides), "fsdp2", whole_heads=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import sys
 
+from mtl.config.checks import load_run_config
 from mtl.errors import MTLError
+from mtl.run.error_report import run_guarded
 
 # the exit codes of mtl's own errors (2-5): a rank that exits with one of these failed for a reason of its own
 EXIT_CODES = {cls.exit_code for cls in MTLError.__subclasses__()}
@@ -28,9 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, overrides = _config_args(argv)
     if config is not None:
-        from mtl.config.checks import load_run_config
-        from mtl.run.error_report import run_guarded
-
         code = run_guarded(lambda: load_run_config(config, overrides))
         if code:
             return code

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from mtl.errors import ConfigError, DataError
 from mtl.run.error_report import run_guarded
 from mtl.tools import MODEL_HELP, write_text
 
@@ -33,12 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
-        from mtl.errors import ConfigError
+        # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
         from mtl.inference import image_paths, load_model
 
         if args.beams < 1 or args.batch_size < 1:
             raise ConfigError("--beams and --batch-size must be >= 1")
-        from mtl.errors import DataError
 
         paths = image_paths(args.images)  # before loading the model: a typo fails fast
         predictor = load_model(args.model, args.device)

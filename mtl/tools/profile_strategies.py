@@ -25,6 +25,8 @@ import time
 
 import torch.multiprocessing as mp
 
+from mtl.data.loader import to_device
+from mtl.parallel import dist
 from mtl.parallel.dist import free_port
 from mtl.tools.bench.strategies import _setup, _trainer
 
@@ -32,9 +34,6 @@ from mtl.tools.bench.strategies import _setup, _trainer
 def _worker(rank, world, port, config, overrides, labels, rounds, out_dir, result_file):
     _setup(rank, world, port)
     from torch.profiler import ProfilerActivity, profile
-
-    from mtl.data.loader import to_device
-    from mtl.parallel import dist
 
     names = ["combined", *[n for n in labels if n != "combined"]]
     trainers = {n: _trainer(config, overrides, n, out_dir) for n in names}

@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mtl.data import qm9
+from mtl.errors import MTLError
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -20,9 +23,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import torch
-
-    from mtl.data import qm9
-    from mtl.errors import MTLError
 
     try:
         if a.sample is None:

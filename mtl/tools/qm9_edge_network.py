@@ -21,6 +21,10 @@ import time
 
 import torch
 
+from mtl.data import qm9
+from mtl.errors import MTLError
+from mtl.models.backbones.mpnn import MPNN
+
 
 def step_time(model, batch, device) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -47,10 +51,6 @@ def main(argv=None) -> int:
         p.error("need --batch-size >= 1, --molecules >= --batch-size and --repeats >= 1")
 
     from torch_geometric.loader import DataLoader
-
-    from mtl.data import qm9
-    from mtl.errors import MTLError
-    from mtl.models.backbones.mpnn import MPNN
 
     device = torch.device(a.device)
     try:

@@ -26,6 +26,9 @@ import time
 
 import torch
 
+from mtl.run.error_report import run_guarded
+from mtl.run.trainer import Trainer
+
 # Dense (no sparsity) peak TFLOP/s by the vendor's datasheets, per compute precision; a name matches when it
 # is a substring of torch.cuda.get_device_name(). H200 SXM has the H100 SXM's matrix rates. fp32 is the plain
 # fp32 rate: mtl leaves torch's default float32 matmul precision ("highest", no TF32).
@@ -64,8 +67,6 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(config: str, overrides: list[str], steps: int, warmup: int, peak_tflops: float | None) -> dict:
-    from mtl.run.trainer import Trainer
-
     with tempfile.TemporaryDirectory() as tmp:
         t = Trainer.from_config(config, [*overrides, f"output_dir={tmp}/run", "trainer.progress=false", "resume=null",
                                          "checkpoint.every_steps=0"])
@@ -126,8 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(r, f, indent=1)
-
-    from mtl.run.error_report import run_guarded
 
     return run_guarded(go)  # a bad config, data or checkpoint: one line naming it, its exit code
 

@@ -164,7 +164,7 @@ class Weighting(nn.Module):
 
     @classmethod
     def fsdp2_problem(cls) -> str | None:
-        """Why this method cannot run under ``ddp.engine=fsdp2``, or None."""
+        """Why this method cannot run under ``parallel.engine=fsdp2``, or None."""
         return None
 
     def wants_heldout(self, step: int) -> bool:
@@ -195,7 +195,7 @@ class RowWeighting(Weighting):
     gradients of the present tasks -> the (P,) update, and works only where the strategy hands it the rows
     (``task_grads``).
 
-    ``ddp.engine=fsdp2`` (``task_grads`` on sharded gradients, mtl/strategies/task_grads.py): each rank holds only
+    ``parallel.engine=fsdp2`` (``task_grads`` on sharded gradients, mtl/strategies/task_grads.py): each rank holds only
     its columns of G. Such a method runs only if its update is exact column by column: it defines
     ``combine_shard`` (and ``finish_shard``); any other says why not in ``fsdp2_refusal``."""
 
@@ -288,7 +288,7 @@ def put_simplex_part(state: Tensor, idx: Tensor | None, new: Tensor, mass: Tenso
         state[idx] = new.to(state) * mass
 
 
-def check_present(method: Weighting, rows: int) -> None:
+def verify_present(method: Weighting, rows: int) -> None:
     """A step that named a subset of the tasks gave one row per present task (else the caller's rows are not the
     present tasks'). Without a subset the rows are not checked against the tasks (direct calls, tools)."""
     if len(method.present) < len(method.tasks) and rows != len(method.present):
@@ -341,7 +341,7 @@ class GramWeighting(Weighting):
     def weights_for_gram(self, gram: Tensor, losses: Tensor | None = None,
                          dtype: torch.dtype = torch.float32) -> Tensor:
         """The method's weights for ``gram`` (K' x K', the present tasks), recorded for ``weights()``."""
-        check_present(self, gram.shape[0])
+        verify_present(self, gram.shape[0])
         self._alpha = self.weights_from_gram(gram, losses, dtype)
         return self._alpha
 

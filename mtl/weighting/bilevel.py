@@ -23,7 +23,7 @@ Exact under DDP, 2 processes x B == 1 process x 2B:
   back after it.
 
 Refused by ``check`` (exit 2, naming the key and the fix): no ``data.heldout``; multi-input mode
-(``data.per_task``: each task has its own data set, and no held-out part of them is defined); ``ddp.engine=fsdp2``
+(``data.per_task``: each task has its own data set, and no held-out part of them is defined); ``parallel.engine=fsdp2``
 (the meta update needs the whole parameter vector on every rank; ``fsdp2_problem``); ``precision=fp16`` (the meta update's
 backward passes have no loss scaling, so a small held-out gradient underflows; bf16 and fp32 run).
 """
@@ -188,7 +188,7 @@ class BilevelWeighting(LossWeighting):
         return False
 
     @classmethod
-    def fsdp2_problem(cls) -> str | None:  # ddp.engine=fsdp2 is refused with this reason (mtl/parallel/fsdp.py check_method)
+    def fsdp2_problem(cls) -> str | None:  # parallel.engine=fsdp2 is refused with this reason (mtl/parallel/fsdp.py check_method)
         return cls.fsdp2_refusal
 
     def meta_step(self, meta: MetaInputs) -> dict:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, check_present
+from mtl.weighting.base import RowWeighting, verify_present
 from mtl.weighting.checks import option_range_errors
 
 DBMTL_EPS = 1e-8
@@ -98,7 +98,7 @@ class DBMTL(RowWeighting):
     def combine(self, grads, losses=None):
         if losses is None:
             raise ValueError("dbmtl needs the task losses (the gradient of log L_t is g_t / L_t)")
-        check_present(self, grads.shape[0])
+        verify_present(self, grads.shape[0])
         work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
         idx = self.present_index
         counts = {self.updates[i] for i in idx}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, apply_weights, check_present
+from mtl.weighting.base import RowWeighting, apply_weights, verify_present
 from mtl.weighting.checks import option_range_errors
 
 EXCESS_EPS = 1e-7  # inside the square root of the accumulated squares, as the authors' code
@@ -86,7 +86,7 @@ class ExcessMTL(RowWeighting):
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
-        check_present(self, grads.shape[0])
+        verify_present(self, grads.shape[0])
         idx = self.present_index
         if len(idx) < len(self.tasks):
             return self._combine_present(grads, idx)

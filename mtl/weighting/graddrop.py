@@ -24,7 +24,7 @@ batch); here it acts on the coordinates of the shared parameters' gradients, the
 so it is not a function of the Gram matrix: it subclasses ``RowWeighting`` and defines ``combine``, and
 a gradient source that offers only the Gram matrix cannot run it.
 
-FSDP2 (``ddp.engine=fsdp2``): each rank holds only its columns of G, and GradDrop is exact column by column,
+FSDP2 (``parallel.engine=fsdp2``): each rank holds only its columns of G, and GradDrop is exact column by column,
 so each rank combines its own columns (``combine_shard``; tested against one process in tests/test_fsdp.py).
 
 Randomness: U is drawn from a ``torch.Generator`` on the rows' device seeded with ``stream_seed(seed,
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, check_present, step_generator
+from mtl.weighting.base import RowWeighting, verify_present, step_generator
 from mtl.weighting.checks import option_range_errors
 
 
@@ -121,7 +121,7 @@ class GradDrop(RowWeighting):
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
-        check_present(self, grads.shape[0])
+        verify_present(self, grads.shape[0])
         d, kept = graddrop(grads, self.uniform(grads.shape[1], grads.device), self.options.leak)
         self._kept = kept
         return d

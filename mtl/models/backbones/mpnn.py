@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.data.qm9 import INSTALL_HINT
 from mtl.errors import ConfigError
 from mtl.models.backbones.base import Backbone
 
@@ -37,7 +38,6 @@ def _pyg():
         from torch_geometric.nn import NNConv
         from torch_geometric.nn.aggr import Set2Set
     except ImportError as e:
-        from mtl.data.qm9 import INSTALL_HINT
 
         raise ConfigError(f"model.backbone.name=mpnn needs torch_geometric, which is not installed ({e}) — "
                           f"{INSTALL_HINT}") from None

@@ -15,7 +15,7 @@ peak of ``torch.cuda.max_memory_allocated`` during the steps; on the CPU the gro
 peak RSS from just before the first step, on rank 0.
 
 All-reduces and bytes per step: a counting DDP comm hook (plus the hand-made all-reduce of
-``task_grads``), read on the last step. FSDP2 rows (``ddp.engine=fsdp2``) have no DDP reducer: their gradient
+``task_grads``), read on the last step. FSDP2 rows (``parallel.engine=fsdp2``) have no DDP reducer: their gradient
 reductions are reduce-scatters, counted (with their bytes, the unsharded gradient each rank sends) on one more,
 untimed step with a dispatch mode that sees every c10d op; the table shows them as "N RS" beside the
 hand-made all-reduces.
@@ -42,7 +42,7 @@ from mtl.config.checks import load_run_config
 from mtl.data.loader import to_device
 from mtl.parallel import dist
 from mtl.parallel.dist import CountingComm, free_port
-from mtl.parallel.runtime_checks import check_replicas
+from mtl.run.runtime_checks import verify_replicas
 from mtl.run.trainer import Trainer
 from mtl.strategies import strategy_types
 
@@ -58,9 +58,9 @@ VARIANTS = {
     "feature_leaf+mgda": ("feature_leaf", ["weighting.method=mgda", "weighting.source=features"],
                           "`feature_leaf` + MGDA (source: features)"),
     # the same strategies under FSDP2 (docs/fsdp.md): sharded parameters, gradients and optimizer state
-    "fsdp2:combined": ("combined", ["ddp.engine=fsdp2"], "FSDP2 `combined`"),
-    "fsdp2:feature_leaf": ("feature_leaf", ["ddp.engine=fsdp2"], "FSDP2 `feature_leaf`"),
-    "fsdp2:task_grads+mgda": ("task_grads", ["ddp.engine=fsdp2", "weighting.method=mgda",
+    "fsdp2:combined": ("combined", ["parallel.engine=fsdp2"], "FSDP2 `combined`"),
+    "fsdp2:feature_leaf": ("feature_leaf", ["parallel.engine=fsdp2"], "FSDP2 `feature_leaf`"),
+    "fsdp2:task_grads+mgda": ("task_grads", ["parallel.engine=fsdp2", "weighting.method=mgda",
                                              "weighting.source=parameters"], "FSDP2 `task_grads` + MGDA"),
 }
 
@@ -169,7 +169,7 @@ def _time_worker(rank, world, port, config, overrides, rounds, steps, out_dir, r
     for _ in range(max(5, rounds)):
         dist.barrier()
         tic = time.perf_counter()
-        check_replicas(t.bare, t.step)
+        verify_replicas(t.bare, t.step)
         check_times.append(time.perf_counter() - tic)
     if rank == 0:
         with open(result_file, "w") as f:

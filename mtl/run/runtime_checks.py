@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from mtl.data.loader import rng_untouched
-from mtl.data.multi_input import task_rows
+from mtl.data.multi_input import step_tasks, task_rows
 from mtl.errors import TrainingError
 from mtl.parallel.dist import all_gather_objects
 from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
@@ -57,8 +57,6 @@ def explain_ddp_error(error: RuntimeError, trainer, batch: dict) -> TrainingErro
 
 def absent_task_lines(trainer) -> list[str]:
     """Multi-input: which tasks the previous step left out (every rank derives it from the seed and the step)."""
-    from mtl.data.multi_input import step_tasks
-
     cfg, prior = trainer.cfg, trainer.step - 1
     held = list(dict.fromkeys(step_tasks(trainer.feed.plan, prior, trainer.dist.world_size)))
     absent = [t for t in trainer.tasks if t not in held]
@@ -93,7 +91,7 @@ def parameter_checksums(model: torch.nn.Module, tensors: list[torch.Tensor] | No
     return torch.cat([sums, norms])
 
 
-def check_replicas(model: torch.nn.Module, step: int) -> None:
+def verify_replicas(model: torch.nn.Module, step: int) -> None:
     """Fail loudly, naming the first diverging parameter, if the ranks' parameters are not identical
     (under FSDP2: the tensors the ranks replicate, see ``replicated``)."""
     named = replicated(model)
