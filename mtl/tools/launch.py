@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         from mtl.config.checks import load_run_config
         from mtl.run.error_report import run_guarded
 
-        code = run_guarded(lambda: load_run_config(config, overrides))
+        code = run_guarded(lambda: load_run_config(config, overrides, announce=False))
         if code:
             return code
     from torch.distributed.elastic.multiprocessing.api import SignalException
