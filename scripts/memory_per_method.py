@@ -203,9 +203,10 @@ def libmtl_found(path: str) -> str | None:
 def against_libmtl(methods: list[str], steps: int, rounds: int, path: str) -> list[dict]:
     why = libmtl_found(path)
     if why is not None:
-        sys.exit(f"LibMTL is not importable ({why}): nothing compared. Give --libmtl-path the folders that hold "
-                 "LibMTL and its solvers (qpsolvers, quadprog, cvxpy, ecos), e.g. a `pip install --target DIR`; "
-                 "never mtl's own environment.")
+        print(f"LibMTL is not importable ({why}): nothing compared. Give --libmtl-path (or LIBMTL_PATH) the folders "
+              "that hold LibMTL and its solvers (qpsolvers, quadprog, cvxpy, ecos), e.g. a `pip install --target "
+              "DIR`; never mtl's own environment.", file=sys.stderr)
+        sys.exit(2)
     pythonpath = os.pathsep.join(p for p in (path, ROOT) if p)
     rows = []
     for r in range(rounds):

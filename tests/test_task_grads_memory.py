@@ -104,3 +104,21 @@ def test_all_finite_sees_every_nan_and_inf_without_a_full_size_temporary():
         y = x.clone()
         y[2, 777] = bad
         assert not all_finite(y)
+
+
+def test_the_comparison_with_libmtl_says_so_when_libmtl_cannot_be_imported(tmp_path):
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("LibMTL") is not None:
+        pytest.skip("LibMTL is importable in this environment: the script would measure")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "LIBMTL_PATH": str(tmp_path)}  # an empty folder: no LibMTL there (nor in mtl's environment)
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "memory_per_method.py"), "--libmtl",
+                           "--methods", "pcgrad"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "LibMTL is not importable" in done.stderr and "nothing compared" in done.stderr
+    assert "pcgrad" not in done.stdout  # nothing measured
