@@ -5,7 +5,10 @@
   it is, plus ``image_memory.safetensors``: the projection from the backbone's feature map to the decoder's
   cross-attention input (``encoder_hidden_states``);
 - ``torchvision_backbone/``: the backbone's weights under torchvision's own state-dict names, where its
-  architecture is a torchvision one (``backbone.json`` says how to build it and how far to run it).
+  architecture is a torchvision one (``backbone.json`` says how to build it and how far to run it);
+- ``image_program.pt2``: a ``torch.export`` program of the image path, normalisation, backbone and classification
+  head, for any batch size: ``torch.export.load(path).module()(images)`` gives ``(features, logits)`` with plain
+  torch, whatever the backbone (``image_program.json`` says what goes in and comes out).
 
 ``INTERFACE`` (written to the folder as README.md) is the contract: with only transformers and torchvision, the
 same features and the same captions as ``mtl.inference`` (tests/test_interop.py checks it in a process that
@@ -67,6 +70,24 @@ ids = model.generate(input_ids=bos, attention_mask=torch.ones_like(bos), encoder
 Each caption is the ids after BOS up to the first EOS (`eos_token_id`), padding (`pad_token_id`) removed, decoded
 with `tokenizer/tokenizer.json` (the `tokenizers` library). `max_new_tokens` is in `hf_decoder/image_memory.json`.
 """
+
+PROGRAM_INTERFACE = """
+## The image path as one program (plain torch): `image_program.pt2`
+
+A `torch.export` program of normalisation, backbone and classification head, for any batch size, on the CPU in
+float32. It needs torch only (not torchvision, not mtl):
+
+```python
+import json, torch
+program = torch.export.load("image_program.pt2").module()
+features, logits = program(images)  # images: (B, 3, S, S) float32 in [0, 1], not normalised
+names = json.load(open("class_names.json"))  # logits.argmax(-1) indexes them; image_program.json: the shapes
+```
+
+`features` are what the caption decoder above reads (`encoder_hidden_states` from them, as shown).
+"""
+
+PROGRAM_FILE = "image_program.pt2"
 
 
 def torchvision_state(name: str, backbone_state: dict) -> dict | None:
@@ -144,14 +165,57 @@ def write_hf_decoder(folder: str, head) -> bool:
     return True
 
 
+class ImagePath(torch.nn.Module):
+    """Images in [0, 1] -> (the backbone's features, the classification head's logits): what ``mtl.inference``
+    computes for them, as one module to export."""
+
+    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Module, normalization):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+        self.normalize = normalization is not None
+        mean, std = normalization or ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1))
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = (images - self.mean) / self.std if self.normalize else images
+        features = self.backbone(x)
+        return features, self.head.logits(features)
+
+
+def write_image_program(folder: str, predictor) -> bool:
+    """``folder/image_program.pt2`` (``torch.export``, any batch size) and ``image_program.json``; False where the
+    model has no classification head (``cls``, with ``logits``)."""
+    head = predictor.model.heads["cls"] if "cls" in predictor.model.heads else None
+    if head is None or not hasattr(head, "logits"):
+        return False
+    module = ImagePath(predictor.model.backbone, head, predictor.normalization).eval()
+    size = int(predictor.cfg.data.image_size)
+    example = torch.rand(2, 3, size, size)
+    with torch.no_grad():
+        program = torch.export.export(module, (example,), dynamic_shapes={"images": {0: torch.export.Dim.DYNAMIC}})
+        features, logits = module(example)
+    torch.export.save(program, os.path.join(folder, PROGRAM_FILE))
+    with open(os.path.join(folder, "image_program.json"), "w", encoding="utf-8") as f:
+        json.dump({"input": f"images: (B, 3, {size}, {size}) float32 in [0, 1], not normalised",
+                   "outputs": [f"features: (B, {', '.join(map(str, features.shape[1:]))})",
+                               f"logits: (B, {logits.shape[1]}), indexing class_names.json"],
+                   "normalization": None if predictor.normalization is None
+                   else [list(map(float, t)) for t in predictor.normalization]}, f, indent=1)
+    return True
+
+
 def write_interop(folder: str, predictor) -> list[str]:
-    """Both parts where the model allows them, and README.md; returns the folders written."""
+    """Each part where the model allows it, and README.md; returns the files and folders written."""
     written = []
     if write_torchvision_backbone(folder, predictor.cfg, predictor.model.backbone):
         written.append(TV_DIR)
     if "gen" in predictor.model.heads and write_hf_decoder(folder, predictor.model.heads["gen"]):
         written.append(HF_DIR)
+    if write_image_program(folder, predictor):
+        written.append(PROGRAM_FILE)
     if written:
+        text = (INTERFACE if {TV_DIR, HF_DIR} & set(written) else "# Using this model without mtl\n")
         with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
-            f.write(INTERFACE)
+            f.write(text + (PROGRAM_INTERFACE if PROGRAM_FILE in written else ""))
     return written

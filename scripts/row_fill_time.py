@@ -1,5 +1,5 @@
-"""The time to fill one task's row of G on configs/default.yaml's backbone (docs/strategies.md, "Memory of the
-parameters source"): ``torch.autograd.grad`` then one copy into the row (the earlier way, kept here as the
+"""The time to fill one task's row of G on configs/default.yaml's backbone (docs/notes.md, 2026-12-01):
+``torch.autograd.grad`` then one copy into the row (the earlier way, kept here as the
 reference) against ``RowWriter`` (each parameter's gradient written into its slice as autograd computes it),
 alternated in one process (which goes first alternates too), 40 rounds. Prints the medians and the per-round ratio.
 

@@ -360,3 +360,30 @@ def test_an_unresolvable_config_stops_before_anything_starts(tmp_path):
     proc = run_train(["--config", TINY, f"output_dir={out}", "seed=${seed}"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "seed: '${seed}'" in proc.stderr
     assert not out.exists()
+
+
+def test_a_gradient_level_method_gets_the_strategy_that_serves_it_when_none_was_chosen(tmp_path, capsys):
+    # tiny.yaml and its base default.yaml leave ddp.strategy at its default (feature_leaf), which gives a method
+    # no per-task gradients of the parameters: task_grads is chosen, and one line says so
+    cfg = load_run_config(TINY, ["weighting.method=pcgrad"])
+    assert cfg.ddp.strategy == "task_grads"
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and "ddp.strategy=task_grads, not the default feature_leaf" in lines[0]
+    assert "weighting.method=pcgrad" in lines[0] and "Set ddp.strategy" in lines[0]
+    load_run_config(TINY, ["weighting.method=pcgrad"], announce=False)
+    assert capsys.readouterr().out == ""
+    # a loss-level method, or the features source (which feature_leaf serves): nothing changes, nothing is said
+    for over in (["weighting.method=uw"], ["weighting.method=mgda", "weighting.source=features"]):
+        assert load_run_config(TINY, over).ddp.strategy == "feature_leaf"
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("where", ["command line", "config file", "base file"])
+def test_a_strategy_the_user_named_is_never_replaced(tmp_path, capsys, where):
+    base = write(tmp_path, f"base: {TINY}\n" + ("ddp: {strategy: feature_leaf}\n" if where == "base file" else ""),
+                 "base.yaml")
+    path = write(tmp_path, f"base: {base}\n" + ("ddp: {strategy: feature_leaf}\n" if where == "config file" else ""))
+    over = ["weighting.method=pcgrad"] + (["ddp.strategy=feature_leaf"] if where == "command line" else [])
+    (msg,) = [e for e in errors_of(path, over) if e.startswith("weighting.method=pcgrad needs")]
+    assert "ddp.strategy=feature_leaf does not give; use ddp.strategy=task_grads" in msg
+    assert capsys.readouterr().out == ""

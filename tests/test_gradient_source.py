@@ -44,7 +44,7 @@ def test_the_shipped_rows_methods_are_refused_with_features():
 
 
 def test_bad_combinations_are_refused_with_the_fix():
-    msg = errors_of("weighting.method=mgda")  # default strategy feature_leaf, default source parameters
+    msg = errors_of("weighting.method=mgda", "ddp.strategy=feature_leaf")  # named: never replaced; source parameters
     assert "ddp.strategy=task_grads" in msg and "weighting.source=features" in msg
     msg = errors_of("weighting.method=mgda", "weighting.source=features", "ddp.strategy=task_grads")
     assert "weighting.source=features" in msg and "use ddp.strategy=feature_leaf" in msg

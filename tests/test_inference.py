@@ -83,8 +83,9 @@ def read_jsonl(path):
 def test_export_round_trip_rebuilds_the_trained_model(run, tmp_path):
     export = tmp_path / "export"
     assert export_tool.main(["--checkpoint", checkpoint(run), "--out", str(export)]) == 0
-    assert sorted(os.listdir(export)) == ["README.md", "class_names.json", "config.yaml", "hf_decoder", "manifest.json",
-                                          "model.safetensors", "tokenizer", "torchvision_backbone"]
+    assert sorted(os.listdir(export)) == ["README.md", "class_names.json", "config.yaml", "hf_decoder", "image_program.json",
+                                          "image_program.pt2", "manifest.json", "model.safetensors", "tokenizer",
+                                          "torchvision_backbone"]
     assert os.path.isfile(export / "tokenizer" / "tokenizer.json")
     assert json.loads((export / "class_names.json").read_text()) == SHAPES[:4]
 

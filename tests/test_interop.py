@@ -1,7 +1,8 @@
 """An export's parts load in other libraries without mtl: transformers loads ``hf_decoder/`` as
 it is and generates the same caption from the same features; torchvision loads ``torchvision_backbone/`` and
-computes the same features. The checking side runs in a separate ``python -I`` process whose import system refuses
-``mtl`` (and any module under it), and which asserts at the end that no mtl module was loaded."""
+computes the same features; plain torch loads ``image_program.pt2`` and computes the same features and logits.
+The checking side runs in a separate ``python -I`` process whose import system refuses ``mtl`` (and any module
+under it), and which asserts at the end that no mtl module was loaded."""
 
 from __future__ import annotations
 
@@ -30,12 +31,22 @@ CHECK = textwrap.dedent('''
             return None
 
     sys.meta_path.insert(0, NoMtl())
-    import torch, torchvision
-    from safetensors.torch import load_file
-    from transformers import GPT2LMHeadModel
+    import torch
 
     export, expected_file = sys.argv[1], sys.argv[2]
     expected = torch.load(expected_file, weights_only=True)
+    # the image path as one program, with torch alone, at two batch sizes
+    program = torch.export.load(f"{export}/image_program.pt2").module()
+    for n in (6, 3):
+        with torch.no_grad():
+            features, logits = program(expected["images"][:n])
+        assert (features - expected["features"][:n]).abs().max().item() <= 1e-5
+        assert (logits - expected["logits"][:n]).abs().max().item() <= 1e-5
+    assert "torchvision" not in sys.modules and "transformers" not in sys.modules
+
+    import torchvision
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
     # the backbone, as README.md in the export says
     spec = json.load(open(f"{export}/torchvision_backbone/backbone.json"))
     kwargs = {}
@@ -80,8 +91,8 @@ def test_transformers_and_torchvision_load_the_export_and_agree_without_mtl(tmp_
     run = train(tmp_path / "run", f"model.backbone.norm={norm}", max_steps=3)
     export = tmp_path / "export"
     assert export_tool.main(["--checkpoint", checkpoint(run, 3), "--out", str(export)]) == 0
-    assert {"hf_decoder", "torchvision_backbone", "README.md"} <= set(os.listdir(export))
-    assert "transformers" in (export / "README.md").read_text()
+    assert {"hf_decoder", "torchvision_backbone", "image_program.pt2", "README.md"} <= set(os.listdir(export))
+    assert "transformers" in (export / "README.md").read_text() and "torch.export" in (export / "README.md").read_text()
     # mtl's own answers, in this process
     predictor = load_model(export)
     images = torch.stack([synthetic_val(6)[i]["image"] for i in range(6)])
@@ -89,10 +100,13 @@ def test_transformers_and_torchvision_load_the_export_and_agree_without_mtl(tmp_
     with torch.no_grad():
         features = predictor.model.backbone(normalize_images(images, predictor.normalization))
         ids = head.decoder.generate(head.memory(features), head.max_new_tokens, 1)
+        logits = predictor.model.heads["cls"].logits(features)
     assert any(ids), "the model must caption something for the comparison to mean anything"
-    assert [predictor.tokenizer.decode(i) for i in ids] == [p["caption"] for p in predictor.predict(images)]
+    predicted = predictor.predict(images)
+    assert [predictor.tokenizer.decode(i) for i in ids] == [p["caption"] for p in predicted]
+    assert logits.argmax(-1).tolist() == [p["class_index"] for p in predicted]
     expected = tmp_path / "expected.pt"
-    torch.save({"images": images, "features": features, "ids": ids}, expected)
+    torch.save({"images": images, "features": features, "ids": ids, "logits": logits}, expected)
     script = tmp_path / "check.py"
     script.write_text(CHECK)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from mtl.strategies.task_grads import RowWriter
+from mtl.weighting.base import all_finite
 from mtl.weighting.dbmtl import dbmtl_average
+from mtl.weighting.excessmtl import accumulate_squares_, excess_risks
 from mtl.weighting.moco import moco_targets, moco_update
 
 from .weighting_cases import close, make, random_grads
@@ -65,3 +67,58 @@ def test_moco_forms_the_new_tracked_gradients_in_its_targets_with_the_pure_funct
     close(got[0], expected[0], 0)
     close(got[1], expected[1], 0)
     close(y, y_before, 0)  # the tracked gradients it came from are left as they were
+
+
+def test_excessmtl_moves_its_accumulator_in_place_with_the_out_of_place_numbers():
+    w = make("excessmtl")
+    g = random_grads(2, 50, 0)
+    w.combine(g)
+    ptr, reference = w.accum.data_ptr(), g * g
+    for step in range(1, 4):
+        g = random_grads(2, 50, step)
+        d = w.combine(g)
+        reference = reference + g * g
+        close(w.accum, reference, 0)  # bit for bit
+        assert w.accum.data_ptr() == ptr  # the same storage: no second K x P accumulator per step
+    close(excess_risks(reference, g), (g * g / (reference + 1e-7).sqrt()).sum(1), 1e-12)  # row by row, same sums
+    close(d, w.task_weights @ g, 0)
+
+
+def test_the_in_place_accumulation_refuses_what_might_not_be_finite_and_leaves_the_state():
+    big = torch.finfo(torch.float32).max
+    for grads, accum in ((torch.tensor([[1.0, float("nan")]]), torch.ones(1, 2)),
+                         (torch.tensor([[1.0, float("inf")]]), torch.ones(1, 2)),
+                         (torch.tensor([[2e19, 0.0]]), torch.ones(1, 2)),  # its square overflows float32
+                         (torch.tensor([[1.0, 0.0]]), torch.tensor([[big, 0.0]]))):  # S + 1 might
+        before = accum.clone()
+        assert not accumulate_squares_(accum, grads)
+        assert torch.equal(accum, before)
+    accum = torch.ones(1, 2)
+    assert accumulate_squares_(accum, torch.tensor([[3.0, -2.0]])) and accum.tolist() == [[10.0, 5.0]]
+
+
+def test_all_finite_sees_every_nan_and_inf_without_a_full_size_temporary():
+    x = torch.zeros(3, 1000)
+    assert all_finite(x) and all_finite(x[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[2, 777] = bad
+        assert not all_finite(y)
+
+
+def test_the_comparison_with_libmtl_says_so_when_libmtl_cannot_be_imported(tmp_path):
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("LibMTL") is not None:
+        pytest.skip("LibMTL is importable in this environment: the script would measure")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "LIBMTL_PATH": str(tmp_path)}  # an empty folder: no LibMTL there (nor in mtl's environment)
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "memory_per_method.py"), "--libmtl",
+                           "--methods", "pcgrad"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "LibMTL is not importable" in done.stderr and "nothing compared" in done.stderr
+    assert "pcgrad" not in done.stdout  # nothing measured

@@ -15,7 +15,15 @@ from omegaconf import OmegaConf
 
 from mtl.build import run_method_types
 from mtl.config.multi_input import check as multi_input_check
-from mtl.config.schema import check_options, config_keys, interpolation_errors, load_config_collecting
+from mtl.config.schema import (
+    check_options,
+    config_keys,
+    interpolation_errors,
+    load_config_collecting,
+    move_keys,
+    parse_overrides,
+    read_config_chain,  # the config file and its base: chain
+)
 from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
@@ -364,15 +372,57 @@ def options_help() -> str:
     return "\n".join(lines)
 
 
-def load_run_config(path: str, overrides: list[str] | None = None):
+def load_run_config(path: str, overrides: list[str] | None = None, announce: bool = True):
     """The checked config. Key and type problems and the checks below are reported together, in one
-    ConfigError (a value that failed its key or type check keeps its default for the checks below)."""
+    ConfigError (a value that failed its key or type check keeps its default for the checks below).
+    ``announce``: print the line of a strategy chosen for the method (``auto_strategy``), on rank 0."""
     errors: list[str] = []
     cfg = load_config_collecting(path, overrides, errors)
     unresolved = interpolation_errors(cfg)
     if unresolved:  # the checks below would read those keys
         raise ConfigError(errors + unresolved)
+    note = auto_strategy(cfg, explicit=is_set(path, overrides, "ddp.strategy"))
     errors += validate(cfg)
     if errors:
         raise ConfigError(errors)
+    if note and announce and int(os.environ.get("RANK", "0")) == 0:
+        print(f"mtl: {note}", flush=True)
     return cfg
+
+
+def is_set(path: str, overrides: list[str] | None, key: str) -> bool:
+    """Whether the dotted ``key`` is written in the config file ``path``, one of its ``base:`` files, or the
+    overrides: a key none of them names holds the schema's default, which the user did not choose."""
+    over, _ = parse_overrides(list(overrides or []))
+    for data, source in [*read_config_chain(path), (over, "command line")]:
+        move_keys(data, source, [])  # the old name of a key counts as the key
+        node = data
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            return True
+    return False
+
+
+def auto_strategy(cfg, explicit: bool) -> str | None:
+    """A gradient-level method whose ``weighting.source`` the configured strategy does not serve gets the one
+    strategy that does (task_grads for the parameters, feature_leaf for the features), but only when
+    ``ddp.strategy`` holds its default (``explicit`` False): a strategy the user named is never replaced (the
+    check then refuses it, naming the key and the fix). Returns the line that says what was chosen, or None."""
+    strategies = strategy_types()
+    strategy = strategies.get(cfg.ddp.strategy)
+    source = cfg.weighting.source
+    try:
+        method = run_method_types(cfg).get(cfg.weighting.method)
+    except ConfigError:  # validate reports it
+        return None
+    if explicit or strategy is None or method is None or method.level != "grad" or source not in SOURCES \
+            or source in strategy.gradient_sources:
+        return None
+    serving = [n for n, cls in strategies.items() if source in cls.gradient_sources and not cls.unsafe]
+    if len(serving) != 1:
+        return None
+    default, cfg.ddp.strategy = cfg.ddp.strategy, serving[0]
+    return (f"ddp.strategy={serving[0]}, not the default {default}: weighting.method={cfg.weighting.method} needs each "
+            f"task's gradient of the shared {source} (weighting.source={source}), which only {serving[0]} gives. "
+            "Set ddp.strategy to choose yourself")

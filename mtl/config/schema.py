@@ -325,7 +325,7 @@ def drop_moved_options(data: dict, moved: set[str], tasks) -> None:
             del options[t]
 
 
-def _read_yaml(path: str, seen: tuple = (), named_by: str | None = None) -> list[tuple[dict, str]]:
+def read_config_chain(path: str, seen: tuple = (), named_by: str | None = None) -> list[tuple[dict, str]]:
     """Return [(mapping, source)] for ``path`` and its ``base:`` chain, base first.
 
     ``named_by`` is the config file whose ``base:`` names ``path`` (None for the --config file).
@@ -359,7 +359,7 @@ def _read_yaml(path: str, seen: tuple = (), named_by: str | None = None) -> list
         if not isinstance(base, str):
             raise ConfigError(f"{path}: 'base' must be a file name")
         base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-        chain += _read_yaml(base_path, seen + (real,), named_by=path)
+        chain += read_config_chain(base_path, seen + (real,), named_by=path)
     chain.append((data, path))
     return chain
 
@@ -530,7 +530,7 @@ def _read_into(path: str, overrides: list[str] | None, errors: list[str], chain:
     OmegaConf.set_struct(cfg, True)
     moved: set[str] = set()
     notes: list[str] = []  # a config file or the command line, not a checkpoint's config.yaml (mtl wrote that one)
-    for data, source in (_read_yaml(path) if chain is None else chain):
+    for data, source in (read_config_chain(path) if chain is None else chain):
         moved |= move_keys(data, source, errors, notes if chain is None else None)
         _merge_into(cfg, data, source, [], errors)
     over, over_errors = parse_overrides(list(overrides or []))

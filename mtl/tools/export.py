@@ -1,5 +1,9 @@
 """Export a trained model as a self-contained folder: model.safetensors, config.yaml, tokenizer/, class_names.json.
 
+The folder also holds the parts in other libraries' layouts (its README.md says how to use them): hf_decoder/
+for transformers, torchvision_backbone/ for torchvision, and image_program.pt2, a torch.export program of the
+image path (backbone and classification head) that plain torch runs.
+
   python -m mtl.tools.export --checkpoint runs/x/checkpoints/step_1000 --out runs/x/export
 
 The folder needs nothing else: mtl.inference.load_model(folder) rebuilds the model in one call, and

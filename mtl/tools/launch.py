@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, overrides = _config_args(argv)
     if config is not None:
-        code = run_guarded(lambda: load_run_config(config, overrides))
+        code = run_guarded(lambda: load_run_config(config, overrides, announce=False))
         if code:
             return code
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -255,6 +255,16 @@ def apply_weights(alpha: Tensor, grads: Tensor) -> Tensor:
     return (alpha.to(device=grads.device, dtype=torch.float32) @ grads.float()).to(grads.dtype)
 
 
+def all_finite(x: Tensor) -> bool:
+    """Whether every entry of ``x`` is finite, from its smallest and largest entries (a NaN or an inf is one of
+    them): a reduction with no temporary the size of ``x``, where ``torch.isfinite(x).all()`` makes two or three
+    (it matters for the K x P rows and states of the row methods)."""
+    if x.numel() == 0:
+        return True
+    lo, hi = x.aminmax()
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def gram_numpy(gram: Tensor) -> np.ndarray | None:
     """The Gram matrix as a float64 numpy array for the small K x K solvers; None if an entry is not finite."""
     m = gram.detach().cpu().double().numpy()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, verify_present
+from mtl.weighting.base import RowWeighting, all_finite, verify_present
 from mtl.weighting.checks import option_range_errors
 
 DBMTL_EPS = 1e-8
@@ -121,7 +121,7 @@ class DBMTL(RowWeighting):
         so the same numbers, with one K x P temporary (the scaled log-loss gradients) instead of four. Returns (the
         new average, whether it was finite and kept)."""
         term = (work / losses.to(work.dtype).clamp_min(DBMTL_EPS)[:, None]).mul_(1.0 - beta)  # (1 - beta) g / L
-        if not bool(torch.isfinite(term).all()):  # a skipped step must not poison the average: leave it
+        if not all_finite(term):  # a skipped step must not poison the average: leave it
             prev = None if self.average is None else self.average.to(device=work.device, dtype=work.dtype)
             return term if prev is None else prev * beta + term, False
         if self.average is None:
@@ -137,7 +137,7 @@ class DBMTL(RowWeighting):
         the fresh start's)."""
         prev = None if self.average is None else self.average[idx].to(device=work.device, dtype=work.dtype)
         new = dbmtl_average(prev, work, losses, beta)
-        ok = bool(torch.isfinite(new).all())
+        ok = all_finite(new)
         if ok:  # a skipped step must not poison the average
             if self.average is None:
                 self.average = torch.zeros(len(self.tasks), new.shape[1], dtype=new.dtype, device=new.device)

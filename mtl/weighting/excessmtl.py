@@ -17,9 +17,9 @@ DDP: the rows are the rank-averaged gradients, so S, e and w are those of one pr
 batch, identical on every rank.
 
 It needs the rows: S is a per-coordinate K x P accumulator. **Cost:** S is kept between steps (as much
-memory again as the task-gradient matrix G) and is part of ``state_dict()`` (extra state), so
-checkpoints grow by K x P numbers; a K x P update per step, no solver. ``weights()`` reports w. Degenerate
-input: a task whose first e is 0 (a zero gradient) keeps its normaliser at 1e-12 (its later e are
+memory again as the task-gradient matrix G; it moves in place, with temporaries one row long) and is part of
+``state_dict()`` (extra state), so checkpoints grow by K x P numbers; a K x P update per step, no solver.
+``weights()`` reports w. Degenerate input: a task whose first e is 0 (a zero gradient) keeps its normaliser at 1e-12 (its later e are
 compared against that floor); non-finite rows leave S and w unchanged (the trainer skips the step).
 
 Multi-input steps that hold only some tasks S: d = sum_{t in S} w_t g_t over their rows; only S_t of the present
@@ -30,12 +30,13 @@ ExcessMTL over K tasks of which only S appear is ExcessMTL over S, and an absent
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, apply_weights, verify_present
+from mtl.weighting.base import RowWeighting, all_finite, apply_weights, verify_present
 from mtl.weighting.checks import option_range_errors
 
 EXCESS_EPS = 1e-7  # inside the square root of the accumulated squares, as the authors' code
@@ -44,8 +45,23 @@ EXCESS_MIN_NORMALISER = 1e-12
 
 @torch.no_grad()
 def excess_risks(accum: Tensor, grads: Tensor) -> Tensor:
-    """(K,) e_t = g_t^T diag(1 / sqrt(S_t + eps)) g_t, with S already including this step's g^2."""
-    return (grads * grads / (accum + EXCESS_EPS).sqrt()).sum(1)
+    """(K,) e_t = g_t^T diag(1 / sqrt(S_t + eps)) g_t, with S already including this step's g^2. One row at a
+    time: the temporaries are P long, not K x P."""
+    return torch.stack([(g * g).div_((s + EXCESS_EPS).sqrt_()).sum() for s, g in zip(accum, grads)])
+
+
+@torch.no_grad()
+def accumulate_squares_(accum: Tensor, grads: Tensor) -> bool:
+    """S <- S + g^2 in place, one row at a time (the same numbers as ``accum + grads * grads``), when the result is
+    sure to be finite: finite rows whose largest square plus the largest S stays below the dtype's largest number.
+    Returns False, and leaves S as it was, otherwise."""
+    lo, hi = grads.aminmax()
+    top = max(-float(lo), float(hi))
+    if not math.isfinite(top) or top * top + float(accum.max()) >= torch.finfo(accum.dtype).max:
+        return False
+    for s, g in zip(accum, grads):
+        s.add_(g * g)
+    return True
 
 
 @torch.no_grad()
@@ -92,9 +108,13 @@ class ExcessMTL(RowWeighting):
             return self._combine_present(grads, idx)
         work = grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
         prev = None if self.accum is None else self.accum.to(device=work.device, dtype=work.dtype)
-        accum = work * work if prev is None else prev + work * work
+        if prev is not None and prev is self.accum and accumulate_squares_(prev, work):
+            accum, ok = prev, True  # S moved in place: no second K x P accumulator
+        else:  # the first step, another device or dtype, or a sum that might not be finite
+            accum = work * work if prev is None else prev + work * work
+            ok = all_finite(accum)
         risks = excess_risks(accum, work).double()
-        if bool(torch.isfinite(accum).all()):  # a skipped step must not poison the state
+        if ok:  # a skipped step must not poison the state
             self.accum = accum
             if self.normaliser is None:
                 self.normaliser = risks.clamp_min(EXCESS_MIN_NORMALISER)
@@ -114,7 +134,7 @@ class ExcessMTL(RowWeighting):
         accum = work * work if self.accum is None else \
             self.accum[idx].to(device=work.device, dtype=work.dtype) + work * work  # an unseen task's row is 0
         risks = excess_risks(accum, work).double()
-        if bool(torch.isfinite(accum).all()):
+        if all_finite(accum):
             if self.accum is None:
                 self.accum = torch.zeros(k, work.shape[1], dtype=work.dtype, device=work.device)
             self.accum[idx] = accum.to(self.accum)
@@ -141,4 +161,5 @@ class ExcessMTL(RowWeighting):
         return {"accum": self.accum, "normaliser": self.normaliser}
 
     def set_extra_state(self, state):
-        self.accum, self.normaliser = state["accum"], state["normaliser"]
+        accum = state["accum"]  # our own copy: S then moves in place, and the state's tensor is not ours
+        self.accum, self.normaliser = None if accum is None else accum.clone(), state["normaliser"]

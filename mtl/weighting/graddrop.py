@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, verify_present, step_generator
+from mtl.weighting.base import RowWeighting, step_generator, verify_present
 from mtl.weighting.checks import option_range_errors
 
 

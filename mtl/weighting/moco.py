@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting
+from mtl.weighting.base import RowWeighting, all_finite
 from mtl.weighting.checks import option_range_errors
 
 MOCO_NORM_EPS = 1e-8
@@ -126,7 +126,7 @@ class MoCo(RowWeighting):
         # the new Y is formed in h where h is this step's own (normalised) tensor: Y and h are the only K x P state
         y, lam = moco_update(prev, self.lambd, h, o.beta / step ** o.beta_sigma, o.gamma / step ** o.gamma_sigma, o.rho,
                              out=None if h is grads else h)
-        if bool(torch.isfinite(y).all()) and bool(torch.isfinite(lam).all()):  # a skipped step must not poison the state
+        if all_finite(y) and all_finite(lam):  # a skipped step must not poison the state
             self.tracked, self.updates = y, step
             self.lambd.copy_(lam)
         return (lam.to(y) @ y).to(grads.dtype)
