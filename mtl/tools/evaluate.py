@@ -14,19 +14,16 @@ falls back to other data: a set that cannot be read is an error naming the task 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from mtl.errors import ConfigError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, write_text
+from mtl.tools import MODEL_HELP, tool_parser, write_text
 
 
 def main(argv: list[str] | None = None) -> int:
-    lines = __doc__.strip().splitlines()
-    parser = argparse.ArgumentParser(prog="python -m mtl.tools.evaluate", description=lines[0],
-                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("mtl.tools.evaluate", __doc__)
     parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
     parser.add_argument("--config", help="take the data to evaluate on (data.*, seed) from this config")
     parser.add_argument("overrides", nargs="*", help="data.* / seed overrides, e.g. data.source=manifest "

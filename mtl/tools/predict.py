@@ -12,19 +12,16 @@ when none could be read).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from mtl.errors import ConfigError, DataError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, write_text
+from mtl.tools import MODEL_HELP, tool_parser, write_text
 
 
 def main(argv: list[str] | None = None) -> int:
-    lines = __doc__.strip().splitlines()
-    parser = argparse.ArgumentParser(prog="python -m mtl.tools.predict", description=lines[0],
-                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("mtl.tools.predict", __doc__)
     parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("images", nargs="+", help="image files and/or folders of images")
     parser.add_argument("--beams", type=int, default=1, help="beam width for the captions (1: greedy, the default)")
