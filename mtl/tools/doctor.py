@@ -113,7 +113,7 @@ def examine(cfg, batches: int = 8) -> dict:
     p_heads = p_all - p_shared
     elem = 4
     with torch.no_grad():
-        fmap = model.backbone(batch["image"]).numel()
+        fmap = model.backbone(batch[getattr(model.backbone, "consumes", "image")]).numel()  # the shared features
     k = len(tasks)
     costs = {}
     for name, cls in strategy_types().items():

@@ -7,7 +7,8 @@ for a model with the count task). Folders are searched recursively for image fil
 directly are used whatever their extension. Images are preprocessed exactly as in training (the data
 code's transform). Captions are greedy by default, beam search with --beams N > 1. An image file that
 cannot be read is skipped with a warning, and the summary on stderr counts the skipped files (exit 3 only
-when none could be read).
+when none could be read). Image models only: a model whose backbone reads something else (QM9's molecule
+graphs) is refused with exit 2; evaluate it on its data with python -m mtl.tools.evaluate.
 """
 
 from __future__ import annotations
