@@ -213,6 +213,12 @@ ROWS_REFUSAL = ("it needs the rows of G whole (it overrides combine), and under 
                 "columns of them")
 
 
+def kept_rows_refusal(state: str) -> str:
+    """``fsdp2_refusal`` of a row method that keeps ``state``, a K x P tensor, between steps."""
+    return (f"its {state} is kept between steps; under FSDP2 it would be sharded with G, one part per rank, and the "
+            "checkpoint holds a weighting's state as one full copy from rank 0")
+
+
 class RowWeighting(GradientWeighting):
     """A gradient-level method that needs the rows of G themselves (per-coordinate signs, a K x P average kept
     between steps), not only their Gram matrix: it defines ``combine(grads, losses)``, (K', P) rank-averaged

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, verify_present
+from mtl.weighting.base import RowWeighting, kept_rows_refusal, verify_present
 from mtl.weighting.checks import at_least, ranged
 
 DBMTL_EPS = 1e-8
@@ -69,9 +69,8 @@ class DBMTLOptions:
 class DBMTL(RowWeighting):
     name = "dbmtl"
     updates_from_present_tasks = True  # only the present tasks' averages and step counts move
-    fsdp2_refusal = ("its K x P average h is kept between steps; under FSDP2 it would be sharded with G, one part "
-                     "per rank, and the checkpoint holds a weighting's state as one full copy from rank 0 (and its "
-                     "norms need the rank-averaged losses first: a second collective)")
+    fsdp2_refusal = kept_rows_refusal("K x P average h") + (" (and its norms need the rank-averaged losses first: a "
+                                                            "second collective)")
     Options = DBMTLOptions
 
     def __init__(self, cfg, tasks):

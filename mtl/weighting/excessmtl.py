@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, apply_weights, verify_present
+from mtl.weighting.base import RowWeighting, apply_weights, kept_rows_refusal, verify_present
 from mtl.weighting.checks import at_least
 
 EXCESS_EPS = 1e-7  # inside the square root of the accumulated squares, as the authors' code
@@ -63,8 +63,7 @@ class ExcessMTLOptions:
 class ExcessMTL(RowWeighting):
     name = "excessmtl"
     updates_from_present_tasks = True  # only the present tasks' accumulators, normalisers and weights move
-    fsdp2_refusal = ("its K x P accumulator S is kept between steps; under FSDP2 it would be sharded with G, one part "
-                     "per rank, and the checkpoint holds a weighting's state as one full copy from rank 0")
+    fsdp2_refusal = kept_rows_refusal("K x P accumulator S")
     Options = ExcessMTLOptions
 
     def __init__(self, cfg, tasks):

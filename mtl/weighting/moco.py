@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting
+from mtl.weighting.base import RowWeighting, kept_rows_refusal
 from mtl.weighting.checks import at_least, ranged
 
 MOCO_NORM_EPS = 1e-8
@@ -90,9 +90,7 @@ class MoCo(RowWeighting):
     name = "moco"
     absent_task_refusal = ("it tracks each task's gradient and lambda over every task with step-indexed rates; a present-only "
                            "update is not defined")
-    fsdp2_refusal = ("its K x P moving average of the task gradients is kept between steps; under FSDP2 it would be "
-                     "sharded with G, one part per rank, and the checkpoint holds a weighting's state as one full copy "
-                     "from rank 0")
+    fsdp2_refusal = kept_rows_refusal("K x P moving average of the task gradients")
     Options = MoCoOptions
 
     def __init__(self, cfg, tasks):
