@@ -82,6 +82,11 @@ class Predictor:
     def image_size(self) -> int:
         return int(self.cfg.data.image_size)
 
+    @property
+    def consumes(self) -> str:
+        """The batch field the model's backbone reads (``Backbone.consumes``): ``image``, or e.g. ``graph`` (QM9)."""
+        return getattr(self.model.backbone, "consumes", "image")
+
     def load_images(self, paths: list[str]) -> torch.Tensor:
         """(N, 3, S, S): the files as the training data sets read them."""
         return torch.stack([read_image(p, self.image_size) for p in paths])
@@ -92,7 +97,12 @@ class Predictor:
         for the ``cls`` task, ``caption`` for ``gen`` (greedy, or beam search with ``num_beams`` > 1), and
         ``count`` for ``count``. ``images``: file paths, or image tensors (3, S, S) / (N, 3, S, S) as the
         data sets give them. A file that cannot be read is a DataError, unless ``on_unreadable(path, error)`` is
-        given: then it is called, the file skipped, and its place in the list is None."""
+        given: then it is called, the file skipped, and its place in the list is None. Only a model whose backbone
+        reads images predicts here; any other is a ConfigError that says so."""
+        if self.consumes != "image":
+            raise ConfigError(f"predict: takes images, for models whose backbone reads images; this model's backbone "
+                              f"({self.cfg.model.backbone.name}) reads {self.consumes!r} batches. Evaluate it on its "
+                              "data instead: python -m mtl.tools.evaluate --checkpoint <the model>")
         if num_beams < 1:
             raise ConfigError(f"num_beams: must be >= 1 (got {num_beams})")
         if torch.is_tensor(images):
@@ -169,15 +179,19 @@ def _device(device) -> torch.device:
         raise ConfigError(f"device: {device!r} is not a device (auto, cpu, cuda or cuda:N)") from None
 
 
-def _class_names(files: ModelFiles, cfg, num_classes: int) -> list[str]:
+def _class_names(files: ModelFiles, cfg, num_classes: int | None) -> list[str]:
+    """The model's class names; ``num_classes``: how many its weights fix (a classifier head's rows), or None where
+    they fix none (a model without a ``cls`` head: then the run's list, e.g. QM9's empty one, is taken as it is)."""
     if files.class_names:
         try:
             with open(files.class_names, encoding="utf-8") as f:
                 names = json.load(f)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{files.class_names!r} cannot be read as JSON: {e}") from None
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) != num_classes:
-            raise CheckpointError(f"{files.class_names!r} must be a JSON list of {num_classes} class names (the "
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or (
+                num_classes is not None and len(names) != num_classes):
+            count = "" if num_classes is None else f"{num_classes} "
+            raise CheckpointError(f"{files.class_names!r} must be a JSON list of {count}class names (the "
                                   "model's number of classes); restore the file or delete it")
         return names
     if cfg.data.source == "synthetic":  # drawn on the fly: building the splits costs nothing
@@ -186,7 +200,7 @@ def _class_names(files: ModelFiles, cfg, num_classes: int) -> list[str]:
         print(f"note: {files.folder!r} and its run folder have no {CLASS_NAMES_FILE} (written by runs since this "
               "was added); classes are named by their index, the sorted class folders of the training set",
               file=sys.stderr)
-    return [str(i) for i in range(num_classes)]
+    return [str(i) for i in range(int(cfg.data.num_classes or 1) if num_classes is None else num_classes)]
 
 
 def load_model(path: str, device="cpu") -> Predictor:
@@ -207,13 +221,9 @@ def load_model(path: str, device="cpu") -> Predictor:
         print(f"note: {files.folder!r} carries task code ({', '.join(os.path.basename(c) for c in code)}); loading "
               "the model imports it, which runs it: trust a model folder like a script", file=sys.stderr)
     tokenizer = CaptionTokenizer.load(files.tokenizer)
-    if "heads.cls.fc.weight" in state:
-        num_classes = int(state["heads.cls.fc.weight"].shape[0])
-    elif cfg.data.source == "synthetic":
-        num_classes = int(cfg.data.synthetic.num_classes)
-    else:
-        num_classes = int(cfg.data.num_classes or 1)
-    class_names = _class_names(files, cfg, num_classes)
+    weighed = int(state["heads.cls.fc.weight"].shape[0]) if "heads.cls.fc.weight" in state else None
+    class_names = _class_names(files, cfg, weighed)
+    num_classes = len(class_names) if weighed is None else weighed
     # the backbone's weights are in our file: never download or read others (cfg keeps the name: it decides the
     # normalisation the run's loaders applied, data.normalize=auto)
     unweighted = copy.deepcopy(cfg)
@@ -262,8 +272,11 @@ def eval_config(predictor: Predictor, config: str | None = None, overrides: list
 
 
 def eval_dataset(cfg, class_names: list[str]):
-    """The split to evaluate (``data.val_path``, or the synthetic val split), labelled with the model's classes."""
+    """The split to evaluate (``data.val_path``, or the synthetic or QM9 val split), labelled with the model's
+    classes."""
     d = cfg.data
+    if d.source == "qm9":  # the run's validation split (data.qm9.*, the seed's shuffle): molecule graphs, no classes
+        return build_datasets(cfg)[1]
     if d.source == "synthetic":  # drawn on the fly: building the train split costs nothing
         ds = build_datasets(cfg)[1]
         if ds.num_classes > len(class_names):
@@ -271,7 +284,7 @@ def eval_dataset(cfg, class_names: list[str]):
                               f"{len(class_names)}; set it to {len(class_names)}")
         return ds
     if d.source not in ("manifest", "imagefolder"):
-        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder")
+        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder, qm9")
     if not d.val_path:
         raise ConfigError(f"data.val_path: set it to the {d.source} to evaluate on")
     if d.source == "manifest":

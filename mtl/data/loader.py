@@ -268,25 +268,15 @@ def normalizing(collate, ds: Dataset):
     return Normalized(collate, *norm) if norm else collate
 
 
-def _loader_kwargs(num_workers: int, pin_memory: bool) -> dict:
-    return {
-        "num_workers": num_workers,
-        "pin_memory": pin_memory,
-        "persistent_workers": num_workers > 0,
-    }
+def _loader_kwargs(ds: Dataset, collate, batch_size: int, num_workers: int, pin_memory: bool) -> dict:
+    """What the train and the eval loaders share: the batch size, the collate (normalizing where ``ds`` says so) and
+    the workers."""
+    return {"batch_size": batch_size, "collate_fn": normalizing(collate, ds), "num_workers": num_workers,
+            "pin_memory": pin_memory, "persistent_workers": num_workers > 0}
 
 
-def build_train_loader(
-    ds: Dataset,
-    collate: BatchCollate,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    heldout: int = 0,
-) -> DataLoader:
+def build_train_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank: int, world_size: int, seed: int,
+                       num_workers: int = 0, pin_memory: bool = False, heldout: int = 0) -> DataLoader:
     """Shuffled, equal-size batches on every rank (``drop_last`` in the sampler and the loader), from the first
     ``len(ds) - heldout`` items (``data.heldout``: the last ones are the held-out part, mtl/data/heldout.py).
 
@@ -307,41 +297,20 @@ def build_train_loader(
     sampler = cls(items, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     # the loader's own generator: making an iterator (at each epoch, and at a resume) must not draw
     # from the global torch RNG, or a resumed run's dropout would see a shifted random stream
-    return TrainLoader(
-        ds,
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=normalizing(collate, ds),
-        drop_last=True,
-        generator=torch.Generator().manual_seed(seed),
-        **_loader_kwargs(num_workers, pin_memory),
-    )
+    return TrainLoader(ds, sampler=sampler, drop_last=True, generator=torch.Generator().manual_seed(seed),
+                       **_loader_kwargs(ds, collate, batch_size, num_workers, pin_memory))
 
 
-def build_eval_loader(
-    ds: Dataset,
-    collate: BatchCollate,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-) -> DataLoader:
+def build_eval_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank: int, world_size: int,
+                      num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """Rank r evaluates indices r, r+W, ... in order, with no padding: every sample counts once.
 
     (DistributedSampler pads with repeated samples to even out the ranks, which would count some
     twice in the metrics.) Ranks may therefore get one batch more or less than each other, so eval
     code must reduce sums and counts, not per-rank means, and must not run a collective per batch.
     """
-    return DataLoader(
-        ds,
-        batch_size=batch_size,
-        sampler=list(range(rank, len(ds), world_size)),
-        shuffle=False,
-        collate_fn=normalizing(collate, ds),
-        drop_last=False,
-        **_loader_kwargs(num_workers, pin_memory),
-    )
+    return DataLoader(ds, sampler=list(range(rank, len(ds), world_size)), shuffle=False, drop_last=False,
+                      **_loader_kwargs(ds, collate, batch_size, num_workers, pin_memory))
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:

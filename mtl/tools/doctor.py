@@ -19,7 +19,6 @@ the trainer's own builder, which creates no output_dir, lock or checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ from mtl.config.checks import load_run_config
 from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_gradients
 from mtl.run.error_report import run_guarded
 from mtl.strategies import strategy_types
+from mtl.tools import tool_parser
 
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -113,7 +113,7 @@ def examine(cfg, batches: int = 8) -> dict:
     p_heads = p_all - p_shared
     elem = 4
     with torch.no_grad():
-        fmap = model.backbone(batch["image"]).numel()
+        fmap = model.backbone(batch[getattr(model.backbone, "consumes", "image")]).numel()  # the shared features
     k = len(tasks)
     costs = {}
     for name, cls in strategy_types().items():
@@ -192,11 +192,10 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mtl.tools.doctor", description="gradient doctor (one process)")
-    parser.add_argument("--config", required=True)
+    parser = tool_parser("mtl.tools.doctor", __doc__, overrides="key=value config overrides")
+    parser.add_argument("--config", required=True, help="the run's config")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--batches", type=int, default=8, help="training batches to measure the gradient conflict on")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     for key in ("RANK", "WORLD_SIZE"):
         os.environ.pop(key, None)  # one process, always

@@ -6,7 +6,8 @@
 One process is enough (no torchrun): the trainer's own evaluation (mtl.run.evaluate.evaluate_run) runs over
 the whole eval data. What is evaluated: the data section (data.* and seed) of --config X, or of the
 checkpoint's own config, with the key=value overrides; the model always comes from the checkpoint.
-The data is data.val_path (manifest or ImageFolder) or the built-in synthetic validation split; a
+The data is data.val_path (manifest or ImageFolder), the built-in synthetic validation split, or QM9's
+validation split (data.source=qm9: the run's split of the molecules, from data.qm9.* and the seed); a
 multi-input model (data.per_task) scores each task on its own data.per_task.<task>.val_path (or its
 synthetic set), exactly as its training run evaluated, and "images" gives each task's count. Nothing
 falls back to other data: a set that cannot be read is an error naming the task and the key.
@@ -14,19 +15,16 @@ falls back to other data: a set that cannot be read is an error naming the task 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from mtl.errors import ConfigError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, write_text
+from mtl.tools import MODEL_HELP, tool_parser, write_text
 
 
 def main(argv: list[str] | None = None) -> int:
-    lines = __doc__.strip().splitlines()
-    parser = argparse.ArgumentParser(prog="python -m mtl.tools.evaluate", description=lines[0],
-                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("mtl.tools.evaluate", __doc__)
     parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
     parser.add_argument("--config", help="take the data to evaluate on (data.*, seed) from this config")
     parser.add_argument("overrides", nargs="*", help="data.* / seed overrides, e.g. data.source=manifest "

@@ -13,17 +13,14 @@ loaded first (a broken one is refused, not copied), and the folder appears whole
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP
+from mtl.tools import MODEL_HELP, tool_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    lines = __doc__.strip().splitlines()
-    parser = argparse.ArgumentParser(prog="python -m mtl.tools.export", description=lines[0],
-                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("mtl.tools.export", __doc__)
     parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
     parser.add_argument("--out", required=True, help="the folder to create (new, or empty)")
     args = parser.parse_args(argv)

@@ -7,24 +7,22 @@ for a model with the count task). Folders are searched recursively for image fil
 directly are used whatever their extension. Images are preprocessed exactly as in training (the data
 code's transform). Captions are greedy by default, beam search with --beams N > 1. An image file that
 cannot be read is skipped with a warning, and the summary on stderr counts the skipped files (exit 3 only
-when none could be read).
+when none could be read). Image models only: a model whose backbone reads something else (QM9's molecule
+graphs) is refused with exit 2; evaluate it on its data with python -m mtl.tools.evaluate.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from mtl.errors import ConfigError, DataError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, write_text
+from mtl.tools import MODEL_HELP, tool_parser, write_text
 
 
 def main(argv: list[str] | None = None) -> int:
-    lines = __doc__.strip().splitlines()
-    parser = argparse.ArgumentParser(prog="python -m mtl.tools.predict", description=lines[0],
-                                     epilog="\n".join(lines[2:]), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser("mtl.tools.predict", __doc__)
     parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("images", nargs="+", help="image files and/or folders of images")
     parser.add_argument("--beams", type=int, default=1, help="beam width for the captions (1: greedy, the default)")

@@ -14,7 +14,6 @@ overhead, so read the bench for ratios) and the operators whose self CPU time pe
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 from mtl.data.loader import to_device
 from mtl.parallel import dist
 from mtl.parallel.dist import free_port
+from mtl.tools import tool_parser
 from mtl.tools.bench.strategies import _setup, _trainer
 
 
@@ -80,8 +80,7 @@ def report(result: dict, top: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.tools.profile_strategies", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/default.yaml")
+    p = tool_parser("mtl.tools.profile_strategies", __doc__, "configs/default.yaml")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--top", type=int, default=12)

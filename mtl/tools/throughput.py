@@ -18,7 +18,6 @@ On CUDA the clock waits for the device (``torch.cuda.synchronize``) before readi
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import torch
 
 from mtl.run.error_report import run_guarded
 from mtl.run.trainer import Trainer
+from mtl.tools import tool_parser
 
 # Dense (no sparsity) peak TFLOP/s by the vendor's datasheets, per compute precision; a name matches when it
 # is a substring of torch.cuda.get_device_name(). H200 SXM has the H100 SXM's matrix rates. fp32 is the plain
@@ -110,13 +110,11 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.tools.throughput", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/gpu.yaml")
+    p = tool_parser("mtl.tools.throughput", __doc__, "configs/gpu.yaml", "key=value config overrides")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak for the precision")
     p.add_argument("--json", default=None, help="also save the numbers here")
-    p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")

@@ -4,7 +4,8 @@ A method is one file in ``mtl/weighting/`` defining a subclass of one family wit
 a method file only what that kind of method defines (the step keeps owning the backward passes):
 
 - ``LossWeighting``: ``weigh``, ``end_step``, ``check`` and ``Options``;
-- ``GramWeighting``: ``weights_from_gram`` (with ``check`` and ``Options``);
+- ``GramWeighting``: ``weights_from_gram`` (with ``check`` and ``Options``); ``SimplexGramWeighting``, one whose
+  state is a point of the simplex over the tasks: ``simplex_step``;
 - ``RowWeighting``: ``combine`` on the rows of G, and ``combine_shard`` for FSDP2 where that is exact;
 - ``BilevelWeighting`` (mtl/weighting/bilevel.py): ``meta_step`` on a held-out batch, and ``weigh``.
 
@@ -61,6 +62,7 @@ from scipy.special import softmax
 from torch import Tensor, nn
 
 from mtl.config.schema import NoOptions, options_of
+from mtl.weighting.checks import option_errors
 
 
 def stream_seed(seed: int, step: int, salt: str) -> int:
@@ -110,8 +112,10 @@ class Weighting(nn.Module):
 
     @classmethod
     def check(cls, cfg) -> list[str]:
-        """Config errors specific to this method (each one names the key and the fix)."""
-        return []
+        """Config errors specific to this method (each one names the key and the fix): by default, the options given
+        outside the ranges and choices its ``Options`` fields declare (mtl/weighting/checks.py). A method that
+        checks more calls ``super().check(cfg)`` first."""
+        return option_errors(cfg, cls.Options)
 
     def weigh(self, task: str, loss: torch.Tensor) -> torch.Tensor:
         """The term whose backward pass the step runs for ``task``."""
@@ -185,11 +189,37 @@ class LossWeighting(Weighting):
     (module docstring)."""
 
 
+class GradientWeighting(Weighting):
+    """What the two gradient-level families (``RowWeighting``, ``GramWeighting``) share: the combination happens on
+    the gradients, so ``weigh`` hands the loss on as it is, and ``weights()`` reports ``last_weights``, what the last
+    combination set: one coefficient per present task (1.0 per task before the first)."""
+
+    level = "grad"
+
+    def __init__(self, cfg, tasks: list[str]):
+        super().__init__(cfg, tasks)
+        self.last_weights: Tensor | None = None  # the last combination's coefficients, one per present task
+
+    def weigh(self, task: str, loss: Tensor) -> Tensor:
+        return loss  # the combination happens on the gradients
+
+    def weights(self) -> dict[str, float]:
+        if self.last_weights is None:
+            return {t: 1.0 for t in self.tasks}
+        return dict(zip(self.present, self.last_weights.tolist()))
+
+
 ROWS_REFUSAL = ("it needs the rows of G whole (it overrides combine), and under FSDP2 each rank holds only its "
                 "columns of them")
 
 
-class RowWeighting(Weighting):
+def kept_rows_refusal(state: str) -> str:
+    """``fsdp2_refusal`` of a row method that keeps ``state``, a K x P tensor, between steps."""
+    return (f"its {state} is kept between steps; under FSDP2 it would be sharded with G, one part per rank, and the "
+            "checkpoint holds a weighting's state as one full copy from rank 0")
+
+
+class RowWeighting(GradientWeighting):
     """A gradient-level method that needs the rows of G themselves (per-coordinate signs, a K x P average kept
     between steps), not only their Gram matrix: it defines ``combine(grads, losses)``, (K', P) rank-averaged
     gradients of the present tasks -> the (P,) update, and works only where the strategy hands it the rows
@@ -199,11 +229,7 @@ class RowWeighting(Weighting):
     its columns of G. Such a method runs only if its update is exact column by column: it defines
     ``combine_shard`` (and ``finish_shard``); any other says why not in ``fsdp2_refusal``."""
 
-    level = "grad"
     fsdp2_refusal: str | None = None
-
-    def weigh(self, task: str, loss: Tensor) -> Tensor:
-        return loss  # the combination happens on the gradients
 
     def combine(self, grads: Tensor, losses: Tensor | None) -> Tensor:
         """(K', P) rank-averaged gradients of the present tasks -> (P,) update direction."""
@@ -276,28 +302,6 @@ def like_gram(x, gram: Tensor) -> Tensor:
     return torch.as_tensor(np.asarray(x, dtype=np.float64), dtype=gram.dtype, device=gram.device)
 
 
-def simplex_part(state: Tensor, index: list[int]) -> tuple[Tensor | None, Tensor, Tensor | None]:
-    """A method whose state is a point of the simplex over the tasks (MoDo's lambda, SDMGrad's w), on a step
-    that holds the tasks at ``index`` (``Weighting.present_index``): (index, the present tasks' part renormalised to
-    sum 1, that part's mass). With every task present: (None, ``state`` itself, None). ``put_simplex_part`` writes
-    the new part back at the same mass, so the absent tasks' shares do not move and the method over K tasks of which
-    only S appear is the method over S."""
-    if len(index) == state.shape[0]:
-        return None, state, None
-    idx = torch.tensor(index, device=state.device)
-    part = state[idx]
-    mass = part.sum()
-    return idx, part / mass, mass
-
-
-def put_simplex_part(state: Tensor, idx: Tensor | None, new: Tensor, mass: Tensor | None) -> None:
-    """Write ``new`` (a point of the present tasks' simplex) back into ``state`` (see ``simplex_part``)."""
-    if idx is None:
-        state.copy_(new.to(state))
-    else:
-        state[idx] = new.to(state) * mass
-
-
 def verify_present(method: Weighting, rows: int) -> None:
     """A step that named a subset of the tasks gave one row per present task (else the caller's rows are not the
     present tasks'). Without a subset the rows are not checked against the tasks (direct calls, tools)."""
@@ -306,7 +310,7 @@ def verify_present(method: Weighting, rows: int) -> None:
                          f"{method.present}; call begin_step(step, present) with the step's tasks first")
 
 
-class GramWeighting(Weighting):
+class GramWeighting(GradientWeighting):
     """A gradient-level method whose update is ``w^T G`` with w a function of the Gram matrix ``G G^T``.
 
     A subclass defines ``weights_from_gram(gram, losses, dtype)``: ``gram`` is the K x K float64 Gram
@@ -328,21 +332,6 @@ class GramWeighting(Weighting):
     method with ``weighting.source: features``.
     """
 
-    level = "grad"
-
-    def __init__(self, cfg, tasks: list[str]):
-        super().__init__(cfg, tasks)
-        self._alpha: Tensor | None = None  # the last combination's weights, one per present task
-
-    def weigh(self, task: str, loss: Tensor) -> Tensor:
-        return loss  # the combination happens on the gradients
-
-    def weights(self) -> dict[str, float]:
-        """Coefficients of the last combination (d = sum_t w_t g_t) of the tasks it combined; 1.0 before the first."""
-        if self._alpha is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.present, self._alpha.tolist()))
-
     def weights_from_gram(self, gram: Tensor, losses: Tensor | None, dtype: torch.dtype) -> Tensor:
         """(K, K) float64 Gram matrix -> (K,) weights w of the update ``w^T G``."""
         raise NotImplementedError(f"{type(self).__name__} must define weights_from_gram")
@@ -352,8 +341,8 @@ class GramWeighting(Weighting):
                          dtype: torch.dtype = torch.float32) -> Tensor:
         """The method's weights for ``gram`` (K' x K', the present tasks), recorded for ``weights()``."""
         verify_present(self, gram.shape[0])
-        self._alpha = self.weights_from_gram(gram, losses, dtype)
-        return self._alpha
+        self.last_weights = self.weights_from_gram(gram, losses, dtype)
+        return self.last_weights
 
     @classmethod
     def gram_only(cls) -> bool:
@@ -370,3 +359,37 @@ class GramWeighting(Weighting):
     @torch.no_grad()
     def combine(self, grads: Tensor, losses: Tensor | None = None) -> Tensor:
         return apply_weights(self.weights_for_gram(gram_matrix(grads), losses, grads.dtype), grads)
+
+
+class SimplexGramWeighting(GramWeighting):
+    """A Gram method whose state is a point of the simplex over the tasks, kept as the buffer ``state_name`` from the
+    centre 1/K (MoDo's lambda, SDMGrad's w). It defines ``simplex_step(gram, point)`` -> (the weights w, the new
+    point), for the present tasks' Gram matrix and their part of the state.
+
+    On a step that holds only some tasks (``present_index``), ``point`` is the present tasks' part renormalised to
+    sum 1, and the new point is written back at the same mass: the absent tasks' shares do not move, and the
+    method over K tasks of which only S appear is the method over S."""
+
+    updates_from_present_tasks = True  # its simplex state moves over the present tasks only (above)
+    state_name = "point"
+
+    def __init__(self, cfg, tasks: list[str]):
+        super().__init__(cfg, tasks)
+        k = len(self.tasks)
+        self.register_buffer(self.state_name, torch.full((k,), 1.0 / k, dtype=torch.float64))
+
+    def simplex_step(self, gram: Tensor, point: Tensor) -> tuple[Tensor, Tensor]:
+        """(K', K') Gram matrix and (K',) point of the present tasks' simplex -> (weights w, the new point)."""
+        raise NotImplementedError(f"{type(self).__name__} must define simplex_step")
+
+    def weights_from_gram(self, gram, losses, dtype):
+        state = getattr(self, self.state_name)
+        if len(self.present_index) == state.shape[0]:
+            weights, new = self.simplex_step(gram, state)
+            state.copy_(new.to(state))
+            return weights
+        idx = torch.tensor(self.present_index, device=state.device)
+        mass = state[idx].sum()
+        weights, new = self.simplex_step(gram, state[idx] / mass)
+        state[idx] = new.to(state) * mass
+        return weights

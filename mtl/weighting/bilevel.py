@@ -176,7 +176,7 @@ class BilevelWeighting(LossWeighting):
         if unknown:
             errors.append(f"weighting.options.primary: {', '.join(map(repr, unknown))} not in tasks "
                           f"({', '.join(cfg.tasks)}); name the meta-objective's tasks among them, or [] for every task")
-        return errors
+        return errors + super().check(cfg)
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import at_least
 
 CAGRAD_C = 0.4  # radius of the ball around g_0, relative to ||g_0||
 CAGRAD_RESCALE = True  # divide the update by 1 + c^2 (the authors' code, rescale=1)
@@ -134,7 +134,7 @@ def cagrad(grads: Tensor, losses: Tensor | None = None, *, c: float = CAGRAD_C,
 
 @dataclass
 class CAGradOptions:
-    c: float = CAGRAD_C  # the radius of the ball around the average gradient (the paper's c; 0: equal weights)
+    c: float = at_least(CAGRAD_C, 0)  # the radius of the ball around the average gradient (the paper's c; 0: equal weights)
     rescale: bool = CAGRAD_RESCALE  # divide the update by 1 + c^2, as the authors' code does
 
 
@@ -142,10 +142,6 @@ class CAGrad(GramWeighting):
     name = "cagrad"
     updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = CAGradOptions
-
-    @classmethod
-    def check(cls, cfg) -> list[str]:
-        return option_range_errors(cfg, {"c": (lambda v: v >= 0, "must be >= 0")})
 
     def weights_from_gram(self, gram, losses, dtype):
         return cagrad_weights(gram, self.options.c, self.options.rescale)

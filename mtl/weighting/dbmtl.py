@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, all_finite, verify_present
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.base import RowWeighting, all_finite, kept_rows_refusal, verify_present
+from mtl.weighting.checks import at_least, ranged
 
 DBMTL_EPS = 1e-8
 
@@ -57,8 +57,8 @@ def dbmtl_scales(average: Tensor) -> Tensor:
 
 @dataclass
 class DBMTLOptions:
-    beta: float = 0.9  # EMA rate of the log-loss gradients (LibMTL's DB_beta)
-    sigma: float = 0.0  # the rate at step k is beta / k^sigma (LibMTL's DB_beta_sigma; 0: constant)
+    beta: float = ranged(0.9, lambda v: 0 <= v < 1, "must be in [0, 1)")  # EMA rate of the log-loss gradients (LibMTL's DB_beta)
+    sigma: float = at_least(0.0, 0)  # the rate at step k is beta / k^sigma (LibMTL's DB_beta_sigma; 0: constant)
 
 
 # Multi-input steps that hold only some tasks S: the update is over S alone (the largest norm among S), only
@@ -69,30 +69,14 @@ class DBMTLOptions:
 class DBMTL(RowWeighting):
     name = "dbmtl"
     updates_from_present_tasks = True  # only the present tasks' averages and step counts move
-    level = "grad"
-    fsdp2_refusal = ("its K x P average h is kept between steps; under FSDP2 it would be sharded with G, one part "
-                     "per rank, and the checkpoint holds a weighting's state as one full copy from rank 0 (and its "
-                     "norms need the rank-averaged losses first: a second collective)")
+    fsdp2_refusal = kept_rows_refusal("K x P average h") + (" (and its norms need the rank-averaged losses first: a "
+                                                            "second collective)")
     Options = DBMTLOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"beta": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-                                         "sigma": (lambda v: v >= 0, "must be >= 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         self.updates = [0] * len(self.tasks)  # per task: combinations that moved its average so far (k - 1)
         self.average: Tensor | None = None  # (K, P) h, created at the first combination
-        self._factor: Tensor | None = None  # the last step's factors, one per present task
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        if self._factor is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.present, self._factor.tolist()))
 
     @torch.no_grad()
     def combine(self, grads, losses=None):
@@ -113,7 +97,8 @@ class DBMTL(RowWeighting):
             new, ok = self._update_part(work, losses.to(work.device), beta, idx)
         scales = dbmtl_scales(new)
         rate = 1.0 - beta if isinstance(beta, float) else (1.0 - beta[:, 0])
-        self._factor = scales * rate / losses.to(work.device, work.dtype).clamp_min(DBMTL_EPS)
+        # weights(): each task's factor on its gradient
+        self.last_weights = scales * rate / losses.to(work.device, work.dtype).clamp_min(DBMTL_EPS)
         return (scales @ new).to(grads.dtype)
 
     def _update_in_place(self, work: Tensor, losses: Tensor, beta) -> tuple[Tensor, bool]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtl.weighting.base import LossWeighting, k_softmax
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import above
 
 DWA_T = 2.0
 DWA_MAX_RATIO = 1e6
@@ -36,17 +36,13 @@ def dwa_weights(prev: list[float], prev2: list[float], temperature: float = DWA_
 
 @dataclass
 class DWAOptions:
-    T: float = DWA_T  # softmax temperature: larger T gives more even weights (the paper's T = 2)
+    T: float = above(DWA_T, 0)  # softmax temperature: larger T gives more even weights (the paper's T = 2)
 
 
 class DWA(LossWeighting):
     name = "dwa"
     Options = DWAOptions
     updates_from_present_tasks = True  # end_step may get a subset of the tasks (multi-input, mtl/config/multi_input.py)
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"T": (lambda v: v > 0, "must be > 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

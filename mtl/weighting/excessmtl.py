@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, all_finite, apply_weights, verify_present
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.base import RowWeighting, all_finite, apply_weights, kept_rows_refusal, verify_present
+from mtl.weighting.checks import at_least
 
 EXCESS_EPS = 1e-7  # inside the square root of the accumulated squares, as the authors' code
 EXCESS_MIN_NORMALISER = 1e-12
@@ -73,29 +73,20 @@ def excess_update(weights: Tensor, risks: Tensor, normaliser: Tensor, eta: float
 
 @dataclass
 class ExcessMTLOptions:
-    eta: float = 1e-2  # step size of the exponentiated-gradient update of the task weights (robust_step_size)
+    eta: float = at_least(1e-2, 0)  # step size of the exponentiated-gradient update of the task weights (robust_step_size)
 
 
 class ExcessMTL(RowWeighting):
     name = "excessmtl"
     updates_from_present_tasks = True  # only the present tasks' accumulators, normalisers and weights move
-    level = "grad"
-    fsdp2_refusal = ("its K x P accumulator S is kept between steps; under FSDP2 it would be sharded with G, one part "
-                     "per rank, and the checkpoint holds a weighting's state as one full copy from rank 0")
+    fsdp2_refusal = kept_rows_refusal("K x P accumulator S")
     Options = ExcessMTLOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"eta": (lambda v: v >= 0, "must be >= 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         self.register_buffer("task_weights", torch.ones(len(self.tasks), dtype=torch.float64))
         self.accum: Tensor | None = None  # (K, P) S
         self.normaliser: Tensor | None = None  # (K,) e(1)
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
 
     def weights(self):
         return dict(zip(self.tasks, self.task_weights.tolist()))

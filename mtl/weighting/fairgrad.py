@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import ranged
 from mtl.weighting.nashmtl import default_exists_tol, simplex_min
 
 FAIRGRAD_ALPHA = 1.0  # the fairness parameter alpha
@@ -121,17 +121,14 @@ def fairgrad(grads: Tensor, losses: Tensor | None = None, *, alpha: float = FAIR
 
 @dataclass
 class FairGradOptions:
-    alpha: float = FAIRGRAD_ALPHA  # fairness: 1 proportional (Nash-MTL's equation), larger towards max-min, smaller towards the sum
+    # fairness: 1 proportional (Nash-MTL's equation), larger towards max-min, smaller towards the sum
+    alpha: float = ranged(FAIRGRAD_ALPHA, lambda v: v > 0 and math.isfinite(v), "must be > 0")
 
 
 class FairGrad(GramWeighting):
     name = "fairgrad"
     updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = FairGradOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"alpha": (lambda v: v > 0 and math.isfinite(v), "must be > 0")})
 
     def weights_from_gram(self, gram, losses, dtype):
         return fairgrad_weights(gram, self.options.alpha, default_exists_tol(dtype))

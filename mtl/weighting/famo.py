@@ -48,7 +48,7 @@ import torch
 
 from mtl.parallel.dist import all_reduce_mean
 from mtl.weighting.base import LossWeighting
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import above, at_least
 
 FAMO_LR = 0.025  # step size of the task logits
 FAMO_GAMMA = 1e-3  # weight decay on the task logits
@@ -69,19 +69,14 @@ def famo_scale(z: torch.Tensor, losses: torch.Tensor, eps: float = FAMO_EPS) -> 
 
 @dataclass
 class FAMOOptions:
-    gamma: float = FAMO_GAMMA  # weight decay (L2) on the task logits (the paper's gamma)
-    lr: float = FAMO_LR  # Adam learning rate of the task logits (the paper's beta)
+    gamma: float = at_least(FAMO_GAMMA, 0)  # weight decay (L2) on the task logits (the paper's gamma)
+    lr: float = above(FAMO_LR, 0)  # Adam learning rate of the task logits (the paper's beta)
 
 
 class FAMO(LossWeighting):
     name = "famo"
     Options = FAMOOptions
     updates_from_present_tasks = True  # the present tasks' softmax and update only (module docstring)
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"gamma": (lambda v: v >= 0, "must be >= 0"),
-                                         "lr": (lambda v: v > 0, "must be > 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

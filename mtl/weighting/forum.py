@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.bilevel import BilevelWeighting, MetaInputs, ModelVector, flat_grad
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import above, at_least
 
 FORUM_RHO = 0.1  # phi = rho/2 |grad q|^2: how fast the constraint's violation must fall
 FORUM_INNER_STEPS = 1  # T: gradient steps that approximate the lower level's optimum
@@ -113,10 +113,10 @@ def forum_step(gram: Tensor, gap: Tensor, rho: float) -> tuple[Tensor, float, fl
 
 @dataclass
 class FORUMOptions:
-    rho: float = FORUM_RHO  # phi = rho/2 |grad q|^2
-    inner_steps: int = FORUM_INNER_STEPS  # T
-    inner_lr: float = 0.0  # step size of the T inner steps; 0: the optimizer's current learning rate
-    init: float = 1.0  # alpha of every task at the start (the simplex is scaled to K)
+    rho: float = above(FORUM_RHO, 0)  # phi = rho/2 |grad q|^2
+    inner_steps: int = at_least(FORUM_INNER_STEPS, 1)  # T
+    inner_lr: float = at_least(0.0, 0, "0: the optimizer's learning rate")  # step size of the T inner steps
+    init: float = above(1.0, 0)  # alpha of every task at the start (the simplex is scaled to K)
     primary: list[str] = field(default_factory=list)  # the upper level's objectives; empty: every task
 
 
@@ -128,13 +128,6 @@ class FORUM(BilevelWeighting):
     def meta_cost(cls, num_tasks: int, inner_steps: int = FORUM_INNER_STEPS) -> dict:
         return {"meta_forwards": inner_steps + 2, "meta_backwards": inner_steps + num_tasks,
                 "meta_allreduces": inner_steps + num_tasks, "meta_param_copies": num_tasks + 4}
-
-    @classmethod
-    def check(cls, cfg):
-        return super().check(cfg) + option_range_errors(cfg, {
-            "rho": (lambda v: v > 0, "must be > 0"), "inner_steps": (lambda v: v >= 1, "must be >= 1"),
-            "inner_lr": (lambda v: v >= 0, "must be >= 0 (0: the optimizer's learning rate)"),
-            "init": (lambda v: v > 0, "must be > 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

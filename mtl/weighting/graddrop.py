@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import RowWeighting, step_generator, verify_present
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import ranged
 
 
 def sign_purity(grads: Tensor) -> Tensor:
@@ -87,32 +87,18 @@ def graddrop(grads: Tensor, uniform: Tensor, leak: float = 0.0) -> tuple[Tensor,
 
 @dataclass
 class GradDropOptions:
-    leak: float = 0.0  # fraction of each dropped component kept anyway (the paper's leak; 0: pure sign dropout, 1: the sum)
+    # fraction of each dropped component kept anyway (the paper's leak; 0: pure sign dropout, 1: the sum)
+    leak: float = ranged(0.0, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 
 
 class GradDrop(RowWeighting):
     name = "graddrop"
-    level = "grad"
     Options = GradDropOptions
     updates_from_present_tasks = True  # no state but the step's draws: the rows of the present tasks (base.py)
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"leak": (lambda v: 0 <= v <= 1, "must be in [0, 1]")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
         self.seed = int(cfg.seed)
-        self._kept: Tensor | None = None  # the last step's kept fractions, one per present task
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
-
-    def weights(self):
-        """The fraction of each task's squared gradient norm kept at the last step (1.0 before the first)."""
-        if self._kept is None:
-            return {t: 1.0 for t in self.tasks}
-        return dict(zip(self.present, self._kept.tolist()))
 
     def uniform(self, n: int, device) -> Tensor:
         """This step's (n,) uniform draws, the same on every rank."""
@@ -123,7 +109,7 @@ class GradDrop(RowWeighting):
     def combine(self, grads, losses=None):
         verify_present(self, grads.shape[0])
         d, kept = graddrop(grads, self.uniform(grads.shape[1], grads.device), self.options.leak)
-        self._kept = kept
+        self.last_weights = kept  # weights(): the fraction of each task's squared gradient norm kept
         return d
 
     @torch.no_grad()
@@ -137,4 +123,4 @@ class GradDrop(RowWeighting):
         return d, kept_dot
 
     def finish_shard(self, sums, gram):
-        self._kept = kept_fraction(sums.to(gram.dtype), gram.diagonal())
+        self.last_weights = kept_fraction(sums.to(gram.dtype), gram.diagonal())

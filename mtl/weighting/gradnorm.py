@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import above, at_least
 
 GRADNORM_ALPHA = 1.5  # asymmetry: how strongly slow tasks are pulled up
 GRADNORM_LR = 0.025  # Adam learning rate of the task weights
@@ -84,19 +84,15 @@ def gradnorm(grads: Tensor, weights: Tensor) -> Tensor:
 
 @dataclass
 class GradNormOptions:
-    alpha: float = GRADNORM_ALPHA  # asymmetry: how strongly tasks that train slower are pulled up (the paper's alpha; 0: equal norms)
-    lr: float = GRADNORM_LR  # Adam learning rate of the task weights
+    # asymmetry: how strongly tasks that train slower are pulled up (the paper's alpha; 0: equal norms)
+    alpha: float = at_least(GRADNORM_ALPHA, 0)
+    lr: float = above(GRADNORM_LR, 0)  # Adam learning rate of the task weights
 
 
 class GradNorm(GramWeighting):
     name = "gradnorm"
     Options = GradNormOptions
     updates_from_present_tasks = True  # only the present tasks' weights move (module docstring)
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"alpha": (lambda v: v >= 0, "must be >= 0"),
-                                         "lr": (lambda v: v > 0, "must be > 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

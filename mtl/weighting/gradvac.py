@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram, step_generator
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import ranged
 
 GRADVAC_BETA = 0.5  # EMA rate of the cosine targets
 _MAX_TARGET = 1.0 - 1e-12
@@ -103,17 +103,14 @@ def gradvac(grads: Tensor, targets: np.ndarray, beta: float = GRADVAC_BETA,
 
 @dataclass
 class GradVacOptions:
-    beta: float = GRADVAC_BETA  # EMA rate of the per-pair cosine targets (the paper's beta; 0: the targets stay 0, i.e. PCGrad)
+    # EMA rate of the per-pair cosine targets (the paper's beta; 0: the targets stay 0, i.e. PCGrad)
+    beta: float = ranged(GRADVAC_BETA, lambda v: 0 <= v <= 1, "must be in [0, 1]")
 
 
 class GradVac(GramWeighting):
     name = "gradvac"
     updates_from_present_tasks = True  # only the present pairs' targets are read and moved
     Options = GradVacOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"beta": (lambda v: 0 <= v <= 1, "must be in [0, 1]")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

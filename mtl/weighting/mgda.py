@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
-from mtl.weighting.checks import option_choice_errors
+from mtl.weighting.checks import one_of
 
 MGDA_MAX_ITER = 1000  # Frank-Wolfe iterations (K > 2)
 MGDA_TOL = 1e-12  # stop when the duality gap is below this fraction of max_t ||g_t||^2
@@ -130,17 +130,14 @@ def mgda_normalized_weights(gram: Tensor, losses: Tensor | None = None, normaliz
 
 @dataclass
 class MGDAOptions:
-    normalization: str = "none"  # none | l2 | loss | loss+: divide each gradient by 1, its norm, its loss or both first
+    # none | l2 | loss | loss+: divide each gradient by 1, its norm, its loss or both first
+    normalization: str = one_of("none", MGDA_NORMALIZATIONS)
 
 
 class MGDA(GramWeighting):
     name = "mgda"
     updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = MGDAOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_choice_errors(cfg, "normalization", MGDA_NORMALIZATIONS)
 
     def weights_from_gram(self, gram, losses, dtype):
         return mgda_normalized_weights(gram, losses, self.options.normalization)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import RowWeighting, all_finite
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.base import RowWeighting, all_finite, kept_rows_refusal
+from mtl.weighting.checks import at_least, ranged
 
 MOCO_NORM_EPS = 1e-8
 
@@ -77,11 +77,12 @@ def moco_update(y: Tensor | None, lambd: Tensor, h: Tensor, beta: float, gamma: 
 
 @dataclass
 class MoCoOptions:
-    beta: float = 0.5  # rate of the gradient tracking y (LibMTL's MoCo_beta); at step k it is beta / k^beta_sigma
-    beta_sigma: float = 0.5  # decay exponent of beta (LibMTL's MoCo_beta_sigma)
-    gamma: float = 0.1  # step of the weights lambda (LibMTL's MoCo_gamma); at step k gamma / k^gamma_sigma
-    gamma_sigma: float = 0.5  # decay exponent of gamma (LibMTL's MoCo_gamma_sigma)
-    rho: float = 0.0  # ridge on lambda's step (LibMTL's MoCo_rho)
+    # rate of the gradient tracking y (LibMTL's MoCo_beta); at step k it is beta / k^beta_sigma
+    beta: float = ranged(0.5, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    beta_sigma: float = at_least(0.5, 0)  # decay exponent of beta (LibMTL's MoCo_beta_sigma)
+    gamma: float = at_least(0.1, 0)  # step of the weights lambda (LibMTL's MoCo_gamma); at step k gamma / k^gamma_sigma
+    gamma_sigma: float = at_least(0.5, 0)  # decay exponent of gamma (LibMTL's MoCo_gamma_sigma)
+    rho: float = at_least(0.0, 0)  # ridge on lambda's step (LibMTL's MoCo_rho)
     normalize: bool = True  # track g_t / ||g_t|| * L_t, as the authors' code (false: the raw gradients)
 
 
@@ -89,19 +90,8 @@ class MoCo(RowWeighting):
     name = "moco"
     absent_task_refusal = ("it tracks each task's gradient and lambda over every task with step-indexed rates; a present-only "
                            "update is not defined")
-    level = "grad"
-    fsdp2_refusal = ("its K x P moving average of the task gradients is kept between steps; under FSDP2 it would be "
-                     "sharded with G, one part per rank, and the checkpoint holds a weighting's state as one full copy "
-                     "from rank 0")
+    fsdp2_refusal = kept_rows_refusal("K x P moving average of the task gradients")
     Options = MoCoOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"beta": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-                                         "beta_sigma": (lambda v: v >= 0, "must be >= 0"),
-                                         "gamma": (lambda v: v >= 0, "must be >= 0"),
-                                         "gamma_sigma": (lambda v: v >= 0, "must be >= 0"),
-                                         "rho": (lambda v: v >= 0, "must be >= 0")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
@@ -109,9 +99,6 @@ class MoCo(RowWeighting):
         self.register_buffer("lambd", torch.full((k,), 1.0 / k, dtype=torch.float64))
         self.updates = 0  # combinations so far (k - 1)
         self.tracked: Tensor | None = None  # (K, P) Y, created at the first combination
-
-    def weigh(self, task, loss):
-        return loss  # the combination happens on the gradients
 
     def weights(self):
         return dict(zip(self.tasks, self.lambd.tolist()))

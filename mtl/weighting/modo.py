@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram, put_simplex_part, simplex_part
+from mtl.weighting.base import SimplexGramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 from mtl.weighting.cagrad import project_simplex
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import above, at_least
 
 MODO_GAMMA = 1e-3
 MODO_RHO = 0.1
@@ -64,32 +64,15 @@ def modo(grads: Tensor, losses: Tensor | None = None, *, lambd: Tensor | None = 
 
 @dataclass
 class MoDoOptions:
-    gamma: float = MODO_GAMMA  # step size of the weights lambda (the paper's gamma; LibMTL's MoDo_gamma)
-    rho: float = MODO_RHO  # ridge on lambda's update (LibMTL's MoDo_rho)
+    gamma: float = above(MODO_GAMMA, 0)  # step size of the weights lambda (the paper's gamma; LibMTL's MoDo_gamma)
+    rho: float = at_least(MODO_RHO, 0)  # ridge on lambda's update (LibMTL's MoDo_rho)
 
 
-# Multi-input steps that hold only some tasks: lambda is read as the present tasks' part renormalised to sum 1,
-# and the new part is written back at the same mass (base.simplex_part), so MoDo over K tasks of which only S
-# appear is MoDo over S, and an absent task's share does not move.
-
-
-class MoDo(GramWeighting):
+class MoDo(SimplexGramWeighting):
     name = "modo"
-    updates_from_present_tasks = True  # its simplex state over the present tasks only (base.simplex_part)
     Options = MoDoOptions
+    state_name = "lambd"  # multi-input steps: MoDo over the present tasks (SimplexGramWeighting)
 
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"gamma": (lambda v: v > 0, "must be > 0"),
-                                         "rho": (lambda v: v >= 0, "must be >= 0")})
-
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        k = len(self.tasks)
-        self.register_buffer("lambd", torch.full((k,), 1.0 / k, dtype=torch.float64))
-
-    def weights_from_gram(self, gram, losses, dtype):
-        idx, lambd, mass = simplex_part(self.lambd, self.present_index)
+    def simplex_step(self, gram, lambd):
         new = modo_weights(gram, lambd, self.options.gamma, self.options.rho)
-        put_simplex_part(self.lambd, idx, new, mass)
-        return new
+        return new, new  # the update's coefficients are lambda(k+1) itself

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import at_least
 from mtl.weighting.qp import nonneg_qp
 
 NASH_RIDGE = 1e-8  # added to the unit diagonal of the cosine matrix, only where no solution exists
@@ -160,19 +160,15 @@ def clip_weights(alpha: Tensor, gram: Tensor, max_norm: float) -> Tensor:
 
 @dataclass
 class NashMTLOptions:
-    update_every: int = 1  # solve for alpha every this many steps, reuse it in between (the authors' update_weights_every)
-    max_norm: float = 0.0  # clip the shared-parameter update to this norm (the authors' max_norm, 1.0 in their code); 0: off
+    update_every: int = at_least(1, 1)  # solve for alpha every this many steps, reuse it in between (the authors' update_weights_every)
+    # clip the shared-parameter update to this norm (the authors' max_norm, 1.0 in their code); 0: off
+    max_norm: float = at_least(0.0, 0, "0: no clip")
 
 
 class NashMTL(GramWeighting):
     name = "nashmtl"
     updates_from_present_tasks = True  # the alpha it reuses is re-solved when the step holds other tasks
     Options = NashMTLOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"update_every": (lambda v: v >= 1, "must be >= 1"),
-                                         "max_norm": (lambda v: v >= 0, "must be >= 0 (0: no clip)")})
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, step_generator
-from mtl.weighting.checks import option_choice_errors
+from mtl.weighting.checks import one_of
 
 PCGRAD_REDUCTIONS = ("sum", "mean")
 
@@ -71,17 +71,14 @@ def pcgrad(grads: Tensor, losses: Tensor | None = None, *, generator: torch.Gene
 
 @dataclass
 class PCGradOptions:
-    reduction: str = "sum"  # sum | mean of the projected gradients (the paper sums: the scale of equal weighting)
+    # sum | mean of the projected gradients (the paper sums: the scale of equal weighting)
+    reduction: str = one_of("sum", PCGRAD_REDUCTIONS)
 
 
 class PCGrad(GramWeighting):
     name = "pcgrad"
     updates_from_present_tasks = True  # stateless: the K'-task problem of the present tasks (base.py)
     Options = PCGradOptions
-
-    @classmethod
-    def check(cls, cfg):
-        return option_choice_errors(cfg, "reduction", PCGRAD_REDUCTIONS)
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram, put_simplex_part, simplex_part
+from mtl.weighting.base import SimplexGramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 from mtl.weighting.cagrad import project_simplex
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import at_least
 
 SDMGRAD_LAMDA = 0.3
 SDMGRAD_NITER = 20
@@ -83,31 +83,14 @@ def sdmgrad(grads: Tensor, losses: Tensor | None = None, *, w: Tensor | None = N
 
 @dataclass
 class SDMGradOptions:
-    lamda: float = SDMGRAD_LAMDA  # pull towards the mean gradient (the paper's lambda; LibMTL's SDMGrad_lamda)
-    niter: int = SDMGRAD_NITER  # projected-SGD steps on the weights per training step (LibMTL's SDMGrad_niter)
+    lamda: float = at_least(SDMGRAD_LAMDA, 0)  # pull towards the mean gradient (the paper's lambda; LibMTL's SDMGrad_lamda)
+    niter: int = at_least(SDMGRAD_NITER, 1)  # projected-SGD steps on the weights per training step (LibMTL's SDMGrad_niter)
 
 
-# Multi-input steps that hold only some tasks: the warm start w is read as the present tasks' part renormalised
-# to sum 1 and written back at the same mass (base.simplex_part): SDMGrad over S, the absent shares unchanged.
-
-
-class SDMGrad(GramWeighting):
+class SDMGrad(SimplexGramWeighting):
     name = "sdmgrad"
-    updates_from_present_tasks = True  # its simplex state over the present tasks only (base.simplex_part)
     Options = SDMGradOptions
+    state_name = "w"  # multi-input steps: SDMGrad over the present tasks, warm-started from their part of w
 
-    @classmethod
-    def check(cls, cfg):
-        return option_range_errors(cfg, {"lamda": (lambda v: v >= 0, "must be >= 0"),
-                                         "niter": (lambda v: v >= 1, "must be >= 1")})
-
-    def __init__(self, cfg, tasks):
-        super().__init__(cfg, tasks)
-        k = len(self.tasks)
-        self.register_buffer("w", torch.full((k,), 1.0 / k, dtype=torch.float64))
-
-    def weights_from_gram(self, gram, losses, dtype):
-        idx, w, mass = simplex_part(self.w, self.present_index)
-        alpha, new = sdmgrad_weights(gram, w, self.options.lamda, self.options.niter)
-        put_simplex_part(self.w, idx, new, mass)
-        return alpha
+    def simplex_step(self, gram, w):
+        return sdmgrad_weights(gram, w, self.options.lamda, self.options.niter)

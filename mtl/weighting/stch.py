@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from mtl.parallel.dist import all_reduce_mean
 from mtl.weighting.base import LossWeighting, k_softmax
-from mtl.weighting.checks import option_range_errors
+from mtl.weighting.checks import above, at_least
 
 STCH_EPS = 1e-20
 
@@ -52,9 +52,9 @@ def stch_weights(losses: list[float], nadir: list[float], mu: float) -> list[flo
 
 @dataclass
 class STCHOptions:
-    mu: float = 1.0  # smoothing: the softmax temperature (-> 0: the worst task only, the Tchebycheff max)
-    warmup_steps: int = 100  # steps of plain sum of log-losses before the scalarization starts
-    nadir_steps: int = 20  # the last this many warm-up steps give the nadir point (the mean of each task's loss)
+    mu: float = above(1.0, 0)  # smoothing: the softmax temperature (-> 0: the worst task only, the Tchebycheff max)
+    warmup_steps: int = at_least(100, 1, "the nadir is measured there")  # steps of plain sum of log-losses before the scalarization starts
+    nadir_steps: int = at_least(20, 1)  # the last this many warm-up steps give the nadir point (the mean of each task's loss)
 
 
 class STCH(LossWeighting):
@@ -64,9 +64,7 @@ class STCH(LossWeighting):
 
     @classmethod
     def check(cls, cfg):
-        errors = option_range_errors(cfg, {"mu": (lambda v: v > 0, "must be > 0"),
-                                           "warmup_steps": (lambda v: v >= 1, "must be >= 1 (the nadir is measured there)"),
-                                           "nadir_steps": (lambda v: v >= 1, "must be >= 1")})
+        errors = super().check(cfg)
         given = cfg.weighting.get("options") or {}
         warm, nadir = given.get("warmup_steps", STCHOptions.warmup_steps), given.get("nadir_steps", STCHOptions.nadir_steps)
         if isinstance(warm, int) and isinstance(nadir, int) and 1 <= warm < nadir:

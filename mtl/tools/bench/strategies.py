@@ -23,7 +23,6 @@ hand-made all-reduces.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -45,6 +44,7 @@ from mtl.parallel.dist import CountingComm, free_port
 from mtl.run.runtime_checks import verify_replicas
 from mtl.run.trainer import Trainer
 from mtl.strategies import strategy_types
+from mtl.tools import tool_parser
 
 # label -> (strategy, overrides, how the table names it).
 # "combined+find_unused": the same single backward with find_unused_parameters=True, to isolate what
@@ -272,15 +272,13 @@ def write_into(path: str, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtl.tools.bench.strategies", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/default.yaml")
+    p = tool_parser("mtl.tools.bench.strategies", __doc__, "configs/default.yaml", "key=value config overrides")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--write", default=None, help="a markdown file whose bench-strategies section to replace")
     p.add_argument("--json", default=None, help="also save the raw numbers here")
     p.add_argument("--only", default=None, help="comma-separated strategies/variants to time (combined always)")
-    p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     cfg = load_run_config(a.config, a.overrides)
     tic = time.time()
