@@ -12,6 +12,7 @@ ReLU kink a rounding fell), SGD (Adam turns rounding noise in zero gradients int
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -23,7 +24,7 @@ pytest.importorskip("rdkit")
 if importlib.util.find_spec("qm9pack") is None:
     pytest.skip("qm9pack is not installed (pip install -e '.[qm9]')", allow_module_level=True)
 
-from .conftest import ROOT, spawn_env, spawn_parity_runs  # noqa: E402
+from .conftest import ROOT, parity_worker, spawn_parity_runs  # noqa: E402
 from .test_weighting_ddp import bitwise_equal, max_rel_diff  # noqa: E402
 
 QM9_YAML = os.path.join(ROOT, "configs", "qm9.yaml")
@@ -48,39 +49,34 @@ def to_dtype(batch: dict) -> dict:
     return out
 
 
-def _worker(index, port, out_dir):
-    world = spawn_env(index, port)
-    from mtl.parallel import dist
+def _runs(world: int, out_dir: str) -> dict:
+    """Each run's end state on this process (``parity_worker`` saves it): the model, the weights, the atoms per step."""
     from mtl.run.trainer import Trainer
 
-    torch.set_num_threads(1)
     torch.set_default_dtype(DTYPE)
-    who = f"rank{index}" if world > 1 else "single"
     results = {}
-    try:
-        for name, extra in RUNS.items():
-            trainer = Trainer.from_config(QM9_YAML, [*overrides(os.path.join(out_dir, f"w{world}", name),
-                                                                os.path.join(out_dir, "cache"), 2 * B // world), *extra])
-            assert trainer.dist.world_size == world
-            initial = {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()}
-            batches = trainer.batches()
-            trainer.bare.train()
-            sizes = []
-            for _ in range(STEPS):
-                batch = to_dtype(next(batches)[1])
-                sizes.append(int(batch["graph"].num_nodes))
-                trainer.step_once(batch)
-            results[name] = {"model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
-                             "weights": trainer.weighting.weights(), "atoms": sizes, "initial": initial}
-            trainer.close()
-        torch.save(results, os.path.join(out_dir, f"{who}.pt"))
-    finally:
-        dist.destroy()
+    for name, extra in RUNS.items():
+        trainer = Trainer.from_config(QM9_YAML, [*overrides(os.path.join(out_dir, f"w{world}", name),
+                                                            os.path.join(out_dir, "cache"), 2 * B // world), *extra])
+        assert trainer.dist.world_size == world
+        initial = {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()}
+        batches = trainer.batches()
+        trainer.bare.train()
+        sizes = []
+        for _ in range(STEPS):
+            batch = to_dtype(next(batches)[1])
+            sizes.append(int(batch["graph"].num_nodes))
+            trainer.step_once(batch)
+        results[name] = {"model": {k: v.detach().clone() for k, v in trainer.bare.state_dict().items()},
+                         "weights": trainer.weighting.weights(), "atoms": sizes, "initial": initial}
+        trainer.close()
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return spawn_parity_runs(_worker, tmp_path_factory, "qm9_ddp", DEADLINE_S, "QM9 DDP")
+    return spawn_parity_runs(functools.partial(parity_worker, _runs), tmp_path_factory, "qm9_ddp", DEADLINE_S,
+                             "QM9 DDP")
 
 
 @pytest.mark.slow
