@@ -87,6 +87,16 @@ def copy_outside(example: str, tmp_path, name: str) -> str:
     return str(path)
 
 
+def example_outside(example: str, name: str):
+    """A fixture: docs/examples/<example> copied outside the package as ``name`` (``copy_outside``); its path."""
+
+    @pytest.fixture
+    def fixture(tmp_path) -> str:
+        return copy_outside(os.path.join(ROOT, "docs", "examples", example), tmp_path, name)
+
+    return fixture
+
+
 def spawn_ranks(target, folder, timeout_s: float, world: int = 2) -> dict:
     """Run ``target(rank, port, folder, results)`` in ``world`` spawned processes (a free port for their process
     group); each puts one ``(rank, *result)`` on the ``results`` queue. Returns {rank: result}; a rank that reports

@@ -3,7 +3,6 @@
 feature shape it declares, and trains under 2 processes, with no other edit."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -14,15 +13,9 @@ from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types
 
-from .conftest import ROOT, TINY, copy_outside, run_train
+from .conftest import TINY, example_outside, run_train
 
-EXAMPLE = os.path.join(ROOT, "docs", "examples", "small_cnn.py")
-
-
-@pytest.fixture
-def backbone_file(tmp_path):
-    """The example backbone, copied where no mtl code is."""
-    return copy_outside(EXAMPLE, tmp_path, "my_backbone.py")
+backbone_file = example_outside("small_cnn.py", "my_backbone.py")  # the example, copied where no mtl code is
 
 
 def test_the_new_backbone_is_found_by_name_and_the_heads_fit_its_declared_feature_shape(backbone_file, tmp_path):

@@ -14,15 +14,9 @@ from mtl.config.checks import load_run_config
 from mtl.data.synthetic import COLOUR_NAMES
 from mtl.errors import ConfigError, DataError
 
-from .conftest import PY, ROOT, TINY, copy_outside, run_train
+from .conftest import PY, ROOT, TINY, example_outside, run_train
 
-EXAMPLE = os.path.join(ROOT, "docs", "examples", "dominant_colour.py")
-
-
-@pytest.fixture
-def task_file(tmp_path):
-    """The example task, copied where no mtl code is."""
-    return copy_outside(EXAMPLE, tmp_path, "my_colour_task.py")
+task_file = example_outside("dominant_colour.py", "my_colour_task.py")  # the example, copied where no mtl code is
 
 
 def test_the_new_task_builds_batches_and_computes_a_loss_from_the_synthetic_scene(task_file, tmp_path):
