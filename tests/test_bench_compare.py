@@ -223,3 +223,24 @@ def test_every_preset_plans(preset, capsys):
     assert "protocol (from the config" in out
     if preset.startswith("qm9"):
         assert "tasks (K = 11)" in out and "single_Cv" in out and "read beside Nash-MTL" in out
+
+
+def test_a_single_task_run_of_a_plateau_preset_keeps_only_its_task_s_baseline():
+    """configs/qm9.yaml's plateau schedule names a baseline for each of its 11 tasks; a single-task run of the QM9
+    presets narrows them to its task's, so that its config passes the check."""
+    import os
+
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import plan
+
+    from .conftest import ROOT
+
+    path = os.path.join(ROOT, "configs", "bench_qm9_cpu.yaml")
+    if not os.path.isfile(path):
+        pytest.skip("configs/bench_qm9_cpu.yaml (the QM9 presets) is not in this checkout")
+    runs = {(r["label"], r["seed"]): r for r in plan(load_run_config(path, ["bench.seeds=[0]"]))}
+    single = load_run_config(path, runs[("single_U0", 0)]["overrides"])
+    assert list(single.tasks) == ["U0"]
+    assert dict(single.optim.plateau.baselines) == {"U0_mae": 58.838}
+    equal = load_run_config(path, runs[("equal", 0)]["overrides"])
+    assert len(equal.optim.plateau.baselines) == 11

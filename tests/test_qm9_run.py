@@ -107,10 +107,11 @@ def test_the_qm9_configs_train_their_first_steps_and_learn(cache_dir, tmp_path, 
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in steps] == list(range(1, 7))
-    # equal weighting descends the sum of the 11 losses (a single task's may stall while the others pull: U0's
-    # stayed within 0.1% over these steps on qm9_cpu.yaml)
+    # equal weighting descends the sum of the 11 losses at every step (a single task's may stall while the others
+    # pull: U0's stayed within 0.1% over these steps on qm9_cpu.yaml; the sum's fall over the 6 steps is ~1% at
+    # width 16, qm9_cpu's, and more at the papers' 64)
     total = [sum(r[f"loss_{t}"] for t in tasks) for r in steps]
-    assert total[-1] < 0.99 * total[0], total
+    assert all(b < a for a, b in zip(total, total[1:])), total
     # an untrained model's U0 error is of the order of the split's spread: hundreds of meV, not a fraction of an eV
     assert final["U0_mae"] > 50
     # the plateau schedule read the validation Δm against the published MAEs (an untrained model: far above 0)

@@ -240,7 +240,7 @@ def plan(cfg, loaded: dict | None = None) -> list[dict]:
                 if label.startswith("single_"):
                     task = label.split("_", 1)[1]
                     level, over = "loss", [f"tasks=[{task}]", "weighting.method=equal",
-                                           f"ddp.strategy={b.loss_strategy}"]
+                                           f"ddp.strategy={b.loss_strategy}", *plateau_baselines_of(rcfg, task)]
                 else:
                     name, _, source = method_spec(label)
                     level = types[name].level
@@ -252,6 +252,16 @@ def plan(cfg, loaded: dict | None = None) -> list[dict]:
                              "overrides": [*spec["overrides"], *over, f"seed={seed}", f"output_dir={out}",
                                            "trainer.progress=false", "resume=null"]})
     return runs
+
+
+def plateau_baselines_of(rcfg, task: str) -> list[str]:
+    """A single-task run's ``optim.plateau.baselines``: only its task's metrics (the config check refuses a baseline
+    of a task the run does not have); none without the plateau schedule."""
+    baselines = rcfg.optim.plateau.baselines
+    if rcfg.optim.scheduler != "plateau" or not baselines:
+        return []
+    own = {key: baselines[key] for key, t, _ in metric_specs(rcfg) if t == task and key in baselines}
+    return [f"optim.plateau.baselines={json.dumps(own)}"]
 
 
 def train_script() -> str:
