@@ -120,7 +120,7 @@ class Feed:
         """The held-out batch of this step on the device, at the steps the method asks for one; else None."""
         if self.heldout is None or not self.wants_heldout(step):
             return None
-        return to_device(self.heldout.next_batch(), self.device)
+        return self.on_device(self.heldout.next_batch())
 
     def state_dict(self) -> dict:
         return {**self.train.state_dict(), **({"heldout": self.heldout.state_dict()} if self.heldout else {})}
