@@ -244,3 +244,33 @@ def test_a_single_task_run_of_a_plateau_preset_keeps_only_its_task_s_baseline():
     assert dict(single.optim.plateau.baselines) == {"U0_mae": 58.838}
     equal = load_run_config(path, runs[("equal", 0)]["overrides"])
     assert len(equal.optim.plateau.baselines) == 11
+
+
+@pytest.mark.parametrize("relative, tol, converged", [(False, 0.005, True), (True, 0.4, False), (True, 0.6, True)])
+def test_the_plateau_rule_reads_the_slope_in_the_metrics_units_or_in_percent_of_its_baseline(tmp_path, relative, tol,
+                                                                                            converged):
+    """equal's count_acc still rises 0.003 per 100 steps: inside an absolute ±0.005, but 0.5% of its single-task
+    baseline (0.6) per 100 steps, so bench.plateau_relative with ±0.4 % calls it moving and ±0.6 % converged."""
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import plan, regime_configs, summarize, write_results
+
+    over = [f"output_dir={tmp_path}", TASKS, "bench.methods=[equal]", "bench.seeds=[0, 1, 2]", "bench.last_k=3",
+            f"bench.plateau_relative={str(relative).lower()}", f"bench.plateau_tol={tol}"]
+    cfg = load_run_config(TINY, over)
+    loaded, errors = regime_configs(cfg, TINY, over)
+    assert errors == []
+    runs = plan(cfg, loaded=loaded)
+    for r in runs:
+        drift = 0.003 if r["label"] == "equal" else 0.0
+        _fake_run(r["dir"], [(s, {k: v + (drift * s / 100 if k == "count_acc" else 0.0)
+                                  for k, v in METRICS[r["label"]].items()}) for s in (100, 200, 300)])
+        r["status"] = "ok"
+    spec, rcfg = loaded["natural"]
+    rows, base = summarize(cfg, "natural", spec, rcfg, [r for r in runs if r["label"] == "equal"],
+                           [r for r in runs if r["label"].startswith("single_")])
+    eq = next(r for r in rows if r["method"] == "equal")
+    assert eq["count_acc_slope"] == pytest.approx(0.5 if relative else 0.003)
+    assert eq["plateau"] is converged and eq["moving"] == ([] if converged else ["count_acc"])
+    assert all(r["plateau"] for r in rows if r["method"].startswith("single_"))  # flat: converged on either scale
+    text = write_results(cfg, {"natural": (rcfg, rows, base)}, {"regimes": {"natural": spec}})
+    assert ("in % of the single-task baseline" in text) is relative and ("count_acc slope %/100 steps" in text) is relative

@@ -71,6 +71,9 @@ class BenchOptions:
     last_k: int = 3  # the convergence slope is read over the last k evaluations
     # a run has converged when the 95% interval over seeds of each metric's slope (per 100 steps) lies within +-this
     plateau_tol: float = 0.005
+    # false: the slope in the metric's own units; true: in % of the metric's single-task baseline (the scale Δm reads
+    # it on), for metrics in units such as meV where one absolute tolerance cannot fit every task
+    plateau_relative: bool = False
     alpha: float = 0.05  # family-wise level of the marks against equal: paired t-test, Holm across a table's methods
     # the evaluation a run reports: best (the best validation delta-m, as Nash-MTL's protocol) | last; its metrics are
     # read on the test split (data.synthetic.test_size / data.test_path) when the runs have one

@@ -31,7 +31,8 @@ Definitions (mtl/tools/bench/stats.py holds the statistics):
   the adjusted p is below ``bench.alpha``; the smallest difference the table's seeds detect with 80% power. Between
   regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime;
 - convergence: per run the least-squares slope of each validation metric over its last ``last_k`` evaluations, per
-  100 steps; converged when the 95% t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
+  100 steps (with ``bench.plateau_relative``: in % of the metric's single-task baseline); converged when the 95%
+  t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
 - read against numbers from elsewhere (mtl/tools/bench/compare.py): Δm against ``bench.reference`` (single-task
   metrics given in the config) in a second column; a paper's Δm per method (``bench.published``) beside ours, with
   Spearman's rank correlation and its Fisher-z interval; step time and memory of both gradient sources side by side;
@@ -482,6 +483,11 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
     given = reference_values(b, specs)[0]  # bench.reference: a second Δm, against single-task metrics from elsewhere
     for d in every:
         d["delta_m"] = delta(d, base, specs)
+        if b.plateau_relative:  # the slope in % of the baseline per 100 steps (nan where the baseline is 0 or nan)
+            for key, _, _ in specs:
+                scale = 100 / abs(base[key]) if base[key] == base[key] and base[key] else float("nan")
+                if key + "_slope" in d:
+                    d[key + "_slope"] *= scale
         d["delta_m_ref"] = delta(d, given, specs, partial=True) if given else float("nan")
     eq = data.get("equal", {})
     rows = []
@@ -682,9 +688,11 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
     window, steps = eval_window(rows, b.last_k)
     lines += ["", f"Convergence in `{regime}`: the slope of each validation metric over the last {window} evaluations"
               + (f" (steps {', '.join(map(str, steps))})" if steps else "") + ", per 100 steps (mean ± 95% t-interval "
-              f"over seeds); converged: the interval of every slope lies within ±{b.plateau_tol:g}. The "
+              f"over seeds{'; in % of the single-task baseline' if b.plateau_relative else ''}); converged: the "
+              f"interval of every slope lies within ±{b.plateau_tol:g}{' %' if b.plateau_relative else ''}. The "
               "selected evaluation's step is the median over seeds.",
-              "", "| run | steps | selected step | " + " | ".join(f"{k} slope/100 steps" for k in keys)
+              "", "| run | steps | selected step | "
+              + " | ".join(f"{k} slope{' %' if b.plateau_relative else ''}/100 steps" for k in keys)
               + " | converged |", "|---|---|---|" + "---|" * len(keys) + "---|"]
     for r in rows:
         if not r["runs_ok"]:
