@@ -153,12 +153,14 @@ class RunInputs:
         return loader
 
 
-def build_run_inputs(cfg, tokenizer_for: Callable | None = None) -> RunInputs:
+def build_run_inputs(cfg, tokenizer_for: Callable | None = None, check_data: Callable | None = None) -> RunInputs:
     """Seed, then build a run's data sets, tokenizer, model and collate from a checked config: the public builder
     for tools (the doctor) and the trainer alike. Read-only by default: it creates, locks and writes nothing (the
     tokenizer is ``output_dir``'s copy if there is one, else ``tokenizer.path``/``init_from``'s, else trained in
-    memory). ``tokenizer_for(captions)`` replaces that (the trainer's writes the run's copy). A task whose
-    required record field the data does not have is refused here (DataError naming the task, field and fix)."""
+    memory). ``tokenizer_for(captions)`` replaces that (the trainer's writes the run's copy);
+    ``check_data(train_ds, task_sets)`` runs on the data sets before it (the trainer's checks what its feeds will
+    refuse, so that a run refused for its data writes nothing). A task whose required record field the data does
+    not have is refused here (DataError naming the task, field and fix)."""
     seed_everything(cfg.seed)
     types, task_sets = run_task_types(cfg), None
     if multi_input(cfg):  # each task its own data set; the class list is the labelled task's
@@ -174,6 +176,8 @@ def build_run_inputs(cfg, tokenizer_for: Callable | None = None) -> RunInputs:
         train_ds, val_ds = build_datasets(cfg)
         verify_task_fields(types, {"training": train_ds, "validation": val_ds})
         captions = lambda: all_captions(train_ds)  # noqa: E731
+    if check_data is not None:
+        check_data(train_ds, task_sets)
     tokenizer = tokenizer_for(captions) if tokenizer_for else resolve_tokenizer(cfg, captions)
     model = build_model(cfg, train_ds.num_classes, train_ds.class_names, tokenizer)
     for t, head in model.heads.items():  # the training split's statistics a head keeps (a regression's mean, std)

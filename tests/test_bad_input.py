@@ -176,3 +176,25 @@ def test_two_processes_with_less_than_one_global_batch_fail_fast(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("fewer than one global batch") == 1 and "2 process(es)" in proc.stderr
+
+
+@pytest.mark.parametrize("config, overrides, code, needle", [
+    (TINY, ["data.synthetic.train_size=4"], 3, "fewer than one global batch"),
+    (TINY, ["weighting.method=autolambda", "data.heldout=4"], 3, "data.heldout=4 holds out fewer items"),
+    ("configs/multi_input.yaml", ["data.per_task.gen={source: manifest, train_path: '{tmp}/m.jsonl', val_path: "
+                                  "'{tmp}/m.jsonl', image_root: '{tmp}', batch_size: 4}"], 3,
+     "task 'gen': a step can ask for 4 of its training items"),  # 3 lines: known only once the data is read
+    ("configs/multi_input.yaml", ["data.synthetic.test_size=8"], 2, "a test split is not supported in multi-input"),
+])
+def test_a_run_refused_for_its_data_sizes_writes_nothing(tmp_path, capsys, config, overrides, code, needle):
+    """What the feeds refuse (a training set under one global batch, a held-out part under one, a task's set under
+    what a step asks of it, a test split in multi-input mode) is checked on the data sets before the run folder is
+    prepared: one message, and no config.yaml, tokenizer or checkpoint left behind to mistake for a run."""
+    out = tmp_path / "run"
+    manifest(tmp_path, [{"image": good_image(tmp_path), "label": 0, "caption": f"a caption {i}"} for i in range(3)])
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    got, err = main_of(["--config", config, *overrides, "trainer.max_steps=1", f"output_dir={out}"], capsys)
+    assert got == code, err
+    assert needle in err and err.count(needle) == 1 and "Traceback" not in err
+    left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert not {"config.yaml", "tokenizer", "checkpoints", "metrics.jsonl"} & set(left), left

@@ -284,6 +284,26 @@ def task_rows(batch: dict) -> WholeBatch | TaskSlices:
     return WholeBatch() if subs is None else TaskSlices(subs)
 
 
+def verify_task_sizes(cfg, sizes: dict[str, int], world: int, plan: SamplingPlan | None = None) -> None:
+    """Before the first step (and before the run writes anything): every task's training set (``sizes``: {task:
+    items}) fills the most rows a step can ask of it (its per-process rows x the world; with ``mixed``, the whole
+    global batch), whatever the source. A step that holds the task may come arbitrarily late (``weighted``,
+    ``temperature``), so this is not left to it."""
+    plan = plan or SamplingPlan.from_config(cfg, sizes)
+    errors, mixed, others = [], plan.policy == "mixed", len(sizes) - 1
+    for t, size in sizes.items():
+        # mixed: every task holds at least one of the data.batch_size x W rows, so one task at most all but K - 1
+        need = cfg.data.batch_size * world - others if mixed else plan.batch_sizes[t] * world
+        if size < need:
+            key = "data.batch_size" if mixed else f"data.per_task.{t}.batch_size"
+            fits = (size + others) // world if mixed else size // world
+            errors.append(f"task {t!r}: a step can ask for {need} of its training items ({key} x "
+                          f"{world} process(es){f' less the {others} row(s) of the other tasks' if mixed else ''}"
+                          f") but its training set has {size}; lower {key} to at most {max(1, fits)} or add data")
+    if errors:
+        raise DataError("; ".join(errors))
+
+
 class MultiInputStream:
     """The training batches of multi-input mode, for ``rank`` of ``world``.
 
@@ -298,26 +318,9 @@ class MultiInputStream:
         self.tasks = list(train_sets)
         self.sizes = {t: len(ds) for t, ds in train_sets.items()}
         self.plan = SamplingPlan.from_config(cfg, self.sizes)
-        self._verify_sizes(cfg)
+        verify_task_sizes(cfg, self.sizes, world, self.plan)
         self.samplers = {t: TaskSampler(len(ds), cfg.seed, t) for t, ds in train_sets.items()}
         self._empty: dict[str, dict] = {}
-
-    def _verify_sizes(self, cfg) -> None:
-        """Before the first step: every task's training set fills the most rows a step can ask of it (its
-        per-process rows x the world; with ``mixed``, the whole global batch), whatever the source. A step that
-        holds the task may come arbitrarily late (``weighted``, ``temperature``), so this is not left to it."""
-        errors, mixed, others = [], self.plan.policy == "mixed", len(self.sizes) - 1
-        for t, size in self.sizes.items():
-            # mixed: every task holds at least one of the data.batch_size x W rows, so one task at most all but K - 1
-            need = cfg.data.batch_size * self.world - others if mixed else self.plan.batch_sizes[t] * self.world
-            if size < need:
-                key = "data.batch_size" if mixed else f"data.per_task.{t}.batch_size"
-                fits = (size + others) // self.world if mixed else size // self.world
-                errors.append(f"task {t!r}: a step can ask for {need} of its training items ({key} x "
-                              f"{self.world} process(es){f' less the {others} row(s) of the other tasks' if mixed else ''}"
-                              f") but its training set has {size}; lower {key} to at most {max(1, fits)} or add data")
-        if errors:
-            raise DataError("; ".join(errors))
 
     def next_batch(self, step: int) -> dict:
         order = step_tasks(self.plan, step, self.world)

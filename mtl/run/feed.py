@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from mtl.build import build_eval_loaders
-from mtl.data.heldout import HeldoutStream
+from mtl.data.heldout import HeldoutStream, verify_heldout_size
 from mtl.data.loader import (
     build_eval_loader,
     build_test_dataset,
@@ -32,8 +32,9 @@ from mtl.data.loader import (
     resume_position,
     set_epoch,
     to_device,
+    verify_train_size,
 )
-from mtl.data.multi_input import MultiInputStream
+from mtl.data.multi_input import MultiInputStream, verify_task_sizes
 from mtl.errors import ConfigError
 
 
@@ -162,13 +163,35 @@ def build_feed(cfg, inputs, dist, weighting) -> Feed:
     return Feed(LoaderFeed(loader, d.batch_size, dist.world_size), heldout, dist.device, weighting.wants_heldout)
 
 
-def build_eval_feeds(cfg, inputs, dist) -> tuple[dict, object]:
-    """({task: its validation loader}, the test loader or None): what the run evaluates on."""
-    pin = dist.device.type == "cuda"
-    test_ds = build_test_dataset(cfg, inputs.train_ds)  # optional: evaluated beside val as test_<metric>
-    if inputs.task_sets is not None and test_ds is not None:
+def check_feed_data(cfg, train_ds, task_sets: dict | None, world_size: int, needs_heldout: bool):
+    """What the feeds will refuse, checked on the data sets alone, before the run writes anything: the training
+    set against one global batch, the held-out part's size (a bilevel method), every task's training set against
+    the rows a step asks of it (multi-input mode), and the test split, which is read here; returns the test set
+    (or None) for ``build_eval_feeds``. The same checks run again where the feeds are built (for other callers)."""
+    d = cfg.data
+    if task_sets is not None:
+        verify_task_sizes(cfg, {t: len(tr) for t, (tr, _) in task_sets.items()}, world_size)
+    else:
+        if needs_heldout:  # first: its message names data.heldout
+            verify_heldout_size(d.heldout, len(train_ds), d.batch_size, world_size)
+        verify_train_size(len(train_ds) - int(d.heldout or 0), d.batch_size, world_size)
+    test_ds = build_test_dataset(cfg, train_ds)
+    refuse_multi_input_test(task_sets, test_ds)
+    return test_ds
+
+
+def refuse_multi_input_test(task_sets: dict | None, test_ds) -> None:
+    if task_sets is not None and test_ds is not None:
         raise ConfigError("data.synthetic.test_size / data.test_path: a test split is not supported in "
                           "multi-input mode (data.per_task) yet; set it to 0 / null")
+
+
+def build_eval_feeds(cfg, inputs, dist, test_ds=None) -> tuple[dict, object]:
+    """({task: its validation loader}, the test loader or None): what the run evaluates on. ``test_ds``: the test
+    set ``check_feed_data`` read, else it is read here (optional: evaluated beside val as test_<metric>)."""
+    pin = dist.device.type == "cuda"
+    test_ds = test_ds if test_ds is not None else build_test_dataset(cfg, inputs.train_ds)
+    refuse_multi_input_test(inputs.task_sets, test_ds)
     test = None if test_ds is None else build_eval_loader(test_ds, inputs.collate, cfg.data.eval_batch_size,
                                                           dist.rank, dist.world_size, cfg.data.num_workers, pin)
     vals = build_eval_loaders(cfg, inputs.val_ds, inputs.collate, inputs.task_vals(), dist.rank, dist.world_size, pin)

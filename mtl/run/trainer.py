@@ -23,6 +23,7 @@ from mtl.build import (
     build_tokenizer,
     build_weighting,
     init_from_weights,
+    run_method_types,
     run_task_types,
     wrap_model,
 )
@@ -34,7 +35,7 @@ from mtl.parallel.fsdp import gathered, is_sharded
 from mtl.run import heartbeat
 from mtl.run.evaluate import evaluate_run
 from mtl.run.faults import poison
-from mtl.run.feed import build_eval_feeds, build_feed, data_summary
+from mtl.run.feed import build_eval_feeds, build_feed, check_feed_data, data_summary
 from mtl.run.finite import nonfinite_eval
 from mtl.run.logger import RunLogger
 from mtl.run.run_folder import RunFolder
@@ -61,8 +62,12 @@ class Trainer:
             self._resume = self.folder.prepare()
             return build_tokenizer(cfg, captions, dist)
 
+        def check_data(train_ds, task_sets):  # what the feeds would refuse, before anything is written
+            self._test_ds = check_feed_data(cfg, train_ds, task_sets, dist.world_size,
+                                             run_method_types(cfg)[cfg.weighting.method].needs_heldout_batch)
+
         # seed, data, the run's own tokenizer (written to output_dir), model and collate: the tools' builder too
-        inputs = self.folder.after_data(lambda: build_run_inputs(cfg, tokenizer_for))
+        inputs = self.folder.after_data(lambda: build_run_inputs(cfg, tokenizer_for, check_data))
         self.train_ds, self.val_ds, self.tokenizer = inputs.train_ds, inputs.val_ds, inputs.tokenizer
         self.skipped_lines = inputs.skipped_lines()  # (count, reasons) over every data set the run reads
         self.folder.write_run_files(self.train_ds.class_names)
@@ -88,7 +93,7 @@ class Trainer:
                                weighting=self.weighting, optimizer=self.optimizer, scheduler=self.scheduler,
                                amp=self.amp, params=self.params, grad_clip=cfg.optim.grad_clip)
         self.feed = build_feed(cfg, inputs, dist, self.weighting)
-        self.val_loaders, self.test_loader = build_eval_feeds(cfg, inputs, dist)
+        self.val_loaders, self.test_loader = build_eval_feeds(cfg, inputs, dist, self._test_ds)
         self.step, self.last_eval = 0, {}
         self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
         self.resume_notes: list[str] = []
