@@ -552,7 +552,8 @@ def test_checkpoints_carry_the_tokenizer_and_class_names_and_a_resume_uses_them(
 @pytest.mark.slow
 def test_a_second_run_under_torchrun_is_refused_at_once(tmp_path):
     """Rank 0 of a 2-process run finds the folder in use; both ranks follow its one decision: one message,
-    exit 2, no hang (a rank left waiting would hit run_train's timeout). The holder is then SIGKILLed: its
+    exit 2, no hang (a rank left waiting would hit run_train's timeout); with a data error too, one message naming
+    both. The holder is then SIGKILLed: its
     stale lock does not block the resume."""
     import signal
 
@@ -575,6 +576,14 @@ def test_a_second_run_under_torchrun_is_refused_at_once(tmp_path):
         assert second.stderr.count("in use by another run") == 1
         assert f"PID {first.pid} on host {socket.gethostname()}" in second.stderr
         assert "Traceback" not in second.stderr
+        # busy and a data error at once: every rank knows the folder's error, so the one message is said once
+        missing = tmp_path / "none.jsonl"
+        third = run_train([*args, "data.source=manifest", f"data.train_path={missing}", f"data.val_path={missing}"],
+                          nproc=2, check=False, timeout=240)
+        assert third.returncode == 3, third.stderr[-3000:]
+        assert third.stderr.count("in use by another run") == 1 and third.stderr.count("data.train_path") == 1, \
+            third.stderr[-3000:]
+        assert "Traceback" not in third.stderr
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.communicate()

@@ -49,9 +49,13 @@ class RunFolder:
     # ------------------------------------------------------------------ start-up
 
     def lock(self) -> None:
-        """Rank 0: take the run lock; a busy or unwritable folder is kept as an error for ``prepare``."""
-        if not self.dist.is_main:
-            return
+        """Rank 0: take the run lock; a busy or unwritable folder is kept as an error for ``prepare``. Every rank
+        learns that error, so that a data error found with it is the same message on every rank (said once)."""
+        if self.dist.is_main:
+            self._take_lock()
+        self._lock_error = broadcast_object(self._lock_error)
+
+    def _take_lock(self) -> None:
         out = self.cfg.output_dir
         try:
             self._made = not os.path.isdir(out)
