@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("mtl.delta_m",),  # the tasks' metrics against baselines, in the papers' sign
     ("mtl.plateau",),  # the learning rate that follows the validation delta-m
     ("mtl.run.checkpoint mtl.run.train_state mtl.run.finite mtl.run.faults mtl.run.runlock "
-     "mtl.run.signals mtl.run.heartbeat mtl.run.logger mtl.run.error_report",),  # what a run writes and survives
+     "mtl.run.signals mtl.run.heartbeat mtl.run.logger mtl.run.error_report mtl.run.console",),  # what a run writes
+    # and survives
     ("mtl.build",),  # config -> the run's pieces
     ("mtl.config",),  # checks.py, multi_input.py, resume.py: a config checked against the plug-ins and the build
     ("mtl.run",),  # step, evaluate, trainer: the run itself

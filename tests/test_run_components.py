@@ -281,3 +281,21 @@ def test_lines_printed_during_training_go_through_the_progress_bar(tmp_path):
     for step in (1, 2):
         assert out.index(f"message {step}") < out.index(f"{step + 1}/3"), out
     assert all(line.split("\r")[-1].startswith("message") for line in out.split("\n")[:-1][:3]), out
+
+
+def test_a_warning_from_another_thread_prints_through_the_bar(tmp_path):
+    """The heartbeat's warning comes from its own thread, the signal handler's between two bytecodes: both print
+    through ``mtl.run.console.say``, which clears the bar, writes the line and draws the bar again below it, so
+    the warning starts its own line instead of being glued to a half-drawn bar."""
+    script = (f"import threading\nfrom mtl.run import console\nfrom mtl.run.logger import RunLogger\n"
+              f"log = RunLogger({str(tmp_path)!r}, True, 3, True)\n"
+              "for step in (1, 2, 3):\n    log.progress(step, {'loss': 1.0})\n"
+              "    t = threading.Thread(target=console.say, args=(f'warning {step}',))\n    t.start()\n    t.join()\n"
+              "log.close()\nconsole.say('after the bar')\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                         check=True, timeout=120).stdout.decode()
+    lines = [line.split("\r")[-1] for line in out.split("\n")]
+    for step in (1, 2, 3):
+        assert f"warning {step}" in lines, out  # a whole line of its own, not after a bar on the same line
+    assert out.index("warning 1") < out.index("2/3") and "after the bar" in lines, out

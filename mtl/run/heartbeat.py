@@ -23,11 +23,11 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import sys
 import threading
 import time
 
 from mtl.errors import TrainingError
+from mtl.run.console import say
 
 PERIOD_S = 2.0
 TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -100,10 +100,9 @@ class Heartbeat:
         if silent >= self.warn_after_s and rank not in self._warned:
             self._warned.add(rank)
             _, step, saved = beat.split()
-            print(f"[rank {self.rank}] warning: rank {rank} has not answered for {silent:.0f} s (stopped, hung or "
-                  f"its machine lost; its last heartbeat was at step {step}, the last checkpoint saved is "
-                  f"{_saved(saved)}); the job fails at ddp.timeout_s={self.timeout_s:g} s unless it comes back",
-                  file=sys.stderr, flush=True)
+            say(f"[rank {self.rank}] warning: rank {rank} has not answered for {silent:.0f} s (stopped, hung or "
+                f"its machine lost; its last heartbeat was at step {step}, the last checkpoint saved is "
+                f"{_saved(saved)}); the job fails at ddp.timeout_s={self.timeout_s:g} s unless it comes back")
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"

@@ -10,6 +10,7 @@ import time
 
 from mtl.errors import TrainingError
 from mtl.files import write_atomic
+from mtl.run import console
 from mtl.run.checkpoint import describe_os_error
 
 
@@ -34,6 +35,7 @@ class RunLogger:
 
             self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                              file=sys.stderr, mininterval=1.0)
+            console.show_bar(self._bar)  # warnings from elsewhere in the process print through it
 
     def info(self, message: str) -> None:
         """A console line (stdout). With the bar on screen it is printed through the bar: the bar is cleared, the
@@ -41,12 +43,7 @@ class RunLogger:
         log file that stdout and stderr share) would land the line later, glued to a redrawn bar."""
         if not self.enabled:
             return
-        if self._bar is None:
-            print(message, flush=True)
-            return
-        with self._bar.external_write_mode(file=sys.stdout):
-            sys.stdout.write(message + "\n")
-            sys.stdout.flush()
+        console.say(message, file=sys.stdout)
 
     def record(self, step: int, values: dict, kind: str = "train") -> None:
         """One line in metrics.jsonl and one scalar per numeric value in TensorBoard."""
@@ -91,6 +88,7 @@ class RunLogger:
         """Close every log; a write that fails now (e.g. the disk is full) costs log lines, not the run's exit
         message: one warning, unless a failed write was already reported."""
         if self._bar is not None:
+            console.show_bar(None)
             self._bar.close()
         for closer in (self._tb, self._jsonl):
             if closer is None:

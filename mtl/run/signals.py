@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from mtl.run.console import say
+
 STOP = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 POLL_S = 0.25
 GRACE_S = 2.0  # a peer that exits normally (after the last barrier) leaves this rank this long to finish
@@ -167,7 +169,7 @@ class StopSignals:
 
     def _say(self, message: str) -> None:
         prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
-        print(f"{prefix}{message}", file=sys.stderr, flush=True)
+        say(f"{prefix}{message}")
 
     def _exit(self, code: int, message: str) -> None:
         self._say(message)
