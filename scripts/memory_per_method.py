@@ -9,7 +9,9 @@ parameter-sized buffers this compares), on the CPU, one process, one thread, and
 the growth of the peak resident set over the first 3 steps: the kernel's peak (VmHWM) is reset just before step 1
 (``/proc/self/clear_refs``), so the growth is the peak during the steps less the resident set at their start, and
 a transient peak of the build cannot hide part of it. And the median and the least time of steps 2 to ``--steps``
-(default 3).
+(default 3). With ``--libmtl`` and ``--rounds`` >= 3, a last table reads each method's ratios over the rounds:
+their geometric mean with its 95% t-interval, and one-sided paired t-tests on the log ratios, Holm-adjusted across
+the methods: "lower" (ours < LibMTL) and "<= within 5%" (non-inferiority); the rows also go to ``--out``.
 Gradient-level methods run with ``ddp.strategy=task_grads`` (the parameters source), loss-level ones with
 ``feature_leaf``.
 
@@ -39,6 +41,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARGIN = 0.05  # "ours <= LibMTL's" is claimed when ours is shown to be at most 5% above it (non-inferiority)
 METHODS = ["equal", "pcgrad", "mgda", "cagrad", "alignedmtl", "upgrad", "gradvac", "gradnorm", "graddrop", "dbmtl",
            "moco", "excessmtl"]
 
@@ -242,6 +245,32 @@ def against_libmtl(methods: list[str], steps: int, rounds: int, path: str) -> li
     return rows
 
 
+def verdicts(methods: list[str], rows: list[dict], margin: float = MARGIN, alpha: float = 0.05) -> list[dict]:
+    """Per method and measure (memory growth, median step time): the geometric mean of the rounds' ratios with its
+    95% t-interval, and two one-sided paired t-tests on the log ratios (``ratio_test``), Holm-adjusted across the
+    methods of each measure: "lower" (ours < LibMTL) and "<= within 5%" (non-inferiority: ours is not more than
+    ``margin`` above LibMTL's). Printed as a table; returned as rows."""
+    from mtl.tools.bench.stats import holm, ratio_test  # import here: the children never load scipy
+
+    out = []
+    for measure, key in (("memory growth", "memory_ratio"), ("step time (median)", "time_ratio")):
+        tests = {m: ratio_test([r[key] for r in rows if r["method"] == m and r.get(key)], margin) for m in methods}
+        for name in ("p_lower", "p_within"):
+            for m, p in zip(methods, holm([tests[m][name] for m in methods])):
+                tests[m][name + "_holm"] = p
+        out += [{"measure": measure, "method": m, **t} for m, t in tests.items()]
+    print(f"\n| measure | method | rounds | ours / LibMTL, geometric mean [95% CI] | lower: p (Holm) "
+          f"| within {margin:.0%}: p (Holm) | verdict at {alpha:g} |")
+    print("|---|---|---|---|---|---|---|")
+    for r in out:
+        verdict = ("lower" if r["p_lower_holm"] < alpha else f"<= (within {margin:.0%})" if r["p_within_holm"] < alpha
+                   else "not shown <=" if r["n"] >= 3 else "too few rounds")
+        print(f"| {r['measure']} | `{r['method']}` | {r['n']} | {r['ratio']:.2f} [{r['lo']:.2f}, {r['hi']:.2f}] | "
+              f"{r['p_lower']:.3g} ({r['p_lower_holm']:.3g}) | {r['p_within']:.3g} ({r['p_within_holm']:.3g}) | "
+              f"{verdict} |")
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", help="a source tree of mtl (default: this one); give two to compare")
@@ -265,6 +294,7 @@ def main(argv=None) -> None:
         if unknown:
             sys.exit(f"--methods: no LibMTL counterpart for {', '.join(unknown)} (known: {', '.join(LIBMTL)})")
         rows = against_libmtl(methods, args.steps, args.rounds, args.libmtl_path)
+        rows = {"rounds": rows, "verdicts": verdicts(methods, rows)}
     else:
         rows = []
         for method in (args.methods.split(",") if args.methods else METHODS):

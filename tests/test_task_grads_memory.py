@@ -122,3 +122,27 @@ def test_the_comparison_with_libmtl_says_so_when_libmtl_cannot_be_imported(tmp_p
                            "--methods", "pcgrad"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and "LibMTL is not importable" in done.stderr and "nothing compared" in done.stderr
     assert "pcgrad" not in done.stdout  # nothing measured
+
+
+def test_the_comparison_with_libmtl_reads_its_rounds_with_paired_tests(capsys):
+    """The verdict table of scripts/memory_per_method.py on rounds with known ratios: a method lower every round is
+    "lower", one at 1.0 +- 1% is "<= (within 5%)" but not lower, one 10% above is "not shown <="; Holm across the
+    methods of each measure."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("memory_per_method", os.path.join(root, "scripts",
+                                                                                     "memory_per_method.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ratios = {"pcgrad": [0.80, 0.82, 0.79, 0.81], "mgda": [1.00, 1.01, 0.99, 1.00], "equal": [1.10, 1.12, 1.09, 1.11]}
+    rows = [{"round": i, "method": m, "memory_ratio": r[i], "time_ratio": r[i]} for m, r in ratios.items()
+            for i in range(4)]
+    out = {(v["measure"], v["method"]): v for v in script.verdicts(list(ratios), rows)}
+    table = capsys.readouterr().out
+    mem = {m: out[("memory growth", m)] for m in ratios}
+    assert mem["pcgrad"]["p_lower_holm"] < 0.05 and mem["mgda"]["p_within_holm"] < 0.05 < mem["mgda"]["p_lower_holm"]
+    assert mem["equal"]["p_within_holm"] > 0.05 and mem["equal"]["lo"] > 1
+    assert "| memory growth | `pcgrad` | 4 |" in table and "| lower |" in table
+    assert "<= (within 5%)" in table and "not shown <=" in table

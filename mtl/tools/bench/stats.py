@@ -146,3 +146,27 @@ def rank_correlation(x, y, level: float = 0.95) -> dict:
         z = math.atanh(out["rho"])
         out["lo"], out["hi"] = math.tanh(z - half), math.tanh(z + half)
     return out
+
+
+def ratio_test(ratios, margin: float = 0.05, level: float = 0.95) -> dict:
+    """Paired ratios (ours / theirs, one per round, each round's two measurements taken side by side) read on the
+    log scale, where a ratio and its inverse are symmetric: ``{n, ratio, lo, hi, p_lower, p_within}`` with
+    ``ratio`` the geometric mean, ``[lo, hi]`` its ``level`` t-interval, ``p_lower`` the one-sided p-value of the
+    paired t-test against "ours is not lower" (H0: ratio >= 1) and ``p_within`` the one-sided non-inferiority
+    p-value against "ours is more than ``margin`` higher" (H0: ratio >= 1 + margin): a small ``p_within`` shows
+    ours <= theirs within the margin. Fewer than 3 finite positive ratios: only the geometric mean."""
+    logs = [math.log(r) for r in _finite(ratios) if r > 0]
+    nan = float("nan")
+    out = {"n": len(logs), "ratio": math.exp(statistics.mean(logs)) if logs else nan, "lo": nan, "hi": nan,
+           "p_lower": nan, "p_within": nan}
+    if len(logs) < 3:
+        return out
+    mean, half = mean_ci(logs, level)
+    out["lo"], out["hi"] = math.exp(mean - half), math.exp(mean + half)
+    if statistics.stdev(logs) <= 1e-12:  # the same ratio every round: the test has no spread to work with
+        out["p_lower"] = 0.0 if mean < 0 else 1.0
+        out["p_within"] = 0.0 if mean < math.log1p(margin) else 1.0
+        return out
+    out["p_lower"] = float(stats.ttest_1samp(logs, 0.0, alternative="less").pvalue)
+    out["p_within"] = float(stats.ttest_1samp(logs, math.log1p(margin), alternative="less").pvalue)
+    return out
