@@ -12,7 +12,8 @@ Prints, for the configured model (its initial weights, or a trained model's with
   extra memory held (each strategy states these itself), and a time estimate from measured
   forward/backward times;
 - a recommendation for this model, with the reason. It suggests a gradient-level method only when
-  the conflict is significant (the whole confidence interval below zero), and says what it costs.
+  the conflict is significant (a negative mean cosine whose t-test survives Holm's correction across the task
+  pairs; with two tasks, the whole 95% interval below zero), and says what it costs.
 It never starts a process group and writes nothing: it builds the run with ``mtl.build.build_run_inputs``,
 the trainer's own builder, which creates no output_dir, lock or checkpoint.
 """
@@ -32,21 +33,25 @@ from mtl.parallel.gradient_reach import nonfinite_parameters, reach_table, task_
 from mtl.run.error_report import run_guarded
 from mtl.strategies import strategy_types
 from mtl.tools import tool_parser
-
-# two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); 1.96 beyond
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+from mtl.tools.bench.stats import holm, mean_ci, paired_test
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% confidence interval of the mean); half-width inf for one value."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, float("inf")
-    sd = (sum((v - mean) ** 2 for v in values) / (n - 1)) ** 0.5
-    t = _T95[n - 2] if n - 1 <= len(_T95) else 1.96
-    return mean, t * sd / n**0.5
+    """(mean, half-width of the 95% t-interval of the mean); half-width inf for one value."""
+    mean, half = mean_ci(values)
+    return mean, float("inf") if half != half else half
+
+
+def conflict_tests(cosine: dict, alpha: float = 0.05) -> None:
+    """Per task pair: ``p`` (the two-sided t-test of its mean cosine over the batches against 0) and ``p_holm``
+    (Holm's correction across the K(K-1)/2 pairs, 55 at K = 11: the smallest of many means is not evidence by
+    itself), and ``conflict``: the mean is below 0 and ``p_holm`` < alpha. With one pair this is its 95%
+    interval lying below 0. Fewer than 3 batches: p is nan, no conflict."""
+    for c in cosine.values():
+        c["p"] = paired_test(c["per_batch"], alpha)["p"] if len(c["per_batch"]) >= 3 else float("nan")
+    for c, p in zip(cosine.values(), holm([c["p"] for c in cosine.values()])):
+        c["p_holm"] = p
+        c["conflict"] = bool(c["mean"] < 0 and p < alpha)
 
 
 def _timed(fn, reps: int = 3) -> float:
@@ -94,6 +99,7 @@ def examine(cfg, batches: int = 8) -> dict:
     for key, values in per_batch.items():
         mean, half = mean_ci95(values)
         cosine[key] = {"mean": mean, "ci95": half, "batches": len(values), "per_batch": values}
+    conflict_tests(cosine)
 
     # measured forward and backward times of the whole model (F, B), and of the backbone alone
     def forward():
@@ -137,9 +143,11 @@ def examine(cfg, batches: int = 8) -> dict:
     if method.level == "loss" and cosine:
         key = min(cosine, key=lambda k: cosine[k]["mean"])
         c = cosine[key]
-        measured = f"cosine({key}) {c['mean']:+.3f} ± {c['ci95']:.3f} (95% CI over {c['batches']} batches)"
+        measured = (f"cosine({key}) {c['mean']:+.3f} ± {c['ci95']:.3f} (95% CI over {c['batches']} batches)"
+                    + (f", p {c['p_holm']:.2g} after Holm's correction across the {len(cosine)} task pairs"
+                       if len(cosine) > 1 and c["p_holm"] == c["p_holm"] else ""))
         extra = costs["task_grads"]["est_time_vs_combined"] / max(costs["feature_leaf"]["est_time_vs_combined"], 1e-9)
-        if c["mean"] + c["ci95"] < 0:
+        if c["conflict"]:
             rec = (rec[0], rec[1] + f"; the tasks' shared gradients conflict significantly ({measured}), so a "
                    "gradient-level method (pcgrad, mgda, cagrad, nashmtl ...) with ddp.strategy=task_grads may be "
                    f"worth a try: its step costs about {extra:.2f}x this one here (estimated from the measured F and "
@@ -172,8 +180,11 @@ def render(report: dict) -> str:
     out.append("per-task gradient norm: " + ", ".join(f"{t}={v:.4g}" for t, v in report["grad_norms"].items()))
     bad = {t: v for t, v in report["nonfinite"].items() if v}
     out.append("non-finite gradients: " + ("; ".join(f"{t}: {', '.join(v[:5])}" for t, v in bad.items()) or "none"))
-    out.append("gradient conflict on the shared parameters (cosine, mean ± 95% CI over batches): "
-               + ", ".join(f"{k}={v['mean']:+.3f} ± {v['ci95']:.3f} ({v['batches']} batches)"
+    many = len(report["cosine"]) > 1
+    out.append("gradient conflict on the shared parameters (cosine, mean ± 95% CI over batches"
+               + (", p after Holm across the pairs" if many else "") + "): "
+               + ", ".join(f"{k}={v['mean']:+.3f} ± {v['ci95']:.3f} ({v['batches']} batches"
+                           + (f", p {v['p_holm']:.2g}" if many else "") + ")" + (" conflict" if v["conflict"] else "")
                            for k, v in report["cosine"].items()))
     p = report["params"]
     out.append(f"parameters: {p['all']:,} ({p['shared']:,} shared, {p['heads']:,} in heads); measured "
