@@ -176,3 +176,15 @@ def test_the_bench_section_is_the_tools_own_and_checked_by_it(tmp_path, capsys):
     _, errors = bench_option_errors(load_run_config(TINY, ["bench.plateau_tol=nan", "bench.published.dm.ls=inf"]))
     assert "bench.plateau_tol: must be finite (got nan)" in errors and "bench.published.dm.ls: must be finite (got inf)" \
         in errors, errors
+
+
+def test_a_row_says_which_of_its_runs_failed_and_which_are_only_missing():
+    """A run still training (or not yet started) when the tables are read is missing, not failed."""
+    from mtl.tools.bench.sweep import _not_ok_note
+
+    assert _not_ok_note({"runs": 3, "runs_ok": 2, "failed": ["seed 2: missing"]}) == " (1 of 3 missing)"
+    assert _not_ok_note({"runs": 3, "runs_ok": 0, "failed": ["seed 0: failed", "seed 1: missing",
+                                                            "seed 2: missing"]}) == " (1 of 3 failed, 2 missing)"
+    assert _not_ok_note({"runs": 5, "runs_ok": 0, "failed": [f"seed {i}: failed" for i in range(5)]}) == \
+        " (5 of 5 failed)"
+    assert _not_ok_note({"runs": 3, "runs_ok": 3, "failed": []}) == ""

@@ -670,7 +670,7 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
               "|---|---|---|" + "---|" * (len(keys) + has_ref) + "---|---|---|---|---|---|---|---|---|"]
     for r in sorted(methods, key=lambda r: (r["delta_m"] != r["delta_m"], r["delta_m"] if r["delta_m"] == r["delta_m"]
                                             else 0)):
-        failed = f" ({r['runs'] - r['runs_ok']} of {r['runs']} failed)" if r["runs_ok"] < r["runs"] else ""
+        failed = _not_ok_note(r)
         if not r["runs_ok"]:
             lines.append(f"| `{r['method']}`{failed} | {r['level']} | {r['source']} | "
                          + " | ".join("n/a" for _ in range(len(keys) + 9 + has_ref)) + " |")
@@ -714,6 +714,16 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
         lines += ["", "Failed or missing runs (the errors: runs.jsonl, errors.log; missing: not finished with this "
                       "configuration when analysed):", *failures]
     return "\n".join(lines)
+
+
+def _not_ok_note(row: dict) -> str:
+    """" (1 of 3 failed)", " (3 of 3 missing)", " (1 of 3 failed, 1 missing)" or "": a row's runs without results."""
+    missing = sum(x.endswith(": missing") for x in row["failed"])
+    failed = row["runs"] - row["runs_ok"] - missing
+    parts = [f"{failed} failed"] * bool(failed) + [f"{missing} missing"] * bool(missing)
+    if not parts:
+        return ""
+    return f" ({parts[0].split()[0]} of {row['runs']} {parts[0].split()[1]}" + "".join(f", {p}" for p in parts[1:]) + ")"
 
 
 def reference_sentence(b, specs: list, rows: list[dict]) -> str:
