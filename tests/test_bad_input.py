@@ -184,7 +184,9 @@ def test_two_processes_with_less_than_one_global_batch_fail_fast(tmp_path):
     ("configs/multi_input.yaml", ["data.per_task.gen={source: manifest, train_path: '{tmp}/m.jsonl', val_path: "
                                   "'{tmp}/m.jsonl', image_root: '{tmp}', batch_size: 4}"], 3,
      "task 'gen': a step can ask for 4 of its training items"),  # 3 lines: known only once the data is read
-    ("configs/multi_input.yaml", ["data.synthetic.test_size=8"], 2, "a test split is not supported in multi-input"),
+    # each task has its own validation set there; one shared test split would score the wrong data: refused
+    ("configs/multi_input.yaml", ["data.synthetic.test_size=8"], 2,
+     "data.synthetic.test_size / data.test_path: a test split is not supported in multi-input mode"),
 ])
 def test_a_run_refused_for_its_data_sizes_writes_nothing(tmp_path, capsys, config, overrides, code, needle):
     """What the feeds refuse (a training set under one global batch, a held-out part under one, a task's set under

@@ -136,17 +136,6 @@ def test_plan_lists_every_run_and_help_names_overrides_and_outputs(capsys):
         assert words in text, words
 
 
-def test_a_test_split_in_multi_input_mode_is_refused_by_name(tmp_path):
-    """Each task has its own validation set there; one shared test split would score the wrong data: refused."""
-    out = tmp_path / "run"
-    proc = subprocess.run([PY, "train.py", "--config", os.path.join(ROOT, "configs", "multi_input.yaml"),
-                           f"output_dir={out}", "trainer.max_steps=1", "data.synthetic.test_size=8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "data.synthetic.test_size / data.test_path: a test split is not supported in multi-input mode" in \
-        proc.stderr + proc.stdout
-
-
 def test_the_bench_section_is_the_tools_own_and_checked_by_it(tmp_path, capsys):
     """The core schema keeps ``bench:`` as a mapping that train.py ignores; the tool checks it against its own
     dataclasses: a mistyped key is one message with the nearest key (exit 2), a wrong type names the key. A config
