@@ -117,6 +117,8 @@ def test_ratio_test_on_known_inputs_and_by_simulation():
     assert r["p_within"] < r["p_lower"] and r["hi"] < 1
     assert ratio_test([0.9, 0.9, 0.9])["p_within"] == 0.0 and ratio_test([1.2, 1.2, 1.2])["p_within"] == 1.0
     assert math.isnan(ratio_test([0.9, 1.1])["p_within"]) and ratio_test([0.9, 1.1])["n"] == 2
+    with pytest.raises(ValueError, match="ratios must be > 0"):  # never silently dropped
+        ratio_test([0.9, 1.1, -0.2, 1.0])
     rng = np.random.default_rng(7)
     at_margin = rng.normal(math.log(1.05), 0.05, (REPS, 8))  # log ratios of 8 rounds, true ratio 1 + margin
     p = stats.ttest_1samp(at_margin, math.log(1.05), axis=1, alternative="less").pvalue

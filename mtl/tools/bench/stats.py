@@ -154,8 +154,13 @@ def ratio_test(ratios, margin: float = 0.05, level: float = 0.95) -> dict:
     ``ratio`` the geometric mean, ``[lo, hi]`` its ``level`` t-interval, ``p_lower`` the one-sided p-value of the
     paired t-test against "ours is not lower" (H0: ratio >= 1) and ``p_within`` the one-sided non-inferiority
     p-value against "ours is more than ``margin`` higher" (H0: ratio >= 1 + margin): a small ``p_within`` shows
-    ours <= theirs within the margin. Fewer than 3 finite positive ratios: only the geometric mean."""
-    logs = [math.log(r) for r in _finite(ratios) if r > 0]
+    ours <= theirs within the margin. Fewer than 3 finite ratios: only the geometric mean. A ratio <= 0 (a
+    measurement that cannot be a ratio of two sizes or times) is refused, not dropped."""
+    finite = _finite(ratios)
+    bad = [r for r in finite if r <= 0]
+    if bad:
+        raise ValueError(f"ratio_test: ratios must be > 0 (got {bad}); check the measurements they come from")
+    logs = [math.log(r) for r in finite]
     nan = float("nan")
     out = {"n": len(logs), "ratio": math.exp(statistics.mean(logs)) if logs else nan, "lo": nan, "hi": nan,
            "p_lower": nan, "p_within": nan}
