@@ -19,8 +19,9 @@ Variants: each source tree of mtl (``--tree``: a checkout; default: this one), s
 ``Trainer.step_once``; and with ``--libmtl``, LibMTL's implementation of the same method (its class in
 ``LIBMTL`` below, with its own default hyper-parameters, on the parameters: ``rep_grad=False``) on the SAME
 trainer: the same model, batch, optimizer and scheduler, its step being LibMTL's training loop's: the losses,
-``optimizer.zero_grad(set_to_none=False)``, the method's ``backward(losses)``, ``optimizer.step()``. The two
-alternate per method, ``--rounds`` times. Every process of a ``--libmtl`` run imports LibMTL before it builds the
+``optimizer.zero_grad(set_to_none=False)``, the method's ``backward(losses)``, the gradient clipping our config
+has (``optim.grad_clip``, 1.0, by ``torch.nn.utils.clip_grad_norm_``: the same recipe on both sides), and
+``optimizer.step()``. The two alternate per method, ``--rounds`` times. Every process of a ``--libmtl`` run imports LibMTL before it builds the
 trainer, so both variants start from the same resident set. LibMTL is not a dependency of mtl: it is used only
 when ``import LibMTL`` works with ``--libmtl-path`` (directories, ``os.pathsep``-separated) in front of the path;
 otherwise the script says so and exits 2. The PyPI release 1.1.5 lacks Aligned-MTL, UPGrad, DB-MTL, MoCo,
@@ -133,6 +134,8 @@ def libmtl_step(trainer, method: str):
         known = inspect.signature(kind).parameters
         extra = kind(own, **{k: v for k, v in trainer.optimizer.defaults.items() if k in known})
 
+    clip = trainer.parts.grad_clip
+
     def step(batch):
         for t in tasks:
             bare.heads[t].prepare(batch, all_reduce_sum)
@@ -141,6 +144,8 @@ def libmtl_step(trainer, method: str):
         if extra is not None:
             extra.zero_grad(set_to_none=False)
         w.backward(torch.stack([losses[t] for t in tasks]), **kwargs)
+        if clip > 0:  # the same recipe as ours (optim.grad_clip; LibMTL's trainer has no clipping of its own)
+            torch.nn.utils.clip_grad_norm_(trainer.params, clip)
         trainer.optimizer.step()
         if extra is not None:
             extra.step()

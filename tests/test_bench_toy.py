@@ -226,3 +226,16 @@ def test_a_skipped_step_keeps_the_trajectorys_bookkeeping(curve):
     assert r["first_nonfinite"] == 372
     assert len(r["trajectory"]) == 401  # the start and one point per step, skipped or not
     assert r["moved_last_tenth"] == math.dist(r["final"], r["trajectory"][360])
+
+
+@pytest.mark.slow
+def test_runs_in_two_processes_come_back_in_the_tables_order_with_the_same_numbers():
+    """--jobs 2 runs the longest methods first (a probe of each method's cost), then puts every result back in
+    the (method, start) order of the table: the numbers equal a one-process run's, row for row."""
+    methods, starts = ["mgda", "nashmtl", "cagrad(c=0.5)"], STARTS[:2]
+    args = (methods, starts, 200, 1e-3, 1.0, False, 0.1, 50)
+    one = bench_toy.run_all(*args, jobs=1)
+    two = bench_toy.run_all(*args, jobs=2)
+    assert [(r["method"], r["start"]) for r in two] == [(m, list(s)) for m in methods for s in starts]
+    for a, b in zip(one, two):
+        assert a["final"] == b["final"] and a["trajectory"] == b["trajectory"]

@@ -54,6 +54,34 @@ def test_synthetic_is_deterministic_per_seed_and_index():
     assert [a.caption(i) for i in range(32)] != [other.caption(i) for i in range(32)]
 
 
+def test_a_kept_item_equals_a_fresh_render_and_is_the_callers_to_change(monkeypatch):
+    """The memo of rendered items gives records equal to a render (image and every field), hands out copies (a
+    caller that writes into a record changes nothing the next reader sees), stops keeping at MEMO_BYTES, and is
+    not carried into a worker's copy of the data set."""
+    import pickle
+
+    import mtl.data.synthetic as synthetic
+
+    ds = shapes()
+    first = [ds[i] for i in range(8)]
+    assert len(ds._memo) == 8
+    for i, rec in enumerate(first):
+        again = ds[(i, 3)]  # kept (the train sampler's (index, epoch) key)
+        img, fields = ds.render(i)
+        assert torch.equal(again["image"], torch.from_numpy(img)) and torch.equal(again["image"], rec["image"])
+        assert {k: v for k, v in again.items() if k != "image"} == {k: v for k, v in rec.items() if k != "image"}
+        assert all(again[k] == v for k, v in fields.items())
+    first[0]["image"].zero_()
+    first[0]["centres"][0][0] = -1.0
+    assert ds[0]["image"].sum() > 0 and ds[0]["centres"][0][0] != -1.0
+    assert pickle.loads(pickle.dumps(ds))._memo == {}
+    monkeypatch.setattr(synthetic, "MEMO_BYTES", 3 * first[0]["image"].numel() * 4)
+    small = shapes()
+    for i in range(8):
+        small[i]
+    assert sorted(small._memo) == [0, 1, 2] and torch.equal(small[7]["image"], first[7]["image"])
+
+
 def test_synthetic_item_format_and_label_range():
     ds = shapes(num_classes=5, size=200, image_size=40)
     assert len(ds) == 200 and ds.num_classes == 5 and ds.class_names == SHAPES[:5]

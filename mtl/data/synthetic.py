@@ -23,6 +23,7 @@ from mtl.errors import ConfigError
 # The label is an index into SHAPES; ``num_classes`` takes the first N. The order puts the most
 # distinct silhouettes first, so the default (4) stays easy at 32 px.
 SHAPES = ["circle", "square", "triangle", "cross", "ring", "diamond", "star"]
+MEMO_BYTES = 256 << 20  # the rendered images a SyntheticShapes keeps per process (a 1,000-image set at 32 x 32: 12 MiB)
 MIN_CLASSES = 2  # one class would leave nothing to classify
 
 
@@ -205,6 +206,10 @@ class SyntheticShapes(Dataset):
     Item ``i`` depends on ``(seed, i)`` only. Attributes are drawn first, from the same random
     stream as the drawing, so ``caption(i)`` can give the caption without rendering the image
     (used to train a tokenizer on thousands of captions in milliseconds).
+
+    Because an item is a function of its index, each process keeps the items it has rendered (up to
+    ``MEMO_BYTES`` of images; a loader worker keeps its own, and is persistent): from the second epoch on, and at
+    every evaluation after the first, an item is a copy instead of a render (~0.4 ms at 32 x 32).
     """
 
     def __init__(
@@ -239,6 +244,11 @@ class SyntheticShapes(Dataset):
         self.class_names = SHAPES[: self.num_classes]
         self.epoch = 0
         self._bank: np.ndarray | None = None
+        self._memo: dict[int, tuple[np.ndarray, dict]] = {}  # index -> render(index), up to MEMO_BYTES of images
+        self._memo_bytes = 0
+
+    def __getstate__(self) -> dict:  # a worker starts with an empty memo, not a copy of this process's
+        return {**self.__dict__, "_memo": {}, "_memo_bytes": 0}
 
     def __len__(self) -> int:
         return self.size
@@ -338,10 +348,18 @@ class SyntheticShapes(Dataset):
         caption's words), ``centres`` ([[x, y], ...] pixels), ``radius`` (pixels), ``background`` (RGB)."""
         # the train sampler passes (index, epoch); see mtl.data.loader.EpochDistributedSampler
         index = int(key[0] if isinstance(key, tuple) else key)
-        img, a = self.render(index)
+        kept = self._memo.get(index)
+        if kept is None:
+            kept = self.render(index)
+            if self._memo_bytes + kept[0].nbytes <= MEMO_BYTES:
+                self._memo[index] = kept
+                self._memo_bytes += kept[0].nbytes
+        img, a = kept
+        # the record is the caller's to change; the memo's stays as rendered (its lists are copied too)
+        a = {**a, "centres": [list(c) for c in a["centres"]], "background": list(a["background"])}
         return {
             **a,
-            "image": torch.from_numpy(img),
+            "image": torch.from_numpy(img.copy()),
             "index": index,
             "shape": SHAPES[a["label"]],
             "captions": [caption_text(a["count"], a["size"], a["colour"], a["position"])],

@@ -136,6 +136,8 @@ class Weighting(nn.Module):
         ``self.step``, ``self.present`` and ``self.present_index``. A subclass that overrides it calls
         ``super().begin_step(step, present)``."""
         self.step = int(step)
+        if present is None and len(self.present) == len(self.tasks):
+            return  # every task, as at the last step (the common case: nothing to rebuild)
         self.present = list(self.tasks) if present is None else [t for t in self.tasks if t in present]
         self.present_index = [self.tasks.index(t) for t in self.present]
 
