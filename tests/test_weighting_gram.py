@@ -23,7 +23,14 @@ from mtl.weighting.gradvac import gradvac, gradvac_coefficients, gradvac_weights
 from mtl.weighting.imtlg import imtlg, imtlg_weights
 from mtl.weighting.mgda import mgda, mgda_weights
 from mtl.weighting.modo import modo, modo_step, modo_weights
-from mtl.weighting.nashmtl import NASH_EXISTS_TOL, nashmtl, nashmtl_weights, simplex_min, solution_exists
+from mtl.weighting.nashmtl import (
+    NASH_EXISTS_TOL,
+    nashmtl,
+    nashmtl_weights,
+    simplex_min,
+    simplex_min_nnls,
+    solution_exists,
+)
 from mtl.weighting.pcgrad import pcgrad, pcgrad_coefficients, pcgrad_weights
 from mtl.weighting.sdmgrad import SDMGRAD_LR, SDMGRAD_MOMENTUM, sdmgrad, sdmgrad_solve, sdmgrad_weights
 from mtl.weighting.upgrad import upgrad, upgrad_projections
@@ -376,6 +383,28 @@ def test_nash_simplex_min_equals_the_best_face():
             c = (u @ u.T).numpy()
             expected = by_faces(c)
             assert abs(simplex_min(c) - expected) <= 1e-6 * expected + 1e-15, (simplex_min(c), expected)
+
+
+def test_two_task_simplex_min_in_closed_form_equals_the_nnls_one():
+    """K = 2 takes the segment's min-norm point in closed form; it equals the general NNLS answer on random,
+    nearly opposed, exactly opposed, identical, parallel, very unequal and zero rows (Gram and cosine matrices),
+    and so decides the existence of a Nash-MTL / FairGrad solution the same way."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [torch.randn(2, 5, generator=gen, dtype=torch.float64) for _ in range(20)]
+    base = torch.randn(5, generator=gen, dtype=torch.float64)
+    cases += [torch.stack([base, -base]), torch.stack([base, -base + 1e-9]), torch.stack([base, base]),
+              torch.stack([base, 3.0 * base]), torch.stack([base, 1e-6 * torch.randn(5, generator=gen,
+                                                                                     dtype=torch.float64)]),
+              torch.stack([base, torch.zeros(5, dtype=torch.float64)]), torch.stack([1e4 * base, -base + 0.1])]
+    for g in cases:
+        for m in (g @ g.T, (g / g.norm(dim=1, keepdim=True).clamp(min=1e-300)) @ (g / g.norm(dim=1, keepdim=True)
+                                                                                 .clamp(min=1e-300)).T):
+            c = m.numpy()
+            closed, general = simplex_min(c), simplex_min_nnls(c)
+            scale = float(np.abs(c).max())
+            assert abs(closed - general) <= 1e-12 * scale, (c, closed, general)
+            assert (closed > NASH_EXISTS_TOL * scale) == (general > NASH_EXISTS_TOL * scale) or \
+                abs(general - NASH_EXISTS_TOL * scale) <= 1e-12 * scale
 
 
 def test_nash_solves_the_equation_to_round_off_on_hard_cases():

@@ -88,7 +88,23 @@ def solution_exists(c: np.ndarray, tol: float) -> bool:
 
 
 def simplex_min(c: np.ndarray) -> float:
-    """mu = min_{a in simplex} a^T c a for a PSD float64 c, from the NNLS problem in ``solution_exists``."""
+    """mu = min_{a in simplex} a^T c a for a PSD float64 c: in closed form for two tasks, else from the NNLS
+    problem in ``solution_exists``.
+
+    Two tasks: a = (t, 1 - t) gives a^T c a = t^2 (c00 - 2 c01 + c11) - 2 t (c11 - c01) + c11, a parabola whose
+    least point on [0, 1] is t* = (c11 - c01) / (c00 - 2 c01 + c11), clipped (the min-norm point of a segment, as
+    in Sener & Koltun's MGDA solver). The denominator is the squared distance of the two points; it is 0 only for
+    identical points, where every t gives c00."""
+    if c.shape[0] == 2:
+        c00, c01, c11 = float(c[0, 0]), float(c[0, 1]), float(c[1, 1])
+        den = c00 - 2.0 * c01 + c11
+        t = min(max((c11 - c01) / den, 0.0), 1.0) if den > 0 else 1.0
+        return t * t * c00 + 2.0 * t * (1.0 - t) * c01 + (1.0 - t) * (1.0 - t) * c11
+    return simplex_min_nnls(c)
+
+
+def simplex_min_nnls(c: np.ndarray) -> float:
+    """``simplex_min`` for any K, from the NNLS problem in ``solution_exists``."""
     ones = np.ones(c.shape[0])
     s = float(nonneg_qp(c + np.outer(ones, ones), -ones).sum())
     return (1.0 - s) / s if s > 0 else 0.0

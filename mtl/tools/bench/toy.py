@@ -172,12 +172,12 @@ def run_all(methods: list[str], starts, steps: int, lr: float, scale: float, shi
     if jobs <= 1:
         return [run_one(*w) for w in work]
     # Longest first, so that the processes finish together (a method's step costs from ~80 us to ~1 ms here):
-    # each method's cost per step is probed on PROBE_STEPS steps from the first start, and the results are put
-    # back in the table's order.
-    cost = {m: run_one(m, starts[0], PROBE_STEPS, lr, scale, shifted, near, PROBE_STEPS, curve)["cpu_s"]
-            for m in methods}
-    order = sorted(range(len(work)), key=lambda i: -cost[work[i][0]])
+    # each method's cost per step is probed on PROBE_STEPS steps from the first start (while the pool's processes
+    # start), and the results are put back in the table's order.
     with mp.get_context("spawn").Pool(jobs) as pool:
+        cost = {m: run_one(m, starts[0], PROBE_STEPS, lr, scale, shifted, near, PROBE_STEPS, curve)["cpu_s"]
+                for m in methods}
+        order = sorted(range(len(work)), key=lambda i: -cost[work[i][0]])
         done = pool.map(_run_star, [work[i] for i in order], chunksize=1)
     results: list[dict] = [{}] * len(work)
     for i, r in zip(order, done):
