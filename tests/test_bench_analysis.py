@@ -47,6 +47,7 @@ def test_the_best_validation_evaluation_is_reported_on_test():
     assert abs(delta({"cls_acc": 0.6}, ref, SPECS, partial=True) - 25.0) < 1e-9
 
 
+@pytest.mark.slow  # a short training run with two evaluations (~10 s): the fast tier keeps its 2 minutes
 def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
     """data.synthetic.test_size: another stream of images (seed + test_seed_offset), evaluated at every evaluation
     and logged as test_<metric>; without it nothing changes."""
