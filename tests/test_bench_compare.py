@@ -200,7 +200,7 @@ def test_plan_prints_the_protocol_from_the_config(capsys):
     assert "read beside a paper: ls 2 (ours: equal), si 1 (ours: not in mtl)" in out
 
 
-@pytest.mark.parametrize("preset", ["full", "quick", "gpu", "qm9", "qm9_cpu"])
+@pytest.mark.parametrize("preset", ["full", "quick", pytest.param("gpu", marks=pytest.mark.slow), "qm9", "qm9_cpu"])  # gpu: 290 runs, ~8 s
 def test_every_preset_plans(preset, capsys):
     """Each preset's config checks and plans (``--plan``: the protocol and every run). The QM9 presets are built on
     configs/qm9.yaml and qm9_cpu.yaml (the QM9 data source and its tasks)."""
