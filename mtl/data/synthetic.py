@@ -355,10 +355,10 @@ class SyntheticShapes(Dataset):
                 self._memo[index] = kept
                 self._memo_bytes += kept[0].nbytes
         img, a = kept
-        # the record is the caller's to change; the memo's stays as rendered (its lists are copied too)
-        a = {**a, "centres": [list(c) for c in a["centres"]], "background": list(a["background"])}
-        return {
+        return {  # the caller's to change: the memo's image and lists stay as rendered
             **a,
+            "centres": [list(c) for c in a["centres"]],
+            "background": list(a["background"]),
             "image": torch.from_numpy(img.copy()),
             "index": index,
             "shape": SHAPES[a["label"]],
