@@ -48,6 +48,10 @@ class StepParts:
     params: list[torch.nn.Parameter]  # everything the optimizer updates (model and learned loss weights)
     grad_clip: float  # 0: no clipping
     comm: Comm = field(default_factory=Comm)  # the strategy's hand-made collectives (tools count them)
+    running_stats: RunningStats = field(init=False)  # ``bare``'s BatchNorm buffers, found once
+
+    def __post_init__(self):
+        self.running_stats = RunningStats(self.bare)
 
 
 @dataclass
@@ -71,7 +75,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     w.begin_step(step, tasks)  # the method weighs / combines these tasks only (mtl/weighting/base.py)
     for t in tasks:  # collectives a loss needs first, e.g. the global caption-token count
         p.bare.heads[t].prepare(rows.sub_batch(batch, t), all_reduce_sum)
-    running_stats = snapshot_running_stats(p.bare)  # the forward updates BatchNorm's; a skipped step puts them back
+    p.running_stats.save()  # the forward updates BatchNorm's statistics; a skipped step puts them back
 
     # 0. bilevel methods: the meta update of the task weights, on the bare model (never through DDP; no .grad)
     meta_stats = {}
@@ -80,7 +84,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
             p.bare.heads[t].prepare(heldout, all_reduce_sum)
         meta_stats = w.meta_step(MetaInputs(model=p.bare, batch=batch, heldout=heldout, tasks=tasks,
                                             lr=p.scheduler.get_last_lr()[0], comm=p.comm))
-        restore_running_stats(running_stats)  # its forwards must not move BatchNorm's statistics
+        p.running_stats.restore()  # its forwards must not move BatchNorm's statistics
 
     # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
     losses, stats = p.strategy.forward_backward(StepInputs(
@@ -114,7 +118,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
         weights_ok = params_finite(p.params, is_sharded(p.bare))  # finite gradients can still blow the weights up
         p.scheduler.step()
     else:
-        restore_running_stats(running_stats)
+        p.running_stats.restore()
     p.amp.update()  # fp16: back the loss scale off after an overflow, grow it after a run of good steps
 
     # 7. zero, keeping DDP's bucket views (gradient_as_bucket_view): never set_to_none
@@ -138,18 +142,39 @@ def average_losses_and_stop(losses: dict, tasks: list[str], stop_requested: bool
     return reduced[:-1], bool(reduced[-1] > 0)
 
 
-def snapshot_running_stats(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(buffer, copy) for every running-stat buffer (BatchNorm's mean, var and count); empty without any.
+def running_stat_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every running-stat buffer (BatchNorm's mean, var and count); empty without any."""
+    return [b for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+class RunningStats:
+    """A model's running-stat buffers, found once (a module walk each step costs more than the copies), and a
+    copy of them kept in tensors allocated once.
 
     A forward in training mode updates these buffers before anyone knows whether the step is good:
-    one NaN input would otherwise poison them for good although the optimizer step is skipped.
+    one NaN input would otherwise poison them for good although the optimizer step is skipped. Loading a
+    checkpoint copies into the same buffers, so the list found at the start stays theirs.
     """
-    out = []
-    for m in model.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
-            out += [(b, b.detach().clone()) for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-                    if b is not None]
-    return out
+
+    def __init__(self, model: torch.nn.Module):
+        self.buffers = running_stat_buffers(model)
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    @torch.no_grad()
+    def save(self) -> None:
+        for saved, buf in zip(self.saved, self.buffers):
+            saved.copy_(buf)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for buf, saved in zip(self.buffers, self.saved):
+            buf.copy_(saved)
+
+
+def snapshot_running_stats(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, copy) for every running-stat buffer, for a one-off check (:class:`RunningStats` in a step)."""
+    return [(b, b.detach().clone()) for b in running_stat_buffers(model)]
 
 
 @torch.no_grad()
