@@ -184,6 +184,32 @@ def one(method: str, out_dir: str, steps: int = 3, lib: str | None = None) -> di
             "step_s": statistics.median(times[1:]), "step_min_s": min(times[1:])}
 
 
+def interleaved(method: str, out_dir: str, blocks: int = 8, block: int = 5) -> dict:
+    """In this process: one trainer, stepped by ours and by LibMTL's step in alternating blocks of ``block``
+    steps (after 3 of each to warm up), ``blocks`` blocks each; the median step time of each. Both share the
+    process, its allocator and the model, so what differs is the step's own code, not a fresh process's draw."""
+    import LibMTL.weighting  # noqa: F401
+
+    from mtl.run.evaluate import to_device
+
+    trainer = build(method, out_dir, 6 + 2 * blocks * block)
+    batches = trainer.batches()
+    batch = [to_device(next(batches)[1], trainer.device) for _ in range(block)]
+    steps = {"ours": trainer.step_once, "libmtl": libmtl_step(trainer, method)}
+    times = {name: [] for name in steps}
+    for run in steps.values():
+        for b in batch[:3]:
+            run(b)
+    for _ in range(blocks):
+        for name, run in steps.items():
+            for b in batch:
+                tic = time.perf_counter()
+                run(b)
+                times[name].append(time.perf_counter() - tic)
+    trainer.close()
+    return {"method": method, **{f"{name}_step_s": statistics.median(t) for name, t in times.items()}}
+
+
 def child(method: str, steps: int, cwd: str, pythonpath: str, lib: str | None = None, fail: bool = True) -> dict | None:
     """One fresh process: ``one(method)`` with ``pythonpath`` (and LibMTL's, for a LibMTL run) in front. A failed
     process ends the script, or with ``fail=False`` is reported in one line and gives None."""
@@ -208,7 +234,7 @@ def libmtl_found(path: str) -> str | None:
     return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
 
 
-def against_libmtl(methods: list[str], steps: int, rounds: int, path: str) -> list[dict]:
+def against_libmtl(methods: list[str], steps: int, rounds: int, path: str, both: bool = False) -> list[dict]:
     why = libmtl_found(path)
     if why is not None:
         print(f"LibMTL is not importable ({why}): nothing compared. Give --libmtl-path (or LIBMTL_PATH) the folders "
@@ -227,10 +253,16 @@ def against_libmtl(methods: list[str], steps: int, rounds: int, path: str) -> li
             row = {"round": r, "method": method, "ours": ours, "libmtl": lib,
                    "memory_ratio": ours["growth_mib"] / lib["growth_mib"], "time_ratio": ours["step_s"] / lib["step_s"],
                    "min_time_ratio": ours["step_min_s"] / lib["step_min_s"]}
+            if both:  # the same method again, both steps in one process (``interleaved``)
+                mixed = child(method, steps, ROOT, pythonpath, lib="both", fail=False)
+                row["interleaved"] = mixed
+                if mixed is not None:
+                    row["interleaved_ratio"] = mixed["ours_step_s"] / mixed["libmtl_step_s"]
             rows.append(row)
             print(f"{method:11s} round {r}: growth ours {ours['growth_mib']:6.1f} MiB, LibMTL {lib['growth_mib']:6.1f}"
                   f" MiB ({row['memory_ratio']:.2f}x); step ours {ours['step_s'] * 1e3:6.0f} ms, LibMTL "
-                  f"{lib['step_s'] * 1e3:6.0f} ms ({row['time_ratio']:.2f}x; fastest steps {row['min_time_ratio']:.2f}x)",
+                  f"{lib['step_s'] * 1e3:6.0f} ms ({row['time_ratio']:.2f}x; fastest steps {row['min_time_ratio']:.2f}x)"
+                  + (f"; one process, interleaved {row['interleaved_ratio']:.2f}x" if "interleaved_ratio" in row else ""),
                   flush=True)
     print("\n| method | LibMTL class | growth ours, MiB | LibMTL, MiB | ours / LibMTL | step time ours / LibMTL, median "
           "| fastest step ours / LibMTL |")
@@ -258,7 +290,10 @@ def verdicts(methods: list[str], rows: list[dict], margin: float = MARGIN, alpha
     from mtl.tools.bench.stats import holm, ratio_test  # import here: the children never load scipy
 
     out = []
-    for measure, key in (("memory growth", "memory_ratio"), ("step time (median)", "time_ratio")):
+    measures = [("memory growth", "memory_ratio"), ("step time (median)", "time_ratio")]
+    if any("interleaved_ratio" in r for r in rows):
+        measures.append(("step time, one process interleaved", "interleaved_ratio"))
+    for measure, key in measures:
         tests = {m: ratio_test([r[key] for r in rows if r["method"] == m and r.get(key)], margin) for m in methods}
         for name in ("p_lower", "p_within"):
             for m, p in zip(methods, holm([tests[m][name] for m in methods])):
@@ -285,20 +320,23 @@ def main(argv=None) -> None:
     ap.add_argument("--libmtl-path", default=os.environ.get("LIBMTL_PATH", ""),
                     help="folders put in front of the path for LibMTL and its solvers (default: $LIBMTL_PATH)")
     ap.add_argument("--rounds", type=int, default=1, help="with --libmtl: the pairs, per method, alternating")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="with --libmtl: also time both steps in one process, alternating blocks (a third measure)")
     ap.add_argument("--out", help="write the rows as JSON here too")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # the child: measure this method, print one JSON line
-    ap.add_argument("--lib", choices=["ours", "libmtl"], help=argparse.SUPPRESS)  # the child, in a --libmtl run
+    ap.add_argument("--lib", choices=["ours", "libmtl", "both"], help=argparse.SUPPRESS)  # the child, --libmtl
     args = ap.parse_args(argv)
     if args.one:
         with tempfile.TemporaryDirectory() as tmp:
-            print(json.dumps(one(args.one, tmp, args.steps, args.lib)))
+            print(json.dumps(interleaved(args.one, tmp) if args.lib == "both" else one(args.one, tmp, args.steps,
+                                                                                          args.lib)))
         return
     if args.libmtl:
         methods = args.methods.split(",") if args.methods else list(LIBMTL)
         unknown = [m for m in methods if m not in LIBMTL]
         if unknown:
             sys.exit(f"--methods: no LibMTL counterpart for {', '.join(unknown)} (known: {', '.join(LIBMTL)})")
-        rows = against_libmtl(methods, args.steps, args.rounds, args.libmtl_path)
+        rows = against_libmtl(methods, args.steps, args.rounds, args.libmtl_path, args.interleaved)
         rows = {"rounds": rows, "verdicts": verdicts(methods, rows)}
     else:
         rows = []
