@@ -146,3 +146,24 @@ def test_the_comparison_with_libmtl_reads_its_rounds_with_paired_tests(capsys):
     assert mem["equal"]["p_within_holm"] > 0.05 and mem["equal"]["lo"] > 1
     assert "| memory growth | `pcgrad` | 4 |" in table and "| lower |" in table
     assert "<= (within 5%)" in table and "not shown <=" in table
+
+
+def test_the_interleaved_step_times_are_a_third_measure_read_the_same_way(capsys):
+    """With ``--interleaved`` each round also times both steps in one process; ``verdicts`` reads those ratios as a
+    third measure, beside (not mixed into) the fresh processes' step times."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("memory_per_method", os.path.join(root, "scripts",
+                                                                                     "memory_per_method.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fresh, mixed = [1.30, 0.90, 1.20, 1.10], [1.01, 0.99, 1.00, 1.00]
+    rows = [{"round": i, "method": "equal", "memory_ratio": 1.0, "time_ratio": fresh[i], "interleaved_ratio": mixed[i]}
+            for i in range(4)]
+    out = {v["measure"]: v for v in script.verdicts(["equal"], rows)}
+    assert set(out) == {"memory growth", "step time (median)", "step time, one process interleaved"}
+    assert out["step time, one process interleaved"]["p_within_holm"] < 0.05  # within 5%, from its own rounds
+    assert out["step time (median)"]["p_within_holm"] > 0.05  # the fresh processes' scatter shows nothing
+    assert "| step time, one process interleaved | `equal` | 4 | 1.00 [" in capsys.readouterr().out
