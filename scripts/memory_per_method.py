@@ -1,7 +1,7 @@
 """Peak RSS growth over 3 training steps, one fresh process per weighting method (docs/strategies.md).
 
     python scripts/memory_per_method.py [--tree DIR ...] [--methods a,b] [--out FILE.json]
-    python scripts/memory_per_method.py --libmtl [--libmtl-path DIRS] [--rounds N] [--steps N]
+    python scripts/memory_per_method.py --libmtl [--libmtl-path DIRS] [--rounds N] [--steps N] [--interleaved]
 
 For each method and each variant, a fresh Python process builds ``configs/default.yaml``'s model (ResNet-18 cut
 after layer2, the 2-layer decoder) with a small batch (``data.batch_size=8``: the activations are small beside the
@@ -21,7 +21,8 @@ Variants: each source tree of mtl (``--tree``: a checkout; default: this one), s
 trainer: the same model, batch, optimizer and scheduler, its step being LibMTL's training loop's: the losses,
 ``optimizer.zero_grad(set_to_none=False)``, the method's ``backward(losses)``, the gradient clipping our config
 has (``optim.grad_clip``, 1.0, by ``torch.nn.utils.clip_grad_norm_``: the same recipe on both sides), and
-``optimizer.step()``. The two alternate per method, ``--rounds`` times. Every process of a ``--libmtl`` run imports LibMTL before it builds the
+``optimizer.step()``. The two alternate per method, ``--rounds`` times. Every process of a ``--libmtl`` run
+imports LibMTL before it builds the
 trainer, so both variants start from the same resident set. LibMTL is not a dependency of mtl: it is used only
 when ``import LibMTL`` works with ``--libmtl-path`` (directories, ``os.pathsep``-separated) in front of the path;
 otherwise the script says so and exits 2. The PyPI release 1.1.5 lacks Aligned-MTL, UPGrad, DB-MTL, MoCo,

@@ -18,21 +18,27 @@ without the 33 single-task runs a size that the bench's Δm needs:
 - ``equal``'s slope of each validation MAE over its last 10 evaluations, in % per 100 steps (the bench's
   convergence reading).
 
+A run folder that is not the run asked for (another size's, method's or seed's settings in its config.yaml, an
+unfinished run, a non-finite test MAE) ends the probe with one line naming it: ``--analyse-only`` never reads a
+stale folder as this size.
+
 The figures in docs/benchmark.md ("qm9_cpu's size, measured") come from this script.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
+import math
 import os
 import shlex
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import yaml
 from scipy import stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,17 +61,50 @@ def train(out: str, size: str, overrides: list[str], entry: str, seed: int) -> s
            "ddp.strategy=feature_leaf", "checkpoint.every_steps=0", "trainer.progress=false", f"seed={seed}",
            f"weighting.method={name}", f"weighting.source={source}", f"output_dir={run_dir}", "overwrite=true",
            *[f"weighting.options.{k}={json.dumps(v)}" for k, v in options.items()], *overrides]
+    tic = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{size} {entry} seed {seed} failed ({shlex.join(cmd)}):\n{proc.stderr[-2000:]}")
+    print(f"done: {os.path.relpath(run_dir, out)} in {time.perf_counter() - tic:.0f} s", flush=True)
     return run_dir
 
 
-def read(run_dir: str) -> dict:
-    evals = [r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if r.get("kind") == "eval"]
+def expected_settings(overrides: list[str], entry: str, seed: int) -> dict:
+    """What a run of this size, entry and seed must have in its config.yaml: dotted key -> value (YAML)."""
+    name, options, source = method_spec(entry)
+    want = {"seed": seed, "weighting.method": name, "weighting.source": source,
+            **{f"weighting.options.{k}": v for k, v in options.items()}}
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        want[key] = yaml.safe_load(raw)
+    return want
+
+
+def read(run_dir: str, want: dict) -> dict:
+    """The run's reading; exits with one line naming the run when it is not the run asked for (a stale folder of
+    other settings), did not finish, or has a non-finite test MAE."""
+    try:
+        config = yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))
+        final = json.load(open(os.path.join(run_dir, "final_metrics.json")))
+        lines = list(map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))))
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        sys.exit(f"{run_dir}: not a finished run ({e}); run the probe without --analyse-only")
+    for key, value in want.items():
+        have = config
+        for part in key.split("."):
+            have = have.get(part) if isinstance(have, dict) else None
+        if have != value:
+            sys.exit(f"{run_dir}: {key} is {have!r}, this size asks for {value!r}: a run of other settings; give "
+                     "another --out or run the probe without --analyse-only")
+    if final.get("step") != config["trainer"]["max_steps"]:
+        sys.exit(f"{run_dir}: stopped at step {final.get('step')} of {config['trainer']['max_steps']}")
+    evals = [r for r in lines if r.get("kind") == "eval"]
     if len(evals) < 10:
         sys.exit(f"{run_dir}: {len(evals)} evaluations; the probe reads the last 10")
     best = min(evals, key=lambda r: r["plateau_delta_m"])
+    bad = [t for t in TASKS if not math.isfinite(best[f"test_{t}_mae"])]
+    if bad or not math.isfinite(best["plateau_delta_m"]):
+        sys.exit(f"{run_dir}: non-finite at step {best['step']}: {', '.join(bad) or 'plateau_delta_m'}")
     last = evals[-10:]
     steps = np.array([r["step"] for r in last], dtype=float)
     slope = {}
@@ -75,10 +114,10 @@ def read(run_dir: str) -> dict:
     return {"test": {t: best[f"test_{t}_mae"] for t in TASKS}, "step": best["step"], "slope": slope}
 
 
-def report(out: str, size: str, methods: list[str], seeds: list[int], comparisons: int) -> dict:
+def report(out: str, size: str, overrides: list[str], methods: list[str], seeds: list[int], comparisons: int) -> dict:
     """Print the size's reading; return it: ``need`` (the |mean| / sd Holm's strictest level needs), ``slopes``
     (equal's, per task) and per method its ``diffs`` over the seeds, ``p`` and ``ratio``."""
-    runs = {(m, s): read(folder(out, size, m, s)) for m in methods for s in seeds}
+    runs = {(m, s): read(folder(out, size, m, s), expected_settings(overrides, m, s)) for m in methods for s in seeds}
     base = {t: np.mean([runs[("equal", s)]["test"][t] for s in seeds]) for t in TASKS}
     need = stats.t.ppf(1 - 0.05 / (2 * comparisons), len(seeds) - 1) / np.sqrt(len(seeds))
     print(f"## {size} ({len(seeds)} seeds)")
@@ -127,10 +166,9 @@ def main(argv=None) -> None:
     if not a.analyse_only:
         jobs = [(size, ov, m, s) for size, ov in sizes.items() for s in seeds for m in methods]
         with ThreadPoolExecutor(a.parallel) as pool:
-            for run_dir in pool.map(lambda j: train(a.out, *j), jobs):
-                print(f"done: {os.path.relpath(run_dir, a.out)}", flush=True)
-    for size in sizes:
-        report(a.out, size, methods, seeds, a.comparisons)
+            list(pool.map(lambda j: train(a.out, *j), jobs))
+    for size, overrides in sizes.items():
+        report(a.out, size, overrides, methods, seeds, a.comparisons)
 
 
 if __name__ == "__main__":
