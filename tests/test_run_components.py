@@ -299,3 +299,28 @@ def test_a_warning_from_another_thread_prints_through_the_bar(tmp_path):
     for step in (1, 2, 3):
         assert f"warning {step}" in lines, out  # a whole line of its own, not after a bar on the same line
     assert out.index("warning 1") < out.index("2/3") and "after the bar" in lines, out
+
+
+@pytest.mark.slow  # two runs of 3 steps: 4 s
+def test_a_run_computes_its_gradient_statistics_on_the_steps_its_log_writes_and_steps_the_same(tmp_path):
+    """The per-task feature-gradient norms and cosines (``feature_leaf``'s statistics) are computed on the steps the
+    log writes (the first, then every ``log_every``), not on the others; the steps themselves are the same."""
+    runs = {}
+    for every in (1, 2):
+        tr = Trainer.from_config(TINY, [f"output_dir={tmp_path / str(every)}", f"trainer.log_every={every}",
+                                        "ddp.strategy=feature_leaf", "weighting.method=equal"])
+        try:
+            batches = tr.batches()
+            runs[every] = ([tr.step_once(next(batches)[1]) for _ in range(3)],
+                           [p.detach().clone() for p in tr.params])
+        finally:
+            tr.close()
+    (every_step, params_1), (logged, params_2) = runs[1], runs[2]
+    feature = {"feat_grad_norm/cls", "feat_grad_norm/gen", "feat_grad_cos/cls_gen"}
+    assert all(feature <= set(r.stats) for r in every_step)
+    assert [feature <= set(r.stats) for r in logged] == [True, True, False] and not set(logged[2].stats) & feature
+    for a, b in zip(every_step, logged):
+        assert a.losses == b.losses and a.grad_norm == b.grad_norm
+    for a, b in zip(every_step[:2], logged[:2]):
+        assert {k: float(v) for k, v in a.stats.items()} == {k: float(v) for k, v in b.stats.items()}
+    assert all(torch.equal(a, b) for a, b in zip(params_1, params_2))

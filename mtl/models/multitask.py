@@ -7,8 +7,10 @@ The arguments of ``forward`` are how a step strategy shapes the graph (see mtl/s
 - ``tasks``: compute only these heads (per-task forwards);
 - ``detach``: these heads read ``features.detach()`` (graph detachment);
 - ``feature_leaf``: every head reads one leaf ``features.detach().requires_grad_()``, so the heads'
-  backward passes stop at the leaf and the backbone is back-propagated once, by the strategy, with
-  ``features.backward(leaf.grad)``.
+  backward passes stop at the leaf and the backbone is back-propagated by the strategy, with
+  ``features.backward(leaf.grad)``;
+- ``leaf_per_task``: each head reads a leaf of its own (``out["leaves"][task]``), so one backward call through
+  every head leaves each task's gradient of the features in its own leaf.
 
 Which rows each task reads is the batch's business, not the model's: ``mtl.data.multi_input.task_rows(batch)``
 says it (every row for every task, or in multi-input mode each present task its own slice of the shared features,
@@ -45,17 +47,19 @@ class MultiTaskModel(nn.Module):
         return list(self.heads.keys())
 
     def forward(self, batch: dict, tasks: Iterable[str] | None = None, detach: Iterable[str] = (),
-                feature_leaf: bool = False) -> dict:
+                feature_leaf: bool = False, leaf_per_task: bool = False) -> dict:
         x = batch[getattr(self.backbone, "consumes", "image")]  # a bare nn.Module backbone reads images
         with self.autocast(input_device_type(x)):
             features = self.backbone(x)
             leaf = features.detach().requires_grad_() if feature_leaf else None
             shared = leaf if feature_leaf else features
             detach = set(detach)
-            losses, rows = {}, task_rows(batch)
+            losses, rows, leaves = {}, task_rows(batch), {}
             for name in rows.present(self.task_names) if tasks is None else tasks:
                 x = shared.detach() if name in detach else shared
+                if leaf_per_task:
+                    x = leaves[name] = features.detach().requires_grad_()
                 losses[name] = rows.loss(self.heads[name], x, name, batch).float()
                 if name in self.loss_scale:
                     losses[name] = losses[name] * self.loss_scale[name]
-        return {"losses": losses, "features": features, "leaf": leaf}
+        return {"losses": losses, "features": features, "leaf": leaf, "leaves": leaves}

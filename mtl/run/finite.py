@@ -34,8 +34,11 @@ def first_nonfinite(tree, prefix: str = "") -> str | None:
     return None
 
 
+@torch.no_grad()
 def _norms(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(torch._foreach_norm([_local(p.detach()) for p in params]))
+    """Each tensor's L2 norm (this rank's part), in one fused call; under no_grad rather than a ``detach`` per
+    tensor, which took a third of this check's time on the default model."""
+    return torch.stack(torch._foreach_norm([_local(p) for p in params]))
 
 
 def params_finite(params: list[torch.Tensor], sharded: bool) -> bool:

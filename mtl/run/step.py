@@ -66,9 +66,11 @@ class StepResult:
 
 
 def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False,
-               heldout: dict | None = None) -> StepResult:
+               heldout: dict | None = None, log_stats: bool = True) -> StepResult:
     """One optimizer step on ``batch`` (on the device); ``step`` is the number of steps taken before it.
-    ``heldout``: a bilevel method's held-out batch, at the steps it asks for one (``wants_heldout``)."""
+    ``heldout``: a bilevel method's held-out batch, at the steps it asks for one (``wants_heldout``). ``log_stats``:
+    the strategy's per-task gradient norms and cosines in ``StepResult.stats`` (the trainer asks for them on the
+    steps its log writes); the step itself is the same either way."""
     w = p.weighting
     rows = task_rows(batch)  # which rows each task reads (multi-input: the tasks present, each its own rows)
     tasks = rows.present(p.tasks)  # the same on every rank
@@ -89,7 +91,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
     losses, stats = p.strategy.forward_backward(StepInputs(
         model=p.model, batch=batch, tasks=tasks, weigh=w.weigh, scale=p.amp.scale, loss_scale=p.amp.loss_scale,
-        comm=p.comm, **w.grad_hooks()))  # a gradient-level method's combine (and its Gram / FSDP2-shard forms)
+        comm=p.comm, log_stats=log_stats, **w.grad_hooks()))  # a gradient-level method's combine (and its Gram / FSDP2-shard forms)
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)

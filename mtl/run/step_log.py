@@ -39,6 +39,11 @@ class StepLog:
         self.cfg, self.parts, self.log, self.device = cfg, parts, log, device
         self.world_size, self.is_main = world_size, is_main
         self.bad_steps = self.overflows = 0
+        self.log_every = cfg.trainer.log_every
+
+    def writes(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) gets a record: the first, and every ``trainer.log_every``."""
+        return step % self.log_every == 0 or step == 1
 
     def after_step(self, step: int, r: StepResult, seconds: float, batch: dict, epoch: int = 0) -> None:
         """Step ``step`` (1-based) is done: its bad-step bookkeeping, every ``log_every`` its record, the bar."""
@@ -68,7 +73,7 @@ class StepLog:
             if not r.stepped:  # an fp16 overflow: the GradScaler skipped the step and backed off
                 self.overflows += 1
                 self.log.record(step, {"fp16_overflow": 1, "total": self.overflows}, kind="overflow")
-        if step % t.log_every == 0 or step == 1:
+        if self.writes(step):
             self.log.record(step, self.step_values(r, seconds, batch, epoch))
         self.log.progress(step, {f"loss_{k}": v for k, v in r.losses.items()})  # the bar moves every step
 

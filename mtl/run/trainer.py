@@ -94,7 +94,7 @@ class Trainer:
                                amp=self.amp, params=self.params, grad_clip=cfg.optim.grad_clip)
         self.feed = build_feed(cfg, inputs, dist, self.weighting)
         self.val_loaders, self.test_loader = build_eval_feeds(cfg, inputs, dist, self._test_ds)
-        self.step, self.last_eval = 0, {}
+        self.step, self.last_eval, self.poison_spec = 0, {}, cfg.trainer.poison  # read once: a config read is ~10 µs
         self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
         self.resume_notes: list[str] = []
         if resume:
@@ -128,10 +128,11 @@ class Trainer:
         batch), exactly as the training loop takes it. Advances ``self.step``; returns the step's result."""
         batch = self.feed.take(self.step)[1] if batch is None else batch
         self.batch_ready = time.perf_counter()  # the step's time runs from here: its batch in hand
-        poison(batch, self.cfg.trainer.poison, self.step + 1, self.dist.rank)  # testing only: a NaN or a crash
+        poison(batch, self.poison_spec, self.step + 1, self.dist.rank)  # testing only: a NaN or a crash
         self.batch = batch = self.feed.on_device(batch)  # the last batch stepped on (the step log reads it)
         try:
-            result = train_step(self.parts, batch, self.step, self.stop_requested, self.feed.heldout_batch(self.step))
+            result = train_step(self.parts, batch, self.step, self.stop_requested, self.feed.heldout_batch(self.step),
+                                log_stats=self.steplog.writes(self.step + 1))  # the statistics its log shows
         except RuntimeError as e:
             raise explain_ddp_error(e, self, batch) or e from None
         self.step += 1

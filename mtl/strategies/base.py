@@ -43,6 +43,9 @@ class StepInputs:
     finish_shard: Callable | None = None
     loss_scale: Callable[[], float] = lambda: 1.0  # the current fp16 loss scale
     comm: Comm = field(default_factory=Comm)  # the collectives a strategy runs by hand
+    # the per-task gradient norms and cosines for the step log (``gradient_stats`` / ``gram_stats``): asked for on
+    # the steps the log writes; False: the strategy leaves them out (they are not needed to take the step)
+    log_stats: bool = True
 
 
 class Strategy:

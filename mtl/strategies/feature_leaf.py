@@ -1,11 +1,14 @@
-"""``feature_leaf``: one backbone forward, one independent backward per head, one backbone backward.
+"""``feature_leaf``: one backbone forward, the heads' backward passes, one backbone backward.
 
-Every head reads a leaf ``leaf = features.detach().requires_grad_()``. Each task's backward pass
-runs through its head only and leaves d(loss_t)/d(features) in ``leaf.grad``; then one backward
-from the features, ``features.backward(sum_t g_t)``, carries the sum through the backbone. A
-backward pass is linear in its incoming gradient, so this is exactly the gradient of the weighted
-sum, with one all-reduce (DDP with find_unused_parameters=False sees every parameter get exactly one
-gradient). The per-task feature gradients g_t are available on their own, between the head passes.
+Each head reads a leaf of its own, ``leaves[t] = features.detach().requires_grad_()`` (the same storage). One
+backward call from the weighted sum of the losses runs every head's pass, each stopping at its own leaf, so it
+leaves d(loss_t)/d(features) = g_t in ``leaves[t].grad``, task by task, as a backward pass per head would (the
+heads' graphs are disjoint: each g_t is the same, bit for bit, as from a call of its own); then one backward
+from the features, ``features.backward(sum_t g_t)``, carries the sum through the backbone. A backward pass is
+linear in its incoming gradient, so this is exactly the gradient of the weighted sum, with one all-reduce (DDP
+with find_unused_parameters=False sees every parameter get exactly one gradient). The per-task feature
+gradients g_t are there on their own, between the two calls: two backward calls a step, where ``combined``
+makes one (a call per head would make K + 1).
 
 ``weighting.source: features`` (a Gram-only gradient-level method: MGDA, PCGrad, ..., the MGDA-UB /
 LibMTL ``rep_grad`` surrogate): the method's weights w come from the K x K Gram matrix of the g_t over
@@ -44,20 +47,17 @@ class FeatureLeaf(Strategy):
         return (2 * num_tasks + 1) * feature_numel * elem  # each task's gradient of the leaf, stacked, and the sum
 
     def forward_backward(self, s):
-        out = s.model(s.batch, feature_leaf=True)
-        leaf, losses = out["leaf"], out["losses"]
-        rows, zero = [], absent_heads_term(s.model, s.tasks)
-        for i, t in enumerate(s.tasks):  # one backward pass per task; each stops at the leaf
-            leaf.grad = None
-            term = s.weigh(t, losses[t])
-            s.scale(term if i or zero is None else term + zero).backward()
-            rows.append(leaf.grad.reshape(-1))
-        grads = torch.stack(rows)  # (K, feature map numel): small next to the parameters
+        out = s.model(s.batch, leaf_per_task=True)
+        leaves, losses, zero = out["leaves"], out["losses"], absent_heads_term(s.model, s.tasks)
+        total = sum(s.weigh(t, losses[t]) for t in s.tasks)
+        s.scale(total if zero is None else total + zero).backward()  # every head's pass; each stops at its leaf
+        grads = torch.stack([leaves[t].grad.reshape(-1) for t in s.tasks])  # (K, feature map numel): small
         if s.gram_weights is None:
-            total, stats = grads.sum(0), gradient_stats(s.tasks, grads.detach().float(), "feat_")
+            total = grads.sum(0)
+            stats = gradient_stats(s.tasks, grads.detach().float(), "feat_") if s.log_stats else {}
         else:
             total, stats = self._weighted(s, grads, losses)
-        out["features"].backward(total.view_as(leaf))  # the one backbone backward
+        out["features"].backward(total.view_as(out["features"]))  # the one backbone backward
         if "multi_input" in s.batch:  # each task's feature rows are its own: their cosines are 0 by construction
             stats = {k: v for k, v in stats.items() if "grad_cos/" not in k}
         return detached(losses), stats
@@ -72,5 +72,6 @@ class FeatureLeaf(Strategy):
         tic = time.perf_counter()
         scale = s.loss_scale()  # fp16: the rows are scaled; the method sees the unscaled Gram matrix
         w = s.gram_weights(gram / (scale * scale), reduced[k * k:], grads.dtype)
-        stats = {**gram_stats(s.tasks, gram, "feat_"), "combine_s": time.perf_counter() - tic}  # the trainer unscales
+        stats = {**(gram_stats(s.tasks, gram, "feat_") if s.log_stats else {}),  # the trainer unscales
+                 "combine_s": time.perf_counter() - tic}
         return apply_weights(w, grads), stats

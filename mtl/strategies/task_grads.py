@@ -139,7 +139,8 @@ class TaskGrads(Strategy):
             copy_flat_(grads, direction)
         if rows.is_cuda:
             torch.cuda.synchronize(rows.device)
-        stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
+        stats = {**(gram_stats(s.tasks, gram) if s.log_stats else {}),  # the trainer unscales them
+                 "combine_s": time.perf_counter() - tic}
         return {t: v.detach() for t, v in losses.items()}, stats
 
     def _sharded(self, s):
@@ -190,7 +191,8 @@ class TaskGrads(Strategy):
             add_weighted_rows_(grads, rows, w)  # .grad holds the last row's shard
         if rows.is_cuda:
             torch.cuda.synchronize(rows.device)
-        stats = {**gram_stats(s.tasks, gram), "combine_s": time.perf_counter() - tic}  # the trainer unscales them
+        stats = {**(gram_stats(s.tasks, gram) if s.log_stats else {}),  # the trainer unscales them
+                 "combine_s": time.perf_counter() - tic}
         return {t: v.detach() for t, v in losses.items()}, stats
 
     def _shard_index(self, shared: list, device: torch.device) -> tuple[torch.Tensor, int]:
