@@ -301,10 +301,26 @@ def test_a_warning_from_another_thread_prints_through_the_bar(tmp_path):
     assert out.index("warning 1") < out.index("2/3") and "after the bar" in lines, out
 
 
+def _one_call_leaves_each_task_its_own_gradient(model, batch):
+    """``leaf_per_task`` (``feature_leaf``'s forward): one backward call leaves each task's gradient of the features
+    in its own leaf, bit for bit what a backward of that task alone gives."""
+    torch.manual_seed(0)
+    per = model(batch, leaf_per_task=True)
+    assert set(per["leaves"]) == {"cls", "gen"} and per["leaves"]["cls"] is not per["leaves"]["gen"]
+    (per["losses"]["cls"] + per["losses"]["gen"]).backward()
+    torch.manual_seed(0)
+    alone = model(batch, leaf_per_task=True)
+    for t in ("cls", "gen"):
+        (want,) = torch.autograd.grad(alone["losses"][t], alone["leaves"][t])
+        assert torch.equal(per["leaves"][t].grad, want) and want.abs().sum() > 0
+    model.zero_grad(set_to_none=False)
+
+
 @pytest.mark.slow  # two runs of 3 steps: 4 s
 def test_a_run_computes_its_gradient_statistics_on_the_steps_its_log_writes_and_steps_the_same(tmp_path):
     """The per-task feature-gradient norms and cosines (``feature_leaf``'s statistics) are computed on the steps the
-    log writes (the first, then every ``log_every``), not on the others; the steps themselves are the same."""
+    log writes (the first, then every ``log_every``), not on the others; the steps themselves are the same. And
+    the heads' passes, taken in one backward call, give each task its own feature gradient."""
     runs = {}
     for every in (1, 2):
         tr = Trainer.from_config(TINY, [f"output_dir={tmp_path / str(every)}", f"trainer.log_every={every}",
@@ -313,6 +329,8 @@ def test_a_run_computes_its_gradient_statistics_on_the_steps_its_log_writes_and_
             batches = tr.batches()
             runs[every] = ([tr.step_once(next(batches)[1]) for _ in range(3)],
                            [p.detach().clone() for p in tr.params])
+            if every == 1:
+                _one_call_leaves_each_task_its_own_gradient(tr.bare, tr.batch)
         finally:
             tr.close()
     (every_step, params_1), (logged, params_2) = runs[1], runs[2]
