@@ -56,9 +56,10 @@ class MultiTaskModel(nn.Module):
             detach = set(detach)
             losses, rows, leaves = {}, task_rows(batch), {}
             for name in rows.present(self.task_names) if tasks is None else tasks:
-                x = shared.detach() if name in detach else shared
                 if leaf_per_task:
                     x = leaves[name] = features.detach().requires_grad_()
+                else:
+                    x = shared.detach() if name in detach else shared
                 losses[name] = rows.loss(self.heads[name], x, name, batch).float()
                 if name in self.loss_scale:
                     losses[name] = losses[name] * self.loss_scale[name]

@@ -88,10 +88,11 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
                                             lr=p.scheduler.get_last_lr()[0], comm=p.comm))
         p.running_stats.restore()  # its forwards must not move BatchNorm's statistics
 
-    # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective
+    # 1. forward, and one backward pass per task: .grad = the rank-averaged gradient of the weighted objective;
+    #    grad_hooks: a gradient-level method's combine (and its Gram / FSDP2-shard forms)
     losses, stats = p.strategy.forward_backward(StepInputs(
         model=p.model, batch=batch, tasks=tasks, weigh=w.weigh, scale=p.amp.scale, loss_scale=p.amp.loss_scale,
-        comm=p.comm, log_stats=log_stats, **w.grad_hooks()))  # a gradient-level method's combine (and its Gram / FSDP2-shard forms)
+        comm=p.comm, log_stats=log_stats, **w.grad_hooks()))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
 
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)
