@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import os
 import re
@@ -392,6 +393,11 @@ def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:
 
 def _schema_node(schema_type, path: list[str]):
     """The dataclass type at ``path`` in the schema, or None if that path is a plain value."""
+    return _schema_node_at(schema_type, tuple(path))
+
+
+@functools.cache  # the schema's types do not change in a process: looked up once (a config load asks ~80 times)
+def _schema_node_at(schema_type, path: tuple[str, ...]):
     t = schema_type
     for p in path:
         if not is_dataclass(t):
@@ -403,6 +409,7 @@ def _schema_node(schema_type, path: list[str]):
     return t if is_dataclass(t) else None
 
 
+@functools.cache
 def _resolve(owner, name):
     # dataclass field types are strings under ``from __future__ import annotations``
     return typing.get_type_hints(owner)[name]
