@@ -1,12 +1,15 @@
-"""Where a loss-level method's step time goes beside LibMTL's: our step with each of its extras switched off.
+"""Where `equal`'s step time goes beside LibMTL's: our step with each of its extras switched off.
 
-    python scripts/step_parts.py [--method equal] [--sweeps 200] [--libmtl-path DIRS | --no-libmtl] [--out FILE]
+    python scripts/step_parts.py [--sweeps 200] [--libmtl-path DIRS | --no-libmtl] [--out FILE]
+
+`equal` only: it is the loss-level method LibMTL has (EW), and the one whose plain PyTorch step (the control
+below) is the losses' plain sum; another method's plain step would be another objective.
 
 One process, one trainer (``scripts/memory_per_method.py``'s: ``configs/default.yaml``'s model, a batch of 8, the
 CPU, one thread, ``feature_leaf``), and these steps on the same 5 batches, one step each in turn, the order rotated
 every sweep (so that no variant always follows the same one), after 3 warm-up steps each:
 
-- ``libmtl``: LibMTL's step for the method (``memory_per_method.libmtl_step``; EW for ``equal``);
+- ``libmtl``: LibMTL's EW step (``memory_per_method.libmtl_step``);
 - ``plain``: the same step in plain PyTorch on our trainer (the losses' sum, one backward, ``clip_grad_norm_``,
   ``optimizer.step()``, ``scheduler.step()``, ``zero_grad``): LibMTL's step without LibMTL, the harness's control;
 - ``ours``: ``Trainer.step_once``;
@@ -79,8 +82,8 @@ class Switches:
 
 
 def plain_step(trainer):
-    """LibMTL's loss-level step without LibMTL, on ``trainer``'s model, optimizer and scheduler: the weighted
-    losses' sum (``equal``: weight 1), one backward, the same clipping, ``optimizer.step()``, the schedule."""
+    """LibMTL's EW step without LibMTL, on ``trainer``'s model, optimizer and scheduler: the losses' sum (``equal``),
+    one backward, the same clipping, ``optimizer.step()``, the schedule."""
     import torch
 
     from mtl.parallel.dist import all_reduce_sum
@@ -185,7 +188,6 @@ def report(times: dict, reference: str) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--method", default="equal", help="a loss-level method (default: equal)")
     ap.add_argument("--sweeps", type=int, default=200, help="steps per variant, one of each per sweep")
     ap.add_argument("--libmtl-path", default=os.environ.get("LIBMTL_PATH", ""),
                     help="folders put in front of the path for LibMTL (default: $LIBMTL_PATH)")
@@ -202,21 +204,15 @@ def main(argv=None) -> None:
                   "or --no-libmtl to compare with the plain PyTorch step only.", file=sys.stderr)
             sys.exit(2)
         sys.path[:0] = [p for p in args.libmtl_path.split(os.pathsep) if p]
-    from mtl.weighting import weighting_types
-
-    if weighting_types().get(args.method) is None or weighting_types()[args.method].level != "loss":
-        sys.exit(f"--method: {args.method!r} is not a loss-level weighting method")
-    if with_libmtl and args.method not in mpm.LIBMTL:
-        sys.exit(f"--method: LibMTL has no counterpart of {args.method!r} here; use --no-libmtl")
     import torch
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        times = measure(args.method, args.sweeps, with_libmtl, tmp)
+        times = measure("equal", args.sweeps, with_libmtl, tmp)
     rows = report(times, "libmtl" if with_libmtl else "plain")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"method": args.method, "sweeps": args.sweeps, "rows": rows,
+            json.dump({"method": "equal", "sweeps": args.sweeps, "rows": rows,
                        "times_s": times}, f, indent=1)
 
 
