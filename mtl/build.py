@@ -34,6 +34,7 @@ from mtl.models.multitask import MultiTaskModel
 from mtl.parallel.dist import DistInfo, barrier
 from mtl.parallel.fsdp import shard_model
 from mtl.plateau import PlateauOnDeltaM
+from mtl.registry import PLUGIN_KEYS
 from mtl.run import checkpoint as ckpt
 from mtl.run.faults import install_poison
 from mtl.strategies import strategy_types
@@ -276,44 +277,6 @@ class ModelFiles:
     class_names: str | None  # a class_names.json
 
 
-TASK_CODE_DIR = "task_modules"
-
-
-def task_code_names(specs) -> dict[str, str]:
-    """{a ``task_modules`` .py path: its copy's name in a model folder} (``task_modules/<file name>``). A checkpoint
-    and an export carry these copies, so the model loads anywhere; a dotted module name is not copied (it must be
-    importable where the model is loaded)."""
-    out: dict[str, str] = {}
-    for spec in map(str, specs or ()):
-        if spec.endswith(".py") and spec not in out:
-            name = f"{TASK_CODE_DIR}/{os.path.basename(spec)}"
-            out[spec] = name if name not in out.values() else f"{TASK_CODE_DIR}/{len(out)}_{os.path.basename(spec)}"
-    return out
-
-
-def task_code_files(cfg) -> dict[str, bytes]:
-    """The copies of the run's ``task_modules`` files that each checkpoint carries: {name: bytes}."""
-    out = {}
-    for spec, name in task_code_names(cfg.get("task_modules")).items():
-        with open(spec, "rb") as f:
-            out[name] = f.read()
-    return out
-
-
-def use_task_code_copies(cfg, folder: str) -> list[str]:
-    """Point ``cfg.task_modules`` at the model folder's own copies (``task_code_names``) where it has them, in place;
-    returns the copies used. Importing them runs their code: a model folder is trusted like a script."""
-    names = task_code_names(cfg.get("task_modules"))
-    used, specs = [], []
-    for spec in map(str, cfg.get("task_modules") or ()):
-        copy = os.path.join(folder, *names[spec].split("/")) if spec in names else None
-        if copy and os.path.isfile(copy):
-            used.append(copy)
-        specs.append(copy if copy and os.path.isfile(copy) else spec)
-    cfg.task_modules = specs
-    return used
-
-
 def find_model_files(path: str, key: str) -> ModelFiles:
     """A checkpoint folder, an export folder, a run's output_dir (its newest checkpoint) or a model.safetensors.
 
@@ -364,8 +327,8 @@ def verify_model_files(files: ModelFiles, key: str) -> None:
             listed = set(json.load(f)["files"])
     except CheckpointError as e:
         raise CheckpointError(f"{key}: {e.message}. {fix}") from None
-    code = [os.path.join(folder, TASK_CODE_DIR, n) for n in sorted(os.listdir(os.path.join(folder, TASK_CODE_DIR)))
-            ] if os.path.isdir(os.path.join(folder, TASK_CODE_DIR)) else []
+    code = [os.path.join(folder, key, n) for key in PLUGIN_KEYS if os.path.isdir(os.path.join(folder, key))
+            for n in sorted(os.listdir(os.path.join(folder, key)))]  # plug-in copies: imported on load
     used = [files.weights, files.config, files.class_names, *code, *(
         [os.path.join(files.tokenizer, n) for n in sorted(os.listdir(files.tokenizer))] if files.tokenizer else [])]
     for path in used:

@@ -32,7 +32,6 @@ import torch
 from mtl.build import (
     CLASS_NAMES_FILE,
     MODEL_FILE,
-    TASK_CODE_DIR,
     ModelFiles,
     build_collate,
     build_eval_loaders,
@@ -41,8 +40,6 @@ from mtl.build import (
     load_model_weights,
     read_model_weights,
     run_task_types,
-    task_code_names,
-    use_task_code_copies,
     verify_model_files,
 )
 from mtl.config.resume import saved_config
@@ -56,6 +53,7 @@ from mtl.errors import CheckpointError, ConfigError, DataError
 from mtl.interop import write_interop
 from mtl.parallel.amp import DTYPES
 from mtl.parallel.dist import pick_device
+from mtl.registry import PLUGIN_KEYS, copy_names, use_folder_copies
 from mtl.run.checkpoint import write_manifest
 from mtl.run.evaluate import evaluate_run
 
@@ -179,6 +177,10 @@ def _device(device) -> torch.device:
         raise ConfigError(f"device: {device!r} is not a device (auto, cpu, cuda or cuda:N)") from None
 
 
+def _rel(path: str, folder: str) -> str:
+    return os.path.relpath(path, folder).replace(os.sep, "/")
+
+
 def _class_names(files: ModelFiles, cfg, num_classes: int | None) -> list[str]:
     """The model's class names; ``num_classes``: how many its weights fix (a classifier head's rows), or None where
     they fix none (a model without a ``cls`` head: then the run's list, e.g. QM9's empty one, is taken as it is)."""
@@ -216,10 +218,10 @@ def load_model(path: str, device="cpu") -> Predictor:
                               "cannot decode captions without the tokenizer it was trained with")
     saved = saved_config(files.folder)  # plain data: nothing in it resolved, no base: followed
     cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
-    code = use_task_code_copies(cfg, files.folder)  # its own copies of the task_modules files, where it has them
+    code = use_folder_copies(cfg, files.folder)  # its own plug-in files only (listed in its manifest, verified)
     if code:
-        print(f"note: {files.folder!r} carries task code ({', '.join(os.path.basename(c) for c in code)}); loading "
-              "the model imports it, which runs it: trust a model folder like a script", file=sys.stderr)
+        print(f"note: {files.folder!r} carries plug-in code ({', '.join(_rel(c, files.folder) for c in code)}); "
+              "loading the model imports it, which runs it: trust a model folder like a script", file=sys.stderr)
     tokenizer = CaptionTokenizer.load(files.tokenizer)
     weighed = int(state["heads.cls.fc.weight"].shape[0]) if "heads.cls.fc.weight" in state else None
     class_names = _class_names(files, cfg, weighed)
@@ -348,8 +350,9 @@ def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: i
 
 def export_model(path: str, out: str) -> str:
     """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json, the
-    task_modules files (task_modules/), and the parts in other libraries' layouts (``mtl.interop``: hf_decoder/ for
-    transformers, torchvision_backbone/, README.md), with manifest.json last.
+    plug-in files (``<key>/<file>``: task_modules/, backbone_modules/, weighting_modules/), and the parts in other
+    libraries' layouts (``mtl.interop``: hf_decoder/ for transformers, torchvision_backbone/, README.md), with
+    manifest.json last.
 
     The model is loaded first (so a broken checkpoint is refused, not copied); the folder appears whole
     or not at all (written next to it, then renamed)."""
@@ -366,10 +369,11 @@ def export_model(path: str, out: str) -> str:
         predictor.tokenizer.save(os.path.join(tmp, "tokenizer"))
         with open(os.path.join(tmp, CLASS_NAMES_FILE), "w", encoding="utf-8") as f:
             json.dump(predictor.class_names, f, indent=1)
-        original = [str(m) for m in (predictor.saved_config or {}).get("task_modules") or []]
-        for spec, name in task_code_names(original).items():  # the files the model was loaded with
-            os.makedirs(os.path.join(tmp, TASK_CODE_DIR), exist_ok=True)
-            shutil.copyfile(str(predictor.cfg.task_modules[original.index(spec)]), os.path.join(tmp, *name.split("/")))
+        for key in PLUGIN_KEYS:  # the plug-in files the model was loaded with, under the names it loads them by
+            original = [str(m) for m in (predictor.saved_config or {}).get(key) or []]
+            for spec, name in copy_names(key, original).items():
+                os.makedirs(os.path.join(tmp, key), exist_ok=True)
+                shutil.copyfile(str(predictor.cfg[key][original.index(spec)]), os.path.join(tmp, *name.split("/")))
         write_interop(tmp, predictor)  # the decoder for transformers, the backbone for torchvision (mtl/interop.py)
         write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):

@@ -2,7 +2,7 @@
 
 Nothing else in mtl is edited to add it. Name the file in the config and add the task:
 
-    task_modules: [docs/examples/dominant_colour.py]   # or a dotted module name importable from here
+    task_modules: [docs/examples/dominant_colour.py]   # a path from this config file's folder, or a module name
     tasks: [cls, gen, colour]
     task_options: {colour: {label_smoothing: 0.1}}     # optional: this task's own, checked, options
 

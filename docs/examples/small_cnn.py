@@ -2,7 +2,7 @@
 
 Nothing else in mtl is edited to add it. Name the file in the config and pick the backbone:
 
-    backbone_modules: [docs/examples/small_cnn.py]   # or a dotted module name importable from here
+    backbone_modules: [docs/examples/small_cnn.py]   # a path from this config file's folder, or a module name
     model:
       backbone:
         name: small_cnn

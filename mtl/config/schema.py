@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from mtl.errors import ConfigError
+from mtl.registry import PLUGIN_KEYS
 
 
 @dataclass
@@ -354,6 +355,7 @@ def read_config_chain(path: str, seen: tuple = (), named_by: str | None = None) 
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of keys, not a {type(data).__name__}")
+    plugin_paths_from_file(data, path)
     chain = []
     base = data.pop("base", None)
     if base is not None:
@@ -363,6 +365,29 @@ def read_config_chain(path: str, seen: tuple = (), named_by: str | None = None) 
         chain += read_config_chain(base_path, seen + (real,), named_by=path)
     chain.append((data, path))
     return chain
+
+
+def plugin_paths_from_file(data: dict, path: str) -> None:
+    """A relative ``.py`` path in a config file's ``task_modules``, ``backbone_modules`` or ``weighting_modules`` is
+    read from that file's folder, as ``base:`` is (on the command line, from the working directory): made absolute
+    here, in place, where the file is known. A path that exists only from the working directory is refused with
+    the path to write instead."""
+    folder = os.path.dirname(os.path.abspath(path))
+    for key in PLUGIN_KEYS:
+        specs = data.get(key)
+        if not isinstance(specs, list):
+            continue
+        resolved = []
+        for spec in specs:
+            if isinstance(spec, str) and spec.endswith(".py") and not os.path.isabs(spec) and "${" not in spec:
+                full = os.path.normpath(os.path.join(folder, spec))
+                if not os.path.exists(full) and os.path.isfile(spec):
+                    raise ConfigError(f"config file {path!r}: {key}: {spec!r} is read from this file's folder "
+                                      f"{folder!r}, where it does not exist (it exists from the working directory): "
+                                      f"write {os.path.relpath(os.path.abspath(spec), folder)!r}, or an absolute path")
+                spec = full
+            resolved.append(spec)
+        data[key] = resolved
 
 
 def parse_overrides(overrides: list[str]) -> tuple[dict, list[str]]:

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 
-from mtl.build import task_code_files
 from mtl.config.resume import batch_statistics_layers, random_layers, reshard_problems, saved_config, verify_resume_config
 from mtl.config.schema import config_summary, multi_input, task_data, to_yaml
 from mtl.data.loader import data_position
@@ -27,6 +26,7 @@ from mtl.errors import CheckpointError, ConfigError, DataError
 from mtl.files import write_atomic
 from mtl.parallel.dist import DistInfo, barrier, broadcast_object
 from mtl.parallel.fsdp import full_model_state, is_sharded
+from mtl.registry import plugin_files
 from mtl.run import checkpoint as ckpt
 from mtl.run.logger import trim_metrics
 from mtl.run.runlock import LockHeld, RunLock
@@ -146,13 +146,14 @@ class RunFolder:
 
     def write_run_files(self, class_names: list) -> None:
         """Rank 0: the class list (for mtl.inference) and what every checkpoint carries: the class names, the
-        task_modules files and the run's tokenizer, so a checkpoint folder alone resumes, exports or predicts."""
+        plug-in files (``mtl.registry.plugin_files``) and the run's tokenizer, so a checkpoint folder alone resumes,
+        exports or predicts."""
         if not self.dist.is_main:
             return
         names = json.dumps(list(class_names)).encode("utf-8")
         with open(os.path.join(self.cfg.output_dir, "class_names.json"), "wb") as f:
             f.write(names)
-        self.files = {"class_names.json": names, **task_code_files(self.cfg)}
+        self.files = {"class_names.json": names, **plugin_files(self.cfg)}
         run_copy = os.path.join(self.cfg.output_dir, "tokenizer")
         for name in sorted(os.listdir(run_copy)):
             path = os.path.join(run_copy, name)
