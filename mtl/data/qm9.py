@@ -396,6 +396,21 @@ def _in_memory(path: str):
     return stored
 
 
+def _read_sidecar(meta: str, log) -> dict | None:
+    """The cache's sidecar (its key and build report), or None, said, when it is truncated, empty or not a JSON
+    object (a killed write, a full disk): the cache is then rebuilt, as for a truncated ``.pt``."""
+    try:
+        with open(meta, encoding="utf-8") as f:
+            stored = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        log(f"QM9: the cache's sidecar {meta} cannot be read ({type(e).__name__}: {e}); rebuilding the cache")
+        return None
+    if not isinstance(stored, dict):
+        log(f"QM9: the cache's sidecar {meta} is not a JSON object; rebuilding the cache")
+        return None
+    return stored
+
+
 def load_qm9pack(cache_dir: str | None = None, limit: int | None = None, log=print) -> QM9Graphs:
     """QM9 from qm9pack's CSV (``limit``: only the first molecules, for tests), built once and cached in
     ``cache_dir`` (default ``$XDG_CACHE_HOME/mtl/qm9`` or ``~/.cache/mtl/qm9``)."""
@@ -408,14 +423,12 @@ def load_qm9pack(cache_dir: str | None = None, limit: int | None = None, log=pri
     key = cache_key(folder, limit)
     path = cache_path(cache_dir, key)
     meta = path[:-3] + ".json"
-    if os.path.isfile(path) and os.path.isfile(meta):
-        with open(meta, encoding="utf-8") as f:
-            stored = json.load(f)
-        if stored.get("key") == key:
-            try:
-                return QM9Graphs(_in_memory(path), BuildReport(**stored["report"]), path)
-            except Exception as e:  # noqa: BLE001 - a truncated or corrupt cache file: say so and rebuild it
-                log(f"QM9: the cache {path} cannot be read ({type(e).__name__}: {e}); rebuilding it")
+    stored = _read_sidecar(meta, log) if os.path.isfile(path) and os.path.isfile(meta) else None
+    if stored is not None and stored.get("key") == key:
+        try:
+            return QM9Graphs(_in_memory(path), BuildReport(**stored["report"]), path)
+        except Exception as e:  # noqa: BLE001 - a truncated or corrupt cache file: say so and rebuild it
+            log(f"QM9: the cache {path} cannot be read ({type(e).__name__}: {e}); rebuilding it")
     log(f"QM9: building the graphs from qm9pack's CSV ({folder}) into {path} (once; a few minutes for all of it)")
     rdkit_modules()
     graphs, report = build_from_rows(read_csv_rows(folder, limit))
