@@ -10,18 +10,19 @@
   head, for any batch size: ``torch.export.load(path).module()(images)`` gives ``(features, logits)`` with plain
   torch, whatever the backbone (``image_program.json`` says what goes in and comes out).
 
-``INTERFACE`` (written to the folder as README.md) is the contract: with only transformers and torchvision, the
+The folder's README.md (``README_TITLE`` and the sections of the parts written) is the contract: with only transformers and torchvision, the
 same features and the same captions as ``mtl.inference`` (tests/test_interop.py checks it in a process that
 cannot import mtl).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from mtl.data.images import image_normalization
 from mtl.models.backbones.torchvision_cnn import CONVNEXTS, RESNETS
@@ -29,46 +30,12 @@ from mtl.models.backbones.torchvision_cnn import CONVNEXTS, RESNETS
 HF_DIR = "hf_decoder"
 TV_DIR = "torchvision_backbone"
 
-INTERFACE = """# Using this model without mtl
+README_TITLE = """# Using this model without mtl
 
-## Backbone (torchvision): `torchvision_backbone/`
-
-`backbone.json` names the torchvision model (`torchvision_model`), its normalisation layers (`norm`) and how far to
-run it (`run`). Build it and load the weights:
-
-```python
-import json, torch, torchvision
-from safetensors.torch import load_file
-spec = json.load(open("torchvision_backbone/backbone.json"))
-norm_layer = None  # torchvision's BatchNorm2d for norm batch, sync and frozen
-if spec["norm"] == "group":  # GroupNorm, groups per channel count (layers not run: any, e.g. 1)
-    norm_layer = lambda c: torch.nn.GroupNorm(spec["group_norm_groups"].get(str(c), 1), c)
-kwargs = {"norm_layer": norm_layer} if norm_layer else {}
-net = torchvision.models.get_model(spec["torchvision_model"], weights=None, **kwargs).eval()
-missing, unexpected = net.load_state_dict(load_file("torchvision_backbone/model.safetensors"), strict=False)
-assert not unexpected and all(k.split(".")[0] in spec["unused"] for k in missing)
-```
-
-The features are the output of the modules listed in `run`, in order (for a ResNet: `conv1, bn1, relu, maxpool,
-layer1 ... layerN`; for the others: `features`, its first N blocks). Input images: (B, 3, S, S) in [0, 1] (S is
-`image_size`), normalised with `normalize` (mean, std per channel) if it is not null.
-
-## Caption decoder (transformers): `hf_decoder/`
-
-`transformers.GPT2LMHeadModel.from_pretrained("hf_decoder")` loads a GPT-2 with cross-attention. Its image input is
-`encoder_hidden_states` of shape (B, h*w, n_embd), made from the backbone's feature map (B, C, h, w) with
-`image_memory.safetensors`:
-
-```python
-mem = load_file("hf_decoder/image_memory.safetensors")
-memory = features.flatten(2).transpose(1, 2) @ mem["proj.weight"].T + mem["proj.bias"] + mem["pos"]
-bos = torch.full((B, 1), model.config.bos_token_id)
-ids = model.generate(input_ids=bos, attention_mask=torch.ones_like(bos), encoder_hidden_states=memory,
-                     max_new_tokens=spec["max_new_tokens"], num_beams=1, do_sample=False)
-```
-
-Each caption is the ids after BOS up to the first EOS (`eos_token_id`), padding (`pad_token_id`) removed, decoded
-with `tokenizer/tokenizer.json` (the `tokenizers` library). `max_new_tokens` is in `hf_decoder/image_memory.json`.
+Each section below is a Python snippet; run them in order, from this folder, with `images` a (B, 3, S, S) float32
+tensor in [0, 1] (S is `image_size` in `image_program.json`; not normalised). Together they give the classes, the
+features and the captions `mtl.inference` gives (mtl's tests run this file's code as written, in a process that
+cannot import mtl).
 """
 
 PROGRAM_INTERFACE = """
@@ -80,14 +47,94 @@ float32. It needs torch only (not torchvision, not mtl):
 ```python
 import json, torch
 program = torch.export.load("image_program.pt2").module()
-features, logits = program(images)  # images: (B, 3, S, S) float32 in [0, 1], not normalised
-names = json.load(open("class_names.json"))  # logits.argmax(-1) indexes them; image_program.json: the shapes
+with torch.no_grad():
+    features, logits = program(images)  # features: the backbone's (B, C, h, w) map
+names = json.load(open("class_names.json"))  # image_program.json: the shapes
+classes = [names[i] for i in logits.argmax(-1).tolist()]
 ```
+"""
 
-`features` are what the caption decoder above reads (`encoder_hidden_states` from them, as shown).
+BACKBONE_INTERFACE = """
+## Backbone (torchvision): `torchvision_backbone/`
+
+`backbone.json` names the torchvision model (`torchvision_model`), its normalisation layers (`norm`), how far to
+run it (`run`: modules of the network in order, `features[:N]` for its first N blocks) and the input
+normalisation (`normalize`: mean and std per channel, or null). Build it, load the weights and compute the
+features:
+
+```python
+import json, torch, torchvision
+from safetensors.torch import load_file
+spec = json.load(open("torchvision_backbone/backbone.json"))
+kwargs = {}  # torchvision's BatchNorm2d for norm batch
+if spec["norm"] == "group":  # GroupNorm, groups per channel count (layers not run: any, e.g. 1)
+    kwargs["norm_layer"] = lambda c: torch.nn.GroupNorm(spec["group_norm_groups"].get(str(c), 1), c)
+net = torchvision.models.get_model(spec["torchvision_model"], weights=None, **kwargs).eval()
+missing, unexpected = net.load_state_dict(load_file("torchvision_backbone/model.safetensors"), strict=False)
+assert not unexpected and all(k.split(".")[0] in spec["unused"] for k in missing)
+x = images
+if spec["normalize"] is not None:
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in spec["normalize"])
+    x = (x - mean) / std
+with torch.no_grad():
+    for name in spec["run"]:
+        module, _, cut = name.partition("[:")
+        x = (getattr(net, module)[: int(cut[:-1])] if cut else getattr(net, module))(x)
+features = x  # (B, C, h, w): what the caption decoder reads
+```
+"""
+
+DECODER_INTERFACE = """
+## Caption decoder (transformers): `hf_decoder/`
+
+`transformers.GPT2LMHeadModel.from_pretrained("hf_decoder")` loads a GPT-2 with cross-attention. Its image input is
+`encoder_hidden_states` of shape (B, h*w, n_embd), made from the backbone's feature map `features` (B, C, h, w)
+with `image_memory.safetensors`; `image_memory.json` holds `max_new_tokens` and the special token ids. Each caption
+is the ids after BOS up to the first EOS, padding removed, decoded with `tokenizer/tokenizer.json` (the
+`tokenizers` library):
+
+```python
+import json, torch, transformers
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+model = transformers.GPT2LMHeadModel.from_pretrained("hf_decoder").eval()
+mem = load_file("hf_decoder/image_memory.safetensors")
+info = json.load(open("hf_decoder/image_memory.json"))
+memory = features.flatten(2).transpose(1, 2) @ mem["proj.weight"].T + mem["proj.bias"] + mem["pos"]
+bos = torch.full((memory.shape[0], 1), info["bos_token_id"])
+with torch.no_grad():
+    ids = model.generate(input_ids=bos, attention_mask=torch.ones_like(bos), encoder_hidden_states=memory,
+                         max_new_tokens=info["max_new_tokens"], num_beams=1, do_sample=False)
+tokenizer = Tokenizer.from_file("tokenizer/tokenizer.json")
+captions = []
+for row in ids[:, 1:].tolist():
+    row = row[: row.index(info["eos_token_id"])] if info["eos_token_id"] in row else row
+    text = tokenizer.decode([t for t in row if t != info["pad_token_id"]], skip_special_tokens=True)
+    captions.append(" ".join(text.split()))
+```
 """
 
 PROGRAM_FILE = "image_program.pt2"
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    """Python writes the files (a full disk is an OSError naming the file), never a library's native writer: torch's
+    C++ one aborts the process on a short write, safetensors' raises its own error type."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def interop_bytes(predictor) -> int:
+    """About what ``write_interop`` writes, from the tensors' sizes (the weights of each part; the headers, the JSON
+    files and the exported program's graph are left to the caller's margin): the backbone twice (torchvision_backbone/
+    and image_program.pt2), the captioning head (hf_decoder/) and the classification head (image_program.pt2)."""
+    heads = predictor.model.heads
+    return (2 * _tensor_bytes(predictor.model.backbone)
+            + sum(_tensor_bytes(heads[t]) for t in ("gen", "cls") if t in heads))
 
 
 def torchvision_state(name: str, backbone_state: dict) -> dict | None:
@@ -141,7 +188,7 @@ def write_torchvision_backbone(folder: str, cfg, backbone: torch.nn.Module) -> b
             "normalize": None if normalize is None else [list(map(float, t)) for t in normalize]}
     out = os.path.join(folder, TV_DIR)
     os.makedirs(out)
-    save_file({k: v.contiguous() for k, v in tv.items()}, os.path.join(out, "model.safetensors"))
+    _write_bytes(os.path.join(out, "model.safetensors"), safetensors_bytes({k: v.contiguous() for k, v in tv.items()}))
     with open(os.path.join(out, "backbone.json"), "w", encoding="utf-8") as f:
         json.dump(spec, f, indent=1)
     return True
@@ -155,9 +202,9 @@ def write_hf_decoder(folder: str, head) -> bool:
         return False
     out = os.path.join(folder, HF_DIR)
     decoder.lm.save_pretrained(out, safe_serialization=True)
-    save_file({"proj.weight": head.proj.weight.detach().cpu().contiguous(),
-               "proj.bias": head.proj.bias.detach().cpu().contiguous(),
-               "pos": head.pos.detach().cpu().contiguous()}, os.path.join(out, "image_memory.safetensors"))
+    _write_bytes(os.path.join(out, "image_memory.safetensors"), safetensors_bytes({
+        "proj.weight": head.proj.weight.detach().cpu().contiguous(), "proj.bias": head.proj.bias.detach().cpu().contiguous(),
+        "pos": head.pos.detach().cpu().contiguous()}))
     with open(os.path.join(out, "image_memory.json"), "w", encoding="utf-8") as f:
         json.dump({"max_new_tokens": int(head.max_new_tokens), "bos_token_id": decoder.bos_id,
                    "eos_token_id": decoder.eos_id, "pad_token_id": decoder.pad_id,
@@ -195,7 +242,9 @@ def write_image_program(folder: str, predictor) -> bool:
     with torch.no_grad():
         program = torch.export.export(module, (example,), dynamic_shapes={"images": {0: torch.export.Dim.DYNAMIC}})
         features, logits = module(example)
-    torch.export.save(program, os.path.join(folder, PROGRAM_FILE))
+    buffer = io.BytesIO()  # torch's C++ zip writer aborts the process on a full disk: it writes to memory only
+    torch.export.save(program, buffer)
+    _write_bytes(os.path.join(folder, PROGRAM_FILE), buffer.getvalue())
     with open(os.path.join(folder, "image_program.json"), "w", encoding="utf-8") as f:
         json.dump({"input": f"images: (B, 3, {size}, {size}) float32 in [0, 1], not normalised",
                    "outputs": [f"features: (B, {', '.join(map(str, features.shape[1:]))})",
@@ -214,8 +263,8 @@ def write_interop(folder: str, predictor) -> list[str]:
         written.append(HF_DIR)
     if write_image_program(folder, predictor):
         written.append(PROGRAM_FILE)
-    if written:
-        text = (INTERFACE if {TV_DIR, HF_DIR} & set(written) else "# Using this model without mtl\n")
+    if written:  # the sections of the parts written, each using what the ones before it computed
+        parts = [(PROGRAM_FILE, PROGRAM_INTERFACE), (TV_DIR, BACKBONE_INTERFACE), (HF_DIR, DECODER_INTERFACE)]
         with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
-            f.write(text + (PROGRAM_INTERFACE if PROGRAM_FILE in written else ""))
+            f.write(README_TITLE + "".join(text for part, text in parts if part in written))
     return written
