@@ -163,20 +163,50 @@ def provided_fields(ds: Dataset) -> frozenset:
     return frozenset(provides)
 
 
+def classes_present(ds: Dataset) -> list[int] | None:
+    """The class indices ``ds``'s items have (``labels_present``, up to ``MIN_CLASSES`` found where that is all a
+    check needs), else its declared ``range(num_classes)``; None when it has neither."""
+    present = getattr(ds, "labels_present", None)
+    if present is not None:
+        return sorted(present(MIN_CLASSES))
+    k = getattr(ds, "num_classes", None)
+    return None if k is None else list(range(int(k)))
+
+
+def too_few_classes(train: Dataset, task: str) -> str | None:
+    """Why ``task`` (it reads labels) cannot learn from the training set ``train``: items of fewer than
+    ``MIN_CLASSES`` classes, named, with the classes it declares but has no item of; or None."""
+    found = classes_present(train)
+    if found is None or len(found) >= MIN_CLASSES:
+        return None
+    names = list(getattr(train, "class_names", []) or [])
+    name = lambda i: names[i] if i < len(names) else str(i)  # noqa: E731
+    k = len(found)
+    source = getattr(train, "source", None) or type(train).__name__
+    text = (f"task {task!r} learns to tell classes apart, and the training set ({source}) has items of {k} "
+            f"class{'' if k == 1 else 'es'}" + (f" ({', '.join(map(name, found))})" if k else ""))
+    empty = [name(i) for i in range(int(getattr(train, "num_classes", 0) or 0)) if i not in found]
+    if empty:
+        shown = ", ".join(empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+        one = len(empty) == 1
+        text += f"; {'class' if one else 'classes'} {shown} {'has' if one else 'have'} no training item"
+    return (f"{text}; it needs items of at least {MIN_CLASSES} classes — add images of another class, or remove "
+            f"{task!r} from tasks")
+
+
 def verify_task_fields(tasks: dict[str, type], datasets: dict[str, Dataset]) -> None:
     """Every task's ``requires`` must be in every split's records: one error naming each task, field and fix. A
-    task that reads labels needs at least two classes in its training split (one would score 1.0 by
-    construction), whatever the source: the synthetic set's own range, ``MIN_CLASSES``."""
+    task that reads labels needs items of at least two classes in its training split (one would score 1.0 by
+    construction), whatever the source and however many classes it declares (an empty class folder,
+    ``data.num_classes``): the synthetic set's own range, ``MIN_CLASSES``. Single-set and multi-input runs
+    (``data.per_task``, each task's own training set) both pass through here."""
     errors = []
     for name, task in tasks.items():
         train = datasets.get("training")
-        k = getattr(train, "num_classes", None)
-        if "label" in task.requires and k is not None and k < MIN_CLASSES:
-            names = getattr(train, "class_names", [])
-            errors.append(f"task {name!r} learns to tell classes apart, and {getattr(train, 'source', 'its data')} "
-                          f"has {k} class{'' if k == 1 else 'es'}{' (' + ', '.join(names) + ')' if names else ''}; "
-                          f"it needs at least {MIN_CLASSES} — add images of another class, or remove {name!r} "
-                          "from tasks")
+        if "label" in task.requires and train is not None:
+            problem = too_few_classes(train, name)
+            if problem:
+                errors.append(problem)
         for split, ds in datasets.items():
             have = provided_fields(ds)
             for field in task.requires:

@@ -168,6 +168,11 @@ class CaptionedImages(Dataset):
     def how_to_provide(self, field: str) -> str:
         return f"add a {field!r} key to every line of {self.source}"
 
+    def labels_present(self, enough: int | None = None) -> set[int]:
+        """The labels the records have: the classes a training split can teach (``num_classes`` may count more:
+        an empty class folder, ``data.num_classes``)."""
+        return {r.label for r in self.records}
+
     def __len__(self) -> int:
         return len(self.records)
 

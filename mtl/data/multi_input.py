@@ -55,7 +55,8 @@ class TaskOnly(Dataset):
         self.inner, self.keep = inner, frozenset(keep) | {"image", "index"}
         have = getattr(inner, "provides", None)
         self.provides = self.keep if have is None else frozenset(have) & self.keep
-        for name in ("class_names", "num_classes", "skipped", "skip_reasons", "source", "how_to_provide"):
+        for name in ("class_names", "num_classes", "skipped", "skip_reasons", "source", "how_to_provide",
+                     "labels_present"):
             if hasattr(inner, name):
                 setattr(self, name, getattr(inner, name))
 

@@ -275,6 +275,15 @@ class SyntheticShapes(Dataset):
         """label, count, size, colour and position of item ``index`` (no rendering)."""
         return self._attributes(self._rng(index))
 
+    def labels_present(self, enough: int | None = None) -> set[int]:
+        """The labels the items have (no rendering); stops once ``enough`` different ones are found."""
+        found: set[int] = set()
+        for i in range(self.size):
+            found.add(self.attributes(i)["label"])
+            if enough is not None and len(found) >= enough:
+                break
+        return found
+
     def caption(self, index: int) -> str:
         a = self.attributes(index)
         return caption_text(a["count"], a["size"], a["colour"], a["position"])
