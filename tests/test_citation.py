@@ -20,5 +20,8 @@ def test_the_citation_file_agrees_with_the_package():
         assert cff[key], key
     assert all("name" in a or "family-names" in a for a in cff["authors"])
     assert cff["version"] == project["version"] and cff["license"] == project["license"]
+    import mtl
+
+    assert mtl.__version__ == project["version"]  # the package says the version it is cited by
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         assert "## How to cite" in f.read()
