@@ -21,6 +21,7 @@ import contextlib
 import sys
 
 from mtl.parallel import dist, fsdp
+from mtl.run.error_report import run_guarded
 from mtl.run.trainer import Trainer
 
 
@@ -92,35 +93,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
 
-    rows = {e: measure(args.config, list(args.overrides), e) for e in ("ddp", "fsdp2")}
-    rows["fsdp2, heads whole"] = measure(args.config, list(args.overrides), "fsdp2", whole_heads=True)
-    gathered = dist.all_gather_objects(rows)
-    if _is_main():
-        mib = 2 ** 20
-        world = len(gathered)
-        print(f"{rows['ddp']['numel']:,} parameters, {world} ranks; MiB per rank (max over ranks):")
-        print("| engine | parameters | gradients | optimizer state | task-gradient matrix | total |")
-        print("|---|---|---|---|---|---|")
-        for e in ("ddp", "fsdp2"):
-            vals = [max(g[e][k] for g in gathered) / mib for k in ("params", "grads", "optimizer", "task_grads")]
-            print(f"| {e} | {vals[0]:.2f} | {vals[1]:.2f} | {vals[2]:.2f} | {vals[3]:.2f} | {sum(vals):.2f} |")
-        d = rows["ddp"]
-        print(f"The largest unit's own parameters: {d['largest_unit_name']}, {d['largest_unit'] / mib:.2f} MiB")
-        print("FSDP2: full parameters gathered at once during a step (peak; sampled at every module's forward and "
-              "backward), MiB:")
-        heads = list(rows["fsdp2"]["peak_heads"])
-        print("| sharding | units | whole step | " + " | ".join(f"while heads.{h} runs" for h in heads) + " |")
-        print("|---|---|---|" + "---|" * len(heads))
-        for e in ("fsdp2", "fsdp2, heads whole"):
-            r = rows[e]
-            cells = [f"{max(g[e]['peak']['bytes'] for g in gathered) / mib:.2f}"]
-            cells += [f"{max(g[e]['peak_heads'][h]['bytes'] for g in gathered) / mib:.2f}" for h in heads]
-            print(f"| {e} | {len(r['units']) + 1} | " + " | ".join(cells) + " |")
-        for e in ("fsdp2", "fsdp2, heads whole"):
-            for where, p in [("step", rows[e]["peak"]), *[(f"heads.{h}", rows[e]["peak_heads"][h]) for h in heads]]:
-                print(f"  {e}, peak in {where}: {p['bytes'] / mib:.2f} MiB at the {p['at']}: {', '.join(p['units'])}")
-    dist.destroy()
-    return 0
+    def go():  # a bad config, data or option: one message and its exit code, not a traceback
+        rows = {e: measure(args.config, list(args.overrides), e) for e in ("ddp", "fsdp2")}
+        rows["fsdp2, heads whole"] = measure(args.config, list(args.overrides), "fsdp2", whole_heads=True)
+        gathered = dist.all_gather_objects(rows)
+        if _is_main():
+            mib = 2 ** 20
+            world = len(gathered)
+            print(f"{rows['ddp']['numel']:,} parameters, {world} ranks; MiB per rank (max over ranks):")
+            print("| engine | parameters | gradients | optimizer state | task-gradient matrix | total |")
+            print("|---|---|---|---|---|---|")
+            for e in ("ddp", "fsdp2"):
+                vals = [max(g[e][k] for g in gathered) / mib for k in ("params", "grads", "optimizer", "task_grads")]
+                print(f"| {e} | {vals[0]:.2f} | {vals[1]:.2f} | {vals[2]:.2f} | {vals[3]:.2f} | {sum(vals):.2f} |")
+            d = rows["ddp"]
+            print(f"The largest unit's own parameters: {d['largest_unit_name']}, {d['largest_unit'] / mib:.2f} MiB")
+            print("FSDP2: full parameters gathered at once during a step (peak; sampled at every module's forward and "
+                  "backward), MiB:")
+            heads = list(rows["fsdp2"]["peak_heads"])
+            print("| sharding | units | whole step | " + " | ".join(f"while heads.{h} runs" for h in heads) + " |")
+            print("|---|---|---|" + "---|" * len(heads))
+            for e in ("fsdp2", "fsdp2, heads whole"):
+                r = rows[e]
+                cells = [f"{max(g[e]['peak']['bytes'] for g in gathered) / mib:.2f}"]
+                cells += [f"{max(g[e]['peak_heads'][h]['bytes'] for g in gathered) / mib:.2f}" for h in heads]
+                print(f"| {e} | {len(r['units']) + 1} | " + " | ".join(cells) + " |")
+            for e in ("fsdp2", "fsdp2, heads whole"):
+                for where, p in [("step", rows[e]["peak"]), *[(f"heads.{h}", rows[e]["peak_heads"][h]) for h in heads]]:
+                    print(f"  {e}, peak in {where}: {p['bytes'] / mib:.2f} MiB at the {p['at']}: {', '.join(p['units'])}")
+        dist.destroy()
+
+    return run_guarded(go)
 
 
 def _is_main() -> bool:

@@ -24,11 +24,15 @@ import time
 
 import torch.multiprocessing as mp
 
+from mtl.config.checks import load_run_config
 from mtl.data.loader import to_device
+from mtl.errors import ConfigError
 from mtl.parallel import dist
 from mtl.parallel.dist import free_port
+from mtl.run.error_report import run_guarded
+from mtl.strategies import strategy_types
 from mtl.tools import tool_parser
-from mtl.tools.bench.strategies import _setup, _trainer
+from mtl.tools.bench.strategies import VARIANTS, _setup, _trainer
 
 
 def _worker(rank, world, port, config, overrides, labels, rounds, out_dir, result_file):
@@ -88,14 +92,26 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     labels = [x for x in a.labels if "=" not in x]
     overrides = [x for x in a.labels if "=" in x]
-    with tempfile.TemporaryDirectory() as tmp:
-        res = os.path.join(tmp, "profile.json")
-        mp.start_processes(_worker, args=(a.nproc, free_port(), a.config, overrides, labels, a.rounds, tmp, res),
-                           nprocs=a.nproc, start_method="spawn")
-        with open(res) as f:
-            result = json.load(f)
-    print(report(result, a.top))
-    return 0
+
+    def go():
+        # a bad label, option or config is one message before any process starts (not a traceback per worker)
+        known = [*strategy_types(), *VARIANTS]
+        unknown = [x for x in labels if x not in known]
+        if unknown:
+            raise ConfigError(f"unknown label(s) {', '.join(unknown)}: give strategies or variants "
+                              f"({', '.join(known)})")
+        if a.nproc < 1 or a.rounds < 1 or a.top < 1:
+            raise ConfigError("--nproc, --rounds and --top must be >= 1")
+        load_run_config(a.config, overrides, announce=False)
+        with tempfile.TemporaryDirectory() as tmp:
+            res = os.path.join(tmp, "profile.json")
+            mp.start_processes(_worker, args=(a.nproc, free_port(), a.config, overrides, labels, a.rounds, tmp, res),
+                               nprocs=a.nproc, start_method="spawn")
+            with open(res) as f:
+                result = json.load(f)
+        print(report(result, a.top))
+
+    return run_guarded(go)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtl.config.checks import load_run_config
 from mtl.data.loader import to_device
+from mtl.errors import ConfigError
 from mtl.parallel import dist
 from mtl.parallel.dist import CountingComm, free_port
+from mtl.run.error_report import run_guarded
 from mtl.run.runtime_checks import verify_replicas
 from mtl.run.trainer import Trainer
 from mtl.strategies import strategy_types
@@ -280,32 +282,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also save the raw numbers here")
     p.add_argument("--only", default=None, help="comma-separated strategies/variants to time (combined always)")
     a = p.parse_args(argv)
-    cfg = load_run_config(a.config, a.overrides)
-    tic = time.time()
-    only = a.only.split(",") if a.only else None
-    unknown = sorted(set(only or []) - set(strategies_to_time()))
-    if unknown:
-        raise SystemExit(f"--only: unknown {', '.join(unknown)} (known: {', '.join(strategies_to_time())})")
-    result = run(a.config, a.overrides, a.nproc, a.rounds, a.steps, only)
-    cuda = torch.cuda.is_available() and cfg.device != "cpu"
-    default = not a.overrides and not a.only and (a.rounds, a.steps, a.nproc) == (7, 3, 2)
-    args = [f"--config {a.config}", f"--nproc {a.nproc}", f"--rounds {a.rounds}", f"--steps {a.steps}",
-            *([f"--only {a.only}"] if a.only else []), *a.overrides]
-    meta = {"command": "make bench-strategies" if default else f"python -m mtl.tools.bench.strategies {' '.join(args)}",
-            "machine": f"{platform.machine()} "
-            f"{os.cpu_count()}-core {'GPU' if cuda else 'CPU'}", "date": time.strftime("%Y-%m-%d"),
-            "nproc": a.nproc, "backend": "nccl" if cuda else "gloo", "batch": cfg.data.batch_size,
-            "rounds": a.rounds, "steps": a.steps, "tasks": len(cfg.tasks),
-            "memory_kind": "CUDA max_memory_allocated" if cuda else "growth of rank 0's peak RSS during the steps"}
-    text = table(result, meta)
-    print(text)
-    print(f"\n(bench took {time.time() - tic:.0f} s)", file=sys.stderr)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, **result}, f, indent=2)
-    if a.write:
-        write_into(a.write, text)
-    return 0
+
+    def go():  # a config error or an unknown --only: one message and exit code 2, not a traceback
+        cfg = load_run_config(a.config, a.overrides)
+        tic = time.time()
+        only = a.only.split(",") if a.only else None
+        unknown = sorted(set(only or []) - set(strategies_to_time()))
+        if unknown:
+            raise ConfigError(f"--only: unknown {', '.join(unknown)} (known: {', '.join(strategies_to_time())})")
+        result = run(a.config, a.overrides, a.nproc, a.rounds, a.steps, only)
+        cuda = torch.cuda.is_available() and cfg.device != "cpu"
+        default = not a.overrides and not a.only and (a.rounds, a.steps, a.nproc) == (7, 3, 2)
+        args = [f"--config {a.config}", f"--nproc {a.nproc}", f"--rounds {a.rounds}", f"--steps {a.steps}",
+                *([f"--only {a.only}"] if a.only else []), *a.overrides]
+        meta = {"command": "make bench-strategies" if default else f"python -m mtl.tools.bench.strategies {' '.join(args)}",
+                "machine": f"{platform.machine()} "
+                f"{os.cpu_count()}-core {'GPU' if cuda else 'CPU'}", "date": time.strftime("%Y-%m-%d"),
+                "nproc": a.nproc, "backend": "nccl" if cuda else "gloo", "batch": cfg.data.batch_size,
+                "rounds": a.rounds, "steps": a.steps, "tasks": len(cfg.tasks),
+                "memory_kind": "CUDA max_memory_allocated" if cuda else "growth of rank 0's peak RSS during the steps"}
+        text = table(result, meta)
+        print(text)
+        print(f"\n(bench took {time.time() - tic:.0f} s)", file=sys.stderr)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"meta": meta, **result}, f, indent=2)
+        if a.write:
+            write_into(a.write, text)
+
+    return run_guarded(go)
 
 
 if __name__ == "__main__":
