@@ -13,13 +13,13 @@ BASE = ["bench.methods=[equal]", "bench.seeds=[0]", "bench.baselines=false", "tr
 
 def _finished(run, overrides, nproc=1, prov=None):
     """A run folder as a finished run leaves it: final_metrics.json and the record of what it trained with."""
-    from mtl.tools.bench.record import training_config, write_record
+    from mtl.tools.bench.record import run_identity, write_record
 
     os.makedirs(run["dir"], exist_ok=True)
     with open(os.path.join(run["dir"], "final_metrics.json"), "w") as f:
         json.dump({"wall_time_s": 1.0}, f)
-    write_record(run["dir"], training_config(TINY, [*overrides, *run["overrides"]], nproc),
-                 prov or {"commit": "abc", "versions": "v", "hardware": "h", "threads": 1})
+    config, code = run_identity(TINY, [*overrides, *run["overrides"]], nproc)
+    write_record(run["dir"], config, prov or {"commit": "abc", "versions": "v", "hardware": "h", "threads": 1}, code)
 
 
 def _sweep(tmp_path, monkeypatch, overrides, on_change="retrain"):

@@ -73,8 +73,8 @@ def run_job(command: list[str], run_dir: str, env: dict, cwd: str, record_args: 
     """What one Slurm job does (on its node): record where it runs (``bench_run.json``), then train, the output in
     the run's ``log.txt``. Returns the command's exit code."""
     if record_args is not None:
-        config, threads = record_args
-        write_record(run_dir, config, provenance(threads))
+        config, threads, code = record_args
+        write_record(run_dir, config, provenance(threads), code)
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
                               cwd=cwd).returncode
@@ -109,7 +109,7 @@ class SlurmLauncher:
 
     def start(self, run: dict, command: list[str], record) -> object:
         return self.executor.submit(run_job, command, run["dir"], self.env, self.cwd,
-                                    (run["config"], self.threads))
+                                    (run["config"], self.threads, run.get("code")))
 
     def poll(self, job, run: dict) -> str | None | bool:
         if not job.done():

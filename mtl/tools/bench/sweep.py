@@ -17,7 +17,9 @@ Writes into ``output_dir``: ``results.md`` and ``results.csv`` (one row per regi
 row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line per run, failures with their
 error) and TensorBoard hparams under ``tb/``. A failed run is recorded and the sweep goes on. A re-run reuses a
 finished run only when the training configuration it recorded (``bench_run.json``: every key but ``output_dir``
-and ``bench.*``, plus ``bench.nproc``) is the one it would train now (mtl/tools/bench/record.py).
+and ``bench.*``, plus ``bench.nproc``) and the hashes of its code files (its method's, strategy's, backbone's and
+tasks' files) are the ones it would train with now (mtl/tools/bench/record.py). While it trains, the sweep holds
+``output_dir``'s lock (mtl/tools/bench/lock.py): a second sweep on the folder is refused, exit 2.
 
 Definitions (mtl/tools/bench/stats.py holds the statistics):
 - the reported evaluation of a run: the one with the lowest validation delta-m (``bench.select: best``; ``last``:
@@ -45,6 +47,7 @@ Definitions (mtl/tools/bench/stats.py holds the statistics):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import csv
 import json
@@ -72,9 +75,10 @@ from mtl.strategies import strategy_types
 from mtl.tools.bench.compare import cost_table, published_entries, published_errors, published_table, reference_values
 from mtl.tools.bench.entries import method_spec, parse_method  # noqa: F401  (parse_method: this module's interface too)
 from mtl.tools.bench.launch import drive, make_launcher
+from mtl.tools.bench.lock import sweep_lock
 from mtl.tools.bench.options import bench_option_errors, bench_options, keys_help
 from mtl.tools.bench.plots import write_plots
-from mtl.tools.bench.record import provenance, provenance_lines, read_record, reuse_problem, training_config, write_record
+from mtl.tools.bench.record import provenance, provenance_lines, read_record, reuse_problem, run_identity, write_record
 from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
 from mtl.tools.doctor import examine
 
@@ -286,18 +290,18 @@ def run_threads(cfg) -> int:
 
 def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], on_change: str = "retrain",
             train: bool = True) -> list[dict]:
-    """Train the runs not finished before with the same training configuration (``bench_record``), ``bench.parallel``
-    at once, through ``bench.launcher``; record each one's status (and error) in ``runs.jsonl``. A finished run
-    whose configuration changed is trained again (``on_change="retrain"``) or refused before anything trains
-    (``"refuse"``: a ConfigError listing every such run and what changed). ``train=False`` (``--analyze``): train
+    """Train the runs not finished before with the same training configuration and code (``record.run_identity``),
+    ``bench.parallel`` at once, through ``bench.launcher``; record each one's status (and error) in ``runs.jsonl``. A
+    finished run whose configuration or code changed is trained again (``on_change="retrain"``) or refused before
+    anything trains (``"refuse"``: a ConfigError listing every such run and what changed). ``train=False`` (``--analyze``): train
     nothing; the runs not finished with this configuration are marked ``missing``."""
     total, pending, refused, nproc = len(runs), [], [], bench_options(cfg).nproc
     for i, r in enumerate(runs, 1):
         r["index"] = i
         head = f"[{i}/{total}] {r['regime']} {r['label']} seed {r['seed']}"
-        r["config"] = training_config(config_path, [*base_overrides, *r["overrides"]], nproc)
+        r["config"], r["code"] = run_identity(config_path, [*base_overrides, *r["overrides"]], nproc)
         if os.path.isfile(os.path.join(r["dir"], "final_metrics.json")):
-            problem = reuse_problem(r["dir"], r["config"])
+            problem = reuse_problem(r["dir"], r["config"], r["code"])
             if problem is None:
                 print(f"{head}: finished before with this configuration, skipped", flush=True)
                 r["status"] = "ok"
@@ -317,7 +321,8 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
         pending.append(r)
     if refused:
         raise ConfigError([f"--on-change refuse: {len(refused)} finished run(s) were trained with another "
-                           "configuration (re-train them with --on-change retrain, or use another output_dir):",
+                           "configuration or code (re-train them with --on-change retrain, or use another "
+                           "output_dir):",
                            *refused])
     if pending:
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -349,7 +354,7 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
             shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
         os.makedirs(r["dir"])
         command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"]], b.nproc)
-        return command, lambda: write_record(r["dir"], r["config"], provenance(threads))
+        return command, lambda: write_record(r["dir"], r["config"], provenance(threads), r["code"])
 
     def finish(r, outcome):
         durations.append(r["wall_s"])
@@ -918,7 +923,10 @@ def list_runs(runs: list[dict]) -> str:
 HELP = """overrides (key=value, as train.py takes them) change the bench config for the whole sweep, e.g.
   bench.seeds=[0,1,2]  bench.methods=[equal,'cagrad(c=0.2)','mgda(source=features)']  trainer.max_steps=700
   bench.parallel=2  bench.nproc=2  bench.launcher=slurm bench.slurm.partition=gpu  output_dir=runs/mine
-A finished run is reused only when its training configuration (every key but output_dir and bench.*) is unchanged.
+A finished run is reused only when its training configuration (every key but output_dir and bench.*) and its code
+(the files of its method, strategy, backbone and tasks, plug-ins too) are unchanged. One sweep per output_dir: a
+second one is refused (exit 2) naming the first one's PID. Exit codes: 0 done (failed runs are in runs.jsonl), 2 a
+config or option error, an --on-change refuse or a folder in use.
 
 outputs, under output_dir:
   results.md    one table per regime (quality, Δm lower is better, vs equal with p_Holm, cost) and convergence
@@ -942,9 +950,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", action="store_true",
                    help="check the config and list every run (regime, method, seed, folder, overrides); train nothing")
     p.add_argument("--on-change", choices=("retrain", "refuse"), default="retrain",
-                   help="a finished run whose training configuration differs from what it would train now (any key "
-                        "but output_dir and bench.*; bench.nproc counts): train it again (default), or refuse and "
-                        "exit 2 listing every such run and the keys that changed")
+                   help="a finished run whose training configuration (any key but output_dir and bench.*; bench.nproc "
+                        "counts) or code (the files of its method, strategy, backbone and tasks) differs from what "
+                        "it would train now: train it again (default), or refuse and exit 2 listing every such run "
+                        "and the keys and files that changed")
     p.add_argument("--analyze", action="store_true",
                    help="train nothing: write the tables and plots from the runs that finished with this "
                         "configuration (the others are listed as missing), e.g. while a Slurm sweep is still running")
@@ -966,30 +975,37 @@ def main(argv: list[str] | None = None) -> int:
             print(describe_protocol(cfg, loaded))
             print(list_runs(runs))
             return
-        tic = time.time()
-        run_all(cfg, config, a.overrides, runs, a.on_change, train=not a.analyze)
-        per_regime = {}
-        for regime, (spec, rcfg) in loaded.items():
-            source = spec["baselines_from"] or regime
-            mine = [r for r in runs if r["regime"] == regime and not r["label"].startswith("single_")]
-            baselines = [r for r in runs if r["regime"] == source and r["label"].startswith("single_")]
-            rows, base = summarize(cfg, regime, spec, rcfg, mine, baselines)
-            per_regime[regime] = (rcfg, rows, base)
-            data = {r["method"]: list(r["_seeds"].values()) for r in rows if r["_seeds"]}
-            write_plots(rcfg, metric_specs(rcfg), data, os.path.join(cfg.output_dir, regime), list(spec["methods"]))
-        first_cfg = next(iter(loaded.values()))[1]
-        # F and B of the bench model, one process on this machine: where the runs trained (the local launcher);
-        # a Slurm sweep's runs trained on other nodes, so this machine's F and B would say nothing of them
-        report = examine(first_cfg, batches=1) if bench_options(cfg).launcher == "local" else {}
-        regime_specs = {k: v[0] for k, v in loaded.items()}
-        text = write_results(cfg, per_regime, {"forward_s": report.get("forward_s", float("nan")),
-                                               "backward_s": report.get("backward_s", float("nan")),
-                                               "regimes": regime_specs})
-        write_hparams(cfg, per_regime, regime_specs)
-        print(text)
-        print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
+        # one sweep per output_dir while it trains (--analyze trains nothing: it may read a sweep in progress)
+        with contextlib.nullcontext() if a.analyze else sweep_lock(cfg.output_dir):
+            sweep(cfg, config, a.overrides, loaded, runs, a.on_change, train=not a.analyze)
 
     return run_guarded(go)
+
+
+def sweep(cfg, config: str, overrides: list[str], loaded: dict, runs: list[dict], on_change: str, train: bool) -> None:
+    """Train what is missing (``run_all``), then the tables, plots and hparams of ``runs``."""
+    tic = time.time()
+    run_all(cfg, config, overrides, runs, on_change, train=train)
+    per_regime = {}
+    for regime, (spec, rcfg) in loaded.items():
+        source = spec["baselines_from"] or regime
+        mine = [r for r in runs if r["regime"] == regime and not r["label"].startswith("single_")]
+        baselines = [r for r in runs if r["regime"] == source and r["label"].startswith("single_")]
+        rows, base = summarize(cfg, regime, spec, rcfg, mine, baselines)
+        per_regime[regime] = (rcfg, rows, base)
+        data = {r["method"]: list(r["_seeds"].values()) for r in rows if r["_seeds"]}
+        write_plots(rcfg, metric_specs(rcfg), data, os.path.join(cfg.output_dir, regime), list(spec["methods"]))
+    first_cfg = next(iter(loaded.values()))[1]
+    # F and B of the bench model, one process on this machine: where the runs trained (the local launcher);
+    # a Slurm sweep's runs trained on other nodes, so this machine's F and B would say nothing of them
+    report = examine(first_cfg, batches=1) if bench_options(cfg).launcher == "local" else {}
+    regime_specs = {k: v[0] for k, v in loaded.items()}
+    text = write_results(cfg, per_regime, {"forward_s": report.get("forward_s", float("nan")),
+                                           "backward_s": report.get("backward_s", float("nan")),
+                                           "regimes": regime_specs})
+    write_hparams(cfg, per_regime, regime_specs)
+    print(text)
+    print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
 
 
 if __name__ == "__main__":
