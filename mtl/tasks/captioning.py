@@ -21,6 +21,24 @@ from mtl.tasks.base import BuildInfo, DataInfo, TaskHead
 
 IGNORE_INDEX = -100  # target id that cross-entropy skips (torch's default ignore_index)
 
+# BLEU-4 as reported (``gen_bleu4``): sacrebleu's corpus BLEU, 13a tokens, its default 'exp' smoothing (NIST
+# mteval-v13a's, Chen & Cherry 2014 method 3) and its effective order. Unchanged wherever a generated caption has
+# 4 tokens; when none has n tokens (captions of three words or fewer) corpus BLEU-4 would be 0 for any quality
+# (no 4-gram to count), and the geometric mean runs over orders 1 .. n-1 instead. The order used is logged as
+# ``gen_bleu4_order`` (4, or fewer for short captions).
+BLEU_SMOOTH = "exp"
+BLEU_MAX_ORDER = 4
+
+
+def corpus_bleu4(hyps: list[str], streams: list[list]) -> tuple[float, int]:
+    """(BLEU-4 in [0, 1], the n-gram order it used) of the hypotheses against sacrebleu's reference ``streams``,
+    as defined above (``BLEU_SMOOTH``, effective order)."""
+    from sacrebleu.metrics import BLEU  # import here: sacrebleu, at evaluation only
+
+    score = BLEU(tokenize="13a", smooth_method=BLEU_SMOOTH, effective_order=True).corpus_score(hyps, streams)
+    order = next((n for n, total in enumerate(score.totals[:BLEU_MAX_ORDER]) if total == 0), BLEU_MAX_ORDER)
+    return score.score / 100.0, order
+
 
 @dataclass
 class CaptionOptions:
@@ -145,12 +163,13 @@ class CaptioningHead(TaskHead):
         streams = [[r[k] if k < len(r) else None for r in refs] for k in range(n_ref)]
         nll = sum(p["nll"] for p in parts)
         tokens = max(1, sum(p["tokens"] for p in parts))
-        order = sorted(range(len(index)), key=index.__getitem__)
+        bleu, order = corpus_bleu4(hyps, streams)
+        by_index = sorted(range(len(index)), key=index.__getitem__)
         return {
-            "bleu4": sacrebleu.corpus_bleu(hyps, streams).score / 100.0,
+            "bleu4": bleu, "bleu4_order": order,
             "chrf": sacrebleu.corpus_chrf(hyps, streams).score / 100.0,
             "exact": sum(h in r for h, r in zip(hyps, refs)) / max(1, len(hyps)),
             "loss": nll / tokens,
             "ppl": math.exp(min(50.0, nll / tokens)),
-            "samples": [(index[i], hyps[i], refs[i][0]) for i in order],
+            "samples": [(index[i], hyps[i], refs[i][0]) for i in by_index],
         }
