@@ -63,14 +63,19 @@ class StepResult:
     stop_agreed: bool  # some rank asked to stop (SIGTERM/SIGUSR1/SIGINT): every rank saves and exits now
     stats: dict = field(default_factory=dict)
     weights_nonfinite: bool = False  # the optimizer step made a parameter NaN/inf or blew it up (the run cannot go on)
+    # task -> the weight this step used (the method's ``step_weights()`` right after its backward passes, before
+    # ``end_step``, the optimizer step or a Gram method's own update move it for the next step); None: not taken
+    # (``log_stats`` False)
+    weights: dict | None = None
 
 
 def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = False,
                heldout: dict | None = None, log_stats: bool = True) -> StepResult:
     """One optimizer step on ``batch`` (on the device); ``step`` is the number of steps taken before it.
     ``heldout``: a bilevel method's held-out batch, at the steps it asks for one (``wants_heldout``). ``log_stats``:
-    the strategy's per-task gradient norms and cosines in ``StepResult.stats`` (the trainer asks for them on the
-    steps its log writes); the step itself is the same either way."""
+    the strategy's per-task gradient norms and cosines in ``StepResult.stats`` and the weights the step used in
+    ``StepResult.weights`` (the trainer asks for them on the steps its log writes); the step itself is the same
+    either way."""
     w = p.weighting
     rows = task_rows(batch)  # which rows each task reads (multi-input: the tasks present, each its own rows)
     tasks = rows.present(p.tasks)  # the same on every rank
@@ -94,6 +99,8 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
         model=p.model, batch=batch, tasks=tasks, weigh=w.weigh, scale=p.amp.scale, loss_scale=p.amp.loss_scale,
         comm=p.comm, log_stats=log_stats, **w.grad_hooks()))
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
+    # the weights the losses were just weighed (or the gradients combined) with: what the step's record logs
+    used_weights = w.step_weights() if log_stats else None
 
     # 2. unscale, once for all the tasks' scaled backward passes (fp16; nothing otherwise)
     p.amp.unscale_(p.optimizer)
@@ -134,7 +141,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     gn = float(grad_norm)
     return StepResult(losses=loss_values, grad_norm=gn if math.isfinite(gn) else float("nan"), stepped=ok,
                       nonfinite=(not ok and not overflow) or not weights_ok, stop_agreed=stop_agreed,
-                      stats={**meta_stats, **stats}, weights_nonfinite=not weights_ok)
+                      stats={**meta_stats, **stats}, weights_nonfinite=not weights_ok, weights=used_weights)
 
 
 def average_losses_and_stop(losses: dict, tasks: list[str], stop_requested: bool,

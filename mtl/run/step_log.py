@@ -82,7 +82,8 @@ class StepLog:
         p = self.parts
         scale = p.amp.loss_scale()
         values = {f"loss_{k}": v for k, v in r.losses.items()}
-        values.update({f"weight_{k}": v for k, v in p.weighting.step_weights().items()})
+        used = r.weights if r.weights is not None else p.weighting.step_weights()  # the weights the step used
+        values.update({f"weight_{k}": v for k, v in used.items()})
         values.update({k: float(v) / (scale if "grad_norm" in k else 1.0) for k, v in r.stats.items()})
         values.update({
             "lr": p.scheduler.get_last_lr()[0], "grad_norm": r.grad_norm, "step_time_s": seconds,

@@ -28,8 +28,8 @@ batch).
 
 Choices, stated: ``inner_steps`` T = 1 of size ``inner_lr`` (0: the optimizer's current learning rate),
 ``rho`` = 0.1, alpha starting at 1 (``equal``) on the simplex scaled to K (the paper's constraint set for alpha is
-the application's). ``weights()`` reports alpha; the loss multiplier of the step is nu alpha (logged as
-``meta_nu``).
+the application's). ``weights()`` reports what multiplies the step's losses, nu alpha with the alpha of before
+its update (logged as ``weight_<task>``; nu as ``meta_nu``, that alpha as ``meta_alpha/<task>``).
 
 Cost of one meta update, M = |P| (``meta_cost``): T + 2 forwards and T + M backward passes over the whole
 model, T + M whole-model all-reduces (the g_m in one collective), about M + 4 parameter-sized vectors held; the
@@ -164,6 +164,7 @@ class FORUM(BilevelWeighting):
         gram = (rows.double() @ rows.double().T)
         lam, nu, phi = forum_step(gram, gap, float(self.options.rho))
         stats = {"meta_nu": torch.tensor(nu), **{f"meta_lambda/{t}": lam[i] for i, t in enumerate(self.primary)},
+                 **{f"meta_alpha/{t}": a for t, a in zip(self.tasks, self.lam.detach().clone())},
                  **{f"meta_gap/{t}": gap[i] for i, t in enumerate(self.tasks)},
                  **{f"meta_heldout_loss/{t}": v for t, v in zip(self.primary, mean(values.detach()))}}
         if bool(torch.isfinite(gram).all()) and bool(torch.isfinite(gap).all()):
@@ -182,4 +183,5 @@ class FORUM(BilevelWeighting):
         return self.coef[self.tasks.index(task)] * loss
 
     def weights(self):
-        return dict(zip(self.tasks, self.lam.tolist()))
+        """nu alpha: what multiplies each task's loss in the step (alpha of before the meta update)."""
+        return dict(zip(self.tasks, self.coef.tolist()))

@@ -103,6 +103,7 @@ class GradNorm(GramWeighting):
         self.register_buffer("adam_t", torch.zeros(k))  # per task
         self.initial_losses: list[float | None] = [None] * k  # per task: its first observed loss
         self.last_losses: list[float | None] = [None] * k  # per task: its latest observed loss
+        self._used: tuple[int, list, Tensor] | None = None  # (step, present tasks, w) of the last combination
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "adam_t"
@@ -114,10 +115,18 @@ class GradNorm(GramWeighting):
         """The task weights w of the next combination (d = sum_t w_t g_t), an absent task's included."""
         return dict(zip(self.tasks, self.task_weights.tolist()))
 
+    def step_weights(self):
+        """What the trainer logs: once this step's combination is done, the w it used (``weights()`` has already
+        moved on to the next one's); before it, the present tasks' ``weights()``."""
+        if self._used is not None and self._used[0] == self.step and self._used[1] == self.present:
+            return dict(zip(self.present, self._used[2].tolist()))
+        return super().step_weights()
+
     def weights_from_gram(self, gram, losses, dtype):
         """This step's w_S; then w_S moves using the norms ||g_t|| = sqrt(diag(gram))."""
         idx = self.present_index
         out = self.task_weights[idx].clone()
+        self._used = (self.step, list(self.present), out)  # what step_weights() logs: this step's w, not the next one's
         if all(self.initial_losses[i] is not None and self.last_losses[i] is not None for i in idx):
             self._update(idx, gram.diagonal().clamp_min(0.0).sqrt().to(self.task_weights.dtype))
         return out
