@@ -44,7 +44,7 @@ from mtl.build import (
 )
 from mtl.config.resume import saved_config
 from mtl.config.schema import config_from_data, load_config, multi_input, task_data
-from mtl.data.images import image_normalization, normalize_images
+from mtl.data.images import UnusableImage, image_normalization, normalize_images
 from mtl.data.loader import build_datasets, verify_task_fields
 from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
 from mtl.data.multi_input import build_task_val_sets
@@ -143,6 +143,8 @@ def read_image(path, image_size: int) -> torch.Tensor:
         raise DataError(f"image {path!r} not found")
     try:
         return load_image(path, image_size)
+    except UnusableImage:  # it opens, and its message says what is wrong with it (a 1 x 1,000,000 strip)
+        raise
     except DataError:
         raise DataError(f"image {path!r} cannot be decoded as an image; remove it or pass image files only") from None
 

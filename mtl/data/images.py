@@ -8,6 +8,12 @@ and the input normalisation that pretrained backbone weights expect.
 - Training augmentation (``data.augment``, off by default so runs stay reproducible): a random
   resized crop and a horizontal flip. Their random draws depend on (seed, epoch, index) only, so a
   resumed run and every data-loader worker see the same crops.
+- An image more than ``MAX_ASPECT`` times as long as it is wide (a 1 x 1,000,000 strip) is refused before it is
+  decoded (``shape_problem``): its centre square would be a sliver of it, and resizing its short side would make
+  an intermediate image ``MAX_ASPECT`` x the output's size and more (gigabytes for such a strip). Below the limit
+  the crop is the one it always was, so the memory a crop takes is bounded by ``MAX_ASPECT`` output images. Pillow's
+  own limit stays in force: a file of more than twice ``Image.MAX_IMAGE_PIXELS`` pixels (a decompression bomb)
+  does not open.
 - Normalisation (``data.normalize``) is applied by the loaders to whole batches; items stay in
   [0, 1] so they can be shown as pictures.
 """
@@ -24,6 +30,9 @@ from PIL import Image, ImageOps
 from mtl.errors import ConfigError, DataError
 
 PIL_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+# The longest side may be at most this many times the shortest: a panorama (4:1) or a banner (8:1) passes, a strip
+# whose centre square would be under 5 % of it does not.
+MAX_ASPECT = 20
 NORMALIZE = ("auto", "none", "imagenet")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # what every torchvision classification weight set was trained with
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -47,6 +56,20 @@ class Augment:
     def from_config(cls, cfg) -> Augment:
         a = cfg.data.augment
         return cls(bool(a.random_resized_crop), tuple(a.scale), tuple(a.ratio), bool(a.hflip), int(cfg.seed))
+
+
+class UnusableImage(DataError):
+    """An image that opens but cannot be made into a sane crop (``shape_problem``); the message names the file."""
+
+
+def shape_problem(width: int, height: int) -> str | None:
+    """Why an image of ``width`` x ``height`` pixels cannot be cropped to a square for the model, or None."""
+    short, long = min(width, height), max(width, height)
+    if short < 1 or long > MAX_ASPECT * short:
+        ratio = f"{long / short:,.0f}:1" if short else "no pixels on one side"
+        return (f"is {width:,} x {height:,} pixels ({ratio}), more elongated than the {MAX_ASPECT}:1 the centre "
+                "crop takes (its square would be a sliver of it, and resizing it whole could take gigabytes)")
+    return None
 
 
 def _random_box(rng: np.random.Generator, w: int, h: int, aug: Augment) -> tuple[int, int, int, int]:
@@ -77,14 +100,19 @@ def load_image(path: str, image_size: int, where: str = "", augment: Augment | N
                key: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """An image file as float (3, S, S) in [0, 1]: upright (EXIF), RGB, short side resized and centre-cropped;
     with ``augment`` active, a random resized crop and/or flip drawn from (augment.seed, epoch, index) = key."""
+    problem = None
     try:
         with Image.open(path) as raw:
-            img = ImageOps.exif_transpose(raw).convert("RGB")
+            problem = shape_problem(*raw.size)  # from the header: a strip is refused before it is decoded
+            if problem is None:
+                img = ImageOps.exif_transpose(raw).convert("RGB")
     except PIL_ERRORS as e:
         raise DataError(
             f"image {path!r}{where} could not be read at load time ({e}); it changed after validation "
             "— restore the file or drop its line"
         ) from None
+    if problem is not None:
+        raise UnusableImage(f"image {path!r}{where} {problem} — crop it to a less elongated shape, or leave it out")
     if augment is not None and augment.active:
         index, epoch = key
         rng = np.random.default_rng([augment.seed, epoch, index])

@@ -18,7 +18,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from mtl.data.images import PIL_ERRORS as _PIL_ERRORS
-from mtl.data.images import Augment, load_image
+from mtl.data.images import Augment, load_image, shape_problem
 from mtl.errors import DataError
 
 ON_ERROR = ("raise", "skip")
@@ -73,11 +73,16 @@ def _captions_of(obj: dict) -> list[str]:
 def _verify_image(path: str, rel: str, root: str) -> None:
     if not os.path.isfile(path):
         raise LineError(f"image {rel!r} not found under {root!r}", fix="fix the path")
+    problem = None
     try:
         with Image.open(path) as img:
-            img.load()  # decode every pixel: a truncated file only fails here
+            problem = shape_problem(*img.size)  # from the header: a 1 x 1,000,000 strip is not decoded
+            if problem is None:
+                img.load()  # decode every pixel: a truncated file only fails here
     except _PIL_ERRORS as e:
         raise LineError(f"image {rel!r} ({path}) cannot be decoded: {e}", fix="replace the file") from None
+    if problem is not None:
+        raise LineError(f"image {rel!r} ({path}) {problem}", fix="crop it to a less elongated shape")
 
 
 def _parse_line(text: str, number: int, image_root: str, label_fn: LabelFn) -> Record:
