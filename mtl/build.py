@@ -26,10 +26,11 @@ from mtl.data.loader import (
 )
 from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
-from mtl.data.tokenizer import CaptionTokenizer, train_tokenizer
+from mtl.data.tokenizer import CaptionTokenizer, extend_to_texts, train_tokenizer
 from mtl.delta_m import metric_specs
 from mtl.errors import CheckpointError, ConfigError
 from mtl.models.backbones import build_backbone
+from mtl.models.decoder import CaptionDecoder
 from mtl.models.multitask import MultiTaskModel
 from mtl.parallel.dist import DistInfo, barrier
 from mtl.parallel.fsdp import shard_model
@@ -73,12 +74,20 @@ def tokenizer_source(cfg) -> str | None:
 
 def resolve_tokenizer(cfg, train_captions, source: str | None = None) -> CaptionTokenizer:
     """The run's tokenizer without writing anything: the run's own copy (``output_dir/tokenizer``) if there is
-    one, else the one from ``source`` (``tokenizer_source``), else one trained on ``train_captions()``."""
+    one, else the one from ``source`` (``tokenizer_source``), else one trained on ``train_captions()``. A warm start
+    (``init_from``) whose training captions have words its tokenizer lacks extends it with them
+    (``extend_to_texts``; ``init_from_weights`` then grows the decoder's vocabulary to fit), or refuses a tokenizer
+    that cannot grow: nothing trains on the unknown token in silence."""
     run_copy = os.path.join(cfg.output_dir, "tokenizer")
     if os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
         return CaptionTokenizer.load(run_copy)
     source = source if source is not None else tokenizer_source(cfg)
-    return CaptionTokenizer.load(source) if source else train_tokenizer(train_captions(), cfg.tokenizer.vocab_size)
+    if not source:
+        return train_tokenizer(train_captions(), cfg.tokenizer.vocab_size)
+    tokenizer = CaptionTokenizer.load(source)
+    if cfg.get("init_from") and any("captions" in t.requires for t in run_task_types(cfg).values()):
+        tokenizer = extend_to_texts(tokenizer, train_captions(), f"init_from: the tokenizer {source!r}")[0]
+    return tokenizer
 
 
 def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTaskModel:
@@ -92,6 +101,7 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
                            loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
     if cfg.trainer.get("poison"):  # testing only: the reliability tests' NaN loss
         install_poison(model)
+    model.build_info = info  # what it was built for (its classes, its tokenizer): init_from_weights reads it
     return model
 
 
@@ -382,8 +392,10 @@ def load_model_weights(model: torch.nn.Module, state: dict, key: str, fix: str) 
 
 
 INIT_FROM_FIX = ("A warm start needs the model of the run that wrote the weights: set model.*, tasks, "
-                 "data.image_size and the tokenizer as in that run's config.yaml (a task head of another size, e.g. "
-                 "for another number of classes, is re-initialised; the rest must fit)")
+                 "data.image_size and the tokenizer as in that run's config.yaml (a class head's rows follow the "
+                 "class names, the caption vocabulary grows with new words, another task head of another size is "
+                 "re-initialised; the rest must fit)")
+FRESH_CLASS_HEAD = "init_from_fresh_class_head"  # the config key that starts the class heads fresh
 
 
 def init_from_tokenizer(source: str) -> str:
@@ -395,14 +407,31 @@ def init_from_tokenizer(source: str) -> str:
     return found
 
 
-def init_from_weights(model: torch.nn.Module, source: str) -> str:
-    """Warm start: load the weights of ``source`` into ``model`` (nothing else); return what was read, in words.
+def init_from_weights(model: torch.nn.Module, source: str, class_names: list | None = None,
+                      tokenizer: CaptionTokenizer | None = None, fresh_class_head: bool | None = None) -> str:
+    """Warm start: load the weights of ``source`` into ``model`` (nothing else); return what was read, in words
+    (one line, then a line per note).
 
-    Fine-tuning onto new labels: a task head whose tensors all exist in the file but some with another shape (e.g.
-    ``heads.cls.fc`` for another number of classes) keeps its fresh initialisation, and the returned text names
-    it; everything else loads strictly (a missing, unexpected or misshapen backbone key is refused, naming it)."""
-    weights = find_verified_model_files(source, "init_from").weights
+    ``class_names``, ``tokenizer`` and ``fresh_class_head`` (``init_from_fresh_class_head``) default to what the
+    model was built for (``build_model``). Fine-tuning onto other data:
+    - the heads of the tasks that read labels follow the class names (``match_class_rows``): the rows of the classes
+      both runs have carry over to this run's order, a new class keeps its fresh rows, a missing one is dropped;
+      no class in common is refused unless those heads start fresh;
+    - a caption decoder whose vocabulary this run's tokenizer extended (``resolve_tokenizer``) loads its old rows
+      and grows as transformers' ``resize_token_embeddings`` does (``shrink_grown_decoders``);
+    - another task head whose tensors all exist in the file but some with another shape keeps its fresh
+      initialisation, and is named;
+    everything else loads strictly (a missing, unexpected or misshapen backbone key is refused, naming it)."""
+    info = getattr(model, "build_info", None)
+    class_names = class_names if class_names is not None else (info.class_names if info else None)
+    tokenizer = tokenizer if tokenizer is not None else (info.tokenizer if info else None)
+    if fresh_class_head is None:
+        fresh_class_head = bool(info.cfg.get(FRESH_CLASS_HEAD)) if info else False
+    files = find_verified_model_files(source, "init_from")
+    weights = files.weights
     state = read_model_weights(weights, "init_from")
+    notes = match_class_rows(model, state, files, class_names, fresh_class_head)
+    grown = shrink_grown_decoders(model, state, files, tokenizer)
     own = model.state_dict()
     fresh: dict[str, list[str]] = {}
     for k, v in state.items():
@@ -416,7 +445,115 @@ def init_from_weights(model: torch.nn.Module, source: str) -> str:
             state.update({k: own[k] for k in head})
             kept.append(task)
     load_model_weights(model, state, f"init_from {weights!r}", INIT_FROM_FIX)
-    if not kept:
-        return weights
-    return (f"{weights}; re-initialised for their new shapes (fine-tuning onto new labels): "
-            + "; ".join(f"heads.{t} ({', '.join(fresh[t][:2])})" for t in kept) + "; every other weight loaded")
+    for name, decoder, size, added in grown:
+        old = decoder.vocab_size
+        decoder.resize_vocab(size)
+        notes.append(f"{name}: vocabulary {old} -> {size} tokens, {len(added)} word(s) of the training captions added "
+                     f"to the tokenizer ({shown(added)}); the old rows kept, the new ones as transformers' "
+                     "resize_token_embeddings makes them")
+    if kept:
+        notes.append("re-initialised for their new shapes: " + "; ".join(
+            f"heads.{t} ({', '.join(fresh[t][:2])})" for t in kept) + "; every other weight loaded")
+    return weights + "".join(f"\ninit_from: {n}" for n in notes)
+
+
+def shown(names: list, limit: int = 8) -> str:
+    """Names for a message: the first ``limit``, and how many there are in all when more."""
+    return ", ".join(map(str, names[:limit])) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def read_class_names(path: str) -> list[str]:
+    """A model folder's ``class_names.json``: a JSON list of strings."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"init_from: {path!r} cannot be read as JSON ({e}); export the model again") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"init_from: {path!r} is not a JSON list of class names; export the model again")
+    return names
+
+
+def match_class_rows(model: torch.nn.Module, state: dict, files: ModelFiles, class_names: list | None,
+                     fresh: bool) -> list[str]:
+    """The heads of the tasks that read labels (``requires`` has ``label``), in ``state`` (in place): their per-class
+    tensors (first dimension the file's class count there, this run's here) get the rows of the classes both runs
+    have, in this run's order, and a new class keeps the model's own fresh rows. ``fresh``: those heads keep their
+    fresh initialisation. Returns the notes. Refused (CheckpointError): no class in common; a folder without
+    class_names.json whose head has another size."""
+    own = model.state_dict()
+    heads = [t for t, h in model.heads.items() if "label" in getattr(h, "requires", ())]
+    if not heads:
+        return []
+    fix = f"Set {FRESH_CLASS_HEAD}=true to start " + "/".join(f"heads.{t}" for t in heads) + " fresh (every other " \
+          "weight loads)"
+    if fresh:
+        for t in heads:
+            for k in [k for k in state if k.startswith(f"heads.{t}.")]:
+                del state[k]
+            state.update({k: v for k, v in own.items() if k.startswith(f"heads.{t}.")})
+        return [", ".join(f"heads.{t}" for t in heads) + f": fresh ({FRESH_CLASS_HEAD}=true)"]
+    if class_names is None:
+        raise ValueError("init_from_weights: the run's class names are needed for its class heads")
+    new = list(class_names)
+    old = read_class_names(files.class_names) if files.class_names else None
+    notes = []
+    for t in heads:
+        keys = [k for k in own if k.startswith(f"heads.{t}.")]
+        if not all(k in state for k in keys):
+            continue  # a head the file lacks: the strict load names it
+        if old is None:
+            if all(state[k].shape == own[k].shape for k in keys):
+                notes.append(f"heads.{t}: {files.folder!r} has no {CLASS_NAMES_FILE}, so its rows load by position, "
+                             f"taken to be this run's {len(new)} classes in this order ({shown(new)})")
+                continue
+            raise CheckpointError(f"init_from: {files.folder!r} has no {CLASS_NAMES_FILE} and its heads.{t} is of "
+                                  f"another size than this run's {len(new)} classes, so its rows cannot be matched "
+                                  f"to them. {fix}")
+        if old == new:
+            continue
+        rows = [k for k in keys if k in state and state[k].ndim >= 1 and state[k].ndim == own[k].ndim
+                and state[k].shape[0] == len(old) and own[k].shape[0] == len(new)
+                and state[k].shape[1:] == own[k].shape[1:]]
+        if not rows:
+            continue
+        where = {n: i for i, n in enumerate(old)}
+        carried = [n for n in new if n in where]
+        if not carried:
+            raise CheckpointError(f"init_from: none of this run's {len(new)} classes ({shown(new)}) is among the "
+                                  f"{len(old)} of {files.class_names!r} ({shown(old)}), so heads.{t}'s rows cannot "
+                                  f"carry over. {fix}, or train on data with that model's classes")
+        for k in rows:
+            merged = own[k].detach().clone()
+            for i, n in enumerate(new):
+                if n in where:
+                    merged[i] = state[k][where[n]]
+            state[k] = merged
+        added, dropped = [n for n in new if n not in where], [n for n in old if n not in set(new)]
+        moved = [f"{n} {where[n]}->{i}" for i, n in enumerate(new) if n in where and where[n] != i]
+        notes.append(f"heads.{t} rows matched by class name ({CLASS_NAMES_FILE}): carried {len(carried)} "
+                     f"({shown(carried)}{'; moved ' + shown(moved) if moved else ''}), new {len(added)}"
+                     f"{' (' + shown(added) + ', initialised as a fresh head)' if added else ''}, dropped "
+                     f"{len(dropped)}{' (' + shown(dropped) + ')' if dropped else ''}")
+    return notes
+
+
+def shrink_grown_decoders(model: torch.nn.Module, state: dict, files: ModelFiles,
+                          tokenizer: CaptionTokenizer | None) -> list[tuple[str, CaptionDecoder, int, list[str]]]:
+    """Each caption decoder whose vocabulary this run's ``tokenizer`` extended from the model folder's (every old
+    token keeps its id; ``resolve_tokenizer``) is shrunk back to the file's rows, so the file loads; returns
+    (its name, it, its size, the words added) for ``init_from_weights`` to grow it again after the load."""
+    decoders = [(n, m) for n, m in model.named_modules() if isinstance(m, CaptionDecoder)]
+    if not decoders or tokenizer is None or files.tokenizer is None:
+        return []
+    old_vocab, new_vocab = CaptionTokenizer.load(files.tokenizer).vocab(), tokenizer.vocab()
+    if len(new_vocab) <= len(old_vocab) or any(new_vocab.get(w) != i for w, i in old_vocab.items()):
+        return []  # not an extension of the folder's tokenizer
+    added = [w for w, _ in sorted(new_vocab.items(), key=lambda kv: kv[1]) if w not in old_vocab]
+    out = []
+    for name, decoder in decoders:
+        rows = state.get(f"{name}.lm.transformer.wte.weight")
+        if rows is not None and rows.shape[0] == len(old_vocab) and decoder.vocab_size == len(new_vocab):
+            out.append((name, decoder, decoder.vocab_size, added))
+            decoder.resize_vocab(len(old_vocab))
+    return out

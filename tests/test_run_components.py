@@ -259,7 +259,7 @@ def test_the_start_up_summary_shows_the_data_and_not_the_keys_the_run_does_not_r
     summary = data_summary(cfg, build_run_inputs(cfg), run_task_types(cfg))
     lines = summary.splitlines()
     assert lines[0] == "data:" and lines[1] == "  cls: train 40 items, val 64 items; 4 classes"
-    assert lines[2].startswith("  gen: train 40 items, val 64 items; vocabulary ") and lines[2].endswith(" tokens")
+    assert lines[2].startswith("  gen: train 40 items, val 64 items; vocabulary ") and ", unknown tokens train " in lines[2]
     assert "synthetic.train_size=40" in config_summary(cfg, skip=unused_keys(cfg))  # a synthetic run reads them
     manifest = config(tmp_path, "data.source=manifest", "data.train_path=t.jsonl", "data.val_path=v.jsonl",
                       "data.synthetic.train_size=40")

@@ -246,6 +246,9 @@ class Config:
     # world size): the message that refuses such a resume says why (docs/reliability.md)
     resume_reshard: bool = False
     init_from: str | None = None  # warm start: a NEW run (step 0, fresh optimizer) from a checkpoint/export's weights
+    # init_from: the heads of the tasks that read class labels start fresh, instead of carrying their rows over by
+    # class name (class_names.json); needed when the two runs' classes have none in common
+    init_from_fresh_class_head: bool = False
     overwrite: bool = False  # start over: delete output_dir's earlier checkpoints, tokenizer and logs first
     tasks: list[str] = field(default_factory=lambda: ["cls", "gen"])
     task_options: dict[str, Any] = field(default_factory=dict)  # task name -> that task's options (its Options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -82,6 +83,55 @@ class CaptionTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """{token: id}, the special tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def kind(self) -> str:
+        """The tokenizers model: WordLevel (trained here), BPE, WordPiece, Unigram."""
+        return type(self._tok.model).__name__
+
+    @property
+    def can_grow(self) -> bool:
+        """Whether ``with_words`` can add words: a word-level vocabulary can (a word is one id)."""
+        return self._word_level
+
+    def unknown_tokens(self, texts: Iterable[str]) -> tuple[int, int]:
+        """(how many of the tokens of ``texts`` are the unknown token, how many tokens there are)."""
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        total = sum(len(e.ids) for e in encodings)
+        return (0 if self.unk_id is None else sum(e.ids.count(self.unk_id) for e in encodings)), total
+
+    def unknown_words(self, texts: Iterable[str]) -> Counter:
+        """{a piece of text this tokenizer encodes as its unknown token (normalized, as the vocabulary keeps it):
+        how often}, over ``texts``."""
+        found: Counter = Counter()
+        if self.unk_id is None:  # byte-level BPE: every text encodes
+            return found
+        texts = list(texts)
+        norm = self._tok.normalizer
+        for text, enc in zip(texts, self._tok.encode_batch(texts, add_special_tokens=False)):
+            for tid, (start, end) in zip(enc.ids, enc.offsets):
+                if tid == self.unk_id:
+                    piece = text[start:end]
+                    found[norm.normalize_str(piece) if norm is not None else piece] += 1
+        return found
+
+    def with_words(self, words: Iterable[str]) -> CaptionTokenizer:
+        """A copy that also knows ``words`` (word-level only): each new word gets the next free id, in the given
+        order, so every token keeps its id (the embedding rows of a model trained with this tokenizer stay right)."""
+        if not self._word_level:
+            raise DataError(f"a {self.kind} tokenizer cannot be extended with new words here")
+        data = json.loads(self._tok.to_str())
+        vocab = data["model"]["vocab"]
+        next_id = max(self.vocab().values(), default=-1) + 1
+        for word in words:
+            if word not in vocab:
+                vocab[word] = next_id
+                next_id += 1
+        return CaptionTokenizer(Tokenizer.from_str(json.dumps(data)))
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without any special tokens."""
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -140,3 +190,34 @@ def train_tokenizer(captions: Iterable[str], vocab_size: int) -> CaptionTokenize
     # no captions at all (an ImageFolder without captions.jsonl): the special tokens only. No task that reads
     # captions can be configured then (the run refuses it first, naming the task and the fix).
     return CaptionTokenizer(tok)
+
+
+def extend_to_texts(tokenizer: CaptionTokenizer, texts: list[str], what: str) -> tuple[CaptionTokenizer, list[str]]:
+    """(a tokenizer that knows every word of ``texts``, the words it added). A word-level tokenizer grows: the
+    unknown words are appended after its last id (most frequent first, then alphabetically), every old id keeping
+    its token, as transformers' ``add_tokens`` does. A tokenizer that cannot grow and meets unknown words is
+    refused (DataError naming ``what``, the count and the fix): they would train as the unknown token."""
+    unknown = tokenizer.unknown_words(texts)
+    if not unknown:
+        return tokenizer, []
+    words = sorted(unknown, key=lambda w: (-unknown[w], w))
+    if tokenizer.can_grow:
+        return tokenizer.with_words(words), words
+    unk, total = tokenizer.unknown_tokens(texts)
+    shown = ", ".join(repr(w) for w in words[:5]) + (", ..." if len(words) > 5 else "")
+    raise DataError(f"{what}: {len(words)} word(s) of the training captions are unknown to its {tokenizer.kind} "
+                    f"tokenizer ({shown}; {unk} of {total} tokens), and a {tokenizer.kind} tokenizer cannot be "
+                    "extended here, so they would train as its unknown token. Train without init_from (a word-level "
+                    "tokenizer is then trained on these captions), or set tokenizer.path to a tokenizer that has "
+                    "these words and fits the model's vocabulary")
+
+
+def unknown_share_text(tokenizer: CaptionTokenizer, splits: dict[str, list[str]]) -> str:
+    """The data summary's words on unknown tokens: per split, the share of its captions' tokens that are unknown."""
+    if tokenizer.unk_id is None:
+        return f"no unknown token ({tokenizer.kind}: every text encodes)"
+    parts = []
+    for split, texts in splits.items():
+        unk, total = tokenizer.unknown_tokens(texts)
+        parts.append(f"{split} {unk / max(total, 1):.2%} ({unk} of {total})")
+    return "unknown tokens " + ", ".join(parts)

@@ -69,6 +69,20 @@ class CaptionDecoder(nn.Module):
         return [(f"lm.transformer.h.{i}", block) for i, block in enumerate(self.lm.transformer.h)]
 
     @property
+    def vocab_size(self) -> int:
+        """The rows of the token embedding (and of the LM head, tied to it)."""
+        return self.lm.get_input_embeddings().num_embeddings
+
+    def resize_vocab(self, size: int) -> None:
+        """transformers' ``resize_token_embeddings``: the first ``min(old, size)`` rows are kept exactly; rows added
+        are drawn around the old rows' mean and covariance (its ``mean_resizing``). The LM head stays tied to the
+        token embedding (one weight: it grows with it)."""
+        self.lm.resize_token_embeddings(size)
+        tied = self.lm.get_output_embeddings().weight is self.lm.get_input_embeddings().weight
+        if getattr(self.lm.config, "tie_word_embeddings", False) and not tied:  # a transformers change would show here
+            raise RuntimeError("resize_token_embeddings untied the LM head from the token embedding")
+
+    @property
     def width(self) -> int:
         return self.lm.config.n_embd
 

@@ -24,6 +24,7 @@ import torch
 from mtl.build import build_eval_loaders
 from mtl.data.heldout import HeldoutStream, verify_heldout_size
 from mtl.data.loader import (
+    all_captions,
     build_eval_loader,
     build_test_dataset,
     build_train_loader,
@@ -35,6 +36,7 @@ from mtl.data.loader import (
     verify_train_size,
 )
 from mtl.data.multi_input import MultiInputStream, verify_task_sizes
+from mtl.data.tokenizer import unknown_share_text
 from mtl.errors import ConfigError
 
 
@@ -200,7 +202,7 @@ def build_eval_feeds(cfg, inputs, dist, test_ds=None) -> tuple[dict, object]:
 
 def data_summary(cfg, inputs, task_types: dict) -> str:
     """Per task and split what the run reads: items, the classes found (a task that reads labels), the
-    vocabulary (a task that reads captions)."""
+    vocabulary and the share of each split's caption tokens it does not know (a task that reads captions)."""
     lines = ["data:"]
     for t, kind in task_types.items():
         train, val = inputs.task_sets[t] if inputs.task_sets is not None else (inputs.train_ds, inputs.val_ds)
@@ -210,6 +212,7 @@ def data_summary(cfg, inputs, task_types: dict) -> str:
         if "label" in kind.requires:
             text += f"; {getattr(train, 'num_classes', '?')} classes"
         if "captions" in kind.requires:
-            text += f"; vocabulary {inputs.tokenizer.vocab_size} tokens"
+            text += f"; vocabulary {inputs.tokenizer.vocab_size} tokens, " + unknown_share_text(inputs.tokenizer, {
+                split: all_captions(getattr(ds, "inner", ds)) for split, ds in (("train", train), ("val", val))})
         lines.append(text)
     return "\n".join(lines)
