@@ -114,6 +114,13 @@ def read_caption_lines(
     """
     if on_error not in ON_ERROR:
         raise DataError(f"data.on_error={on_error!r}: must be one of {', '.join(ON_ERROR)}")
+    if os.path.isdir(path):
+        fix = ("for an ImageFolder tree (root/<class>/<image>, captions in root/captions.jsonl) set "
+               "data.source=imagefolder; for a manifest, give its .jsonl file" if kind == "manifest"
+               else "give the .jsonl file itself")
+        raise DataError(f"{kind} {path!r} is a folder, not a JSONL file — {fix}")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise DataError(f"{kind} {path!r} is not a regular file — set the data path to a .jsonl file")
     if not os.path.isfile(path):
         raise DataError(f"{kind} {path!r} not found — set the data path to an existing .jsonl file")
     image_root = os.path.abspath(image_root)
