@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import matplotlib
@@ -15,8 +16,9 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_curves(metrics_path: str, out_path: str, metric_keys: list[str]) -> None:
-    """Per-task training losses (left) and the validation metrics ``metric_keys`` (right) against the step."""
+def curves_png(metrics_path: str, metric_keys: list[str]) -> bytes:
+    """Per-task training losses (left) and the validation metrics ``metric_keys`` (right) against the step, as PNG
+    bytes: the caller writes them (mtl/run/trainer.py: atomically, a failure one warning)."""
     rows = read_metrics(metrics_path)
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -41,8 +43,12 @@ def plot_curves(metrics_path: str, out_path: str, metric_keys: list[str]) -> Non
     ax2.set_title("validation")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=100)
+    finally:
+        plt.close(fig)
+    return buffer.getvalue()
 
 
 def sample_figure(images, samples):

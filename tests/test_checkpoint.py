@@ -509,7 +509,7 @@ def test_a_re_run_is_refused_with_a_way_to_start_over(tmp_path, capsys):
     assert "already holds checkpoints (step_2)" in e.value.message and "overwrite=true" in e.value.message
     assert decide(tmp_path, "overwrite=true") is None
     assert "overwrite=true: deleted the earlier run's checkpoints, tokenizer" in capsys.readouterr().out
-    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "notes.txt"]  # what the run did not write stays
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "notes.txt", "run.json"]  # what the run did not write stays
     with pytest.raises(ConfigError, match="overwrite: true starts over, resume=auto continues"):
         config(tmp_path, "overwrite=true", "resume=auto")
     with pytest.raises(ConfigError, match="overwrite"):

@@ -5,7 +5,9 @@
 - ``model.safetensors``: the full, unsharded model (gathered on rank 0 under FSDP2; no DDP prefix),
   for inference and export, readable with ``safetensors.torch.load_file``;
 - ``trainer_state.pt``: scheduler, GradScaler, weighting method, step, the position in the data (in
-  global samples: independent of the world size), the world size and engine that wrote it;
+  global samples: independent of the world size), the world size and engine that wrote it, the id of the run
+  that wrote it (``run_id``: a resume never writes over another run's checkpoints, mtl/run/run_folder.py) and
+  the non-finite streak at that step (``bad_steps``: a resume stops where the uninterrupted run would);
 - ``rng_rank<r>.pt``: every RNG of rank r (Python, NumPy, torch, CUDA);
 - ``config.yaml``: the resolved config of the run that wrote it;
 - any extra files the trainer passes (``tokenizer/tokenizer.json``, ``class_names.json``);
@@ -75,6 +77,16 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
         elif m := ASIDE_DIR.match(name):
             aside[int(m.group(1))] = path
     return sorted({**aside, **published}.items())
+
+
+def checkpoint_run_id(path: str) -> str | None:
+    """The id of the run that wrote the checkpoint (``trainer_state.pt``'s ``run_id``); None when it has none (written
+    before mtl saved run ids) or cannot be read."""
+    try:
+        run_id = read_trainer_state(path).get("run_id")
+    except CheckpointError:
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def latest_checkpoint(output_dir: str) -> str | None:

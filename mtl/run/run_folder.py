@@ -4,10 +4,22 @@ Start-up, in order:
 1. ``lock()`` (rank 0): take the run lock. A busy folder is not raised yet: the data is read first, so that one
    message names every error of the command (``after_data``), and nothing is written in the folder before the
    data is known good.
-2. ``prepare()`` (every rank, once the data is good): rank 0 alone reads the folder and decides (recover an
-   interrupted re-save, ``overwrite``, which checkpoint to resume, the checkpoint's tokenizer, ``metrics.jsonl``
-   cut back to it, ``config.yaml``); every rank follows that one decision, an error included, so no rank's own
-   view of the file system can send it down another collective path than its peers.
+2. ``prepare(commit=False)`` (every rank, once the data is good): rank 0 alone reads the folder and decides
+   (recover an interrupted re-save, ``overwrite``, which checkpoint to resume, the run's identity); every rank
+   follows that one decision, an error included, so no rank's own view of the file system can send it down
+   another collective path than its peers. ``tokenizer()`` then gives the run's tokenizer, written nowhere yet.
+3. ``commit()`` (every rank, once nothing can refuse the run any more: the resume's checks on the model in
+   ``load``, ``init_from``): rank 0 writes what was decided: ``overwrite``'s deletion, ``metrics.jsonl`` cut back
+   to the checkpoint, ``tokenizer/``, ``class_names.json``, ``config.yaml``, ``run.json``. So a refused run leaves
+   output_dir as it was (the lock it took is gone again; an interrupted re-save's checkpoint, put back by
+   ``recover``, is the one repair made before). ``prepare()`` alone (commit=True) decides and writes at once.
+
+A run's identity: a fresh run gets a random id, kept in ``output_dir/run.json`` and in every checkpoint's
+``trainer_state.pt`` (``run_id``). A resume continues the checkpoint's run, and may write over that run's
+checkpoints only: a checkpoint of another folder resumes into a folder with no checkpoints (it becomes a new run
+there, with a new id; ``run.json`` names the checkpoint it started from) or into one whose checkpoints are its
+own run's (a copy), never over another run's (``_identity``; a ConfigError, exit 2, as ``resume=null`` on a
+folder with checkpoints). A checkpoint without an id (written before ids) is its own folder's run's.
 
 Then ``load`` (every rank) restores a checkpoint into the step's parts and the feed, and ``save`` writes one;
 ``save_due(step)`` / ``is_last(step)`` say when, as torchtitan's checkpointer does.
@@ -18,11 +30,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+import uuid
 
+from omegaconf import OmegaConf
+
+from mtl.build import resolve_tokenizer, tokenizer_source
 from mtl.config.resume import batch_statistics_layers, random_layers, reshard_problems, saved_config, verify_resume_config
 from mtl.config.schema import config_summary, multi_input, task_data, to_yaml
 from mtl.data.loader import data_position
-from mtl.errors import CheckpointError, ConfigError, DataError
+from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
+from mtl.data.tokenizer import CaptionTokenizer
+from mtl.errors import CheckpointError, ConfigError, DataError, MTLError
 from mtl.files import write_atomic
 from mtl.parallel.dist import DistInfo, barrier, broadcast_object
 from mtl.parallel.fsdp import full_model_state, is_sharded
@@ -33,8 +52,10 @@ from mtl.run.runlock import LockHeld, RunLock
 from mtl.run.step import StepParts
 from mtl.run.train_state import sharded_state
 
+RUN_ID_FILE = "run.json"  # the run's identity: {"run_id": ..., "resumed_from": the checkpoint it started from or null}
 # what a run writes in output_dir; overwrite=true deletes these (and nothing else) before it starts
-RUN_FILES = ("checkpoints", "tokenizer", "tb", "metrics.jsonl", "final_metrics.json", "curves.png", "config.yaml")
+RUN_FILES = ("checkpoints", "tokenizer", "tb", "metrics.jsonl", "final_metrics.json", "curves.png", "config.yaml",
+             RUN_ID_FILE)
 
 
 class RunFolder:
@@ -45,6 +66,13 @@ class RunFolder:
         self._made = False  # rank 0 made output_dir (a start-up that fails leaves no empty folder behind)
         self.saved_step: int | None = None  # the step this folder holds a checkpoint of, as this process knows it
         self.files: dict[str, bytes] = {}  # the small files every checkpoint carries (rank 0's are written)
+        self.run_id: str | None = None  # this run's identity (prepare), saved in every checkpoint
+        self.resumed_bad_steps = 0  # the non-finite streak at the step resumed from (load)
+        self._resume: str | None = None  # the checkpoint to resume from (prepare)
+        self._trim_step = 0  # rank 0: metrics.jsonl is cut back to this step (commit)
+        self._tokenizer: dict[str, bytes] | None = None  # rank 0: the run's tokenizer files (tokenizer)
+        self._tokenizer_from_checkpoint = False  # rank 0: they are the resumed checkpoint's (commit says so)
+        self._class_names: bytes | None = None  # rank 0: class_names.json (prepare_run_files)
 
     # ------------------------------------------------------------------ start-up
 
@@ -78,46 +106,77 @@ class RunFolder:
                 raise ConfigError([self._lock_error, *e.errors]) from None
             raise DataError(f"{e.message}\nand {self._lock_error}") from None
 
-    def prepare(self) -> str | None:
-        """Every rank, once the data is good: the checkpoint to resume from, or None (see the module docstring)."""
+    def prepare(self, commit: bool = True) -> str | None:
+        """Every rank, once the data is good: the checkpoint to resume from, or None (see the module docstring).
+        ``commit=False``: write nothing yet; the caller calls ``commit()`` once nothing can refuse the run."""
         decision = self._decide() if self.dist.is_main else None
-        kind, error, path, notes = broadcast_object(decision)
+        kind, error, path, notes, self.run_id = broadcast_object(decision)
+        self._resume = path
         if kind:
             self.close()
             raise CheckpointError(error) if kind == "checkpoint" else ConfigError(error)
         if self.dist.is_main:
+            # only the keys the run reads (mtl/config/reads.py)
             print(config_summary(self.cfg, os.path.join(self.cfg.output_dir, "config.yaml"), skip=unused_keys(self.cfg)),
                   flush=True)
             for note in notes:
                 print(note, flush=True)
         barrier()
+        if commit:
+            self.commit()
         return path
 
     def _decide(self) -> tuple:
-        """(error kind or None, error, checkpoint to resume from or None, notes to print), from what rank 0 sees."""
+        """(error kind or None, error, checkpoint to resume from or None, notes to print, the run's id), from what
+        rank 0 sees. Writes nothing (but ``recover``'s repair)."""
         cfg = self.cfg
         if self._lock_error:
-            return "config", self._lock_error, None, []
+            return "config", self._lock_error, None, [], None
         try:
             notes = [self._lock.note] if self._lock.note else []
             notes += ckpt.recover(cfg.output_dir)
             if cfg.overwrite:
-                notes += start_over(cfg.output_dir)
+                refuse_linked_checkpoints(cfg.output_dir)
             path = self._choose_checkpoint(notes)
+            state = ckpt.read_trainer_state(path) if path else None
             if path:
                 verify_resume_config(path, cfg)  # the world size, engine and global batch: load (reshard_problems)
-                notes += restore_tokenizer(path, cfg.output_dir)
-            trim_metrics(cfg.output_dir, ckpt.read_trainer_state(path)["step"] if path else 0)
-            write_atomic(os.path.join(cfg.output_dir, "config.yaml"), to_yaml(cfg).encode("utf-8"))
+            run_id, self._trim_step, note = self._identity(path, state)
         except ConfigError as e:
-            return "config", e.errors, None, []
+            return "config", e.errors, None, [], None
         except CheckpointError as e:
-            return "checkpoint", e.message, None, []
+            return "checkpoint", e.message, None, [], None
         except OSError as e:
             return "config", (f"output_dir: cannot write {e.filename or cfg.output_dir!r}: {ckpt.describe_os_error(e)}."
-                              " Choose a writable output_dir with free space"), None, []
-        self._made = False  # the folder now holds this run
-        return None, None, path, notes
+                              " Choose a writable output_dir with free space"), None, [], None
+        return None, None, path, notes + ([note] if note else []), run_id
+
+    def _identity(self, path: str | None, state: dict | None) -> tuple[str, int, str]:
+        """(this run's id, the step metrics.jsonl is cut back to, a note or ""), or a ConfigError when resuming
+        ``path`` here would write over the checkpoints of another run (see the module docstring)."""
+        cfg, out = self.cfg, self.cfg.output_dir
+        if path is None:
+            return new_run_id(), 0, ""
+        theirs, step = ckpt.checkpoint_run_id(path), int(state["step"])
+        if in_checkpoint_root(path, out):  # this folder's own checkpoint: resume=auto, or a step of it named
+            return theirs or folder_run_id(out) or new_run_id(), step, ""
+        held = ckpt.list_checkpoints(out)
+        if not held:  # a new folder (or one whose run saved nothing): a new run from that checkpoint
+            if theirs and folder_run_id(out) == theirs:  # this folder's run, its checkpoints gone: resumed from a copy
+                return theirs, step, ""
+            run_id = new_run_id()
+            return run_id, 0, (f"resume: {path} is another folder's checkpoint: {out} starts a new run from it "
+                               f"(run id {run_id}, in {RUN_ID_FILE})")
+        ids = {ckpt.checkpoint_run_id(p) for _, p in held} - {None}
+        if theirs and ids == {theirs}:  # a copy of this folder's own run
+            return theirs, step, ""
+        names = ", ".join(os.path.basename(p) for _, p in held)
+        why = (f"this folder's run {', '.join(sorted(ids))}; the checkpoint's run {theirs}" if theirs and ids else
+               "one of them was written before mtl saved run ids, so they cannot be told to be one run")
+        raise ConfigError(f"output_dir: {out!r} holds checkpoints ({names}) of another run than resume={cfg.resume!r} "
+                          f"({why}): resuming it here would write over them and mix the two runs' metrics.jsonl and "
+                          f"config.yaml. To continue that checkpoint, give it a new folder: output_dir=<new folder> "
+                          f"resume={cfg.resume}; to continue this folder's own run: resume=auto")
 
     def _choose_checkpoint(self, notes: list[str]) -> str | None:
         cfg = self.cfg
@@ -133,7 +192,7 @@ class RunFolder:
             return path
         if cfg.resume is None:
             existing = ckpt.latest_checkpoint(cfg.output_dir)
-            if existing:
+            if existing and not cfg.overwrite:  # overwrite=true deletes them (commit)
                 raise ConfigError(f"output_dir: {cfg.output_dir!r} already holds checkpoints "
                                   f"({os.path.basename(existing)}) of another run. Set resume=auto to continue it, "
                                   "overwrite=true to delete them and start over, or choose another output_dir")
@@ -144,22 +203,88 @@ class RunFolder:
             raise CheckpointError(f"resume={cfg.resume!r}: {e.message}. Point resume at another checkpoint") from None
         return cfg.resume
 
-    def write_run_files(self, class_names: list) -> None:
-        """Rank 0: the class list (for mtl.inference) and what every checkpoint carries: the class names, the
-        plug-in files (``mtl.registry.plugin_files``) and the run's tokenizer, so a checkpoint folder alone resumes,
-        exports or predicts."""
+    def tokenizer(self, captions) -> CaptionTokenizer:
+        """Every rank, after ``prepare``: the run's tokenizer, written nowhere yet (``commit`` writes the run's copy,
+        ``output_dir/tokenizer/``). On a resume the checkpoint's own (so a damaged run's copy does not block it);
+        else the run's copy (not with overwrite=true, which deletes it); else ``mtl.build.resolve_tokenizer``'s
+        (``tokenizer.path``'s, ``init_from``'s or one trained on ``captions()``). Rank 0 finds it; every rank
+        loads those same bytes, or raises the same error."""
+        found = None
+        if self.dist.is_main:
+            try:
+                found = "ok", self._find_tokenizer(captions)
+            except MTLError as e:
+                found = type(e).__name__, (e.errors if isinstance(e, ConfigError) else e.message)
+        kind, value = broadcast_object(found)
+        if kind != "ok":
+            raise {"ConfigError": ConfigError, "CheckpointError": CheckpointError}.get(kind, DataError)(value)
+        if self.dist.is_main:
+            self._tokenizer = value
+        return tokenizer_from_files(value)
+
+    def _find_tokenizer(self, captions) -> dict[str, bytes]:
+        """Rank 0: the files of the run's tokenizer (see ``tokenizer``); a damaged one is refused, naming its file."""
+        cfg = self.cfg
+        source = tokenizer_source(cfg)  # looked up even when unused (as mtl.build.build_tokenizer): init_from's errors
+        run_copy = os.path.join(cfg.output_dir, "tokenizer")
+        if self._resume and os.path.isfile(os.path.join(self._resume, "tokenizer", TOKENIZER_FILE)):
+            found = os.path.join(self._resume, "tokenizer")
+            self._tokenizer_from_checkpoint = True
+        elif not cfg.overwrite and os.path.isfile(os.path.join(run_copy, TOKENIZER_FILE)):
+            found = run_copy
+        else:
+            view = OmegaConf.merge(cfg, {"output_dir": os.path.join(cfg.output_dir, ".none")}) if cfg.overwrite else cfg
+            with tempfile.TemporaryDirectory() as folder:  # resolve_tokenizer does not read the run's copy here
+                resolve_tokenizer(view, captions, source).save(folder)
+                return folder_files(folder)
+        CaptionTokenizer.load(found)  # a damaged file is refused here, by its own name
+        return folder_files(found)
+
+    def prepare_run_files(self, class_names: list) -> None:
+        """Rank 0: the class list (for mtl.inference; ``commit`` writes it) and what every checkpoint carries: the
+        class names, the plug-in files (``mtl.registry.plugin_files``) and the run's tokenizer, so a checkpoint
+        folder alone resumes, exports or predicts."""
         if not self.dist.is_main:
             return
-        names = json.dumps(list(class_names)).encode("utf-8")
-        with open(os.path.join(self.cfg.output_dir, "class_names.json"), "wb") as f:
-            f.write(names)
+        names = self._class_names = json.dumps(list(class_names)).encode("utf-8")
         self.files = {"class_names.json": names, **plugin_files(self.cfg)}
-        run_copy = os.path.join(self.cfg.output_dir, "tokenizer")
-        for name in sorted(os.listdir(run_copy)):
-            path = os.path.join(run_copy, name)
-            if os.path.isfile(path) and not name.endswith(".tmp"):
-                with open(path, "rb") as f:
-                    self.files[f"tokenizer/{name}"] = f.read()
+        self.files.update({f"tokenizer/{name}": data for name, data in (self._tokenizer or {}).items()})
+
+    def commit(self) -> None:
+        """Every rank, once nothing can refuse the run any more: rank 0 writes what the start-up decided (see the
+        module docstring); a failed write is one ConfigError on every rank."""
+        error, notes = self._write_start() if self.dist.is_main else (None, [])
+        error = broadcast_object(error)
+        if error:
+            self.close()
+            raise ConfigError(error)
+        for note in notes:
+            print(note, flush=True)
+
+    def _write_start(self) -> tuple[str | None, list[str]]:
+        cfg, out = self.cfg, self.cfg.output_dir
+        notes = []
+        try:
+            if cfg.overwrite:
+                notes += start_over(out)
+            trim_metrics(out, self._trim_step)
+            if self._tokenizer is not None:
+                run_copy = os.path.join(out, "tokenizer")
+                restored = write_changed(run_copy, self._tokenizer)
+                if restored and self._tokenizer_from_checkpoint:
+                    notes.append(f"tokenizer: restored {', '.join(restored)} in {run_copy} from the checkpoint")
+            if self._class_names is not None:
+                write_atomic(os.path.join(out, "class_names.json"), self._class_names)
+            write_atomic(os.path.join(out, "config.yaml"), to_yaml(cfg).encode("utf-8"))
+            identity = {"run_id": self.run_id, "resumed_from": os.path.abspath(self._resume) if self._resume else None}
+            write_atomic(os.path.join(out, RUN_ID_FILE), json.dumps(identity, indent=1).encode("utf-8"))
+        except ConfigError as e:  # a checkpoints link that appeared since prepare (refuse_linked_checkpoints)
+            return e.errors, []
+        except OSError as e:
+            return (f"output_dir: cannot write {e.filename or out!r}: {ckpt.describe_os_error(e)}. Choose a writable "
+                    "output_dir with free space"), []
+        self._made = False  # the folder now holds this run
+        return None, notes
 
     # ------------------------------------------------------------------ when
 
@@ -173,22 +298,25 @@ class RunFolder:
 
     # ------------------------------------------------------------------ save and load
 
-    def trainer_state(self, step: int, parts: StepParts, feed) -> dict:
+    def trainer_state(self, step: int, parts: StepParts, feed, bad_steps: int = 0) -> dict:
+        """What ``trainer_state.pt`` holds (mtl/run/checkpoint.py); ``bad_steps``: the non-finite streak at ``step``."""
         return {"step": step, "world_size": self.dist.world_size,
                 "engine": "fsdp2" if is_sharded(parts.bare) else "ddp", **feed.state_dict(),
                 "scheduler": parts.scheduler.state_dict(), "scaler": parts.amp.state_dict(),
-                "weighting": parts.weighting.state_dict()}
+                "weighting": parts.weighting.state_dict(), "run_id": self.run_id, "bad_steps": bad_steps}
 
-    def save(self, step: int, parts: StepParts, feed) -> tuple[str, bool]:
+    def save(self, step: int, parts: StepParts, feed, bad_steps: int = 0) -> tuple[str, bool]:
         """(the checkpoint of ``step``, whether it was written now): not when this folder already holds exactly
-        it (a stop signal on a checkpoint step, a resume with nothing left to do)."""
+        it (a stop signal on a checkpoint step, a resume with nothing left to do). In a non-finite streak
+        (``bad_steps`` > 0) ``checkpoint.keep_last`` deletes nothing: the checkpoint from before the streak stays."""
         path = os.path.join(ckpt.checkpoint_root(self.cfg.output_dir), f"step_{step}")
         if self.saved_step == step:
             return path, False
         sharded = is_sharded(parts.bare)
         model = full_model_state(parts.bare) if sharded else parts.bare  # FSDP2: gathered on rank 0 (collective)
-        path = ckpt.save_checkpoint(self.cfg.output_dir, step, model, self.trainer_state(step, parts, feed),
-                                    to_yaml(self.cfg), self.dist.rank, self.cfg.checkpoint.keep_last, self.files,
+        keep_last = 0 if bad_steps else self.cfg.checkpoint.keep_last
+        path = ckpt.save_checkpoint(self.cfg.output_dir, step, model, self.trainer_state(step, parts, feed, bad_steps),
+                                    to_yaml(self.cfg), self.dist.rank, keep_last, self.files,
                                     sharded=sharded_state(parts.bare, parts.weighting, parts.optimizer))
         self.saved_step = step
         return path, True
@@ -221,6 +349,7 @@ class RunFolder:
                                                     saved_config(path)["data"]["batch_size"],
                                                     int(state.get("world_size") or 1))}
         notes += feed.load_state_dict(state)
+        self.resumed_bad_steps = int(state.get("bad_steps") or 0)  # so the streak ends where it would have
         ckpt.set_rng_state(rng)
         own = os.path.join(ckpt.checkpoint_root(cfg.output_dir), f"step_{state['step']}")
         if os.path.abspath(path) == os.path.abspath(own):
@@ -247,16 +376,31 @@ def unused_keys(cfg) -> tuple[str, ...]:
     return () if "synthetic" in sources else ("data.synthetic.",)
 
 
+def refuse_linked_checkpoints(output_dir: str) -> None:
+    """overwrite=true does not delete through a symbolic link ``output_dir/checkpoints``: the checkpoints it points
+    to may be another folder's (a ConfigError naming the link, its target and the fix)."""
+    root = ckpt.checkpoint_root(output_dir)
+    if os.path.islink(root):
+        raise ConfigError(f"overwrite: {root!r} is a symbolic link (to {os.readlink(root)!r}): overwrite=true deletes "
+                          "what an earlier run wrote in output_dir and does not follow a link into another folder. "
+                          f"Delete those checkpoints yourself and remove the link (rm {root}), or choose another "
+                          "output_dir")
+
+
 def start_over(output_dir: str) -> list[str]:
-    """overwrite=true: delete what an earlier run wrote in ``output_dir`` (RUN_FILES only; other files stay)."""
+    """overwrite=true: delete what an earlier run wrote in ``output_dir`` (RUN_FILES only; other files stay; a
+    linked ``checkpoints`` is refused, ``refuse_linked_checkpoints``; any other link is removed, never followed)."""
+    refuse_linked_checkpoints(output_dir)
+    trash = os.path.join(output_dir, ".checkpoints.deleting")  # left by a start-over that was killed
+    if os.path.islink(trash):
+        os.unlink(trash)
+    shutil.rmtree(trash, ignore_errors=True)
     found = [n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
     if not found:
         return []
     steps = [os.path.basename(p) for _, p in ckpt.list_checkpoints(output_dir)]
     root = ckpt.checkpoint_root(output_dir)
     if os.path.isdir(root):  # one rename: no half-deleted set of checkpoints is ever visible
-        trash = os.path.join(output_dir, ".checkpoints.deleting")
-        shutil.rmtree(trash, ignore_errors=True)
         os.rename(root, trash)
         shutil.rmtree(trash)
     for name in found:
@@ -269,18 +413,52 @@ def start_over(output_dir: str) -> list[str]:
             + (f" (checkpoints {', '.join(steps)})" if steps else "")]
 
 
-def restore_tokenizer(checkpoint: str, output_dir: str) -> list[str]:
-    """Resume with the checkpoint's own tokenizer: copy it over the run's copy (which may be damaged)."""
-    src = os.path.join(checkpoint, "tokenizer")
-    if not os.path.isdir(src):
-        return []
-    dst = os.path.join(output_dir, "tokenizer")
-    os.makedirs(dst, exist_ok=True)
-    restored = []
-    for name in sorted(os.listdir(src)):
-        with open(os.path.join(src, name), "rb") as f:
-            data = f.read()
-        target = os.path.join(dst, name)
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def folder_run_id(output_dir: str) -> str | None:
+    """The id ``output_dir/run.json`` names (the run that last started there), or None."""
+    try:
+        with open(os.path.join(output_dir, RUN_ID_FILE), encoding="utf-8") as f:
+            run_id = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def in_checkpoint_root(path: str, output_dir: str) -> bool:
+    """Whether checkpoint ``path`` is one of ``output_dir``'s own (``output_dir/checkpoints/step_<N>``)."""
+    parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
+    return os.path.realpath(parent) == os.path.realpath(ckpt.checkpoint_root(output_dir))
+
+
+def folder_files(folder: str) -> dict[str, bytes]:
+    """{name: bytes} of the files directly in ``folder`` (no sub-folders, no ``.tmp`` leftovers)."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not name.endswith(".tmp"):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    return files
+
+
+def tokenizer_from_files(files: dict[str, bytes]) -> CaptionTokenizer:
+    """A tokenizer from its folder's files (``folder_files``), through a private temporary folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        return CaptionTokenizer.load(folder)
+
+
+def write_changed(folder: str, files: dict[str, bytes]) -> list[str]:
+    """Write each of ``files`` into ``folder`` whose bytes there differ (atomically); return their names."""
+    os.makedirs(folder, exist_ok=True)
+    written = []
+    for name, data in files.items():
+        target = os.path.join(folder, name)
         try:
             with open(target, "rb") as f:
                 same = f.read() == data
@@ -288,5 +466,5 @@ def restore_tokenizer(checkpoint: str, output_dir: str) -> list[str]:
             same = False
         if not same:
             write_atomic(target, data)
-            restored.append(name)
-    return [f"tokenizer: restored {', '.join(restored)} in {dst} from the checkpoint"] if restored else []
+            written.append(name)
+    return written

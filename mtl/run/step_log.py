@@ -35,10 +35,12 @@ def flat_metrics(metrics: dict, test: dict) -> dict:
 class StepLog:
     """Formats and writes a run's step and evaluation records; counts bad steps and fp16 overflows."""
 
-    def __init__(self, cfg, parts: StepParts, log: RunLogger, device: torch.device, world_size: int, is_main: bool):
+    def __init__(self, cfg, parts: StepParts, log: RunLogger, device: torch.device, world_size: int, is_main: bool,
+                 bad_steps: int = 0):
         self.cfg, self.parts, self.log, self.device = cfg, parts, log, device
         self.world_size, self.is_main = world_size, is_main
-        self.bad_steps = self.overflows = 0
+        self.bad_steps = bad_steps  # the current streak of non-finite steps (a resumed run's goes on)
+        self.overflows = 0
         self.log_every = cfg.trainer.log_every
 
     def writes(self, step: int) -> bool:

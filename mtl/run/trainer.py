@@ -20,7 +20,6 @@ from mtl.build import (
     build_run_inputs,
     build_scheduler,
     build_strategy,
-    build_tokenizer,
     build_weighting,
     init_from_weights,
     run_method_types,
@@ -29,9 +28,11 @@ from mtl.build import (
 )
 from mtl.config.checks import load_run_config
 from mtl.errors import TrainingError
+from mtl.files import write_atomic
 from mtl.parallel.amp import Amp
 from mtl.parallel.dist import DistInfo, all_gather_objects, init_distributed
 from mtl.parallel.fsdp import gathered, is_sharded
+from mtl.run import checkpoint as ckpt
 from mtl.run import heartbeat
 from mtl.run.evaluate import evaluate_run
 from mtl.run.faults import poison
@@ -58,9 +59,9 @@ class Trainer:
         self.cfg, self.dist, self.device, self.tasks = cfg, dist, dist.device, list(cfg.tasks)
         self.folder.lock()  # rank 0; a busy output_dir is reported with the data's errors, after reading the data
 
-        def tokenizer_for(captions):  # the data is read and good: now the folder is prepared and written
-            self._resume = self.folder.prepare()
-            return build_tokenizer(cfg, captions, dist)
+        def tokenizer_for(captions):  # the data is read and good: now the folder's decision, nothing written yet
+            self._resume = self.folder.prepare(commit=False)
+            return self.folder.tokenizer(captions)
 
         def check_data(train_ds, task_sets):  # what the feeds would refuse, before anything is written
             self._test_ds = check_feed_data(cfg, train_ds, task_sets, dist.world_size,
@@ -70,7 +71,7 @@ class Trainer:
         inputs = self.folder.after_data(lambda: build_run_inputs(cfg, tokenizer_for, check_data))
         self.train_ds, self.val_ds, self.tokenizer = inputs.train_ds, inputs.val_ds, inputs.tokenizer
         self.skipped_lines = inputs.skipped_lines()  # (count, reasons) over every data set the run reads
-        self.folder.write_run_files(self.train_ds.class_names)
+        self.folder.prepare_run_files(self.train_ds.class_names)
         self.bare, resume = inputs.model, self._resume
         if cfg.init_from and dist.is_main:  # warm start: these weights, a fresh optimizer and schedule, step 0
             print("init_from: " + (f"not used, resuming from {resume}" if resume else
@@ -99,8 +100,10 @@ class Trainer:
         self.resume_notes: list[str] = []
         if resume:
             self.step, self.resume_notes = self.folder.load(resume, self.parts, self.feed)
+        self.folder.commit()  # nothing can refuse the run now: output_dir is written (a refused run writes nothing)
         self.log = RunLogger(cfg.output_dir, dist.is_main, cfg.trainer.max_steps, cfg.trainer.progress, self.step)
-        self.steplog = StepLog(cfg, self.parts, self.log, self.device, dist.world_size, dist.is_main)
+        self.steplog = StepLog(cfg, self.parts, self.log, self.device, dist.world_size, dist.is_main,
+                               bad_steps=self.folder.resumed_bad_steps)  # a streak goes on where it stopped
         for note in self.resume_notes:
             self.log.info(note)
         self.log.info(f"mtl: {dist.world_size} process(es) on {self.device} ({dist.backend or 'no process group'}), "
@@ -178,7 +181,9 @@ class Trainer:
                 verify_replicas(self.bare, self.step)
             if self.step % trainer_cfg.eval_every == 0 and not self.folder.is_last(self.step):
                 self.run_eval()
-            if self.folder.save_due(self.step):
+            # no periodic save in a non-finite streak: its weights may have blown up, and keep_last would delete
+            # the checkpoint from before it, the one to go back to
+            if self.folder.save_due(self.step) and not self.steplog.bad_steps:
                 self.save()
             if self.stop_agreed:  # a rank got SIGTERM/SIGUSR1/SIGINT: all finish this step, save, exit
                 self.log.info(f"step {self.step}: stop signal received; saving a checkpoint and exiting")
@@ -212,11 +217,11 @@ class Trainer:
         return self.last_eval
 
     def trainer_state(self) -> dict:
-        return self.folder.trainer_state(self.step, self.parts, self.feed)
+        return self.folder.trainer_state(self.step, self.parts, self.feed, self.steplog.bad_steps)
 
     def save(self) -> str:
-        """Checkpoint this step (unless output_dir already holds exactly it)."""
-        path, written = self.folder.save(self.step, self.parts, self.feed)
+        """Checkpoint this step (unless output_dir already holds exactly it), with the non-finite streak at it."""
+        path, written = self.folder.save(self.step, self.parts, self.feed, self.steplog.bad_steps)
         if written:
             heartbeat.progress(self.step, saved=self.step)
             self.log.info(f"step {self.step}: checkpoint {path}")
@@ -229,14 +234,25 @@ class Trainer:
                        "fp16_overflows": self.steplog.overflows, "data_skipped": self.skipped_lines[0], **final}
             with open(os.path.join(out, "final_metrics.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=2)
-            from mtl.plots import plot_curves  # import here: matplotlib, at the end of a run only
-
-            plot_curves(os.path.join(out, "metrics.jsonl"), os.path.join(out, "curves.png"),
-                        [key for head in self.heads.values() for key, _ in head.metric_keys()])
+            self._write_curves(os.path.join(out, "metrics.jsonl"), os.path.join(out, "curves.png"))
             hp = {"strategy": cfg.ddp.strategy, "weighting": cfg.weighting.method, "precision": cfg.precision,
                   "lr": cfg.optim.lr, "global_batch": cfg.data.batch_size * self.dist.world_size}
             self.log.hparams(hp, {f"hparam/{k}": v for k, v in final.items()})
         self.log.info(f"done: {self.step} steps in {wall:.0f} s; " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
+
+    def _write_curves(self, metrics: str, target: str) -> None:
+        """``curves.png``, a convenience: a failure to draw or write it (a full disk) is one warning line, and the
+        run, whose checkpoint and final_metrics.json are written, still ends well."""
+        from mtl.plots import curves_png  # import here: matplotlib, at the end of a run only
+
+        try:
+            write_atomic(target, curves_png(metrics, [key for head in self.heads.values()
+                                                      for key, _ in head.metric_keys()]))
+        except (OSError, ValueError) as e:
+            where = getattr(e, "filename", None) or target
+            cause = ckpt.describe_os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            self.log.info(f"warning: could not write {where}: {cause}; the loss curves are left out, the run's "
+                          f"results (checkpoints, final_metrics.json, metrics.jsonl) are intact")
 
     def close(self) -> None:
         if hasattr(self, "log"):
