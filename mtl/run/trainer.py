@@ -248,10 +248,9 @@ class Trainer:
         try:
             write_atomic(target, curves_png(metrics, [key for head in self.heads.values()
                                                       for key, _ in head.metric_keys()]))
-        except (OSError, ValueError) as e:
-            where = getattr(e, "filename", None) or target
+        except (OSError, ValueError) as e:  # ValueError: a metrics.jsonl line it cannot read or draw
             cause = ckpt.describe_os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
-            self.log.info(f"warning: could not write {where}: {cause}; the loss curves are left out, the run's "
+            self.log.info(f"warning: could not write {target}: {cause}; the loss curves are left out, the run's "
                           f"results (checkpoints, final_metrics.json, metrics.jsonl) are intact")
 
     def close(self) -> None:
