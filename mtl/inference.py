@@ -42,6 +42,7 @@ from mtl.build import (
     run_task_types,
     verify_model_files,
 )
+from mtl.config.reads import refuse_unread
 from mtl.config.resume import saved_config
 from mtl.config.schema import config_from_data, load_config, multi_input, task_data
 from mtl.data.images import UnusableImage, image_normalization, normalize_images
@@ -269,6 +270,7 @@ def eval_config(predictor: Predictor, config: str | None = None, overrides: list
                               overrides)
     cfg = copy.deepcopy(predictor.cfg)
     cfg.data, cfg.seed = source.data, source.seed
+    refuse_unread(cfg, config, overrides, "evaluate", EVAL_KEYS)  # an override the evaluation does not read: exit 2
     if cfg.data.image_size != predictor.image_size:
         raise ConfigError(f"data.image_size: the model was trained at {predictor.image_size}, not "
                           f"{cfg.data.image_size}; remove the override or set it to {predictor.image_size}")

@@ -9,20 +9,20 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import sys
 
 import torch
 from omegaconf import OmegaConf
 
 from mtl.build import run_method_types
 from mtl.config.multi_input import check as multi_input_check
+from mtl.config.reads import run_shape, unread_errors
 from mtl.config.schema import (
     check_options,
     config_keys,
     interpolation_errors,
     load_config_collecting,
-    move_keys,
-    parse_overrides,
-    read_config_chain,  # the config file and its base: chain
+    mark_unread,
 )
 from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
@@ -38,7 +38,16 @@ from mtl.weighting import weighting_types
 
 def _choice(errors, key, value, allowed):
     if value not in allowed:
-        errors.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        errors.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}{did_you_mean(value, allowed)}")
+
+
+def did_you_mean(value, allowed) -> str:
+    """`` — did you mean 'x'?`` for the allowed value nearest a mistyped one, or ""."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
+    return f" — did you mean {close[0]!r}?" if close else ""
+
+
+SEED_RANGE = (0, 2**32 - 1)  # numpy's seed (np.random.seed, mtl/build.py) takes exactly these
 
 
 def _positive(errors, cfg, *keys, allow_zero=False):
@@ -74,6 +83,9 @@ def validate(cfg) -> list[str]:
     _choice(errors, "parallel.engine", cfg.parallel.engine, ENGINES)
     _choice(errors, "optim.name", cfg.optim.name, ("adamw", "sgd"))
     _choice(errors, "optim.scheduler", cfg.optim.scheduler, ("cosine", "linear", "constant", "plateau"))
+    if not SEED_RANGE[0] <= cfg.seed <= SEED_RANGE[1]:
+        errors.append(f"seed: {cfg.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]} (2**32 - 1), the seeds numpy "
+                      "takes; choose a seed in that range")
     backbone = _backbone(errors, cfg)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.model.backbone.norm == "sync" and on_cpu:
@@ -144,7 +156,8 @@ def validate(cfg) -> list[str]:
     strategies = strategy_types()
     strategy = strategies.get(cfg.ddp.strategy)
     if strategy is None:
-        errors.append(f"ddp.strategy: unknown strategy {cfg.ddp.strategy!r} (known: {', '.join(strategies)})")
+        errors.append(f"ddp.strategy: unknown strategy {cfg.ddp.strategy!r}{did_you_mean(cfg.ddp.strategy, strategies)} "
+                      f"(known: {', '.join(strategies)})")
     else:
         if not cfg.ddp.unsafe:  # unsafe: the user asked to reproduce a known failure
             errors += strategy.check(cfg)
@@ -252,7 +265,7 @@ def gradient_source_errors(cfg, strategy, method, strategies: dict) -> list[str]
     ``Strategy.gradient_sources``)."""
     source, name = cfg.weighting.source, cfg.weighting.method
     if source not in SOURCES:
-        return [f"weighting.source: {source!r} is not one of {', '.join(SOURCES)}"]
+        return [f"weighting.source: {source!r} is not one of {', '.join(SOURCES)}{did_you_mean(source, SOURCES)}"]
     if method.level != "grad":
         if source == "features":
             return [f"weighting.source: features applies to gradient-level methods only, and weighting.method={name} is "
@@ -377,31 +390,25 @@ def load_run_config(path: str, overrides: list[str] | None = None, announce: boo
     ConfigError (a value that failed its key or type check keeps its default for the checks below).
     ``announce``: print the line of a strategy chosen for the method (``auto_strategy``), on rank 0."""
     errors: list[str] = []
-    cfg = load_config_collecting(path, overrides, errors)
+    setters: dict = {}
+    cfg = load_config_collecting(path, overrides, errors, setters)
     unresolved = interpolation_errors(cfg)
     if unresolved:  # the checks below would read those keys
         raise ConfigError(errors + unresolved)
-    note = auto_strategy(cfg, explicit=is_set(path, overrides, "ddp.strategy"))
+    note = auto_strategy(cfg, explicit="ddp.strategy" in setters)
     errors += validate(cfg)
+    # a key the user set that the run does not read (mtl/config/reads.py), unless a check above refused it already
+    unread, notes, keys = unread_errors(cfg, run_shape(cfg), setters, named={e.split(":")[0] for e in errors})
+    errors += unread
     if errors:
         raise ConfigError(errors)
-    if note and announce and int(os.environ.get("RANK", "0")) == 0:
-        print(f"mtl: {note}", flush=True)
+    mark_unread(cfg, keys)  # left out of the printed and saved config
+    if announce and int(os.environ.get("RANK", "0")) == 0:
+        if note:
+            print(f"mtl: {note}", flush=True)
+        for line in notes:  # beside the notes on renamed keys (mtl.config.schema)
+            print(line, file=sys.stderr, flush=True)
     return cfg
-
-
-def is_set(path: str, overrides: list[str] | None, key: str) -> bool:
-    """Whether the dotted ``key`` is written in the config file ``path``, one of its ``base:`` files, or the
-    overrides: a key none of them names holds the schema's default, which the user did not choose."""
-    over, _ = parse_overrides(list(overrides or []))
-    for data, source in [*read_config_chain(path), (over, "command line")]:
-        move_keys(data, source, [])  # the old name of a key counts as the key
-        node = data
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None:
-            return True
-    return False
 
 
 def auto_strategy(cfg, explicit: bool) -> str | None:

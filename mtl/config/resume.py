@@ -24,7 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from mtl.config.checks import option_defaults
-from mtl.config.schema import Config, drop_moved_options, move_keys, multi_input
+from mtl.config.schema import Config, drop_moved_options, in_effect, move_keys, multi_input, unread_keys
 from mtl.errors import CheckpointError
 from mtl.run.checkpoint import LEGACY_FORMAT
 from mtl.tasks import task_types
@@ -90,11 +90,14 @@ def verify_resume_config(checkpoint_dir: str, cfg) -> None:
     safe = SAFE_TO_CHANGE + tuple(f"task_options.{t}.{k}" for t in cfg.tasks if t in types
                                   for k in types[t].resume_safe)
 
-    current = OmegaConf.to_container(cfg, resolve=True)
+    # a key this run does not read (mtl/config/reads.py) is not compared: its config leaves it out, and a checkpoint's
+    # config.yaml written before that rule holds it
+    not_read = tuple(unread_keys(cfg))
+    current = in_effect(cfg)
     defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=True)
     extra = option_defaults(cfg)  # a checkpoint from before options existed used the classes' defaults
     defaults["task_options"], defaults["weighting"]["options"] = extra["task_options"], extra["weighting"]["options"]
-    diff = differing_keys(saved, current, defaults, safe)
+    diff = differing_keys(saved, current, defaults, safe + not_read)
     if diff:
         a, b = _flatten(saved), _flatten(current)
         a = {**{k: v for k, v in _flatten(defaults).items() if k not in a}, **a}

@@ -558,20 +558,25 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=1_000).strip().removesuffix("\n...")
 
 
-def _read_into(path: str, overrides: list[str] | None, errors: list[str], chain: list | None = None) -> DictConfig:
+def _read_into(path: str, overrides: list[str] | None, errors: list[str], chain: list | None = None,
+               setters: dict | None = None) -> DictConfig:
     """The config with every mergeable value applied; each key or type problem is appended to ``errors``.
-    ``chain``: [(mapping, source)] to merge instead of reading ``path`` and its base files."""
+    ``chain``: [(mapping, source)] to merge instead of reading ``path`` and its base files (data, not set by the
+    user). ``setters``: filled with ``user_set``'s map of the keys the user set."""
     cfg = OmegaConf.structured(Config)
     OmegaConf.set_struct(cfg, True)
     moved: set[str] = set()
     notes: list[str] = []  # a config file or the command line, not a checkpoint's config.yaml (mtl wrote that one)
-    for data, source in (read_config_chain(path) if chain is None else chain):
+    files = read_config_chain(path) if chain is None else chain
+    for data, source in files:
         moved |= move_keys(data, source, errors, notes if chain is None else None)
         _merge_into(cfg, data, source, [], errors)
     over, over_errors = parse_overrides(list(overrides or []))
     errors += over_errors
     moved |= move_keys(over, "command line", errors, notes)
     _merge_into(cfg, over, "command line", [], errors)
+    if setters is not None:
+        setters.update(user_set(files if chain is None else [], overrides))
     new = [n for n in dict.fromkeys(notes) if n not in _NOTED]
     if new and os.environ.get("RANK", "0") == "0":  # said once per process (of rank 0), not once per rank or load
         _NOTED.update(new)
@@ -616,10 +621,29 @@ def interpolation_errors(node, prefix: str = "") -> list[str]:
     return errors
 
 
-def load_config_collecting(path: str, overrides: list[str] | None, errors: list[str]) -> DictConfig:
+def load_config_collecting(path: str, overrides: list[str] | None, errors: list[str],
+                           setters: dict | None = None) -> DictConfig:
     """Like ``load_config``, but key/type problems are appended to ``errors`` and the offending values left
-    at their defaults, so that further checks can run and every problem be reported at once."""
-    return _read_into(path, overrides, errors)
+    at their defaults, so that further checks can run and every problem be reported at once. ``setters``: filled
+    with the keys the user set (``user_set``)."""
+    return _read_into(path, overrides, errors, setters=setters)
+
+
+def user_set(files: list[tuple[dict, str]], overrides: list[str] | None) -> dict[str, tuple[int, str]]:
+    """Every key the user set, as ``{dotted key: (position, where)}``: its last setting in the precedence order (the
+    ``base:`` files first, then the config file, then each command-line override in turn; a later one wins) and the
+    file or "command line". ``files``: ``read_config_chain``'s [(mapping, source)] after ``move_keys`` (a key's old
+    name counts as the key). A key no file or override names holds the schema's default: it is not here."""
+    out: dict[str, tuple[int, str]] = {}
+    for i, (data, source) in enumerate(files):
+        for key in _flat(data, empty=True):
+            out[key] = (i, source)
+    for j, item in enumerate(overrides or []):
+        one, _ = parse_overrides([item])
+        move_keys(one, "command line", [])
+        for key in _flat(one, empty=True):
+            out[key] = (len(files) + j, "command line")
+    return out
 
 
 def config_from_data(data: dict, source: str, overrides: list[str] | None = None) -> DictConfig:
@@ -696,28 +720,77 @@ def options_of(schema: type, values, key: str):
     return schema(**filled)
 
 
+# A key the run does not read (``mtl.config.reads``) is marked on its node of the checked config with this flag: the
+# printed and saved config (``to_yaml``, ``config_summary``, ``in_effect``) leave it out.
+UNREAD = "mtl_not_read"
+
+
+def mark_unread(cfg: DictConfig, keys) -> None:
+    """Mark the dotted ``keys`` (a section: its node, so every key in it) as not read by the run."""
+    for key in keys:
+        node = cfg
+        for part in key.rstrip(".").split("."):
+            if not isinstance(node, DictConfig) or part not in node:  # a section a check dropped (task_options.<t>)
+                node = None
+                break
+            node = node._get_node(part)
+        if node is not None:
+            node._set_flag(UNREAD, True)
+
+
+def unread_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """The keys ``mark_unread`` marked, a section as ``section.`` (with its dot)."""
+    out = []
+    for key in cfg.keys() if isinstance(cfg, DictConfig) else ():
+        node = cfg._get_node(key)
+        if node._get_node_flag(UNREAD):
+            out.append(f"{prefix}{key}" + ("." if isinstance(node, DictConfig) else ""))
+        elif isinstance(node, DictConfig):
+            out += unread_keys(node, f"{prefix}{key}.")
+    return out
+
+
+def in_effect(cfg: DictConfig) -> dict:
+    """The resolved config as plain data, without the keys the run does not read (``mark_unread``)."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    for key in unread_keys(cfg):
+        *parents, leaf = key.rstrip(".").split(".")
+        nodes = [data]
+        for p in parents:
+            nodes.append(nodes[-1].get(p, {}))
+        nodes[-1].pop(leaf, None)
+        for node, name in reversed(list(zip(nodes[:-1], parents))):  # a section left with no key read goes too
+            if node.get(name) == {}:
+                del node[name]
+    return data
+
+
 def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
+    """The resolved config as saved with a run (``config.yaml``): only the keys it reads."""
+    if not unread_keys(cfg):
+        return OmegaConf.to_yaml(cfg, resolve=True)
+    return OmegaConf.to_yaml(OmegaConf.create(in_effect(cfg)))
 
 
-def _flat(node, prefix: str = "") -> dict[str, Any]:
+def _flat(node, prefix: str = "", empty: bool = False) -> dict[str, Any]:
+    """{dotted key: value} of a plain nested mapping; ``empty``: an empty mapping is a value too (``x: {}``)."""
     out = {}
     for k, v in node.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+        if isinstance(v, dict) and (v or not empty):
+            out.update(_flat(v, f"{prefix}{k}.", empty))
         else:
-            out[prefix + k] = v
+            out[prefix + str(k)] = v
     return out
 
 
 def config_summary(cfg: DictConfig, saved_to: str | None = None, skip: tuple[str, ...] = ()) -> str:
     """A few lines for the console: only the keys that differ from the schema defaults, one line per section,
-    leaving out the keys that start with one of ``skip`` (those the run does not read).
+    leaving out the keys the run does not read (``mark_unread``) and those that start with one of ``skip``.
 
     The full resolved config is in ``saved_to`` (``output_dir/config.yaml``).
     """
     defaults = _flat(OmegaConf.to_container(OmegaConf.structured(Config)))
-    values = _flat(OmegaConf.to_container(cfg, resolve=True))
+    values = _flat(in_effect(cfg))
     changed = {k: v for k, v in values.items() if defaults.get(k, object()) != v and not k.startswith(tuple(skip))}
     groups: dict[str, list[str]] = {}
     for k, v in changed.items():

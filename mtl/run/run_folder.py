@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 
 from mtl.build import resolve_tokenizer, tokenizer_source
 from mtl.config.resume import batch_statistics_layers, random_layers, reshard_problems, saved_config, verify_resume_config
-from mtl.config.schema import config_summary, multi_input, task_data, to_yaml
+from mtl.config.schema import config_summary, to_yaml
 from mtl.data.loader import data_position
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer
@@ -117,8 +117,7 @@ class RunFolder:
             raise CheckpointError(error) if kind == "checkpoint" else ConfigError(error)
         if self.dist.is_main:
             # only the keys the run reads (mtl/config/reads.py)
-            print(config_summary(self.cfg, os.path.join(self.cfg.output_dir, "config.yaml"), skip=unused_keys(self.cfg)),
-                  flush=True)
+            print(config_summary(self.cfg, os.path.join(self.cfg.output_dir, "config.yaml")), flush=True)
             for note in notes:
                 print(note, flush=True)
         barrier()
@@ -367,13 +366,6 @@ class RunFolder:
                 os.rmdir(self.cfg.output_dir)  # only if empty
             except OSError:
                 pass
-
-
-def unused_keys(cfg) -> tuple[str, ...]:
-    """Config sections the run does not read, left out of the start-up summary: the synthetic data's settings in
-    a run whose every data set is a manifest or an image folder."""
-    sources = {task_data(cfg, t).source for t in cfg.tasks} if multi_input(cfg) else {cfg.data.source}
-    return () if "synthetic" in sources else ("data.synthetic.",)
 
 
 def refuse_linked_checkpoints(output_dir: str) -> None:

@@ -56,6 +56,7 @@ class CaptioningHead(TaskHead):
     metrics = {"bleu4": True, "chrf": True}
     requires = ("captions",)
     Options = CaptionOptions
+    reads = ("model.decoder.", "tokenizer.")  # shared keys it reads (mtl/config/reads.py)
     resume_safe = ("num_beams",)
     loss_is_global_mean = True  # prepare() all-reduces the token count
 

@@ -5,6 +5,7 @@ from mtl.weighting.base import LossWeighting
 
 class Static(LossWeighting):
     name = "static"
+    reads = ("weighting.weights",)  # shared keys it reads (mtl/config/reads.py)
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

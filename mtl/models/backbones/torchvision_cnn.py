@@ -12,6 +12,7 @@ gives a smaller network with a finer feature map: useful for the small built-in 
 
 from __future__ import annotations
 
+import difflib
 import os
 
 import torch
@@ -36,6 +37,8 @@ class TorchvisionTrunk(Backbone):
     """A torchvision family (its names in ``variants``), built from ``model.backbone.name``, ``weights``, ``norm`` and
     ``stages``."""
 
+    reads = ("model.backbone.weights", "model.backbone.norm", "model.backbone.stages")  # mtl/config/reads.py
+
     @classmethod
     def build(cls, cfg):
         b = cfg.model.backbone
@@ -44,7 +47,9 @@ class TorchvisionTrunk(Backbone):
     @classmethod
     def check(cls, cfg):
         norm = cfg.model.backbone.norm
-        return [] if norm in NORMS else [f"model.backbone.norm: {norm!r} is not one of {', '.join(NORMS)}"]
+        close = difflib.get_close_matches(str(norm), NORMS, n=1, cutoff=0.6)  # a "did you mean", as every enum key
+        return [] if norm in NORMS else [f"model.backbone.norm: {norm!r} is not one of {', '.join(NORMS)}"
+                                         + (f" — did you mean {close[0]!r}?" if close else "")]
 
 
 class ResNetTrunk(TorchvisionTrunk):

@@ -33,6 +33,7 @@ trajectories, every ``--keep_every`` steps) and ``toy.png`` (the trajectories ov
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import multiprocessing as mp
@@ -93,7 +94,9 @@ def build_method(entry: str, seed: int = 0):
     name, options = parse_method(entry)
     types = weighting_types()
     if name not in types or types[name].level != "grad":
-        raise ValueError(f"{entry!r}: not a gradient-level method (these are: {', '.join(grad_methods())})")
+        close = difflib.get_close_matches(name, grad_methods(), n=1, cutoff=0.6)
+        raise ValueError(f"{entry!r}: not a gradient-level method" + (f" — did you mean {close[0]!r}?" if close else "")
+                         + f" (these are: {', '.join(grad_methods())})")
     global _CFG
     if _CFG is None:  # building the structured config takes ~0.1 s; the methods read it only when constructed
         _CFG = OmegaConf.structured(Config)

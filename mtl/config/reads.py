@@ -1,0 +1,386 @@
+"""Which config keys a run reads, and the rule that a key the user set is read (docs/config.md).
+
+``READS`` below declares, next to the schema, every key that some runs do not read and the condition under which
+it is read: the data source(s), multi-input mode and its sampling policy, the scheduler, the optimizer, the run's
+tasks, and what the run's plug-ins declare they read. A plug-in (backbone, task, weighting method, strategy) that
+reads a key of the shared config beyond its own options lists it in its class attribute ``reads`` (e.g. the
+torchvision backbones: ``model.backbone.weights``, ``norm``, ``stages``; the caption task: ``model.decoder.`` and
+``tokenizer.``; a trailing dot: the whole section). A key no rule names is read by every run.
+
+The rule (``unread_errors``): a key the user set (a config file of the chain or the command line; not a default)
+that the run will not read is an error, one message per reason naming the keys, what makes them unread and the fix,
+collected with the other config errors (exit 2) before anything starts. One exception keeps a base file usable: a key
+set *earlier* in the precedence order than the choice that made it unread (``base: tiny.yaml`` sets
+``data.synthetic.*``, the command line sets ``data.source=imagefolder``) is left out with a note instead; the later
+setting chose. Either way the run's printed and saved config leaves out every key it does not read
+(``mtl.config.schema.mark_unread``).
+
+A tool that applies overrides to a saved config (``python -m mtl.tools.evaluate``) takes the same rule with
+``tool="evaluate"``: a key only training reads (``data.train_path``, ``data.augment.*`` ...) is not read there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mtl.build import run_method_types
+from mtl.config.schema import move_keys, multi_input, read_config_chain, user_set
+from mtl.errors import ConfigError
+from mtl.models.backbones import backbone_types
+from mtl.strategies import strategy_types
+from mtl.tasks import config_task_types
+
+IMAGE_FILES = ("manifest", "imagefolder")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What decides which keys a run reads."""
+
+    multi_input: bool  # data.per_task names the tasks: each its own data set
+    source: str  # data.source (one data set)
+    task_sources: dict  # multi-input mode: task -> data.per_task.<task>.source
+    policy: str  # data.sampling.policy
+    sampling_weights: str  # data.sampling.weights
+    scheduler: str
+    optimizer: str
+    tasks: tuple[str, ...]
+    heldout: bool | None  # the method reads a held-out batch (None: the method is unknown)
+    # plug-in family -> (its name in the config, the keys it declares in ``reads``), or None where it is unknown
+    plugins: dict
+    tool: str = "train"  # train | evaluate
+
+    @property
+    def sources(self) -> set[str]:
+        """Every data source the run reads."""
+        return set(self.task_sources.values()) if self.multi_input else {self.source}
+
+
+# A rule's condition: (shape, task name for a "*" key or None) -> None when the key is read, else (why, fix): what
+# makes it unread and what to do ("{key}" in the fix is the key's name).
+When = Callable[[RunShape, "str | None"], "tuple[str, str] | None"]
+
+
+@dataclass(frozen=True)
+class Reads:
+    keys: tuple[str, ...]  # dotted keys; "*" a task's name (in task_options, data.per_task ...); "x." a section
+    when: When
+    by: tuple[str, ...]  # the keys whose values decide (the order of precedence compares them with the key's)
+    training_only: bool = False  # read by training, not by evaluation (python -m mtl.tools.evaluate)
+
+
+MULTI = ("multi-input mode (data.per_task) gives each task its own data set and reads data.per_task.<task> instead",
+         "give each task's data in data.per_task.<task>, or remove {key}")
+
+
+def one_set(*sources: str) -> When:
+    """Read with one data set (no data.per_task) from one of ``sources``."""
+    def when(s, t):
+        if s.multi_input:
+            return MULTI
+        if s.source not in sources:
+            return (f"data.source is {s.source}", f"set data.source={' or '.join(sources)}, or remove {{key}}")
+        return None
+    return when
+
+
+def any_set(*sources: str) -> When:
+    """Read when the data set, or one task's in multi-input mode, comes from one of ``sources``."""
+    def when(s, t):
+        if s.sources & set(sources):
+            return None
+        now = (f"data.per_task's sources are {', '.join(sorted(s.sources))}" if s.multi_input
+               else f"data.source is {s.source}")
+        return now, f"set data.source={' or '.join(sources)} (or a task's data.per_task.<task>.source), or remove {{key}}"
+    return when
+
+
+def images(s, t):
+    if s.sources == {"qm9"}:
+        return "data.source is qm9 (molecule graphs, no images)", "remove {key}"
+    return None
+
+
+def task_source(*sources: str) -> When:
+    """``data.per_task.<task>.*``: read when that task's source is one of ``sources``."""
+    def when(s, t):
+        have = s.task_sources.get(t)
+        if have is None or have in sources:
+            return None
+        return (f"data.per_task.{t}.source is {have}",
+                f"set data.per_task.{t}.source={' or '.join(sources)}, or remove {{key}}")
+    return when
+
+
+def batch_size(s, t):
+    if s.multi_input and s.policy != "mixed":
+        return (f"multi-input mode with data.sampling.policy={s.policy} reads each task's "
+                "data.per_task.<task>.batch_size", "set data.per_task.<task>.batch_size, or remove {key}")
+    return None
+
+
+def task_batch_size(s, t):
+    if s.policy == "mixed":
+        return ("data.sampling.policy=mixed draws data.batch_size rows over every task",
+                "set data.batch_size, or remove {key}")
+    return None
+
+
+def sampling(s, t):
+    return None if s.multi_input else (
+        "one data set for every task (no data.per_task): multi-input sampling does not apply",
+        "give each task its own data set in data.per_task.<task>, or remove {key}")
+
+
+def policy_is(policy: str, weights: str | None = None) -> When:
+    def when(s, t):
+        if s.multi_input and s.policy == policy and weights in (None, s.sampling_weights):
+            return None
+        want = f"data.sampling.policy={policy}" + (f" with data.sampling.weights={weights}" if weights else "")
+        have = (f"data.sampling.policy is {s.policy}" + (f", data.sampling.weights {s.sampling_weights}" if weights else "")
+                if s.multi_input else "one data set for every task (no data.per_task)")
+        return f"only {want} reads it, and {have}", f"set {want}, or remove {{key}}"
+    return when
+
+
+def in_tasks(s, t):
+    if t in s.tasks:
+        return None
+    return f"{t!r} is not one of the run's tasks ({', '.join(s.tasks)})", f"add {t} to tasks, or remove {{key}}"
+
+
+def heldout(s, t):
+    if s.heldout is False:
+        return (f"weighting.method={s.plugins['method'][0]} reads no held-out batch",
+                "use a bilevel method (e.g. weighting.method=autolambda), or remove {key}")
+    return None
+
+
+def scheduler_is(name: str) -> When:
+    def when(s, t):
+        return None if s.scheduler == name else (f"optim.scheduler is {s.scheduler}",
+                                                 f"set optim.scheduler={name}, or remove {{key}}")
+    return when
+
+
+def optimizer_is(name: str) -> When:
+    def when(s, t):
+        return None if s.optimizer == name else (f"optim.name is {s.optimizer}",
+                                                 f"set optim.name={name}, or remove {{key}}")
+    return when
+
+
+def declared(family: str, choose: str) -> Callable[[str], When]:
+    """Read when the run's plug-in of ``family`` declares the key in its ``reads`` (a section: its prefix).
+    ``choose``: the key that picks that plug-in."""
+    def for_key(key: str) -> When:
+        def when(s, t):
+            plugin = s.plugins.get(family)
+            if plugin is None:  # unknown (its own error says so): not judged
+                return None
+            name, reads, others = plugin
+            if any(_covers(r, key) for r in reads):
+                return None
+            readers = [n for n, r in others.items() if any(_covers(x, key) for x in r)]
+            some = ", ".join(readers[:3]) + (" ..." if len(readers) > 3 else "")
+            if family == "task":
+                return (f"no task of this run ({', '.join(s.tasks)}) reads it",
+                        f"add a task that does ({some}) to tasks, or remove {{key}}")
+            fix = (f"set {choose}={readers[0]}" if len(readers) == 1 else f"set {choose} to one that does ({some})"
+                   if readers else f"no {family} reads it: remove {{key}}")
+            return f"{choose}={name} does not read it", f"{fix}, or remove {{key}}" if readers else fix
+        return when
+    return for_key
+
+
+def _covers(declared_key: str, key: str) -> bool:
+    return key == declared_key or key.startswith(declared_key if declared_key.endswith(".") else declared_key + ".")
+
+
+backbone = declared("backbone", "model.backbone.name")
+task = declared("task", "tasks")
+method = declared("method", "weighting.method")
+strategy = declared("strategy", "ddp.strategy")
+DATA = ("data.source", "data.per_task")
+
+# Every key that some runs do not read, with when it is read. A key no rule names is read by every run.
+READS: tuple[Reads, ...] = (
+    Reads(("data.source",), lambda s, t: MULTI if s.multi_input else None, ("data.per_task",)),
+    Reads(("data.val_path", "data.on_error"), one_set(*IMAGE_FILES), DATA),
+    Reads(("data.train_path", "data.test_path", "data.num_classes"), one_set(*IMAGE_FILES), DATA, training_only=True),
+    Reads(("data.image_root",), one_set("manifest"), DATA),
+    Reads(("data.synthetic.val_size", "data.synthetic.val_seed_offset"), one_set("synthetic"), DATA),
+    Reads(("data.synthetic.train_size", "data.synthetic.train_seed_offset", "data.synthetic.test_size",
+           "data.synthetic.test_seed_offset"), one_set("synthetic"), DATA, training_only=True),
+    Reads(("data.synthetic.num_classes", "data.synthetic.max_count", "data.synthetic.noise", "data.synthetic.clutter"),
+          any_set("synthetic"), DATA),
+    Reads(("data.qm9.root", "data.qm9.cache_dir", "data.qm9.molecules", "data.qm9.test_size", "data.qm9.val_size",
+           "data.qm9.split_seed", "data.qm9.graph"), one_set("qm9"), DATA),
+    Reads(("data.qm9.train_size",), one_set("qm9"), DATA, training_only=True),
+    Reads(("data.image_size", "data.normalize"), images, DATA),
+    Reads(("data.augment.",), any_set(*IMAGE_FILES), DATA, training_only=True),
+    Reads(("data.batch_size",), batch_size, ("data.per_task", "data.sampling.policy"), training_only=True),
+    Reads(("data.sampling.policy",), sampling, ("data.per_task",), training_only=True),
+    Reads(("data.sampling.weights",), policy_is("weighted"), ("data.per_task", "data.sampling.policy"),
+          training_only=True),
+    Reads(("data.sampling.temperature",), policy_is("temperature"), ("data.per_task", "data.sampling.policy"),
+          training_only=True),
+    Reads(("data.heldout",), heldout, ("weighting.method", "weighting_modules"), training_only=True),
+    Reads(("data.per_task.*.val_size",), task_source("synthetic"), ("data.per_task.*.source",)),
+    Reads(("data.per_task.*.train_size",), task_source("synthetic"), ("data.per_task.*.source",), training_only=True),
+    Reads(("data.per_task.*.val_path", "data.per_task.*.on_error"), task_source(*IMAGE_FILES),
+          ("data.per_task.*.source",)),
+    Reads(("data.per_task.*.train_path",), task_source(*IMAGE_FILES), ("data.per_task.*.source",), training_only=True),
+    Reads(("data.per_task.*.image_root",), task_source("manifest"), ("data.per_task.*.source",)),
+    Reads(("data.per_task.*.batch_size",), task_batch_size, ("data.sampling.policy",), training_only=True),
+    Reads(("data.per_task.*.ratio",), policy_is("weighted", "set"),
+          ("data.per_task", "data.sampling.policy", "data.sampling.weights"), training_only=True),
+    Reads(("task_options.*", "task_instances.*", "loss_scale.*"), in_tasks, ("tasks",)),
+    Reads(("tokenizer.", "model.decoder."), None, ("tasks", "task_modules", "task_instances")),  # a task's reads
+    Reads(("model.backbone.weights", "model.backbone.norm", "model.backbone.stages"), None,
+          ("model.backbone.name", "backbone_modules")),  # the backbone's reads
+    Reads(("weighting.weights",), None, ("weighting.method", "weighting_modules")),  # the method's reads
+    Reads(("ddp.detach_owner",), None, ("ddp.strategy",)),  # the strategy's reads
+    Reads(("optim.plateau.",), scheduler_is("plateau"), ("optim.scheduler",)),
+    Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
+)
+# the rules whose condition is a plug-in's ``reads`` (``when`` None above): the family that declares the keys
+DECLARED = {"tokenizer.": task, "model.decoder.": task, "model.backbone.weights": backbone,
+            "model.backbone.norm": backbone, "model.backbone.stages": backbone, "weighting.weights": method,
+            "ddp.detach_owner": strategy}
+
+
+def condition(rule: Reads, key: str) -> When:
+    return rule.when if rule.when is not None else DECLARED[key](key)
+
+
+def run_shape(cfg, tool: str = "train") -> RunShape:
+    """The shape of a loaded config: its sources, mode and plug-ins (a plug-in that cannot be found is None: its
+    own error is reported by the checks, and the keys it would decide are not judged)."""
+    plugins: dict = {}
+    heldout = None
+    if tool == "train":
+        plugins["backbone"] = _plugin(lambda: backbone_types(cfg.get("backbone_modules") or ()),
+                                      cfg.model.backbone.name)
+        plugins["method"] = _plugin(lambda: run_method_types(cfg), cfg.weighting.method)
+        plugins["strategy"] = _plugin(strategy_types, cfg.ddp.strategy)
+        try:
+            types = config_task_types(cfg)
+        except ConfigError:
+            types = {}
+        plugins["task"] = (",".join(cfg.tasks), tuple(r for t in cfg.tasks for r in getattr(types[t], "reads", ())),
+                           {n: getattr(c, "reads", ()) for n, c in types.items()}
+                           ) if all(t in types for t in cfg.tasks) else None
+        if plugins["method"] is not None:
+            heldout = bool(run_method_types(cfg)[cfg.weighting.method].needs_heldout_batch)
+    per_task = cfg.data.get("per_task") or {}
+    return RunShape(
+        multi_input=multi_input(cfg), source=str(cfg.data.source),
+        task_sources={str(t): str((sec or {}).get("source", "synthetic")) for t, sec in per_task.items()},
+        policy=str(cfg.data.sampling.policy), sampling_weights=str(cfg.data.sampling.weights),
+        scheduler=str(cfg.optim.scheduler), optimizer=str(cfg.optim.name), tasks=tuple(cfg.tasks), heldout=heldout,
+        plugins=plugins, tool=tool)
+
+
+def _plugin(types, name):
+    """(name, the keys it reads, {every plug-in of its family: the keys it reads}), or None if it is unknown."""
+    try:
+        found = types()
+    except ConfigError:
+        return None
+    if name not in found:
+        return None
+    return name, tuple(getattr(found[name], "reads", ())), {n: getattr(c, "reads", ()) for n, c in found.items()}
+
+
+def _names(cfg, pattern: str) -> list[str]:
+    """The concrete keys of ``pattern`` in ``cfg``: its "*" replaced by each name its section holds."""
+    if "*" not in pattern:
+        return [pattern]
+    head, _, tail = pattern.partition(".*")
+    node = cfg
+    for part in head.split("."):
+        node = node.get(part) if hasattr(node, "get") else None
+    return [f"{head}.{name}{tail}" for name in (node or {})]
+
+
+def not_read(cfg, shape: RunShape, setters: dict | None = None) -> list[tuple[str, str, str, Reads]]:
+    """Every key (a section with its dot) the run does not read: ``(key, why, fix, rule)``. The "*" of a rule is each
+    name its section holds in ``cfg`` and in ``setters`` (keys set, for the tasks a checked config dropped)."""
+    out = []
+    for rule in READS:
+        for pattern in rule.keys:
+            names = _names(cfg, pattern)
+            if setters is not None and "*" in pattern:
+                head = pattern.partition(".*")[0] + "."
+                names += [head + k[len(head):].split(".")[0] + pattern.partition("*")[2]
+                          for k in setters if k.startswith(head)]
+            for key in dict.fromkeys(names):
+                task_name = key[len(pattern.partition("*")[0]):].split(".")[0] if "*" in pattern else None
+                if rule.training_only and shape.tool != "train":
+                    out.append((key, f"python -m mtl.tools.{shape.tool} does not read it (only training does)",
+                                "remove {key}", rule))
+                    continue
+                found = condition(rule, pattern)(shape, task_name)
+                if found is not None:
+                    out.append((key, found[0], found[1], rule))
+    return out
+
+
+def _position(setters: dict, key: str) -> int:
+    """The latest position in the precedence order at which the user set ``key`` or a key inside it; -1: never."""
+    base = key.rstrip(".")
+    return max((p for k, (p, _) in setters.items() if k == base or k.startswith(base + ".")), default=-1)
+
+
+def unread_errors(cfg, shape: RunShape, setters: dict, named: set | frozenset = frozenset(),
+                  only: tuple[str, ...] | None = None) -> tuple[list[str], list[str], list[str]]:
+    """``(errors, notes, unread)`` for the keys the user set (``setters``: ``schema.user_set``) that the run does not
+    read. An error where the key was set as late as, or later than, the keys that decide it; a note where a later
+    setting of those keys made it unread. ``named``: keys another check already refused (not said twice); ``only``:
+    the key prefixes a tool takes (others are not judged). ``unread``: every key not read, for ``mark_unread``."""
+    order = {k: i for i, k in enumerate(setters)}
+    errors: dict[tuple, list[str]] = {}
+    notes: dict[tuple, list[str]] = {}
+    unread = []
+    for key, why, fix, rule in not_read(cfg, shape, setters):
+        unread.append(key)
+        base = key.rstrip(".")
+        mine = sorted((k for k in setters if k == base or k.startswith(base + ".")), key=order.get)
+        mine = [k for k in mine if (only is None or k.startswith(only))
+                and not any(k == n or k.startswith(n + ".") for n in named)]
+        by = [b.replace("*", key.split(".")[2]) if "*" in b else b for b in rule.by]
+        decided = max((_position(setters, b) for b in by), default=-1)
+        for k in mine:
+            position, where = setters[k]
+            (errors if position >= decided else notes).setdefault((why, fix, where), []).append(k)
+    error_lines = [f"{', '.join(sorted(keys, key=order.get))}: set ({where}) but not read: {why}. " + _fix(fix, keys)
+                   for (why, fix, where), keys in errors.items()]
+    by_why: dict[str, list[tuple[str, str]]] = {}
+    for (why, _, where), keys in notes.items():
+        by_why.setdefault(why, []).extend((k, where) for k in keys)
+    note_lines = [f"note: not read by this run ({why}), left out of its config: "
+                  + "; ".join(f"{', '.join(k for k, w in keys if w == where)} ({where})"
+                              for where in dict.fromkeys(w for _, w in keys))
+                  for why, keys in by_why.items()]
+    return error_lines, note_lines, unread
+
+
+def _fix(fix: str, keys: list[str]) -> str:
+    text = fix.format(key=keys[0] if len(keys) == 1 else "them")
+    return text[0].upper() + text[1:]
+
+
+def refuse_unread(cfg, config: str | None, overrides: list[str] | None, tool: str, only: tuple[str, ...]) -> None:
+    """A tool's command-line ``overrides`` (on a saved config, or on the config file ``config``) that it does not
+    read: one ConfigError listing them (exit 2). ``only``: the keys the tool takes (e.g. ``data.``, ``seed``)."""
+    files = read_config_chain(config) if config else []
+    for data, source in files:
+        move_keys(data, source, [])
+    setters = user_set(files, overrides)
+    judged = {k for k, (_, where) in setters.items() if where == "command line"}
+    errors, _, _ = unread_errors(cfg, run_shape(cfg, tool), setters, only=only,
+                                 named={k for k in setters if k not in judged})
+    if errors:
+        raise ConfigError(errors)
