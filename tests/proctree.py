@@ -37,14 +37,18 @@ def tree(pid: int) -> list[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    """Running, stopped or sleeping; a zombie (dead, not yet reaped) counts as gone."""
+def state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, T for stopped, Z for a zombie, ...); "" if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
-    return state not in ("Z", "X")
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Running, stopped or sleeping; a zombie (dead, not yet reaped) counts as gone."""
+    return state(pid) not in ("", "Z", "X")
 
 
 def kill_tree(pid: int, timeout: float = 30.0, while_frozen=None) -> list[int]:

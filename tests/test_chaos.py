@@ -4,15 +4,16 @@ model of an uninterrupted run. For 1 and 2 processes, with decoder dropout on (s
 
 The kill points come from a seeded plan (``SEED``), so a failure reproduces (up to the machine's timing).
 Each kill waits for a trigger: a delay after launch (start-up), a step's metrics record (mid-step, or the
-evaluation that follows an evaluation step), or a checkpoint's files appearing (save). Every job that got as far as
-training must have resumed from the newest complete checkpoint on disk (read by the test itself), so a resume that
-silently starts over (or picks an older checkpoint) fails here even though the run would still end identical. Where a kill really
-landed is read from the run's own output when the job is frozen just before the kill, and printed.
+evaluation that follows an evaluation step), or a checkpoint's files appearing (save). Every job must have continued
+from the newest complete checkpoint on disk (read by the test itself), as its own records in metrics.jsonl show
+(tests/resume_check.py: it kept the records up to that step and trained the next steps, none twice), so a resume that
+silently starts over, from scratch or from step 0 with the checkpoint's weights, or picks an older checkpoint, fails
+here even where the run would still end identical. Where a kill really landed is read from the run's own output when
+the job is frozen just before the kill, and printed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -25,6 +26,7 @@ import pytest
 
 from .conftest import PY, ROOT, TINY, free_port, run_train
 from .proctree import kill_tree
+from .resume_check import check_resume, metrics_records, model_bytes, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -76,20 +78,12 @@ class Job:
         return "\n".join(self.lines[-20:] + self.err[-40:])
 
 
-def records(out: str) -> list[dict]:
-    try:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip().endswith("}")]
-    except (OSError, ValueError):
-        return []
-
-
 def phase_of(job: Job, out: str) -> str:
     """Where the frozen job is, from its own output: the banner, metrics.jsonl and its checkpoint lines."""
     time.sleep(0.2)  # let the reader threads drain what the job wrote before it was frozen
     if not job.started_training():
         return "start-up"  # imports, data, tokenizer, model, DDP, loading the checkpoint
-    recs = records(out)
+    recs = metrics_records(out)
     trained = [r["step"] for r in recs if r["kind"] == "train"]
     step = max(trained, default=job.resume_step())
     evaluated = any(r["kind"] == "eval" and r["step"] == step for r in recs)
@@ -137,37 +131,24 @@ def trigger(job: Job, out: str, kind: str, rng: random.Random) -> bool:
                 return False
 
         return wait(job, writing, f"the step-{step} save")
-    if not wait(job, lambda: any(r["kind"] == "train" and r["step"] == step for r in records(out)), f"step {step}"):
+    if not wait(job, lambda: any(r["kind"] == "train" and r["step"] == step for r in metrics_records(out)), f"step {step}"):
         return False
     if kind == "mid-step":
         time.sleep(rng.uniform(0.0, 0.1))
     return True
 
 
-def newest_complete(out: str) -> int:
-    """The step of the newest complete checkpoint on disk, read here without mtl: a published ``step_<N>`` holding
-    its manifest (written last), or a ``.step_<N>.old`` copy whose ``step_<N>`` is gone (a re-save cut short,
-    which the next start puts back); 0 if none."""
-    root = os.path.join(out, "checkpoints")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    steps = [int(m.group(1)) for n in names if (m := re.match(r"^step_(\d+)$", n))
-             and os.path.isfile(os.path.join(root, n, "manifest.json"))]
-    steps += [int(m.group(1)) for n in names if (m := re.match(r"^\.step_(\d+)\.old$", n))
-              and f"step_{m.group(1)}" not in names and os.path.isfile(os.path.join(root, n, "manifest.json"))]
-    return max(steps, default=0)
-
-
-def check_resumed(job: Job, expected: int, checked: list) -> None:
-    """A job that got as far as training resumed from the newest complete checkpoint (``resume=auto``'s rule), not
-    from an older one or from scratch."""
+def check_resumed(job: Job, out: str, before, checked: list, last_step: int | None = None) -> None:
+    """The job continued from the newest complete checkpoint (``resume=auto``'s rule), not from an older one, from
+    step 0 or from scratch: its records in metrics.jsonl say so (``check_resume``), and so does its console line."""
+    try:
+        own = check_resume(out, before, last_step)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{job.tail()}") from None
     if job.started_training():
-        assert job.resume_step() == expected, f"resumed from step {job.resume_step()}, expected {expected}\n{job.tail()}"
-        checked.append(expected)
-
-
-def model_bytes(out: str) -> bytes:
-    with open(os.path.join(out, "checkpoints", f"step_{MAX_STEPS}", "model.safetensors"), "rb") as f:
-        return f.read()
+        assert job.resume_step() == before.step, f"resumed from step {job.resume_step()}, expected {before.step}\n{job.tail()}"
+    if before.step and own:
+        checked.append(before.step)  # a real resume, and its first steps were checked
 
 
 def chaos(nproc: int, out: str, rng: random.Random) -> Counter:
@@ -175,9 +156,9 @@ def chaos(nproc: int, out: str, rng: random.Random) -> Counter:
     plan = list(PHASES) + [rng.choice(PHASES) for _ in range(KILLS_PER_WORLD_SIZE - len(PHASES))]
     rng.shuffle(plan)
     landed: Counter = Counter()
-    checked: list[int] = []  # the expected resume step of each job checked
+    checked: list[int] = []  # the checkpoint step of each job seen training on from a checkpoint
     for kind in plan:
-        expected = newest_complete(out)
+        before = snapshot(out)
         job = Job(nproc, out)
         try:
             if not trigger(job, out, kind, rng):
@@ -191,8 +172,8 @@ def chaos(nproc: int, out: str, rng: random.Random) -> Counter:
         job.proc.wait(timeout=60)
         assert job.proc.returncode == -9, job.tail()  # the kill, not an error, ended it
         landed[where[0]] += 1
-        check_resumed(job, expected, checked)
-    expected = newest_complete(out)
+        check_resumed(job, out, before, checked)
+    before = snapshot(out)
     done = Job(nproc, out)
     try:
         done.proc.wait(timeout=300)
@@ -202,8 +183,8 @@ def chaos(nproc: int, out: str, rng: random.Random) -> Counter:
     for t in done._readers:
         t.join(timeout=10)
     assert done.proc.returncode == 0, done.tail()
-    check_resumed(done, expected, checked)
-    assert expected > 0 and sum(1 for e in checked if e > 0) >= 2, checked  # real resumes were checked
+    check_resumed(done, out, before, checked, last_step=MAX_STEPS)
+    assert before.step > 0 and len(checked) >= 2, checked  # real resumes were checked
     return landed
 
 
@@ -215,7 +196,7 @@ def test_random_kills_of_the_whole_job_then_resume_end_bitwise_identical(tmp_pat
         ref, cut = str(tmp_path / f"ref{nproc}"), str(tmp_path / f"chaos{nproc}")
         run_train([*ARGS, f"output_dir={ref}"], nproc=nproc)
         landed = chaos(nproc, cut, rng)
-        assert model_bytes(ref) == model_bytes(cut), f"{nproc} process(es): kills {dict(landed)}"
+        assert model_bytes(ref, MAX_STEPS) == model_bytes(cut, MAX_STEPS), f"{nproc} process(es): kills {dict(landed)}"
         total += landed
         report.append(f"{nproc} process(es): " + ", ".join(f"{p} {landed[p]}" for p in PHASES))
     print(f"\nchaos: {sum(total.values())} kills, each followed by resume=auto; bitwise identical at the end. "

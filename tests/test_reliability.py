@@ -15,6 +15,7 @@ import torch
 
 from .conftest import PY, ROOT, TINY, free_port, run_train
 from .proctree import alive, children, kill_tree
+from .resume_check import Before, check_resume, metrics_records, snapshot
 
 MULTI_INPUT = os.path.join(ROOT, "configs", "multi_input.yaml")
 FAST = ["trainer.eval_every=1000", "trainer.eval_max_batches=1", "trainer.log_every=1", "checkpoint.every_steps=4",
@@ -90,8 +91,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, config, overr
     wait_for_step(proc, cut, 5)  # past the step-4 checkpoint, before step 8's
     killed = kill_job(proc)
     assert len(killed) >= 1 + (nproc if nproc > 1 else 0)  # the launcher and every worker
-    resumed = run_train([*args, f"output_dir={cut}"], nproc=nproc)
-    assert resumed_from(resumed.stdout) < 10  # a real resume, from before the end
+    before = snapshot(cut)
+    assert 0 < before.step < 10  # a real resume, from before the end
+    run_train([*args, f"output_dir={cut}"], nproc=nproc)
+    check_resume(cut, before, last_step=10)  # it went on from before.step: steps before.step + 1, ..., 10, once each
     assert model_bytes(ref, 10) == model_bytes(cut, 10)  # byte for byte
 
 
@@ -159,8 +162,11 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
     assert "Ctrl-C: finishing this step" in err and "Traceback" not in err
     saved = checkpoint_steps(out)
     assert len(saved) == 1 and seen <= saved[0] <= seen + 2  # ... but nothing lost: the step in flight is saved
+    before = snapshot(out)
+    assert before.step == saved[0]
     again = run_train(["--config", TINY, f"trainer.max_steps={saved[0] + 1}", *args[3:]])
     assert resumed_from(again.stdout) == saved[0]
+    assert check_resume(out, before, last_step=saved[0] + 1) == [saved[0] + 1]  # the resumed run's one step
 
 
 @pytest.mark.slow
@@ -230,6 +236,8 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
                                                 "MTL_TEST_RESTART_INIT_DELAY": "1:5"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for_step(proc, el, 5)
+    # step_4 was saved before step 5 ran, so a restart goes on from step 4 or later: the records up to step 4 stay
+    before = Before(4, [r for r in metrics_records(el) if r["step"] <= 4])
     workers = subprocess.run(["pgrep", "-f", f"output_dir={el}"], capture_output=True, text=True).stdout.split()
     victim = max(int(p) for p in workers if int(p) != proc.pid)  # a worker, not the launcher
     os.kill(victim, signal.SIGKILL)
@@ -239,6 +247,7 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert resumed and all(step < 10 for step in resumed), out[-2000:]  # the restart really resumed mid-run
     # the first restart formed its group: two attempts started training (rank 0 prints one banner per attempt)
     assert len(re.findall(r"^mtl: 2 process\(es\) on", out, flags=re.M)) == 2, out[-3000:]
+    check_resume(el, before, last_step=10)  # ... went on from its checkpoint, not from step 0
     assert model_bytes(ref, 10) == model_bytes(el, 10)
 
 
