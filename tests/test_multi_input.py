@@ -207,7 +207,7 @@ POLICIES = ["all", "round_robin", "weighted", "temperature", "mixed"]
 def test_two_ranks_together_hold_exactly_the_single_process_rows_every_step():
     base = load_run_config(MI, ["ddp.strategy=find_unused", "data.per_task.gen.ratio=0.3",
                                 "data.per_task.cls.batch_size=3", "data.per_task.gen.batch_size=2",
-                                "data.batch_size=4"])
+                                "data.batch_size=4", "data.sampling.policy=all"])  # policy last: what it reads decides
     for policy in POLICIES:
         _check_policy(base, policy)
 
@@ -318,9 +318,9 @@ def test_a_task_set_of_any_source_smaller_than_its_global_rows_is_refused_before
     """The stream checks the loaded sets' sizes (a manifest's or an ImageFolder's is known only once read): gen has
     6 items; 4 rows per process fit one process, not two, under every policy (mixed: up to 4 x 2 - 1 rows, the
     other task holding at least one)."""
-    cfg = load_run_config(MI, ["ddp.strategy=find_unused", f"data.sampling.policy={policy}",
-                               "data.per_task.cls.batch_size=2", "data.per_task.gen.batch_size=4",
-                               "data.batch_size=4"])
+    cfg = load_run_config(MI, ["ddp.strategy=find_unused", "data.per_task.cls.batch_size=2",
+                               "data.per_task.gen.batch_size=4", "data.batch_size=4",
+                               f"data.sampling.policy={policy}"])  # last: the batch sizes it does not read are left out
     sets, collates = {"cls": _Items(20, "label"), "gen": _Items(6, "captions")}, {"cls": _collate, "gen": _collate}
     MultiInputStream(cfg, sets, collates, 0, 1).next_batch(0)
     with pytest.raises(DataError) as e:
