@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -21,3 +22,14 @@ def write_atomic(path: str, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the file system that holds ``path`` (or its nearest existing parent); None if unknown."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None

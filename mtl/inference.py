@@ -19,15 +19,19 @@ The command-line tools in ``mtl/tools/`` (evaluate, predict, export) are thin wr
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import json
 import math
 import os
 import shutil
+import stat
 import sys
 from types import SimpleNamespace
 
 import torch
+from safetensors import SafetensorError
 
 from mtl.build import (
     CLASS_NAMES_FILE,
@@ -42,6 +46,7 @@ from mtl.build import (
     run_task_types,
     verify_model_files,
 )
+from mtl.config.checks import validate
 from mtl.config.reads import refuse_unread
 from mtl.config.resume import saved_config
 from mtl.config.schema import config_from_data, load_config, multi_input, task_data
@@ -51,12 +56,13 @@ from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDat
 from mtl.data.multi_input import build_task_val_sets
 from mtl.data.tokenizer import CaptionTokenizer
 from mtl.errors import CheckpointError, ConfigError, DataError
-from mtl.interop import write_interop
+from mtl.files import free_bytes
+from mtl.interop import interop_bytes, write_interop
 from mtl.parallel.amp import DTYPES
-from mtl.parallel.dist import pick_device
 from mtl.registry import PLUGIN_KEYS, copy_names, use_folder_copies
-from mtl.run.checkpoint import write_manifest
+from mtl.run.checkpoint import describe_os_error, write_manifest
 from mtl.run.evaluate import evaluate_run
+from mtl.run.runlock import _alive  # the run lock's own test of a PID
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
@@ -140,8 +146,12 @@ class Predictor:
 def read_image(path, image_size: int) -> torch.Tensor:
     """One image file through the data code's transform; a missing or undecodable file is a DataError."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise DataError(f"image {path!r} not found")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        raise DataError(f"image {path!r} not found") from None
+    if not stat.S_ISREG(mode):  # never opened: a FIFO would block the job, a device never end
+        raise DataError(f"image {path!r} is not a regular file but a {_file_kind(mode)}; pass image files only")
     try:
         return load_image(path, image_size)
     except UnusableImage:  # it opens, and its message says what is wrong with it (a 1 x 1,000,000 strip)
@@ -160,7 +170,7 @@ def image_paths(inputs: list[str]) -> list[str]:
             if not found:
                 raise DataError(f"folder {item!r} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
             paths += found
-        elif os.path.isfile(item):
+        elif os.path.exists(item):  # a file; one that is not a regular file is skipped and counted (read_image)
             paths.append(item)
         else:
             raise DataError(f"{item!r} is neither an image file nor a folder")
@@ -169,15 +179,38 @@ def image_paths(inputs: list[str]) -> list[str]:
     return paths
 
 
-def _device(device) -> torch.device:
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+             (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "folder"))
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def resolve_device(device, key: str = "device") -> torch.device:
+    """``device`` (auto | cpu | cuda | cuda:N, or a torch.device) as a device this machine has, checked before a
+    model is loaded: a name that is no device, CUDA where none is visible, or an index past the last GPU is one
+    ConfigError naming ``key`` (the tools pass ``--device``) and the fix."""
     if isinstance(device, torch.device):
-        return device
-    if device in ("auto", "cpu", "cuda"):
-        return pick_device(device, 0)
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device: {device!r} is not a device (auto, cpu, cuda or cuda:N)") from None
+        dev = device
+    elif device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"{key}: {device!r} is not a device (auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"{key}: {device!r} is not a device mtl runs on (auto, cpu, cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{key}: {str(device)!r} asks for a CUDA device, and this machine has none that torch can "
+                          f"use (no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them); set {key}=cpu or {key}=auto")
+    count, index = torch.cuda.device_count(), dev.index or 0
+    if index >= count:
+        raise ConfigError(f"{key}: {str(device)!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                          f"cuda:{count - 1}; set {key} to one of them, or {key}=auto")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _rel(path: str, folder: str) -> str:
@@ -235,7 +268,7 @@ def load_model(path: str, device="cpu") -> Predictor:
     unweighted.model.backbone.weights = None
     model = build_model(unweighted, num_classes, class_names, tokenizer)
     load_model_weights(model, state, f"model {files.weights!r}", LOAD_FIX)
-    dev = _device(device)
+    dev = resolve_device(device)
     model.autocast_dtype = DTYPES.get(cfg.precision)  # as the run's own evaluation
     model.to(dev).eval()
     return Predictor(model, cfg, tokenizer, class_names, dev, files, saved)
@@ -274,6 +307,11 @@ def eval_config(predictor: Predictor, config: str | None = None, overrides: list
     if cfg.data.image_size != predictor.image_size:
         raise ConfigError(f"data.image_size: the model was trained at {predictor.image_size}, not "
                           f"{cfg.data.image_size}; remove the override or set it to {predictor.image_size}")
+    # train.py's own checks (mtl.config.checks.validate), on the keys an evaluation sets; the training paths it
+    # never reads (train_path) are not asked for. The rest is the model's config, checked when it trained.
+    problems = [e for e in validate(cfg) if e.split(":", 1)[0].startswith(EVAL_KEYS) and "train_path" not in e]
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
@@ -358,13 +396,27 @@ def export_model(path: str, out: str) -> str:
     libraries' layouts (``mtl.interop``: hf_decoder/ for transformers, torchvision_backbone/, README.md), with
     manifest.json last.
 
-    The model is loaded first (so a broken checkpoint is refused, not copied); the folder appears whole
-    or not at all (written next to it, then renamed)."""
-    out = os.fspath(out)
+    The model is loaded first (so a broken checkpoint is refused, not copied). Before anything is written, the free
+    space is checked against the export's size (``export_bytes``): too little is one ConfigError (exit 2) naming the
+    folder, the bytes needed and free. The folder appears whole or not at all: it is written next to ``out`` as
+    ``<out>.<pid>.tmp`` and renamed; a write that fails anyway (the disk filled up meanwhile) is one CheckpointError
+    (exit 4, as a checkpoint that cannot be saved) and leaves nothing behind. A ``<out>.<pid>.tmp`` left by an export
+    that was killed (its process gone) is removed by the next export to ``out``."""
+    out = os.fspath(out).rstrip(os.sep) or os.sep
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out: {out!r} already exists and is not an empty folder; choose a new folder")
     predictor = load_model(path, "cpu")
-    tmp = f"{out.rstrip(os.sep)}.{os.getpid()}.tmp"
+    parent = os.path.dirname(os.path.abspath(out))
+    _remove_stale_exports(out)
+    needed, free = export_bytes(predictor), free_bytes(parent)
+    if free is not None and free < needed:
+        raise ConfigError(f"--out: the disk of {out!r} has {free:,} bytes free, and the export needs about "
+                          f"{needed:,}; free space or choose --out on another disk (nothing was written)")
+    made = []  # the folders above out that the export makes: removed again if it fails
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    tmp = f"{out}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
@@ -383,8 +435,56 @@ def export_model(path: str, out: str) -> str:
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.replace(tmp, out)
-    except OSError as e:
-        raise ConfigError(f"--out: cannot write {out!r}: {e.strerror or e}") from None
+    except (OSError, SafetensorError) as e:  # safetensors' writer (transformers' save_pretrained) raises its own
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        room = f"{needed:,} bytes to write, {'an unknown number' if free is None else f'{free:,}'} free before it began"
+        raise CheckpointError(f"cannot write the export {out!r}: {_write_failure(e, tmp)} ({room}); nothing was left "
+                              "behind. Free space or choose another --out, then export again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+EXPORT_MARGIN = 1.05, 1 << 20  # x1.05 + 1 MiB over the known sizes: headers, JSON files, the exported program's graph
+
+
+def export_bytes(predictor: Predictor) -> int:
+    """About the bytes ``export_model`` writes, from the sizes known before writing (the files it copies, the tensors
+    of the parts ``mtl.interop`` writes), with ``EXPORT_MARGIN``."""
+    copied = [predictor.files.weights, predictor.files.config]
+    if predictor.files.tokenizer:
+        copied += [os.path.join(predictor.files.tokenizer, n) for n in os.listdir(predictor.files.tokenizer)]
+    copied += [str(s) for key in PLUGIN_KEYS for s in predictor.cfg.get(key) or () if os.path.isfile(str(s))]
+    known = sum(os.path.getsize(f) for f in copied if os.path.isfile(f)) + interop_bytes(predictor)
+    scale, extra = EXPORT_MARGIN
+    return int(known * scale) + extra
+
+
+def _write_failure(error: Exception, tmp: str) -> str:
+    """Which file of the export could not be written, and why, in the words of a checkpoint save."""
+    if isinstance(error, OSError):
+        where = f"{os.path.relpath(error.filename, tmp)}: " if error.filename and str(error.filename).startswith(tmp) else ""
+        return where + describe_os_error(error)
+    text = str(error)  # safetensors: "Error while serializing: I/O error: No space left on device (os error 28)"
+    return "no space left on device" if f"os error {errno.ENOSPC})" in text else f"{type(error).__name__}: {text}"
+
+
+def _remove_stale_exports(out: str) -> None:
+    """The half-written folders ``<out>.<pid>.tmp`` of earlier exports to ``out`` whose process is gone (killed before
+    it could clean up): removed, each with a note."""
+    parent, base = os.path.split(os.path.abspath(out))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(base) + 1:-len(".tmp")] if name.startswith(base + ".") and name.endswith(".tmp") else ""
+        path = os.path.join(parent, name)
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and os.path.isdir(path) \
+                and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"note: removed {path!r}, the half-written folder of an earlier export to {out!r} that stopped "
+                  f"before it finished (its process {pid} is gone)", file=sys.stderr, flush=True)

@@ -120,8 +120,12 @@ PROGRAM_FILE = "image_program.pt2"
 def _write_bytes(path: str, data: bytes) -> None:
     """Python writes the files (a full disk is an OSError naming the file), never a library's native writer: torch's
     C++ one aborts the process on a short write, safetensors' raises its own error type."""
-    with open(path, "wb") as f:
-        f.write(data)
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        e.filename = e.filename or path
+        raise
 
 
 def _tensor_bytes(module: torch.nn.Module) -> int:

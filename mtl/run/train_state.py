@@ -74,6 +74,7 @@ def write_sharded(folder: str, state: dict) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
+    free = _free_bytes(folder)  # measured before the write: after a short one the disk is full ("0 free")
     try:
         with _quiet():
             dcp.save(state, storage_writer=writer, no_dist=_no_dist())
@@ -85,8 +86,8 @@ def write_sharded(folder: str, state: dict) -> None:
                     exc.filename = folder
                 raise exc from None
         # torch's writer reports a short write (a full disk) as a RuntimeError ("unexpected pos ..."): ask the disk
-        needed, free = _tensor_bytes(state), _free_bytes(folder)
-        if free is not None and free < needed:
+        needed, now = _tensor_bytes(state), _free_bytes(folder)
+        if free is not None and now is not None and min(free, now) < needed:
             raise OSError(errno.ENOSPC, f"no space left on device ({needed:,} bytes to write here, {free:,} free)",
                           folder) from None
         first = failures[0] if failures else e
@@ -147,9 +148,9 @@ def read_metadata(folder: str):
         with open(path, "rb") as f:
             metadata = _IndexUnpickler(f).load()
     except pickle.UnpicklingError as e:
+        # no fix here: each caller says its own (resume=<path>: point resume elsewhere; resume=auto: skipped; a tool)
         raise CheckpointError(f"{path!r} refers to {e}, which a checkpoint index never holds: refused unread (a "
-                              "crafted or corrupt file; loading it could run code). Point resume at another "
-                              "checkpoint") from None
+                              "crafted or corrupt file; loading it could run code)") from None
     except Exception as e:
         raise CheckpointError(f"{path!r} cannot be read ({type(e).__name__}): it is truncated or corrupt") from None
     if not isinstance(metadata, Metadata):

@@ -2,28 +2,67 @@
 
 Each tool is thin: it parses its arguments, calls the core, writes its output, and turns user errors
 into one message and an exit code through ``mtl.run.error_report.run_guarded`` (2 config/option, 3 data, 4 checkpoint).
+An output file is checked before the work begins (``verify_out``) and written atomically after it (``write_out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 
-from mtl.errors import ConfigError
+from mtl.errors import ConfigError, DataError
+from mtl.files import free_bytes, write_atomic
 
 MODEL_HELP = ("a checkpoint folder (output_dir/checkpoints/step_<N>), an export folder (mtl.tools.export), "
               "or a run's output_dir (its newest checkpoint)")
 
 
-def write_text(path: str, text: str, option: str = "--out") -> None:
-    """Write ``text`` to ``path`` (its folder is created); a failure is one ConfigError naming the option."""
+def verify_out(path: str, needed: int, option: str = "--out") -> int | None:
+    """Before any work: ``path`` can be written (not a folder; a file can be made where it goes, whose missing
+    folders can be made) and its file system has ``needed`` bytes free. Otherwise one ConfigError naming the
+    option (exit 2: choose another one), with nothing computed or written. Returns the free bytes (None if unknown),
+    for ``write_out``'s message."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise ConfigError(f"{option}: {path!r} is a folder; name a file")
+    if os.path.lexists(target) and not os.path.isfile(target):
+        raise ConfigError(f"{option}: {path!r} exists and is not a regular file; name a new file or a regular one")
+    existing = os.path.dirname(target)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{option}: cannot write {path!r}: {existing!r} is not a folder; choose another {option}")
     try:
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        fd, probe = tempfile.mkstemp(prefix=".mtl-write-check.", dir=existing)  # what the write will need
+        os.close(fd)
+        os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"{option}: cannot write {path!r}: {e.strerror or e}") from None
+        raise ConfigError(f"{option}: cannot write {path!r}: {e.strerror or e} (in {existing!r}); choose another "
+                          f"{option}") from None
+    free = free_bytes(existing)
+    if free is not None and free < needed:
+        raise ConfigError(f"{option}: {existing!r} has {free:,} bytes free, and {path!r} needs about {needed:,}; "
+                          f"free space or choose another {option} (nothing was computed or written)")
+    return free
+
+
+def write_out(path: str, text: str, option: str = "--out", free: int | None = None) -> None:
+    """Write ``text`` to ``path`` atomically (``mtl.files.write_atomic``: never a 0-byte or partial file, and a file
+    already there stays whole; missing folders are made). A failure (the disk filled up while the tool worked) is
+    an I/O error, not a bad option: one DataError (exit 3) naming the file, the cause, the bytes it needed and
+    ``free``, the bytes free before the work began (``verify_out``)."""
+    data = text.encode("utf-8")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_atomic(path, data)
+    except OSError as e:
+        # import here: torch (under mtl.run) loads only when a write has failed, so --help answers at once
+        from mtl.run.checkpoint import describe_os_error
+
+        room = f" ({len(data):,} bytes to write, {free:,} free before the work began)" if free is not None else ""
+        raise DataError(f"cannot write {option} {path!r}: {describe_os_error(e)}{room}; it was left as it "
+                        f"was (no partial file). Free space or choose another {option}") from None
 
 
 def tool_parser(module: str, doc: str, config: str | None = None, overrides: str | None = None) -> argparse.ArgumentParser:

@@ -11,6 +11,11 @@ validation split (data.source=qm9: the run's split of the molecules, from data.q
 multi-input model (data.per_task) scores each task on its own data.per_task.<task>.val_path (or its
 synthetic set), exactly as its training run evaluated, and "images" gives each task's count. Nothing
 falls back to other data: a set that cannot be read is an error naming the task and the key.
+
+Checked before the model loads: --device (a CUDA device this machine lacks) and --out (writable, with
+room); before the evaluation: the data.* and seed keys, by train.py's own checks. Each is exit 2. The metrics
+are printed first; --out is then written whole or not at all (a write that fails, e.g. on a disk that
+filled up meanwhile, is exit 3).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import sys
 
 from mtl.errors import ConfigError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, tool_parser, write_text
+from mtl.tools import MODEL_HELP, tool_parser, verify_out, write_out
+
+OUT_BYTES = 1 << 16  # room asked for --out before the evaluation: its metrics are a few hundred bytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,17 +45,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def run():
         # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
-        from mtl.inference import eval_config, evaluate_model, load_model
+        from mtl.inference import eval_config, evaluate_model, load_model, resolve_device
 
         if args.max_batches < 0 or (args.beams is not None and args.beams < 1):
             raise ConfigError("--max-batches must be >= 0 and --beams >= 1")
-        predictor = load_model(args.checkpoint, args.device)
-        cfg = eval_config(predictor, args.config, args.overrides)
+        device = resolve_device(args.device, "--device")  # before any work
+        free = verify_out(args.out, OUT_BYTES) if args.out else None
+        predictor = load_model(args.checkpoint, device)
+        cfg = eval_config(predictor, args.config, args.overrides)  # with train.py's checks of data.* and seed
         metrics = evaluate_model(predictor, cfg, args.max_batches, args.beams)
         text = json.dumps({"checkpoint": predictor.files.folder, **metrics}, indent=2) + "\n"
+        print(text, end="", flush=True)  # first: a failed --out loses nothing
         if args.out:
-            write_text(args.out, text)
-        print(text, end="", flush=True)
+            write_out(args.out, text, free=free)
 
     return run_guarded(run)
 

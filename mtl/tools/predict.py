@@ -6,8 +6,11 @@ Each line: {"image": path, "class": name, "class_index": i, "prob": p, "caption"
 for a model with the count task). Folders are searched recursively for image files; files named
 directly are used whatever their extension. Images are preprocessed exactly as in training (the data
 code's transform). Captions are greedy by default, beam search with --beams N > 1. An image file that
-cannot be read is skipped with a warning, and the summary on stderr counts the skipped files (exit 3 only
-when none could be read). Image models only: a model whose backbone reads something else (QM9's molecule
+cannot be read, or is not a regular file (a FIFO, a device), is skipped with a warning saying which, and the
+summary on stderr counts the skipped files (exit 3 only when none could be read). --device and --out
+(writable, with room for the lines) are checked before the model loads (exit 2); --out is written whole or
+not at all, and if that write fails (a disk that filled up meanwhile: exit 3) the predictions are printed
+to stdout instead. Image models only: a model whose backbone reads something else (QM9's molecule
 graphs) is refused with exit 2; evaluate it on its data with python -m mtl.tools.evaluate.
 """
 
@@ -18,7 +21,9 @@ import sys
 
 from mtl.errors import ConfigError, DataError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, tool_parser, write_text
+from mtl.tools import MODEL_HELP, tool_parser, verify_out, write_out
+
+LINE_BYTES = 512  # room asked for --out per image before predicting, beside its path: a line's class, caption, count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,13 +38,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def run():
         # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
-        from mtl.inference import image_paths, load_model
+        from mtl.inference import image_paths, load_model, resolve_device
 
         if args.beams < 1 or args.batch_size < 1:
             raise ConfigError("--beams and --batch-size must be >= 1")
 
+        device = resolve_device(args.device, "--device")  # before any work
         paths = image_paths(args.images)  # before loading the model: a typo fails fast
-        predictor = load_model(args.model, args.device)
+        free = None
+        if args.out:  # before predicting: a full disk or an unwritable --out is known now, not after the work
+            free = verify_out(args.out, sum(len(p.encode()) + LINE_BYTES for p in paths))
+        predictor = load_model(args.model, device)
         skipped: list[str] = []
 
         def unreadable(path: str, error) -> None:  # one file does not stop the job: a warning, and it is counted
@@ -53,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         text = "".join(json.dumps({"image": p, **r}) + "\n" for p, r in zip(paths, preds) if r is not None)
         done = len(paths) - len(skipped)
         if args.out:
-            write_text(args.out, text)
+            try:
+                write_out(args.out, text, free=free)
+            except DataError as e:  # the predictions are made: print them rather than lose them
+                print(text, end="", flush=True)
+                raise DataError(f"{e.message}. The {done} prediction(s) were printed to stdout instead") from None
         else:
             print(text, end="", flush=True)
         if args.out or skipped:
