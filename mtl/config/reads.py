@@ -57,9 +57,9 @@ class RunShape:
         return set(self.task_sources.values()) if self.multi_input else {self.source}
 
 
-# A rule's condition: (shape, task name for a "*" key or None) -> None when the key is read, else (why, fix): what
-# makes it unread and what to do ("{key}" in the fix is the key's name).
-When = Callable[[RunShape, "str | None"], "tuple[str, str] | None"]
+# A rule's condition: (shape, the task's name for a "*" key or None, the rule's key) -> None when the key is read,
+# else (why, fix): what makes it unread and what to do ("{key}" in the fix is the key's name).
+When = Callable[[RunShape, "str | None", str], "tuple[str, str] | None"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ MULTI = ("multi-input mode (data.per_task) gives each task its own data set and 
 
 def one_set(*sources: str) -> When:
     """Read with one data set (no data.per_task) from one of ``sources``."""
-    def when(s, t):
+    def when(s, t, key=None):
         if s.multi_input:
             return MULTI
         if s.source not in sources:
@@ -87,7 +87,7 @@ def one_set(*sources: str) -> When:
 
 def any_set(*sources: str) -> When:
     """Read when the data set, or one task's in multi-input mode, comes from one of ``sources``."""
-    def when(s, t):
+    def when(s, t, key=None):
         if s.sources & set(sources):
             return None
         now = (f"data.per_task's sources are {', '.join(sorted(s.sources))}" if s.multi_input
@@ -96,7 +96,7 @@ def any_set(*sources: str) -> When:
     return when
 
 
-def images(s, t):
+def images(s, t, key=None):
     if s.sources == {"qm9"}:
         return "data.source is qm9 (molecule graphs, no images)", "remove {key}"
     return None
@@ -104,7 +104,7 @@ def images(s, t):
 
 def task_source(*sources: str) -> When:
     """``data.per_task.<task>.*``: read when that task's source is one of ``sources``."""
-    def when(s, t):
+    def when(s, t, key=None):
         have = s.task_sources.get(t)
         if have is None or have in sources:
             return None
@@ -113,28 +113,28 @@ def task_source(*sources: str) -> When:
     return when
 
 
-def batch_size(s, t):
+def batch_size(s, t, key=None):
     if s.multi_input and s.policy != "mixed":
         return (f"multi-input mode with data.sampling.policy={s.policy} reads each task's "
                 "data.per_task.<task>.batch_size", "set data.per_task.<task>.batch_size, or remove {key}")
     return None
 
 
-def task_batch_size(s, t):
+def task_batch_size(s, t, key=None):
     if s.policy == "mixed":
         return ("data.sampling.policy=mixed draws data.batch_size rows over every task",
                 "set data.batch_size, or remove {key}")
     return None
 
 
-def sampling(s, t):
+def sampling(s, t, key=None):
     return None if s.multi_input else (
         "one data set for every task (no data.per_task): multi-input sampling does not apply",
         "give each task its own data set in data.per_task.<task>, or remove {key}")
 
 
 def policy_is(policy: str, weights: str | None = None) -> When:
-    def when(s, t):
+    def when(s, t, key=None):
         if s.multi_input and s.policy == policy and weights in (None, s.sampling_weights):
             return None
         want = f"data.sampling.policy={policy}" + (f" with data.sampling.weights={weights}" if weights else "")
@@ -144,13 +144,13 @@ def policy_is(policy: str, weights: str | None = None) -> When:
     return when
 
 
-def in_tasks(s, t):
+def in_tasks(s, t, key=None):
     if t in s.tasks:
         return None
     return f"{t!r} is not one of the run's tasks ({', '.join(s.tasks)})", f"add {t} to tasks, or remove {{key}}"
 
 
-def heldout(s, t):
+def heldout(s, t, key=None):
     if s.heldout is False:
         return (f"weighting.method={s.plugins['method'][0]} reads no held-out batch",
                 "use a bilevel method (e.g. weighting.method=autolambda), or remove {key}")
@@ -158,40 +158,38 @@ def heldout(s, t):
 
 
 def scheduler_is(name: str) -> When:
-    def when(s, t):
+    def when(s, t, key=None):
         return None if s.scheduler == name else (f"optim.scheduler is {s.scheduler}",
                                                  f"set optim.scheduler={name}, or remove {{key}}")
     return when
 
 
 def optimizer_is(name: str) -> When:
-    def when(s, t):
+    def when(s, t, key=None):
         return None if s.optimizer == name else (f"optim.name is {s.optimizer}",
                                                  f"set optim.name={name}, or remove {{key}}")
     return when
 
 
-def declared(family: str, choose: str) -> Callable[[str], When]:
+def declared(family: str, choose: str) -> When:
     """Read when the run's plug-in of ``family`` declares the key in its ``reads`` (a section: its prefix).
     ``choose``: the key that picks that plug-in."""
-    def for_key(key: str) -> When:
-        def when(s, t):
-            plugin = s.plugins.get(family)
-            if plugin is None:  # unknown (its own error says so): not judged
-                return None
-            name, reads, others = plugin
-            if any(_covers(r, key) for r in reads):
-                return None
-            readers = [n for n, r in others.items() if any(_covers(x, key) for x in r)]
-            some = ", ".join(readers[:3]) + (" ..." if len(readers) > 3 else "")
-            if family == "task":
-                return (f"no task of this run ({', '.join(s.tasks)}) reads it",
-                        f"add a task that does ({some}) to tasks, or remove {{key}}")
-            fix = (f"set {choose}={readers[0]}" if len(readers) == 1 else f"set {choose} to one that does ({some})"
-                   if readers else f"no {family} reads it: remove {{key}}")
-            return f"{choose}={name} does not read it", f"{fix}, or remove {{key}}" if readers else fix
-        return when
-    return for_key
+    def when(s, t, key=None):
+        plugin = s.plugins.get(family)
+        if plugin is None:  # unknown (its own error says so): not judged
+            return None
+        name, reads, others = plugin
+        if any(_covers(r, key) for r in reads):
+            return None
+        readers = [n for n, r in others.items() if any(_covers(x, key) for x in r)]
+        some = ", ".join(readers[:3]) + (" ..." if len(readers) > 3 else "")
+        if family == "task":
+            return (f"no task of this run ({', '.join(s.tasks)}) reads it",
+                    f"add a task that does ({some}) to tasks, or remove {{key}}")
+        fix = (f"set {choose}={readers[0]}" if len(readers) == 1 else f"set {choose} to one that does ({some})"
+               if readers else f"no {family} reads it: remove {{key}}")
+        return f"{choose}={name} does not read it", f"{fix}, or remove {{key}}" if readers else fix
+    return when
 
 
 def _covers(declared_key: str, key: str) -> bool:
@@ -206,7 +204,7 @@ DATA = ("data.source", "data.per_task")
 
 # Every key that some runs do not read, with when it is read. A key no rule names is read by every run.
 READS: tuple[Reads, ...] = (
-    Reads(("data.source",), lambda s, t: MULTI if s.multi_input else None, ("data.per_task",)),
+    Reads(("data.source",), lambda s, t, key=None: MULTI if s.multi_input else None, ("data.per_task",)),
     Reads(("data.val_path", "data.on_error"), one_set(*IMAGE_FILES), DATA),
     Reads(("data.train_path", "data.test_path", "data.num_classes"), one_set(*IMAGE_FILES), DATA, training_only=True),
     Reads(("data.image_root",), one_set("manifest"), DATA),
@@ -237,24 +235,15 @@ READS: tuple[Reads, ...] = (
     Reads(("data.per_task.*.ratio",), policy_is("weighted", "set"),
           ("data.per_task", "data.sampling.policy", "data.sampling.weights"), training_only=True),
     Reads(("task_options.*", "task_instances.*", "loss_scale.*"), in_tasks, ("tasks",)),
-    Reads(("tokenizer.", "model.decoder."), None, ("tasks", "task_modules", "task_instances")),  # a task's reads
-    Reads(("model.backbone.weights", "model.backbone.norm", "model.backbone.stages"), None,
-          ("model.backbone.name", "backbone_modules")),  # the backbone's reads
-    Reads(("weighting.weights",), None, ("weighting.method", "weighting_modules")),  # the method's reads
-    Reads(("ddp.detach_owner",), None, ("ddp.strategy",)),  # the strategy's reads
+    # read where a plug-in of the run declares them in its ``reads``
+    Reads(("tokenizer.", "model.decoder."), task, ("tasks", "task_modules", "task_instances")),
+    Reads(("model.backbone.weights", "model.backbone.norm", "model.backbone.stages"), backbone,
+          ("model.backbone.name", "backbone_modules")),
+    Reads(("weighting.weights",), method, ("weighting.method", "weighting_modules")),
+    Reads(("ddp.detach_owner",), strategy, ("ddp.strategy",)),
     Reads(("optim.plateau.",), scheduler_is("plateau"), ("optim.scheduler",)),
     Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
 )
-# the rules whose condition is a plug-in's ``reads`` (``when`` None above): the family that declares the keys
-DECLARED = {"tokenizer.": task, "model.decoder.": task, "model.backbone.weights": backbone,
-            "model.backbone.norm": backbone, "model.backbone.stages": backbone, "weighting.weights": method,
-            "ddp.detach_owner": strategy}
-
-
-def condition(rule: Reads, key: str) -> When:
-    return rule.when if rule.when is not None else DECLARED[key](key)
-
-
 def run_shape(cfg, tool: str = "train") -> RunShape:
     """The shape of a loaded config: its sources, mode and plug-ins (a plug-in that cannot be found is None: its
     own error is reported by the checks, and the keys it would decide are not judged)."""
@@ -322,7 +311,7 @@ def not_read(cfg, shape: RunShape, setters: dict | None = None) -> list[tuple[st
                     out.append((key, f"python -m mtl.tools.{shape.tool} does not read it (only training does)",
                                 "remove {key}", rule))
                     continue
-                found = condition(rule, pattern)(shape, task_name)
+                found = rule.when(shape, task_name, pattern)
                 if found is not None:
                     out.append((key, found[0], found[1], rule))
     return out
