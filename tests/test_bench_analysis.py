@@ -178,3 +178,30 @@ def test_a_row_says_which_of_its_runs_failed_and_which_are_only_missing():
     assert _not_ok_note({"runs": 5, "runs_ok": 0, "failed": [f"seed {i}: failed" for i in range(5)]}) == \
         " (5 of 5 failed)"
     assert _not_ok_note({"runs": 3, "runs_ok": 3, "failed": []}) == ""
+
+
+def test_between_regimes_marks_only_runs_of_the_same_length():
+    """A short regime read for its cost only (40 steps against 1320) is not tested against the reference regime:
+    its row in "Between regimes" gives the difference without a ▲ / ▼ and without counting in Holm's m; a regime of
+    the same length is still tested and marked (issue 32.8)."""
+    from omegaconf import OmegaConf
+
+    from mtl.tools.bench.sweep import effects_table, regime_effects
+
+    def row(method, delta_m, steps, shift):
+        seeds = {s: {"delta_m": delta_m + shift * s, "steps": steps} for s in range(3)}
+        return {"method": method, "level": "loss", "delta_m": delta_m, "_seeds": seeds}
+
+    rows = {"natural": [row("equal", 30.0, 1320, 0.1), row("uw", 31.0, 1320, 0.2)],
+            "cost": [row("equal", 170.0, 40, 0.3), row("uw", 175.0, 40, 0.1)],
+            "scaled": [row("equal", 60.0, 1320, 0.2), row("uw", 32.0, 1320, 0.3)]}
+    cfg = OmegaConf.create({"bench": {"alpha": 0.05}})
+    effects = regime_effects(cfg, rows)
+    text = effects_table(cfg, effects)
+    cost = [line for line in text.splitlines() if line.startswith("| `cost`")]
+    scaled = [line for line in text.splitlines() if line.startswith("| `scaled`")]
+    assert len(cost) == 2 and all("▲" not in line and "▼" not in line and "not tested: 40 steps against 1320" in line
+                                  for line in cost), text
+    assert "+140.20 (not tested" in cost[0], cost[0]
+    assert "▲" in scaled[0], text  # the same length: tested, and equal's +30 on every seed is marked
+    assert "across the 2 comparisons" in text, text  # Holm's m: the tested rows only

@@ -31,7 +31,8 @@ Definitions (mtl/tools/bench/stats.py holds the statistics):
 - against ``equal``: per seed, the method's delta-m minus equal's on the same seed; the mean, its t-interval and the
   two-sided paired t-test; Holm's correction across the table's methods; marked ▼ / ▲ (lower / higher delta-m) where
   the adjusted p is below ``bench.alpha``; the smallest difference the table's seeds detect with 80% power. Between
-  regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime;
+  regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime (not tested, no
+  mark, where its runs trained a different number of steps in the two: that difference is the training length's);
 - convergence: per run the least-squares slope of each validation metric over its last ``last_k`` evaluations, per
   100 steps (with ``bench.plateau_relative``: in % of the metric's single-task baseline); converged when the 95%
   t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
@@ -585,9 +586,17 @@ def _run_dir(runs: list[dict], label: str, seed) -> str:
     return next(r["dir"] for r in runs if r["label"] == label and r["seed"] == seed)
 
 
+def _trained_steps(seeds: dict) -> int:
+    """The steps a method's runs trained (the longest over its seeds)."""
+    return max((d.get("steps", 0) for d in seeds.values()), default=0)
+
+
 def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
     """For each regime after the first and each method in both: its delta-m there minus its delta-m in the first
-    regime, seed by seed (the paired bootstrap): did the regime change what the method reaches?"""
+    regime, seed by seed (the paired t-test): did the regime change what the method reaches? Where the method's runs
+    trained a different number of steps in the two regimes (e.g. a short regime read for its cost only), the
+    difference measures the training length, not the regime: it is given without a test or a mark (``untested``:
+    the two lengths) and does not count in Holm's m."""
     alpha = bench_options(cfg).alpha
     names = list(all_rows)
     if len(names) < 2:
@@ -600,6 +609,14 @@ def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
                 continue
             a, b = ref[r["method"]]["_seeds"], r["_seeds"]
             diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in b if s in a]
+            lengths = (_trained_steps(a), _trained_steps(b))
+            if lengths[0] != lengths[1]:  # a change of training length, not of the regime: no test, no mark
+                nan = float("nan")
+                out.append({"regime": name, "reference": names[0], "method": r["method"],
+                            "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"],
+                            "change": statistics.mean(diffs) if diffs else nan, "change_lo": nan, "change_hi": nan,
+                            "change_p": nan, "_diffs": [], "untested": lengths})
+                continue
             t = paired_test(diffs, alpha)
             out.append({"regime": name, "reference": names[0], "method": r["method"],
                         "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": t["mean"],
@@ -762,14 +779,23 @@ def test_sentence(cfg, rows: list[dict], what: str = "vs equal: Δm − Δm(equa
 def effects_table(cfg, effects: list[dict]) -> str:
     if not effects:
         return ""
-    lines = ["### Between regimes", "",
-             test_sentence(cfg, effects, "Each method's Δm in a regime minus its Δm in the reference regime, on the "
-                                         "same seeds"), "",
+    tested = [e for e in effects if not e.get("untested")]
+    what = "Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds"
+    sentence = test_sentence(cfg, tested, what) if tested else what + "."
+    if len(tested) < len(effects):
+        sentence += (" Not tested where the method's runs trained a different number of steps in the two regimes: "
+                     "the difference is then the training length's, not the regime's.")
+    lines = ["### Between regimes", "", sentence, "",
              "| regime | method | Δm % in reference | Δm % in regime | change |", "|---|---|---|---|---|"]
     for e in effects:
+        if e.get("untested"):
+            ref_steps, steps = e["untested"]
+            change = (f"{e['change']:+.2f} (not tested: {steps} steps against {ref_steps})" if e["change"] == e["change"]
+                      else f"not tested: {steps} steps against {ref_steps}")
+        else:
+            change = _interval(e["change"], e["change_lo"], e["change_hi"], e["change_sig"], e["change_p_holm"])
         lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}` | {e['delta_m_ref']:.2f} "
-                     f"| {e['delta_m']:.2f} "
-                     f"| {_interval(e['change'], e['change_lo'], e['change_hi'], e['change_sig'], e['change_p_holm'])} |")
+                     f"| {e['delta_m']:.2f} | {change} |")
     return "\n".join(lines)
 
 
