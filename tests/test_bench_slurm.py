@@ -20,6 +20,11 @@ def bench(out):
                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def _jobs(out) -> set:
+    """The ids of the jobs submitit's local executor ran: its files in output_dir/slurm are <job id>_<...>."""
+    return {f.split("_")[0] for f in os.listdir(out / "slurm") if f.endswith("_result.pkl")}
+
+
 def _status(out):
     with open(out / "runs.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -37,8 +42,7 @@ def test_a_sweep_through_submitit_records_a_failed_job_and_skips_finished_runs_a
     # the job of static without weights ran and failed (its own config error): recorded with the error and job id
     assert status["static"]["status"] == "failed" and "weighting.weights" in status["static"]["error"]
     assert status["static"]["error"].startswith("job ")
-    jobs = [j for j in os.listdir(out / "slurm") if j.isdigit()]  # submitit's folder per job id, with its result
-    assert len(jobs) == 2, jobs
+    assert len(_jobs(out)) == 2, os.listdir(out / "slurm")
     run = out / "runs" / "natural" / "equal" / "seed0"
     record = json.loads((run / "bench_run.json").read_text())  # written by the job itself, where it ran
     assert record["provenance"]["threads"] == 1 and "submitit" in " ".join(record["argv"])
@@ -52,7 +56,8 @@ def test_a_sweep_through_submitit_records_a_failed_job_and_skips_finished_runs_a
     assert "natural static seed 0: training (slurm)" in again.stdout
     assert (run / "final_metrics.json").stat().st_mtime == first
     assert sorted(r["label"] for r in _status(out)) == ["equal", "static", "static"]
-    assert len([j for j in os.listdir(out / "slurm") if j.isdigit()]) == 3  # one more job only
+    assert len(_jobs(out)) == 3  # one more job only
+    assert not (out / "slurm" / "%j").exists()
 
 
 def test_sigterm_to_the_sweep_stops_every_run_in_flight():
@@ -85,3 +90,31 @@ def test_sigterm_to_the_sweep_stops_every_run_in_flight():
               poll_s=0.05)
     assert e.value.code == 143 and started == [0, 1] and sorted(stopped) == [0, 1]
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.slow
+def test_the_local_executor_leaves_no_folder_named_after_the_job_id_pattern(tmp_path):
+    """submitit's local job process makes its folder as given: a folder ``slurm/%j`` was left empty beside the
+    jobs' files (issue 32.8). The local executor gets ``output_dir/slurm`` itself; Slurm still gets ``%j``."""
+    pytest.importorskip("submitit")
+    import sys
+    import time
+
+    from omegaconf import OmegaConf
+
+    from mtl.tools.bench.launch import SlurmLauncher, job_folder
+
+    assert job_folder("o", "slurm") == os.path.join("o", "slurm", "%j")
+    out = tmp_path / "bench"
+    cfg = OmegaConf.create({"output_dir": str(out), "bench": {"launcher": "slurm",
+                                                              "slurm": {"cluster": "local", "cpus_per_run": 1}}})
+    launcher = SlurmLauncher(cfg, {"OMP_NUM_THREADS": "1"}, 1)
+    run = {"dir": str(tmp_path / "run"), "config": {}, "code": None}
+    job = launcher.start(run, [sys.executable, "-c", "print('trained')"], None)
+    deadline = time.time() + 300
+    while (outcome := launcher.poll(job, run)) is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert outcome is True, outcome
+    assert (tmp_path / "run" / "log.txt").read_text().strip() == "trained"  # the job really ran
+    assert _jobs(out) == {str(job.job_id)}, os.listdir(out / "slurm")
+    assert not [f for f in os.listdir(out / "slurm") if "%" in f], os.listdir(out / "slurm")

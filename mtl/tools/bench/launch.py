@@ -80,9 +80,18 @@ def run_job(command: list[str], run_dir: str, env: dict, cwd: str, record_args: 
                               cwd=cwd).returncode
 
 
+def job_folder(output_dir: str, cluster: str) -> str:
+    """Where submitit keeps the jobs' own files: ``output_dir/slurm/<job id>/`` on Slurm (sbatch expands ``%j``);
+    with the local executor ``output_dir/slurm`` itself, its files named ``<job id>_...``: its job process makes its
+    folder as given, so ``%j`` would leave a stray empty folder named ``%j``."""
+    root = os.path.join(output_dir, "slurm")
+    return os.path.join(root, "%j") if cluster == "slurm" else root
+
+
 class SlurmLauncher:
     """Each run one job through submitit (``bench.slurm``: partition, time, GPUs, CPUs, memory per run; ``cluster:
-    local`` runs the jobs with submitit's local executor). The jobs' own logs are in ``output_dir/slurm``."""
+    local`` runs the jobs with submitit's local executor). The jobs' own logs are under ``output_dir/slurm``
+    (``job_folder``)."""
 
     name = "slurm"
 
@@ -95,7 +104,7 @@ class SlurmLauncher:
         b = bench_options(cfg)
         s, nproc = b.slurm, max(1, int(b.nproc))
         self.env, self.threads, self.cwd = env, threads, os.getcwd()
-        self.executor = submitit.AutoExecutor(folder=os.path.join(cfg.output_dir, "slurm", "%j"), cluster=s.cluster)
+        self.executor = submitit.AutoExecutor(folder=job_folder(cfg.output_dir, s.cluster), cluster=s.cluster)
         params = {"timeout_min": int(s.time_min), "nodes": 1, "tasks_per_node": 1, "name": "mtl-bench",
                   "cpus_per_task": int(s.cpus_per_run) or nproc * threads, "gpus_per_node": int(s.gpus_per_run)}
         if s.mem_gb:
