@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import sys
 
 import torch
 from omegaconf import OmegaConf
@@ -398,16 +397,13 @@ def load_run_config(path: str, overrides: list[str] | None = None, announce: boo
     note = auto_strategy(cfg, explicit="ddp.strategy" in setters)
     errors += validate(cfg)
     # a key the user set that the run does not read (mtl/config/reads.py), unless a check above refused it already
-    unread, notes, keys = unread_errors(cfg, run_shape(cfg), setters, named={e.split(":")[0] for e in errors})
+    unread, keys = unread_errors(cfg, run_shape(cfg), setters, named={e.split(":")[0] for e in errors})
     errors += unread
     if errors:
         raise ConfigError(errors)
     mark_unread(cfg, keys)  # left out of the printed and saved config
-    if announce and int(os.environ.get("RANK", "0")) == 0:
-        if note:
-            print(f"mtl: {note}", flush=True)
-        for line in notes:  # beside the notes on renamed keys (mtl.config.schema)
-            print(line, file=sys.stderr, flush=True)
+    if note and announce and int(os.environ.get("RANK", "0")) == 0:
+        print(f"mtl: {note}", flush=True)
     return cfg
 
 

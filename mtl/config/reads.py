@@ -11,9 +11,9 @@ The rule (``unread_errors``): a key the user set (a config file of the chain or 
 that the run will not read is an error, one message per reason naming the keys, what makes them unread and the fix,
 collected with the other config errors (exit 2) before anything starts. One exception keeps a base file usable: a key
 set *earlier* in the precedence order than the choice that made it unread (``base: tiny.yaml`` sets
-``data.synthetic.*``, the command line sets ``data.source=imagefolder``) is left out with a note instead; the later
-setting chose. Either way the run's printed and saved config leaves out every key it does not read
-(``mtl.config.schema.mark_unread``).
+``data.synthetic.*``, the command line sets ``data.source=imagefolder``) is not an error; the later setting chose.
+Either way the run's saved config leaves out every key it does not read (``mtl.config.schema.mark_unread``), and its
+start-up summary lists those it left out that hold other than their defaults.
 
 A tool that applies overrides to a saved config (``python -m mtl.tools.evaluate``) takes the same rule with
 ``tool="evaluate"``: a key only training reads (``data.train_path``, ``data.augment.*`` ...) is not read there.
@@ -324,36 +324,29 @@ def _position(setters: dict, key: str) -> int:
 
 
 def unread_errors(cfg, shape: RunShape, setters: dict, named: set | frozenset = frozenset(),
-                  only: tuple[str, ...] | None = None) -> tuple[list[str], list[str], list[str]]:
-    """``(errors, notes, unread)`` for the keys the user set (``setters``: ``schema.user_set``) that the run does not
-    read. An error where the key was set as late as, or later than, the keys that decide it; a note where a later
-    setting of those keys made it unread. ``named``: keys another check already refused (not said twice); ``only``:
-    the key prefixes a tool takes (others are not judged). ``unread``: every key not read, for ``mark_unread``."""
+                  only: tuple[str, ...] | None = None) -> tuple[list[str], list[str]]:
+    """``(errors, unread)``: an error for each group of keys the user set (``setters``: ``schema.user_set``) that the
+    run does not read, where a key was set as late as, or later than, the keys that decide it (one set earlier was
+    made unread by a later choice: left out, and listed by the start-up summary). ``named``: keys another check
+    already refused (not said twice); ``only``: the key prefixes a tool takes (others are not judged). ``unread``:
+    every key the run does not read, for ``schema.mark_unread``."""
     order = {k: i for i, k in enumerate(setters)}
     errors: dict[tuple, list[str]] = {}
-    notes: dict[tuple, list[str]] = {}
     unread = []
     for key, why, fix, rule in not_read(cfg, shape, setters):
         unread.append(key)
         base = key.rstrip(".")
-        mine = sorted((k for k in setters if k == base or k.startswith(base + ".")), key=order.get)
-        mine = [k for k in mine if (only is None or k.startswith(only))
+        mine = [k for k in setters if (k == base or k.startswith(base + ".")) and (only is None or k.startswith(only))
                 and not any(k == n or k.startswith(n + ".") for n in named)]
         by = [b.replace("*", key.split(".")[2]) if "*" in b else b for b in rule.by]
         decided = max((_position(setters, b) for b in by), default=-1)
         for k in mine:
             position, where = setters[k]
-            (errors if position >= decided else notes).setdefault((why, fix, where), []).append(k)
-    error_lines = [f"{', '.join(sorted(keys, key=order.get))}: set ({where}) but not read: {why}. " + _fix(fix, keys)
-                   for (why, fix, where), keys in errors.items()]
-    by_why: dict[str, list[tuple[str, str]]] = {}
-    for (why, _, where), keys in notes.items():
-        by_why.setdefault(why, []).extend((k, where) for k in keys)
-    note_lines = [f"note: not read by this run ({why}), left out of its config: "
-                  + "; ".join(f"{', '.join(k for k, w in keys if w == where)} ({where})"
-                              for where in dict.fromkeys(w for _, w in keys))
-                  for why, keys in by_why.items()]
-    return error_lines, note_lines, unread
+            if position >= decided:
+                errors.setdefault((why, fix, where), []).append(k)
+    lines = [f"{', '.join(sorted(keys, key=order.get))}: set ({where}) but not read: {why}. " + _fix(fix, keys)
+             for (why, fix, where), keys in errors.items()]
+    return lines, unread
 
 
 def _fix(fix: str, keys: list[str]) -> str:
@@ -369,7 +362,7 @@ def refuse_unread(cfg, config: str | None, overrides: list[str] | None, tool: st
         move_keys(data, source, [])
     setters = user_set(files, overrides)
     judged = {k for k, (_, where) in setters.items() if where == "command line"}
-    errors, _, _ = unread_errors(cfg, run_shape(cfg, tool), setters, only=only,
-                                 named={k for k in setters if k not in judged})
+    errors, _ = unread_errors(cfg, run_shape(cfg, tool), setters, only=only,
+                              named={k for k in setters if k not in judged})
     if errors:
         raise ConfigError(errors)

@@ -791,6 +791,9 @@ def config_summary(cfg: DictConfig, saved_to: str | None = None, skip: tuple[str
     """
     defaults = _flat(OmegaConf.to_container(OmegaConf.structured(Config)))
     values = _flat(in_effect(cfg))
+    unread = tuple(unread_keys(cfg))
+    left = [f"{k}={_show(v)}" for k, v in _flat(OmegaConf.to_container(cfg, resolve=True)).items()
+            if (k in unread or k.startswith(tuple(u for u in unread if u.endswith(".")))) and defaults.get(k) != v]
     changed = {k: v for k, v in values.items() if defaults.get(k, object()) != v and not k.startswith(tuple(skip))}
     groups: dict[str, list[str]] = {}
     for k, v in changed.items():
@@ -802,4 +805,6 @@ def config_summary(cfg: DictConfig, saved_to: str | None = None, skip: tuple[str
         lines.append(f"  {section + ': ' if section else ''}{' '.join(items)}")
     if not changed:
         lines.append("  (all defaults)")
+    if left:  # set in a config file before a later setting made them unread (mtl/config/reads.py)
+        lines.append(f"  not read by this run, left out: {' '.join(left)}")
     return "\n".join(lines)
