@@ -139,11 +139,12 @@ def make_launcher(cfg, env: dict, threads: int):
     return SlurmLauncher(cfg, env, threads) if bench_options(cfg).launcher == "slurm" else LocalLauncher(env)
 
 
-def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: float = 0.2) -> None:
+def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: float = 0.2, report=None) -> None:
     """Run ``pending`` through ``launcher``, ``parallel`` at once. ``begin(run)`` prepares a run's folder and returns
     ``(command, record)`` (``record()`` writes where it runs); ``finish(run, outcome)`` records it (outcome: True or
-    the error). Whatever is still in flight when this is interrupted (Ctrl-C, or SIGTERM: ``scancel`` of a driver
-    job) is stopped."""
+    the error); ``report([(run, its start time), ...], runs waiting)``, if given, is called after each poll with the
+    runs in flight (``progress.Progress``: it decides when to print). Whatever is still in flight when this is
+    interrupted (Ctrl-C, or SIGTERM: ``scancel`` of a driver job) is stopped."""
     running: list = []
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is threading.main_thread():
@@ -163,6 +164,8 @@ def drive(launcher, pending: list[dict], parallel: int, begin, finish, poll_s: f
                 running.remove(item)
                 r["wall_s"] = round(time.time() - tic, 1)
                 finish(r, outcome)
+            if report is not None and running:
+                report([(r, tic) for r, _, tic in running], len(pending))
     finally:  # interrupted (Ctrl-C, SIGTERM, an error here): no run may outlive the sweep
         for _, handle, _ in running:
             launcher.stop(handle)

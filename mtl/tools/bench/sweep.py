@@ -79,6 +79,7 @@ from mtl.tools.bench.launch import drive, make_launcher
 from mtl.tools.bench.lock import sweep_lock
 from mtl.tools.bench.options import bench_option_errors, bench_options, keys_help
 from mtl.tools.bench.plots import write_plots
+from mtl.tools.bench.progress import Progress
 from mtl.tools.bench.record import provenance, provenance_lines, read_record, reuse_problem, run_identity, write_record
 from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
 from mtl.tools.doctor import examine
@@ -371,7 +372,7 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
             f.write(json.dumps({k: r.get(k) for k in ("regime", "label", "seed", "status", "error", "wall_s")})
                     + "\n")
 
-    drive(launcher, pending, parallel, begin, finish)
+    drive(launcher, pending, parallel, begin, finish, report=Progress(parallel, durations))
 
 
 # ------------------------------------------------------------------------------------------ analysis
