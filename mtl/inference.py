@@ -62,7 +62,7 @@ from mtl.parallel.amp import DTYPES
 from mtl.registry import PLUGIN_KEYS, copy_names, use_folder_copies
 from mtl.run.checkpoint import describe_os_error, write_manifest
 from mtl.run.evaluate import evaluate_run
-from mtl.run.runlock import _alive  # the run lock's own test of a PID
+from mtl.run.runlock import alive  # the run lock's own test of a PID
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
 # keys an evaluation may set: what to evaluate on, never the model (which comes from the checkpoint)
@@ -483,7 +483,7 @@ def _remove_stale_exports(out: str) -> None:
     for name in names:
         pid = name[len(base) + 1:-len(".tmp")] if name.startswith(base + ".") and name.endswith(".tmp") else ""
         path = os.path.join(parent, name)
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and os.path.isdir(path) \
+        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)) and os.path.isdir(path) \
                 and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
             print(f"note: removed {path!r}, the half-written folder of an earlier export to {out!r} that stopped "

@@ -22,7 +22,7 @@ A run folder that is not the run asked for (another size's, method's or seed's s
 unfinished run, a non-finite test MAE) ends the probe with one line naming it: ``--analyse-only`` never reads a
 stale folder as this size.
 
-The figures in docs/benchmark.md ("qm9_cpu's size, measured") come from this script.
+The figures in docs/notes.md ("other splits of qm9_cpu's budget probed") come from this script.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -64,7 +64,7 @@ def _stale_reason(holder: dict) -> str | None:
     if not isinstance(pid, int):
         return "it names no process"
     if host == socket.gethostname():
-        if not _alive(pid):
+        if not alive(pid):
             return f"PID {pid} on {host} is gone"
         start = _start_time(pid)
         if holder.get("start") and start and start != holder["start"]:
@@ -73,7 +73,7 @@ def _stale_reason(holder: dict) -> str | None:
             return None  # this very process holds it (another run object in this process)
     job = _job_id()
     if job and holder.get("job") == job:
-        if host != socket.gethostname() or not _alive(pid):
+        if host != socket.gethostname() or not alive(pid):
             return f"it was left by an earlier attempt of this job ({job})"
     return None
 

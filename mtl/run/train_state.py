@@ -23,13 +23,13 @@ import errno
 import io
 import os
 import pickle
-import shutil
 import warnings
 
 import torch
 from torch import nn
 
 from mtl.errors import CheckpointError
+from mtl.files import free_bytes
 from mtl.parallel.fsdp import Owner  # the modules whose parameters the optimizer holds, for parameter names
 
 MODEL, OPTIM = "model", "optim"
@@ -74,7 +74,7 @@ def write_sharded(folder: str, state: dict) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
-    free = _free_bytes(folder)  # measured before the write: after a short one the disk is full ("0 free")
+    free = free_bytes(folder)  # measured before the write: after a short one the disk is full ("0 free")
     try:
         with _quiet():
             dcp.save(state, storage_writer=writer, no_dist=_no_dist())
@@ -86,7 +86,7 @@ def write_sharded(folder: str, state: dict) -> None:
                     exc.filename = folder
                 raise exc from None
         # torch's writer reports a short write (a full disk) as a RuntimeError ("unexpected pos ..."): ask the disk
-        needed, now = _tensor_bytes(state), _free_bytes(folder)
+        needed, now = _tensor_bytes(state), free_bytes(folder)
         if free is not None and now is not None and min(free, now) < needed:
             raise OSError(errno.ENOSPC, f"no space left on device ({needed:,} bytes to write here, {free:,} free)",
                           folder) from None
@@ -102,16 +102,6 @@ def _tensor_bytes(tree) -> int:
         return t.numel() * t.element_size()
     values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
     return sum(_tensor_bytes(v) for v in values)
-
-
-def _free_bytes(path: str) -> int | None:
-    """Free bytes on the file system that holds ``path`` (or its nearest existing parent); None if unknown."""
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        return shutil.disk_usage(path or ".").free
-    except OSError:
-        return None
 
 
 # what a DCP index is made of: its own dataclasses, torch.Size and dtypes, the layout helper, the folder's path
