@@ -70,8 +70,6 @@ def per_task_data(path: str, tmp_path) -> list[str]:
     cfg = load_config(path)
     out = []
     for task, section in (cfg.data.get("per_task") or {}).items():
-        # every step a task's whole (tiny) training set: the same rows, so its loss must fall
-        out += [f"data.per_task.{task}.train_size=4", f"data.per_task.{task}.val_size=2"]
         source = section.get("source", "synthetic")
         if source == "imagefolder":
             for c in range(2):
@@ -89,8 +87,10 @@ def per_task_data(path: str, tmp_path) -> list[str]:
             (tmp_path / "cap" / "c.jsonl").write_text("\n".join(lines) + "\n")
             out += [f"data.per_task.{task}.batch_size=4", f"data.per_task.{task}.train_path={tmp_path / 'cap' / 'c.jsonl'}",
                     f"data.per_task.{task}.val_path={tmp_path / 'cap' / 'c.jsonl'}"]
-        else:
-            out.append(f"data.per_task.{task}.batch_size=4")
+        else:  # every step a task's whole (tiny) training set: the same rows, so its loss must fall (the sizes are
+            # read for a synthetic set only: set for another source, they are refused)
+            out += [f"data.per_task.{task}.train_size=4", f"data.per_task.{task}.val_size=2",
+                    f"data.per_task.{task}.batch_size=4"]
     return out
 
 
