@@ -23,6 +23,7 @@ from mtl.run.run_folder import RUN_ID_FILE, RunFolder
 from mtl.run.trainer import Trainer
 
 from .conftest import TINY
+from .test_inference import train_script
 
 QUICK = ("trainer.progress=false", "trainer.eval_every=100", "data.num_workers=0")
 
@@ -293,3 +294,29 @@ def test_a_full_disk_for_curves_png_is_one_warning_and_the_run_ends_well(tmp_pat
     assert json.loads((tmp_path / "final_metrics.json").read_text())["step"] == 1
     ckpt.verify_checkpoint(str(tmp_path / "checkpoints" / "step_1"))
     assert not [n for n in os.listdir(tmp_path) if n.startswith("curves.png")]
+
+
+@pytest.mark.slow  # a 1-step run through train.py (~4 s)
+def test_a_full_disk_for_final_metrics_is_one_message_with_the_metrics_printed(tmp_path, monkeypatch, capsys):
+    """final_metrics.json that cannot be written (after the final checkpoint): one message and exit 4 (was an ENOSPC
+    traceback), the metrics printed instead, no partial file left, the checkpoint intact."""
+    real_open, fired = builtins.open, []
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "final_metrics.json" in str(path) and ("w" in mode or "a" in mode):
+            fired.append(str(path))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    code = train_script.main(["--config", TINY, f"output_dir={tmp_path}", "trainer.max_steps=1",
+                              "checkpoint.every_steps=0"])
+    monkeypatch.undo()
+    captured = capsys.readouterr()
+    assert fired and code == 4, (fired, code)
+    assert f"cannot write {tmp_path / 'final_metrics.json'}: no space left on device" in captured.err
+    assert "Traceback" not in captured.err
+    printed = [line for line in captured.out.splitlines() if "final metrics (not saved)" in line]
+    assert len(printed) == 1 and '"step": 1' in printed[0]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("final_metrics")]
+    ckpt.verify_checkpoint(str(tmp_path / "checkpoints" / "step_1"))

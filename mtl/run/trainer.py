@@ -27,7 +27,7 @@ from mtl.build import (
     wrap_model,
 )
 from mtl.config.checks import load_run_config
-from mtl.errors import TrainingError
+from mtl.errors import CheckpointError, TrainingError
 from mtl.files import write_atomic
 from mtl.parallel.amp import Amp
 from mtl.parallel.dist import DistInfo, all_gather_objects, init_distributed
@@ -232,13 +232,24 @@ class Trainer:
         if self.dist.is_main:
             summary = {"step": self.step, "wall_time_s": round(wall, 1), "world_size": self.dist.world_size,
                        "fp16_overflows": self.steplog.overflows, "data_skipped": self.skipped_lines[0], **final}
-            with open(os.path.join(out, "final_metrics.json"), "w", encoding="utf-8") as f:
-                json.dump(summary, f, indent=2)
+            self._write_final_metrics(os.path.join(out, "final_metrics.json"), summary)
             self._write_curves(os.path.join(out, "metrics.jsonl"), os.path.join(out, "curves.png"))
             hp = {"strategy": cfg.ddp.strategy, "weighting": cfg.weighting.method, "precision": cfg.precision,
                   "lr": cfg.optim.lr, "global_batch": cfg.data.batch_size * self.dist.world_size}
             self.log.hparams(hp, {f"hparam/{k}": v for k, v in final.items()})
         self.log.info(f"done: {self.step} steps in {wall:.0f} s; " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
+
+    def _write_final_metrics(self, target: str, summary: dict) -> None:
+        """``final_metrics.json``, whole or not at all. When it cannot be written (a full disk), its content goes to
+        the console instead and the run ends with one message (exit 4): the final checkpoint is saved already."""
+        text = json.dumps(summary, indent=2)
+        try:
+            write_atomic(target, text.encode("utf-8"))
+        except OSError as e:
+            self.log.info(f"final metrics (not saved): {json.dumps(summary)}")
+            raise CheckpointError(f"cannot write {target}: {ckpt.describe_os_error(e)}. The run finished and its final "
+                                  "checkpoint is saved; its final metrics are printed above (or run mtl.tools.evaluate "
+                                  "on the checkpoint once there is space)") from None
 
     def _write_curves(self, metrics: str, target: str) -> None:
         """``curves.png``, a convenience: a failure to draw or write it (a full disk) is one warning line, and the
