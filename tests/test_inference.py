@@ -392,7 +392,7 @@ TOOL_CASES = {
     "missing image": (lambda p, r: (predict_tool, ["--model", r, str(p / "none.png")]), 3,
                       ["none.png", "neither an image file nor a folder"]),
     "no readable image": (lambda p, r: (predict_tool, ["--model", r, _garbage(p)]), 3,
-                          ["bad.png", "cannot be decoded", "none of the 1 image(s) could be read"]),
+                          ["bad.png", "cannot be decoded", "none of the 1 image(s) could be used"]),
     "folder without images": (lambda p, r: (predict_tool, ["--model", r, _nonempty(p)]), 3, ["no image files"]),
     "model key as evaluate override": (lambda p, r: (evaluate_tool, ["--checkpoint", r, "model.decoder.n_layer=3"]),
                                        2, ["model.decoder.n_layer", "only data.* and seed"]),
@@ -425,7 +425,7 @@ def test_predict_skips_an_unreadable_image_and_counts_it(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert [r["image"] for r in read_jsonl(out)] == [good, other]  # the job went on past the bad file
     assert "warning: skipped:" in err and "bad.png" in err and "cannot be decoded" in err, err
-    assert f"2 prediction(s) written to {out}; 1 image(s) skipped (unreadable)" in err, err
+    assert f"2 prediction(s) written to {out}; 1 image(s) skipped (each named in a warning above)" in err, err
     alone = load_model(run).predict([good, other])
     # the same predictions; the probability up to rounding (the tool's batches of the good images differ from this one)
     got = [{k: v for k, v in r.items() if k != "image"} for r in read_jsonl(out)]

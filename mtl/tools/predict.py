@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
         preds = predictor.predict(paths, num_beams=args.beams, batch_size=args.batch_size, on_unreadable=unreadable)
         if len(skipped) == len(paths):
-            raise DataError(f"none of the {len(paths)} image(s) could be read (see the warnings above); pass image "
+            raise DataError(f"none of the {len(paths)} image(s) could be used (see the warnings above); pass image "
                             "files that open")
         text = "".join(json.dumps({"image": p, **r}) + "\n" for p, r in zip(paths, preds) if r is not None)
         done = len(paths) - len(skipped)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             print(text, end="", flush=True)
         if args.out or skipped:
             print(f"{done} prediction(s)" + (f" written to {args.out}" if args.out else "")
-                  + f"; {len(skipped)} image(s) skipped (unreadable)", file=sys.stderr, flush=True)
+                  + f"; {len(skipped)} image(s) skipped (each named in a warning above)", file=sys.stderr, flush=True)
 
     return run_guarded(run)
 
