@@ -92,6 +92,7 @@ NOT_READ = {
     "ddp.detach_owner": EVERY - {"detach"},
     **{f"optim.plateau.{k}": EVERY - {"plateau"} for k in ("factor", "patience", "min_lr", "baselines")},
     "optim.betas": {"sgd"},
+    "init_from_fresh_class_head": set(),  # the drive sets init_from too (a filler): see test_a_fresh_head_needs_init_from
     # sections named by task: the section of a task the run does not train (test_sections_of_other_tasks)
     "task_options": set(), "task_instances": set(), "loss_scale": set(),
 }
@@ -104,8 +105,7 @@ ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard
           "weighting.source", "optim.name", "optim.lr", "optim.weight_decay", "optim.scheduler", "optim.warmup_steps",
           "optim.grad_clip", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
           "trainer.eval_max_batches", "trainer.num_samples", "trainer.max_bad_steps", "trainer.poison",
-          "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench",
-          "init_from_fresh_class_head"}  # another engineer's key (issue 32 item 4): read with init_from
+          "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench"}
 # data.per_task.<task>.<key> -> the multi-input set-ups (and task) whose run does not read it
 PER_TASK_NOT_READ = {
     "source": set(),
@@ -371,3 +371,11 @@ def test_the_evaluate_tool_exits_2_on_an_override_it_does_not_read(tmp_path, cap
     assert evaluate.main(["--checkpoint", str(out), f"data.val_path={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "data.val_path: set (command line) but not read: data.source is synthetic" in err and "Traceback" not in err
+
+
+def test_a_fresh_head_needs_init_from(tmp_path):
+    """init_from_fresh_class_head is read by a warm start only: set without init_from it is refused, naming init_from."""
+    with pytest.raises(ConfigError, match="init_from_fresh_class_head: set .command line. but not read: init_from is not set"):
+        load_run_config(TINY, ["init_from_fresh_class_head=true"])
+    cfg = load_run_config(TINY, [f"init_from={tmp_path}", "init_from_fresh_class_head=true"])
+    assert cfg.init_from_fresh_class_head is True

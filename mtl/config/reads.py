@@ -50,6 +50,7 @@ class RunShape:
     # plug-in family -> (its name in the config, the keys it declares in ``reads``), or None where it is unknown
     plugins: dict
     tool: str = "train"  # train | evaluate
+    init_from: bool = False  # a warm start (init_from is set)
 
     @property
     def sources(self) -> set[str]:
@@ -157,6 +158,13 @@ def heldout(s, t, key=None):
     return None
 
 
+def warm_start(s, t, key=None):
+    if s.init_from:
+        return None
+    return ("init_from is not set: a run that starts fresh has no earlier head to keep",
+            "set init_from=<model folder>, or remove {key}")
+
+
 def scheduler_is(name: str) -> When:
     def when(s, t, key=None):
         return None if s.scheduler == name else (f"optim.scheduler is {s.scheduler}",
@@ -243,6 +251,7 @@ READS: tuple[Reads, ...] = (
     Reads(("ddp.detach_owner",), strategy, ("ddp.strategy",)),
     Reads(("optim.plateau.",), scheduler_is("plateau"), ("optim.scheduler",)),
     Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
+    Reads(("init_from_fresh_class_head",), warm_start, ("init_from",), training_only=True),
 )
 def run_shape(cfg, tool: str = "train") -> RunShape:
     """The shape of a loaded config: its sources, mode and plug-ins (a plug-in that cannot be found is None: its
@@ -269,7 +278,7 @@ def run_shape(cfg, tool: str = "train") -> RunShape:
         task_sources={str(t): str((sec or {}).get("source", "synthetic")) for t, sec in per_task.items()},
         policy=str(cfg.data.sampling.policy), sampling_weights=str(cfg.data.sampling.weights),
         scheduler=str(cfg.optim.scheduler), optimizer=str(cfg.optim.name), tasks=tuple(cfg.tasks), heldout=heldout,
-        plugins=plugins, tool=tool)
+        plugins=plugins, tool=tool, init_from=cfg.get("init_from") is not None)
 
 
 def _plugin(types, name):
