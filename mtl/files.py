@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 
@@ -33,3 +34,12 @@ def free_bytes(path: str) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
+
+
+def sha256_file(path: str) -> str:
+    """The SHA-256 (hex) of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

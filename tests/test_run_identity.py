@@ -273,19 +273,25 @@ def test_overwrite_refuses_a_linked_checkpoints_folder_and_leaves_no_stale_link(
 
 
 @pytest.mark.slow  # one short run (~3 s)
-def test_a_full_disk_for_curves_png_is_one_warning_and_the_run_ends_well(tmp_path, monkeypatch, capsys):
-    """The loss curves are a convenience: a full disk when they are written (after the final checkpoint and
-    final_metrics.json) used to end the run in an ENOSPC traceback, exit 1. Now one warning line names the file and
-    the cause, the run returns its metrics, and its results are intact; no partial curves.png is left."""
+def full_disk_for(name: str, monkeypatch) -> list[str]:
+    """Every write to a file whose path holds ``name`` fails with ENOSPC (a full disk); returns the paths it hit."""
     real_open, fired = builtins.open, []
 
     def full_disk(path, mode="r", *args, **kwargs):
-        if "curves.png" in str(path) and ("w" in mode or "a" in mode):
+        if name in str(path) and ("w" in mode or "a" in mode):
             fired.append(str(path))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real_open(path, mode, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", full_disk)
+    return fired
+
+
+def test_a_full_disk_for_curves_png_is_one_warning_and_the_run_ends_well(tmp_path, monkeypatch, capsys):
+    """The loss curves are a convenience: a full disk when they are written (after the final checkpoint and
+    final_metrics.json) used to end the run in an ENOSPC traceback, exit 1. Now one warning line names the file and
+    the cause, the run returns its metrics, and its results are intact; no partial curves.png is left."""
+    fired = full_disk_for("curves.png", monkeypatch)
     t = train(tmp_path, "trainer.max_steps=1", "checkpoint.every_steps=0")
     monkeypatch.undo()
     assert fired and t.step == 1  # the write really failed, and the run ended normally
@@ -300,15 +306,7 @@ def test_a_full_disk_for_curves_png_is_one_warning_and_the_run_ends_well(tmp_pat
 def test_a_full_disk_for_final_metrics_is_one_message_with_the_metrics_printed(tmp_path, monkeypatch, capsys):
     """final_metrics.json that cannot be written (after the final checkpoint): one message and exit 4 (was an ENOSPC
     traceback), the metrics printed instead, no partial file left, the checkpoint intact."""
-    real_open, fired = builtins.open, []
-
-    def full_disk(path, mode="r", *args, **kwargs):
-        if "final_metrics.json" in str(path) and ("w" in mode or "a" in mode):
-            fired.append(str(path))
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real_open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", full_disk)
+    fired = full_disk_for("final_metrics.json", monkeypatch)
     code = train_script.main(["--config", TINY, f"output_dir={tmp_path}", "trainer.max_steps=1",
                               "checkpoint.every_steps=0"])
     monkeypatch.undo()

@@ -28,7 +28,6 @@ the path and the cause, on every rank; the half-written folder is removed.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -41,6 +40,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from mtl.errors import CheckpointError, TrainingError
+from mtl.files import sha256_file
 from mtl.parallel.dist import all_gather_objects
 from mtl.parallel.fsdp import is_sharded, load_full_model_state, load_full_optimizer_state
 from mtl.run.finite import first_nonfinite
@@ -342,16 +342,8 @@ def _manifest(folder: str) -> dict:
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, folder).replace(os.sep, "/")
             if rel != MANIFEST:
-                files[rel] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+                files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
     return {"format": FORMAT, "files": dict(sorted(files.items()))}
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -393,7 +385,7 @@ def verify_manifest(path: str) -> dict[str, tuple[int, str]]:
         if os.path.getsize(file) != size:
             raise CheckpointError(f"checkpoint {name}: {rel} has {os.path.getsize(file)} bytes, {size} were "
                                   "written (truncated?)")
-        if _sha256(file) != digest:
+        if sha256_file(file) != digest:
             raise CheckpointError(f"checkpoint {name}: {rel} does not match its SHA-256 checksum (corrupt)")
     return listed
 

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 import mtl
 from mtl.build import run_method_types, run_task_types
 from mtl.config.schema import load_config_collecting
+from mtl.files import sha256_file
 from mtl.models.backbones import backbone_types
 from mtl.strategies import strategy_types
 
@@ -62,15 +63,6 @@ def _training_config(cfg, nproc: int) -> dict:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mtl.__file__)))  # the folder holding the mtl package
 UNRESOLVED = "unresolved"  # a code_files value: the run's piece could not be found, so it is never reused
-
-
-def file_sha256(path: str) -> str:
-    """The SHA-256 (hex) of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _shown(path: str) -> str:
@@ -126,7 +118,7 @@ def code_files(cfg) -> dict[str, str]:
 
 def _hash_or_unresolved(path: str) -> str:
     try:
-        return file_sha256(path)
+        return sha256_file(path)
     except OSError:
         return UNRESOLVED
 
