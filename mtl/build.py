@@ -32,7 +32,7 @@ from mtl.errors import CheckpointError, ConfigError
 from mtl.models.backbones import build_backbone
 from mtl.models.decoder import CaptionDecoder
 from mtl.models.multitask import MultiTaskModel
-from mtl.parallel.dist import DistInfo, barrier
+from mtl.parallel.dist import DistInfo
 from mtl.parallel.fsdp import shard_model
 from mtl.plateau import PlateauOnDeltaM
 from mtl.registry import PLUGIN_KEYS
@@ -48,23 +48,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def build_tokenizer(cfg, train_captions, dist: DistInfo) -> CaptionTokenizer:
-    """The run's own copy (``output_dir/tokenizer``) wins, so a resumed run decodes as before.
-
-    Only rank 0 looks at the file system and writes; then EVERY rank meets at the barrier, whatever it
-    sees on disk. (A rank that skipped the barrier because it looked after rank 0 had written the file
-    entered DDP's start-up collective while rank 0 waited in the barrier: a deadlock.)
-    """
-    run_copy = os.path.join(cfg.output_dir, "tokenizer")
-    # a warm start (init_from) decodes with the vocabulary its weights were trained on; every rank
-    # looks it up (read-only), so a missing one is the same error everywhere, not a hang
-    source = tokenizer_source(cfg)
-    if dist.is_main and not os.path.isfile(os.path.join(run_copy, "tokenizer.json")):
-        resolve_tokenizer(cfg, train_captions, source).save(run_copy)
-    barrier()
-    return CaptionTokenizer.load(run_copy)
 
 
 def tokenizer_source(cfg) -> str | None:

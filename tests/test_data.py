@@ -543,20 +543,19 @@ def test_build_datasets_user_data(images):
     assert len(train) == len(val) == 2 and val.num_classes == train.num_classes == 2
 
 
-def test_build_tokenizer_trains_or_loads(tmp_path):
-    from mtl.build import build_tokenizer
-    from mtl.parallel.dist import DistInfo
+def test_resolve_tokenizer_trains_or_loads_and_writes_nothing(tmp_path):
+    from mtl.build import resolve_tokenizer
 
     cfg = _cfg(image_size=32, **{"synthetic.train_size": 50})
     cfg.output_dir = str(tmp_path / "run1")
     train, _ = build_datasets(cfg)
-    trained = build_tokenizer(cfg, lambda: all_captions(train), DistInfo())
+    trained = resolve_tokenizer(cfg, lambda: all_captions(train))
     assert trained.decode(trained.encode(train.caption(3))) == train.caption(3)
-    assert (tmp_path / "run1" / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own copy
+    assert not (tmp_path / "run1").exists()  # the run folder writes the run's copy (RunFolder.commit), not this
     trained.save(str(tmp_path / "tok"))
     cfg.tokenizer.path = str(tmp_path / "tok")
     cfg.output_dir = str(tmp_path / "run2")
-    loaded = build_tokenizer(cfg, lambda: [], DistInfo())
+    loaded = resolve_tokenizer(cfg, lambda: [])
     assert loaded.encode(train.caption(3)) == trained.encode(train.caption(3))
 
 

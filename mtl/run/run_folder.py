@@ -224,7 +224,7 @@ class RunFolder:
     def _find_tokenizer(self, captions) -> dict[str, bytes]:
         """Rank 0: the files of the run's tokenizer (see ``tokenizer``); a damaged one is refused, naming its file."""
         cfg = self.cfg
-        source = tokenizer_source(cfg)  # looked up even when unused (as mtl.build.build_tokenizer): init_from's errors
+        source = tokenizer_source(cfg)  # looked up even when unused: a missing init_from tokenizer is an error at once
         run_copy = os.path.join(cfg.output_dir, "tokenizer")
         if self._resume and os.path.isfile(os.path.join(self._resume, "tokenizer", TOKENIZER_FILE)):
             found = os.path.join(self._resume, "tokenizer")
