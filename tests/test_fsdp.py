@@ -205,7 +205,7 @@ def _fp16_overflow(out_dir) -> dict:
         kind = type(t.amp.scaler)
         t.amp.scaler = kind("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -30)
         t.bare.train()
-        steps, unchanged = [], []
+        steps, unchanged, initial = [], [], _full_params(t)
         for i in range(STEPS + 1):
             before = _full_params(t)
             r = t.step_once()
@@ -214,7 +214,7 @@ def _fp16_overflow(out_dir) -> dict:
             if i in (0, STEPS):
                 unchanged.append(all(torch.equal(a, b) for a, b in zip(before.values(), _full_params(t).values())))
         out[f"fp16/{engine}"] = {"scaler": kind.__name__, "steps": steps, "unchanged_by_skips": unchanged,
-                                 "params": _full_params(t)}
+                                 "params": _full_params(t), "initial": initial}
         t.close()
     return out
 
@@ -600,7 +600,15 @@ def test_fp16_under_fsdp2_uses_the_sharded_scaler_skips_an_overflow_and_a_nan_on
         assert [s["stepped"] for s in r["steps"]] == [False, True, True, False]
         assert [s["nonfinite"] for s in r["steps"]] == [False, False, False, True]
         assert [s["scale"] for s in r["steps"][:STEPS]] == [2.0 ** 10] * STEPS and r["unchanged_by_skips"] == [True] * 2
-    assert max_rel_diff(b["params"], a["params"]) <= 1e-6  # float32 with fp16 autocast, both engines
+    # the same gradients (their norms within 1e-5) and the same two updates: under fp16 autocast the engines round
+    # in other orders (and, on some CPUs, with other fp16 kernels for DTensor shards), and AdamW turns a rounding-level
+    # difference in a near-zero gradient entry into an lr-sized one (measured on this project's CPU: 6.6e-4 of the
+    # largest update, 2.2e-4 of the largest weight; 2e-6 on the grad norms). A missing reduction or a wrong scale
+    # moves the update by tens of percent.
+    assert all(torch.equal(a["initial"][k], b["initial"][k]) for k in b["initial"])  # one start
+    update_a = {k: a["params"][k] - a["initial"][k] for k in a["params"]}
+    update_b = {k: b["params"][k] - b["initial"][k] for k in b["params"]}
+    assert max_rel_diff(update_b, update_a) <= 1e-2
     for x, y in zip(a["steps"][1:STEPS], b["steps"][1:STEPS]):
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
 
