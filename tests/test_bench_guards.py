@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from .conftest import TINY
+from .test_bench_reuse import _sweep  # run_all over a plan, the launcher not called
 
 BASE = ["bench.seeds=[0]", "bench.baselines=false", "bench.select=last", "trainer.max_steps=4"]
 PLUGIN = '''from mtl.weighting.base import LossWeighting
@@ -89,20 +90,6 @@ def _plugin(tmp_path, scale):
     path = tmp_path / "mine.py"
     path.write_text(PLUGIN.format(scale=scale))
     return str(path)
-
-
-def _sweep(out, monkeypatch, overrides, on_change="retrain"):
-    """run_all over the plan of ``overrides``; returns (runs, the runs it would train): the launcher is not called."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench import sweep as bench
-
-    trained = []
-    monkeypatch.setattr(bench, "_drive", lambda cfg, cp, bo, pending, *a: trained.extend(pending))
-    over = [f"output_dir={out}", *overrides]
-    cfg = load_run_config(TINY, over)
-    runs = bench.plan(cfg)
-    bench.run_all(cfg, TINY, over, runs, on_change)
-    return runs, trained
 
 
 def _finish(run, commit="0123456789"):
