@@ -297,7 +297,7 @@ def test_the_thin_tools_answer_help_without_loading_torch():
 
 def test_the_in_function_checker_sees_them(tmp_path):
     found = in_function_imports()
-    assert len(found["mtl/run/trainer.py"]) >= 1  # the tree's own (plot_curves, with its reason)
+    assert len(found["mtl/run/trainer.py"]) >= 1  # the tree's own (curves_png: matplotlib at the end of a run only)
     pkg = tmp_path / "mtl"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
