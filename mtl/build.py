@@ -30,6 +30,7 @@ from mtl.data.tokenizer import CaptionTokenizer, extend_to_texts, train_tokenize
 from mtl.delta_m import metric_specs
 from mtl.errors import CheckpointError, ConfigError
 from mtl.models.backbones import build_backbone
+from mtl.models.backbones.base import feature_channels, feature_kind
 from mtl.models.decoder import CaptionDecoder
 from mtl.models.multitask import MultiTaskModel
 from mtl.parallel.dist import DistInfo
@@ -76,8 +77,10 @@ def resolve_tokenizer(cfg, train_captions, source: str | None = None) -> Caption
 def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTaskModel:
     backbone = build_backbone(cfg)  # model.backbone.name, from mtl/models/backbones/ and backbone_modules
     shape = backbone.feature_shape(cfg)
-    info = BuildInfo(cfg=cfg, feature_channels=shape[0], feature_hw=tuple(shape[1:]),
-                     num_classes=num_classes, class_names=class_names, tokenizer=tokenizer)
+    info = BuildInfo(cfg=cfg, feature_channels=feature_channels(shape),
+                     feature_hw=tuple(shape[1:]) if feature_kind(shape) == "map" else (),
+                     num_classes=num_classes, class_names=class_names, tokenizer=tokenizer,
+                     feature_shape=tuple(shape), pool=getattr(backbone, "pool", "mean"))
     types = run_task_types(cfg)
     scale = cfg.get("loss_scale") or {}
     model = MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mtl.config.schema import NoOptions, options_of
+from mtl.models.backbones.base import feature_kind
 
 
 @dataclass
@@ -61,11 +62,18 @@ class BuildInfo:
     """What a head may need to know when it is built."""
 
     cfg: Any  # the full run config (DictConfig)
-    feature_channels: int  # C of the backbone feature map (B, C, h, w)
-    feature_hw: tuple  # (h, w) of that map at the configured image size
+    feature_channels: int  # C: a map's channels (B, C, h, w), a token's width (B, N, C), a vector's length (B, C)
+    feature_hw: tuple  # (h, w) of a map at the configured image size; () for tokens and vectors
     num_classes: int
     class_names: list
     tokenizer: Any  # mtl.data.tokenizer.CaptionTokenizer
+    feature_shape: tuple = ()  # the backbone's features per item: (C, h, w), (N, C) or (C,) (its feature_kind)
+    pool: str = "mean"  # the backbone's pool for token features (mtl.models.backbones.base.pool_features)
+
+    @property
+    def feature_kind(self) -> str:
+        """``"map"``, ``"tokens"`` or ``"vector"`` (mtl.models.backbones.base.feature_kind)."""
+        return feature_kind(self.feature_shape)
 
 
 class TaskHead(nn.Module):

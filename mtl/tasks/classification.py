@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.models.backbones.base import pool_features
 from mtl.tasks.base import BuildInfo, TaskHead
 
 
@@ -21,10 +22,11 @@ class ClassificationHead(TaskHead):
     def __init__(self, info: BuildInfo):
         super().__init__()
         self.fc = nn.Linear(info.feature_channels, info.num_classes)
+        self.pool = info.pool  # token features: the backbone's CLS token or mean (pool_features)
         self.class_names = list(info.class_names)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features.mean(dim=(2, 3)))
+        return self.fc(pool_features(features, self.pool))
 
     def forward(self, features, batch):
         # A mean over the local batch: every rank holds the same number of samples (drop_last), so

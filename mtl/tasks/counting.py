@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtl.models.backbones.base import pool_features
 from mtl.tasks.base import BuildInfo, TaskHead
 
 IGNORE = -1  # the target of an unknown count
@@ -44,9 +45,10 @@ class CountingHead(TaskHead):
         super().__init__()
         self.max_count = int(info.cfg.data.synthetic.max_count)
         self.fc = nn.Linear(info.feature_channels, self.max_count)
+        self.pool = info.pool  # token features: the backbone's CLS token or mean (pool_features)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features.mean(dim=(2, 3)))
+        return self.fc(pool_features(features, self.pool))
 
     def known(self, batch: dict) -> torch.Tensor:
         """(B,) bool: which items have a count this head can predict."""

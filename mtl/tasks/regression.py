@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtl.errors import DataError
+from mtl.models.backbones.base import pool_features
 from mtl.tasks.base import BuildInfo, TaskHead
 
 # (type, name, field, column) -> the class ``RegressionHead.instance`` made. The classes are made from a run's
@@ -89,6 +90,7 @@ class RegressionHead(TaskHead):
         self.unit, self.scale = options.unit, float(options.scale)
         self.standardise_targets = bool(options.standardise)
         self.fc = nn.Linear(info.feature_channels, 1)
+        self.pool = info.pool  # token features: the backbone's CLS token or mean (pool_features)
         self.register_buffer("mean", torch.zeros(()))
         self.register_buffer("std", torch.ones(()))
 
@@ -124,9 +126,7 @@ class RegressionHead(TaskHead):
         self.std.fill_(float(std))
 
     def standardised_prediction(self, features: torch.Tensor) -> torch.Tensor:
-        if features.dim() == 4:
-            features = features.mean(dim=(2, 3))
-        out = self.fc(features).squeeze(-1)
+        out = self.fc(pool_features(features, self.pool)).squeeze(-1)
         return out.to(torch.promote_types(out.dtype, torch.float32))  # bf16/fp16 up to float32; float64 kept
 
     def standardise(self, y: torch.Tensor) -> torch.Tensor:
