@@ -88,6 +88,7 @@ NOT_READ = {
     **{f"model.decoder.{k}": {"cls_only"}
        for k in ("pretrained", "n_layer", "n_embd", "n_head", "dropout", "max_positions")},
     **{f"model.backbone.{k}": {"qm9", "plugin_backbone"} for k in ("weights", "norm", "stages")},
+    **{f"model.backbone.{k}": EVERY for k in ("pretrained", "config", "freeze_blocks")},  # hf_vision, timm
     "weighting.weights": EVERY - {"static"},
     "ddp.detach_owner": EVERY - {"detach"},
     **{f"optim.plateau.{k}": EVERY - {"plateau"} for k in ("factor", "patience", "min_lr", "baselines")},
@@ -103,7 +104,8 @@ ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard
           "ddp.backend", "ddp.find_unused_parameters", "ddp.static_graph", "ddp.bucket_cap_mb", "ddp.timeout_s",
           "ddp.unsafe", "ddp.replica_check_every", "ddp.nan_monitor", "weighting.method", "weighting.options",
           "weighting.source", "optim.name", "optim.lr", "optim.weight_decay", "optim.scheduler", "optim.warmup_steps",
-          "optim.grad_clip", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
+          "optim.grad_clip", "optim.layer_decay", "model.activation_checkpointing", "model.compile",
+          "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
           "trainer.eval_max_batches", "trainer.num_samples", "trainer.max_bad_steps", "trainer.poison",
           "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench"}
 # data.per_task.<task>.<key> -> the multi-input set-ups (and task) whose run does not read it

@@ -245,7 +245,8 @@ READS: tuple[Reads, ...] = (
     Reads(("task_options.*", "task_instances.*", "loss_scale.*"), in_tasks, ("tasks",)),
     # read where a plug-in of the run declares them in its ``reads``
     Reads(("tokenizer.", "model.decoder."), task, ("tasks", "task_modules", "task_instances")),
-    Reads(("model.backbone.weights", "model.backbone.norm", "model.backbone.stages"), backbone,
+    Reads(("model.backbone.weights", "model.backbone.norm", "model.backbone.stages", "model.backbone.pretrained",
+           "model.backbone.config", "model.backbone.freeze_blocks"), backbone,
           ("model.backbone.name", "backbone_modules")),
     Reads(("weighting.weights",), method, ("weighting.method", "weighting_modules")),
     Reads(("ddp.detach_owner",), strategy, ("ddp.strategy",)),

@@ -146,6 +146,10 @@ class BackboneConfig:
     weights: str | None = None  # null | a torchvision weights name (e.g. IMAGENET1K_V1) | a local file
     norm: str = "batch"  # batch | group | frozen | sync  (group/frozen/sync are rank-independent)
     stages: int = 4  # ResNet/ConvNeXt: keep this many stages (fewer: smaller, higher-resolution map)
+    # hf_vision: a local transformers vision-model folder; timm: a local safetensors file or model folder
+    pretrained: str | None = None
+    config: str | None = None  # hf_vision: random weights of the shape of this folder's config.json
+    freeze_blocks: int = 0  # freeze the first N of the backbone's blocks (and what runs before them)
     options: dict[str, Any] = field(default_factory=dict)  # the backbone's own options (its Options dataclass)
 
 
@@ -163,6 +167,8 @@ class DecoderConfig:
 class ModelConfig:
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    activation_checkpointing: bool = False  # recompute each backbone and decoder block in the backward pass
+    compile: bool = False  # torch.compile each backbone and decoder block (regional compilation)
 
 
 @dataclass
@@ -214,6 +220,7 @@ class OptimConfig:
     scheduler: str = "cosine"
     warmup_steps: int = 100
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    layer_decay: float = 1.0  # layer-wise lr decay (BEiT, MAE): a backbone block d blocks from the top gets lr * decay**d
     plateau: PlateauConfig = field(default_factory=PlateauConfig)
 
 
