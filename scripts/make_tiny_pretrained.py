@@ -7,8 +7,8 @@ writes, under the folder given:
 - ``vit/``, ``dinov2/``: a ViT and a DINOv2 vision model (``save_pretrained``) with its image processor;
 - ``gpt2/``: a GPT-2 LM with cross-attention and its tokenizer (``tokenizer.json``, word-level, trained on the
   built-in data set's captions, so that it covers them);
-- ``vit-gpt2/``: a ``VisionEncoderDecoderModel`` of the two (a ViT-GPT2 captioner's layout), with its image processor
-  and tokenizer;
+- ``vit-gpt2/``: a ``VisionEncoderDecoderModel`` of the two (a ViT-GPT2 captioner's layout), with its image processor,
+  tokenizer and processor (``pipeline("image-to-text", model=...)`` loads it);
 - ``timm_resnet18.safetensors`` (only where timm is installed): a timm ``resnet18``'s random weights.
 
 The weights are random (seeded): the folders have a real model's layout and files, at a size that trains on a CPU in
@@ -90,7 +90,14 @@ def write_gpt2(out: str, seed: int = 0, n_embd: int = 64) -> str:
 
 
 def write_vit_gpt2(out: str, vit: str, gpt2: str) -> str:
-    from transformers import AutoImageProcessor, AutoModel, GPT2LMHeadModel, PreTrainedTokenizerFast, VisionEncoderDecoderModel
+    from transformers import (
+        AutoImageProcessor,
+        AutoModel,
+        GPT2LMHeadModel,
+        PreTrainedTokenizerFast,
+        VisionEncoderDecoderModel,
+        VisionTextDualEncoderProcessor,
+    )
 
     model = VisionEncoderDecoderModel(encoder=AutoModel.from_pretrained(vit, local_files_only=True),
                                       decoder=GPT2LMHeadModel.from_pretrained(gpt2, local_files_only=True))
@@ -103,8 +110,11 @@ def write_vit_gpt2(out: str, vit: str, gpt2: str) -> str:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     AutoImageProcessor.from_pretrained(vit, local_files_only=True).save_pretrained(out)
-    tok.save_pretrained(out)
-    _tokenizer_dir(out)  # mtl's own tokenizer.json beside transformers' files (the same vocabulary)
+    _tokenizer_dir(out)  # mtl's own tokenizer.json and transformers' files (the same vocabulary)
+    # processor_config.json: transformers 5 runs pipeline("image-to-text") as "image-text-to-text", which needs a
+    # processor (image processor + tokenizer); VisionTextDualEncoderProcessor is transformers' plain pair
+    VisionTextDualEncoderProcessor(AutoImageProcessor.from_pretrained(out, local_files_only=True),
+                                   PreTrainedTokenizerFast.from_pretrained(out, local_files_only=True)).save_pretrained(out)
     return out
 
 
