@@ -1,4 +1,5 @@
-"""Caption generation: a GPT-2 decoder cross-attending to the projected backbone feature map.
+"""Caption generation: a GPT-2 decoder cross-attending to the backbone's features (a projected feature map with
+learned positions, or a token sequence as VisionEncoderDecoderModel feeds it).
 
 Its batch fields come from each record's ``captions`` (the first is trained on; all are the references):
 ``input_ids`` = [BOS] tokens [EOS], padded with ``pad_id``; at most ``max_tokens`` ids follow BOS, and a
@@ -101,10 +102,17 @@ class CaptioningHead(TaskHead):
             n_layer=d.n_layer, n_embd=d.n_embd, n_head=d.n_head, dropout=d.dropout,
             max_positions=d.max_positions, pretrained=d.pretrained,
         )
-        h, w = info.feature_hw
-        self.proj = nn.Linear(info.feature_channels, self.decoder.width)
-        self.pos = nn.Parameter(torch.zeros(h * w, self.decoder.width))
-        nn.init.normal_(self.pos, std=0.02)
+        self.tokens = bool(info.feature_shape) and info.feature_kind == "tokens"
+        if self.tokens:
+            # a token sequence is the memory as it is: the encoder has its own positions, so no learned ``pos``;
+            # proj is VisionEncoderDecoderModel's enc_to_dec_proj rule (Identity at equal widths, else a Linear)
+            width = info.feature_channels
+            self.proj = nn.Identity() if width == self.decoder.width else nn.Linear(width, self.decoder.width)
+        else:  # a map (B, C, h, w): one token per cell, projected, plus a learned position per cell
+            h, w = info.feature_hw
+            self.proj = nn.Linear(info.feature_channels, self.decoder.width)
+            self.pos = nn.Parameter(torch.zeros(h * w, self.decoder.width))
+            nn.init.normal_(self.pos, std=0.02)
         self.tokenizer = tok
         options = self.options_from(info.cfg)
         self.max_new_tokens = int(options.max_tokens)
@@ -116,7 +124,10 @@ class CaptioningHead(TaskHead):
         return [(f"decoder.{name}", block) for name, block in self.decoder.blocks()]
 
     def memory(self, features: torch.Tensor) -> torch.Tensor:
-        """(B, C, h, w) -> (B, h*w, width): one cross-attention token per feature-map cell."""
+        """The cross-attention memory (B, N, width). A map (B, C, h, w): one token per cell (N = h*w), projected, plus
+        its learned position. Tokens (B, N, C): projected (or as they are at the decoder's width)."""
+        if self.tokens:
+            return self.proj(features)
         x = features.flatten(2).transpose(1, 2)
         return self.proj(x) + self.pos
 
