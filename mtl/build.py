@@ -29,6 +29,7 @@ from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, extend_to_texts, train_tokenizer
 from mtl.delta_m import metric_specs
 from mtl.errors import CheckpointError, ConfigError
+from mtl.models import vision_encoder_decoder as ved
 from mtl.models.backbones import build_backbone
 from mtl.models.backbones.base import feature_channels, feature_kind
 from mtl.models.decoder import CaptionDecoder
@@ -385,7 +386,9 @@ FRESH_CLASS_HEAD = "init_from_fresh_class_head"  # the config key that starts th
 
 
 def init_from_tokenizer(source: str) -> str:
-    """The tokenizer folder that goes with the ``init_from`` weights."""
+    """The tokenizer folder that goes with the ``init_from`` weights (a VisionEncoderDecoderModel folder's own)."""
+    if ved.is_captioner_source(source):
+        return ved.tokenizer_dir(source)
     found = find_verified_model_files(source, "init_from").tokenizer
     if found is None:
         raise CheckpointError(f"init_from: no tokenizer found with {source!r} (a tokenizer/ folder in it or in its "
@@ -413,10 +416,14 @@ def init_from_weights(model: torch.nn.Module, source: str, class_names: list | N
     tokenizer = tokenizer if tokenizer is not None else (info.tokenizer if info else None)
     if fresh_class_head is None:
         fresh_class_head = bool(info.cfg.get(FRESH_CLASS_HEAD)) if info else False
-    files = find_verified_model_files(source, "init_from")
-    weights = files.weights
-    state = read_model_weights(weights, "init_from")
-    notes = match_class_rows(model, state, files, class_names, fresh_class_head)
+    if ved.is_captioner_source(source):  # transformers' captioner layout (mtl/models/vision_encoder_decoder.py)
+        files, state, notes = init_from_captioner(model, source, tokenizer)
+        weights = files.folder
+    else:
+        files = find_verified_model_files(source, "init_from")
+        weights = files.weights
+        state = read_model_weights(weights, "init_from")
+        notes = match_class_rows(model, state, files, class_names, fresh_class_head)
     grown = shrink_grown_decoders(model, state, files, tokenizer)
     own = model.state_dict()
     fresh: dict[str, list[str]] = {}
@@ -441,6 +448,23 @@ def init_from_weights(model: torch.nn.Module, source: str, class_names: list | N
         notes.append("re-initialised for their new shapes: " + "; ".join(
             f"heads.{t} ({', '.join(fresh[t][:2])})" for t in kept) + "; every other weight loaded")
     return weights + "".join(f"\ninit_from: {n}" for n in notes)
+
+
+def init_from_captioner(model: torch.nn.Module, folder: str,
+                        tokenizer: CaptionTokenizer | None) -> tuple[ModelFiles, dict, list[str]]:
+    """``init_from`` of a ``VisionEncoderDecoderModel`` folder: (its files, the state dict under mtl's names, the
+    notes). The folder is checked against the run's config and the built model first (ConfigError naming each key
+    to set); the encoder becomes the backbone, the decoder the caption head's, and the other heads start fresh."""
+    info = getattr(model, "build_info", None)
+    if info is None:
+        raise ValueError("init_from_captioner: the model must come from build_model (its config is needed)")
+    old = CaptionTokenizer.load(folder) if os.path.isfile(os.path.join(folder, TOKENIZER_FILE)) else None
+    errors = ved.check_model(info.cfg, model, folder, ved.read_config(folder), tokenizer, old)
+    if errors:
+        raise ConfigError(errors)
+    state, notes = ved.ved_state(model, ved.load_folder(folder))
+    files = ModelFiles(folder=folder, weights=folder, config=None, tokenizer=folder, class_names=None)
+    return files, state, notes
 
 
 def shown(names: list, limit: int = 8) -> str:

@@ -6,6 +6,10 @@
   cross-attention input (``encoder_hidden_states``);
 - ``torchvision_backbone/``: the backbone's weights under torchvision's own state-dict names, where its
   architecture is a torchvision one (``backbone.json`` says how to build it and how far to run it);
+- ``hf_captioner/``: the backbone and the caption head as one ``transformers.VisionEncoderDecoderModel`` folder (a
+  ViT-GPT2's layout), with its image processor (the run's image size, mean and std), tokenizer and processor, where
+  the backbone is ``hf_vision`` (ViT, DINOv2) and the head reads its tokens: ``generate(pixel_values=...)`` and
+  ``pipeline("image-to-text", model=...)`` give mtl's captions (``mtl.models.vision_encoder_decoder``);
 - ``image_program.pt2``: a ``torch.export`` program of the image path, normalisation, backbone and classification
   head, for any batch size: ``torch.export.load(path).module()(images)`` gives ``(features, logits)`` with plain
   torch, whatever the backbone (``image_program.json`` says what goes in and comes out).
@@ -20,11 +24,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import tempfile
 
 import torch
 from safetensors.torch import save as safetensors_bytes
 
 from mtl.data.images import image_normalization
+from mtl.models import vision_encoder_decoder as ved
 from mtl.models.backbones.torchvision_cnn import CONVNEXTS, RESNETS
 
 HF_DIR = "hf_decoder"
@@ -114,7 +120,44 @@ for row in ids[:, 1:].tolist():
 ```
 """
 
+CAPTIONER_INTERFACE = """
+## The captioner (transformers): `hf_captioner/`
+
+A `transformers.VisionEncoderDecoderModel` (the backbone as its encoder, the GPT-2 as its decoder) with its image
+processor, tokenizer and processor. Its input is `pixel_values`: the images normalised with the image processor's
+mean and std (what the run's loaders did). `num_beams=1` is mtl's `predict` (greedy); `num_beams=N` is
+`predict(..., num_beams=N)`; `generation_config.json` holds the run's own `num_beams` and `max_new_tokens`:
+
+```python
+import torch, transformers
+captioner = transformers.VisionEncoderDecoderModel.from_pretrained("hf_captioner").eval()
+processor = transformers.AutoProcessor.from_pretrained("hf_captioner")
+ip = processor.image_processor
+pixel_values = images
+if ip.do_normalize:
+    pixel_values = (images - torch.tensor(ip.image_mean).view(1, 3, 1, 1)) / torch.tensor(ip.image_std).view(1, 3, 1, 1)
+with torch.no_grad():
+    ids = captioner.generate(pixel_values=pixel_values, num_beams=1, do_sample=False,
+                             max_new_tokens=captioner.generation_config.max_new_tokens)
+captions = [" ".join(t.split()) for t in processor.tokenizer.batch_decode(ids, skip_special_tokens=True)]
+```
+
+On image files (PIL images of any size: the image processor resizes them), with transformers' pipeline. Its
+`image-to-text` task runs as `image-text-to-text` in transformers 5, whose prompt is the caption's first token:
+
+```python
+import transformers
+from PIL import Image
+pipe = transformers.pipeline("image-to-text", model="hf_captioner")
+pil = [Image.fromarray((image.permute(1, 2, 0) * 255).round().byte().numpy()) for image in images]
+out = pipe(pil, text=[pipe.tokenizer.bos_token] * len(pil), return_full_text=False,
+           generate_kwargs={"num_beams": 1, "do_sample": False})
+pipeline_captions = [" ".join(o["generated_text"].split()) for o in out]
+```
+"""
+
 PROGRAM_FILE = "image_program.pt2"
+CAPTIONER_DIR = "hf_captioner"
 
 
 def _write_bytes(path: str, data: bytes) -> None:
@@ -137,7 +180,10 @@ def interop_bytes(predictor) -> int:
     files and the exported program's graph are left to the caller's margin): the backbone twice (torchvision_backbone/
     and image_program.pt2), the captioning head (hf_decoder/) and the classification head (image_program.pt2)."""
     heads = predictor.model.heads
-    return (2 * _tensor_bytes(predictor.model.backbone)
+    captioner = 0  # hf_captioner/: the backbone and the caption head once more
+    if "gen" in heads and ved.export_problem(predictor.model.backbone, heads["gen"]) is None:
+        captioner = _tensor_bytes(predictor.model.backbone) + _tensor_bytes(heads["gen"])
+    return (2 * _tensor_bytes(predictor.model.backbone) + captioner
             + sum(_tensor_bytes(heads[t]) for t in ("gen", "cls") if t in heads))
 
 
@@ -202,8 +248,8 @@ def write_hf_decoder(folder: str, head) -> bool:
     """``folder/hf_decoder/``: the captioning head's GPT-2 as transformers saves it, and its image-memory
     projection. False where the model has no such head."""
     decoder = getattr(head, "decoder", None)
-    if decoder is None or not hasattr(decoder, "lm"):
-        return False
+    if decoder is None or not hasattr(decoder, "lm") or getattr(head, "pos", None) is None:
+        return False  # no GPT-2, or a head reading tokens as they are (hf_captioner/ holds it)
     out = os.path.join(folder, HF_DIR)
     decoder.lm.save_pretrained(out, safe_serialization=True)
     _write_bytes(os.path.join(out, "image_memory.safetensors"), safetensors_bytes({
@@ -213,6 +259,40 @@ def write_hf_decoder(folder: str, head) -> bool:
         json.dump({"max_new_tokens": int(head.max_new_tokens), "bos_token_id": decoder.bos_id,
                    "eos_token_id": decoder.eos_id, "pad_token_id": decoder.pad_id,
                    "memory": "features.flatten(2).transpose(1, 2) @ proj.weight.T + proj.bias + pos"}, f, indent=1)
+    return True
+
+
+def write_hf_captioner(folder: str, predictor) -> bool:
+    """``folder/hf_captioner/``: the backbone and the caption head as a ``VisionEncoderDecoderModel``
+    (``mtl.models.vision_encoder_decoder``), its image processor (the run's ``data.image_size`` and
+    normalisation), its tokenizer (the run's, as transformers' fast tokenizer) and processor. False (nothing
+    written) where the model is not such a captioner (``export_problem``)."""
+    from transformers import PreTrainedTokenizerFast, VisionTextDualEncoderProcessor, ViTImageProcessor
+
+    head = predictor.model.heads["gen"] if "gen" in predictor.model.heads else None
+    if head is None or ved.export_problem(predictor.model.backbone, head) is not None:
+        return False
+    model, untrained = ved.to_vision_encoder_decoder(predictor.model.backbone, head)
+    out = os.path.join(folder, CAPTIONER_DIR)
+    model.save_pretrained(out, safe_serialization=True)
+    size, norm = int(predictor.cfg.data.image_size), predictor.normalization
+    images = ViTImageProcessor(do_resize=True, size={"height": size, "width": size}, resample=2, do_rescale=True,
+                               do_normalize=norm is not None, image_mean=list(norm[0]) if norm else None,
+                               image_std=list(norm[1]) if norm else None)
+    tok = predictor.tokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save(tmp)
+        names = {i: t for t, i in tok.vocab().items()}
+        fast = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tmp, "tokenizer.json"), bos_token=names[tok.bos_id],
+                                       eos_token=names[tok.eos_id], pad_token=names[tok.pad_id],
+                                       unk_token=names.get(tok.unk_id) if tok.unk_id is not None else None,
+                                       clean_up_tokenization_spaces=False)
+    VisionTextDualEncoderProcessor(images, fast).save_pretrained(out)  # processor_config.json: the pipeline's
+    images.save_pretrained(out)  # preprocessor_config.json: AutoImageProcessor's
+    fast.save_pretrained(out)
+    with open(os.path.join(out, "mtl_export.json"), "w", encoding="utf-8") as f:
+        json.dump({"map": {k: v for k, v in ved.PREFIXES}, "not_trained_by_mtl": untrained,
+                   "not_trained_by_mtl_why": "the encoder's pooler: a captioner never reads it"}, f, indent=1)
     return True
 
 
@@ -265,10 +345,13 @@ def write_interop(folder: str, predictor) -> list[str]:
         written.append(TV_DIR)
     if "gen" in predictor.model.heads and write_hf_decoder(folder, predictor.model.heads["gen"]):
         written.append(HF_DIR)
+    if write_hf_captioner(folder, predictor):
+        written.append(CAPTIONER_DIR)
     if write_image_program(folder, predictor):
         written.append(PROGRAM_FILE)
     if written:  # the sections of the parts written, each using what the ones before it computed
-        parts = [(PROGRAM_FILE, PROGRAM_INTERFACE), (TV_DIR, BACKBONE_INTERFACE), (HF_DIR, DECODER_INTERFACE)]
+        parts = [(PROGRAM_FILE, PROGRAM_INTERFACE), (TV_DIR, BACKBONE_INTERFACE), (HF_DIR, DECODER_INTERFACE),
+                 (CAPTIONER_DIR, CAPTIONER_INTERFACE)]
         with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
             f.write(README_TITLE + "".join(text for part, text in parts if part in written))
     return written

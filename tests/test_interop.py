@@ -21,7 +21,8 @@ from mtl.tools import export as export_tool
 
 from .test_inference import checkpoint, synthetic_val, train
 
-CHECK = textwrap.dedent('''
+# the head of a check script run with ``python -I``: its import system refuses mtl (tests/test_vit_gpt2.py too)
+NO_MTL = textwrap.dedent('''
     import importlib.abc, json, sys
 
     class NoMtl(importlib.abc.MetaPathFinder):
@@ -31,6 +32,8 @@ CHECK = textwrap.dedent('''
             return None
 
     sys.meta_path.insert(0, NoMtl())
+''')
+CHECK = NO_MTL + textwrap.dedent('''
     import torch
 
     export, expected_file = sys.argv[1], sys.argv[2]
