@@ -58,6 +58,7 @@ from mtl.data.tokenizer import CaptionTokenizer
 from mtl.errors import CheckpointError, ConfigError, DataError
 from mtl.files import free_bytes
 from mtl.interop import interop_bytes, write_interop
+from mtl.models.backbones.hf_vision import carried_files, use_carried_copy
 from mtl.parallel.amp import DTYPES
 from mtl.registry import PLUGIN_KEYS, copy_names, use_folder_copies
 from mtl.run.checkpoint import describe_os_error, write_manifest
@@ -255,6 +256,7 @@ def load_model(path: str, device="cpu") -> Predictor:
     saved = saved_config(files.folder)  # plain data: nothing in it resolved, no base: followed
     cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
     code = use_folder_copies(cfg, files.folder)  # its own plug-in files only (listed in its manifest, verified)
+    use_carried_copy(cfg, files.folder)  # hf_vision: its backbone/config.json and processor, not the pretrained folder
     if code:
         print(f"note: {files.folder!r} carries plug-in code ({', '.join(_rel(c, files.folder) for c in code)}); "
               "loading the model imports it, which runs it: trust a model folder like a script", file=sys.stderr)
@@ -430,6 +432,10 @@ def export_model(path: str, out: str) -> str:
             for spec, name in copy_names(key, original).items():
                 os.makedirs(os.path.join(tmp, key), exist_ok=True)
                 shutil.copyfile(str(predictor.cfg[key][original.index(spec)]), os.path.join(tmp, *name.split("/")))
+        for name, data in carried_files(predictor.cfg).items():  # hf_vision: backbone/config.json and processor
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
         write_interop(tmp, predictor)  # the decoder for transformers, the backbone for torchvision (mtl/interop.py)
         write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):

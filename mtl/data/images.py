@@ -20,7 +20,9 @@ and the input normalisation that pretrained backbone weights expect.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,7 @@ MAX_ASPECT = 20
 NORMALIZE = ("auto", "none", "imagenet")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # what every torchvision classification weight set was trained with
 IMAGENET_STD = (0.229, 0.224, 0.225)
+PROCESSOR_FILE = "preprocessor_config.json"  # a transformers model folder's image processor (size, mean, std)
 
 
 @dataclass(frozen=True)
@@ -132,13 +135,17 @@ def load_image(path: str, image_size: int, where: str = "", augment: Augment | N
 def image_normalization(cfg) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """(mean, std) the backbone's input should be normalised with, or None for [0, 1] input.
 
-    ``data.normalize``: ``auto`` uses the pretrained weights' own statistics (a torchvision weights name:
-    its ``transforms()``; a local weights file: ImageNet's, which all torchvision weights use) and none
-    when the backbone starts from scratch; ``imagenet`` and ``none`` force either.
+    ``data.normalize``: ``auto`` uses the pretrained weights' own statistics (a transformers model folder,
+    ``model.backbone.pretrained`` or ``config``: its ``preprocessor_config.json``'s ``image_mean``/``image_std``; a
+    torchvision weights name: its ``transforms()``; a local weights file: ImageNet's, which all torchvision weights
+    use) and none when the backbone starts from scratch; ``imagenet`` and ``none`` force either.
     """
     mode = cfg.data.normalize
     if mode not in NORMALIZE:
         raise ConfigError(f"data.normalize: {mode!r} is not one of {', '.join(NORMALIZE)}")
+    folder = processor_folder(cfg)
+    if mode == "auto" and folder:  # a transformers model folder: its image processor's (None: it does not normalise)
+        return processor_normalization(folder)
     weights = cfg.model.backbone.weights
     if mode == "none" or (mode == "auto" and not weights):
         return None
@@ -151,6 +158,69 @@ def image_normalization(cfg) -> tuple[tuple[float, ...], tuple[float, ...]] | No
     except (KeyError, ValueError):
         return IMAGENET_MEAN, IMAGENET_STD  # an unknown name is reported by the backbone builder
     return tuple(float(x) for x in t.mean), tuple(float(x) for x in t.std)
+
+
+def processor_folder(cfg) -> str | None:
+    """The model folder whose ``preprocessor_config.json`` gives the input's statistics (``model.backbone.pretrained``,
+    else ``model.backbone.config``: hf_vision's), or None where the backbone has no such file."""
+    b = cfg.model.backbone
+    for folder in (b.get("pretrained"), b.get("config")):
+        if folder and os.path.isfile(os.path.join(str(folder), PROCESSOR_FILE)):
+            return str(folder)
+    return None
+
+
+def read_processor(folder: str) -> dict:
+    """A model folder's ``preprocessor_config.json`` as a dict; a file that cannot be read is a ConfigError naming it."""
+    path = os.path.join(folder, PROCESSOR_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.backbone: cannot read {path!r} ({e}); restore it or set data.normalize") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.backbone: {path!r} is not a JSON object; restore it or set data.normalize")
+    return data
+
+
+def processor_normalization(folder: str):
+    """(mean, std) of the folder's image processor; None where it does not normalise (``do_normalize: false``)."""
+    p = read_processor(folder)
+    if p.get("do_normalize") is False:
+        return None
+    if "image_mean" not in p or "image_std" not in p:
+        return IMAGENET_MEAN, IMAGENET_STD  # transformers' image processors' default
+    return tuple(float(x) for x in p["image_mean"]), tuple(float(x) for x in p["image_std"])
+
+
+def processor_size(folder: str) -> int | None:
+    """The square size the folder's image processor feeds the model (``crop_size`` where it crops, else ``size``)."""
+    p = read_processor(folder)
+    for key in (("crop_size",) if p.get("do_center_crop") else ()) + ("size",):
+        size = p.get(key)
+        if isinstance(size, dict):
+            size = size.get("height") or size.get("shortest_edge")
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def normalization_text(cfg) -> str:
+    """One line for the start-up summary: the image size and the normalisation this run's images get, and where
+    each comes from."""
+    norm, folder = image_normalization(cfg), processor_folder(cfg)
+    size = f"images: {cfg.data.image_size} px (data.image_size"
+    if folder:
+        native = processor_size(folder)
+        size += f"; the model folder's processor: {native})" if native is not None else ")"
+    else:
+        size += ")"
+    if norm is None:
+        return f"{size}, not normalised (data.normalize={cfg.data.normalize})"
+    where = (f"{os.path.join(folder, PROCESSOR_FILE)}" if cfg.data.normalize == "auto" and folder
+             else f"data.normalize={cfg.data.normalize}")
+    mean, std = (", ".join(f"{x:g}" for x in t) for t in norm)
+    return f"{size}, normalised with mean ({mean}) std ({std}) from {where}"
 
 
 def normalize_images(images: torch.Tensor, normalization) -> torch.Tensor:

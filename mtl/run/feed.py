@@ -23,6 +23,7 @@ import torch
 
 from mtl.build import build_eval_loaders
 from mtl.data.heldout import HeldoutStream, verify_heldout_size
+from mtl.data.images import normalization_text, processor_folder
 from mtl.data.loader import (
     all_captions,
     build_eval_loader,
@@ -215,4 +216,6 @@ def data_summary(cfg, inputs, task_types: dict) -> str:
             text += f"; vocabulary {inputs.tokenizer.vocab_size} tokens, " + unknown_share_text(inputs.tokenizer, {
                 split: all_captions(getattr(ds, "inner", ds)) for split, ds in (("train", train), ("val", val))})
         lines.append(text)
+    if cfg.data.source != "qm9" and processor_folder(cfg):  # a transformers model folder: what the images get
+        lines.append("  " + normalization_text(cfg))
     return "\n".join(lines)

@@ -43,6 +43,7 @@ from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer
 from mtl.errors import CheckpointError, ConfigError, DataError, MTLError
 from mtl.files import write_atomic
+from mtl.models.backbones.hf_vision import carried_files
 from mtl.parallel.dist import DistInfo, barrier, broadcast_object
 from mtl.parallel.fsdp import full_model_state, is_sharded
 from mtl.registry import plugin_files
@@ -246,7 +247,7 @@ class RunFolder:
         if not self.dist.is_main:
             return
         names = self._class_names = json.dumps(list(class_names)).encode("utf-8")
-        self.files = {"class_names.json": names, **plugin_files(self.cfg)}
+        self.files = {"class_names.json": names, **plugin_files(self.cfg), **carried_files(self.cfg)}
         self.files.update({f"tokenizer/{name}": data for name, data in (self._tokenizer or {}).items()})
 
     def commit(self) -> None:

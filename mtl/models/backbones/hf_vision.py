@@ -23,12 +23,12 @@ and models without absolute positions (ConvNeXt) take any size; any other model 
 from __future__ import annotations
 
 import inspect
-import json
 import os
 
 import torch
 from torch import nn
 
+from mtl.data.images import PROCESSOR_FILE
 from mtl.errors import ConfigError
 from mtl.models.backbones.base import Backbone
 
@@ -36,7 +36,7 @@ CLS_POOLED = {"vit", "deit", "dinov2", "dinov2_with_registers", "clip_vision_mod
               "vit_mae", "vit_msn", "ijepa"}
 ANY_SIZE = {"dinov2", "dinov2_with_registers", "convnext", "convnextv2", "resnet", "regnet", "bit"}  # no fixed positions
 TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}  # a full folder's vision tower
-PROCESSOR_FILE = "preprocessor_config.json"
+CARRIED = "backbone"  # the sub-folder of a checkpoint or export that holds the backbone's config.json and processor
 
 
 def _supported() -> set[str]:
@@ -100,23 +100,32 @@ def _interpolates(config) -> bool:
     return "interpolate_pos_encoding" in inspect.signature(_model_class(config).forward).parameters
 
 
-def read_processor(folder: str | None) -> dict:
-    """The folder's ``preprocessor_config.json`` as a dict ({} where it has none or it cannot be read)."""
-    path = os.path.join(folder or "", PROCESSOR_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+def carried_files(cfg) -> dict[str, bytes]:
+    """What each checkpoint of an hf_vision run carries so that its model folder needs no other folder:
+    ``backbone/config.json`` (the model's shape; the weights are in model.safetensors) and the folder's
+    ``backbone/preprocessor_config.json`` (the input's size and statistics). {} for another backbone."""
+    if cfg.model.backbone.name != HFVisionBackbone.name:
         return {}
-    return data if isinstance(data, dict) else {}
+    key, folder = source_of(cfg)
+    out = {}
+    for name in ("config.json", PROCESSOR_FILE):
+        path = os.path.join(str(folder), name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[f"{CARRIED}/{name}"] = f.read()
+    return out
 
 
-def processor_normalization(folder: str | None):
-    """(mean, std) of the folder's image processor, or None where it has none (or does not normalise)."""
-    p = read_processor(folder)
-    if p.get("do_normalize") is False or "image_mean" not in p or "image_std" not in p:
-        return None
-    return tuple(float(x) for x in p["image_mean"]), tuple(float(x) for x in p["image_std"])
+def use_carried_copy(cfg, folder: str) -> bool:
+    """Point a model folder's config (``cfg``, in place) at the folder's own ``backbone/`` copy: the backbone is built
+    from its config.json (random weights, then the folder's model.safetensors) and normalised with its
+    preprocessor_config.json, wherever the run's pretrained folder is now. False where the folder has no copy."""
+    copy = os.path.join(folder, CARRIED)
+    if cfg.model.backbone.name != HFVisionBackbone.name or not os.path.isfile(os.path.join(copy, "config.json")):
+        return False
+    cfg.model.backbone.pretrained = None
+    cfg.model.backbone.config = copy
+    return True
 
 
 @torch.no_grad()
