@@ -23,12 +23,13 @@ from mtl.config.checks import load_run_config
 from mtl.config.schema import load_config, unread_keys
 
 from .conftest import ROOT
+from .pretrained_folders import local_pretrained
 
 # the QM9 configs (molecule graphs, the qm9 extra) train their first steps in tests/test_qm9_run.py
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")) if "qm9" not in os.path.basename(p))
 # The configs with the big backbones (ResNet-50/152) or a whole 4-stage ResNet-18 (the two user-data ones) take
 # tens of seconds each even shrunk: the full suite runs them, the fast tier (pytest -m "not slow") the others.
-BIG = {"gpu.yaml", "user_data.yaml", "multi_input_user_data.yaml", "fsdp2.yaml", "bench_gpu.yaml"}
+BIG = {"gpu.yaml", "user_data.yaml", "multi_input_user_data.yaml", "fsdp2.yaml", "bench_gpu.yaml", "vit_gpt2.yaml"}
 PARAMS = [pytest.param(p, id=os.path.basename(p), marks=[pytest.mark.slow] if os.path.basename(p) in BIG else [])
           for p in CONFIGS]
 
@@ -111,6 +112,7 @@ def test_config_validates_and_its_first_steps_lower_the_loss(path, tmp_path, cap
     user = load_config(path).data.source != "synthetic"
     data = user_data(tmp_path) if user else []
     data += per_task_data(path, tmp_path)
+    data += local_pretrained(load_config(path), tmp_path / "pretrained")  # runs/pretrained/*: tiny ones written here
     cpu = cpu_overrides(path)
     unread = unread_keys(load_run_config(path, cpu + data))  # the file as it is, but for the GPU-only keys
     small = [o for o in SMALL if not o.split("=")[0].startswith(tuple(unread))]  # a key set but not read is refused
