@@ -44,9 +44,10 @@ def max_rel_diff(a, b):
     return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-12)) for k in a)
 
 
-def _runs(world, out_dir):
+def _runs(world, out_dir, config=TINY, extra=()):
     """world 2: one of the two ranks (batch B); world 1: the single process (batch 2B, no process group), which
-    runs the references: ``combined``, each objective-changing strategy, and ``combined`` on batch B alone."""
+    runs the references: ``combined``, each objective-changing strategy, and ``combined`` on batch B alone.
+    ``config`` and ``extra`` (overrides): another model (tests/test_hf_vision.py: a ViT backbone)."""
     from mtl.run.trainer import Trainer
 
     runs = [(s, 2 * B // world) for s in STRATEGIES] if world > 1 else \
@@ -54,7 +55,7 @@ def _runs(world, out_dir):
     results = {}
     for strategy, batch in runs:
         name = f"{strategy}@{batch}"
-        trainer = Trainer.from_config(TINY, [*COMMON, f"output_dir={os.path.join(out_dir, f'w{world}', name)}",
+        trainer = Trainer.from_config(config, [*COMMON, *extra, f"output_dir={os.path.join(out_dir, f'w{world}', name)}",
                                              f"data.batch_size={batch}", f"ddp.strategy={strategy}",
                                              "trainer.progress=false", "ddp.timeout_s=60"])
         assert trainer.dist.world_size == world
