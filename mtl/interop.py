@@ -142,8 +142,10 @@ with torch.no_grad():
 captions = [" ".join(t.split()) for t in processor.tokenizer.batch_decode(ids, skip_special_tokens=True)]
 ```
 
-On image files (PIL images of any size: the image processor resizes them), with transformers' pipeline. Its
-`image-to-text` task runs as `image-text-to-text` in transformers 5, whose prompt is the caption's first token:
+On PIL images, with transformers' pipeline: its image processor resizes the short side and cuts out the centre
+square as mtl does, with its own resampling, so the pixels (and the captions) equal mtl's for images of the run's
+size S x S, and are close otherwise. Its `image-to-text` task runs as `image-text-to-text` in transformers 5, whose
+prompt is the caption's first token:
 
 ```python
 import transformers
@@ -267,7 +269,7 @@ def write_hf_captioner(folder: str, predictor) -> bool:
     (``mtl.models.vision_encoder_decoder``), its image processor (the run's ``data.image_size`` and
     normalisation), its tokenizer (the run's, as transformers' fast tokenizer) and processor. False (nothing
     written) where the model is not such a captioner (``export_problem``)."""
-    from transformers import PreTrainedTokenizerFast, VisionTextDualEncoderProcessor, ViTImageProcessor
+    from transformers import CLIPImageProcessor, PreTrainedTokenizerFast, VisionTextDualEncoderProcessor
 
     head = predictor.model.heads["gen"] if "gen" in predictor.model.heads else None
     if head is None or ved.export_problem(predictor.model.backbone, head) is not None:
@@ -276,9 +278,11 @@ def write_hf_captioner(folder: str, predictor) -> bool:
     out = os.path.join(folder, CAPTIONER_DIR)
     model.save_pretrained(out, safe_serialization=True)
     size, norm = int(predictor.cfg.data.image_size), predictor.normalization
-    images = ViTImageProcessor(do_resize=True, size={"height": size, "width": size}, resample=2, do_rescale=True,
-                               do_normalize=norm is not None, image_mean=list(norm[0]) if norm else None,
-                               image_std=list(norm[1]) if norm else None)
+    # mtl's image transform (mtl/data/images.py): the short side resized to S (bilinear), the centre S x S cut out
+    images = CLIPImageProcessor(do_resize=True, size={"shortest_edge": size}, resample=2, do_center_crop=True,
+                                crop_size={"height": size, "width": size}, do_rescale=True, do_convert_rgb=True,
+                                do_normalize=norm is not None, image_mean=list(norm[0]) if norm else None,
+                                image_std=list(norm[1]) if norm else None)
     tok = predictor.tokenizer
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(tmp)

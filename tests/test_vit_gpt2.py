@@ -6,7 +6,6 @@ refused by name before anything is written; an export holds the trained model ag
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,14 +23,12 @@ from mtl.models import vision_encoder_decoder as ved
 from mtl.run.trainer import Trainer
 from mtl.tools import export as export_tool
 
-from .conftest import ROOT, TINY
+from . import pretrained_folders
+from .conftest import TINY
 from .test_inference import synthetic_val, to_pil
 from .test_interop import NO_MTL
 
-_spec = importlib.util.spec_from_file_location("make_tiny_pretrained",
-                                               os.path.join(ROOT, "scripts", "make_tiny_pretrained.py"))
-tiny_pretrained = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny_pretrained)
+tiny_pretrained = pretrained_folders.tiny_pretrained()  # scripts/make_tiny_pretrained.py
 
 DECODER = ["model.decoder.n_layer=2", "model.decoder.n_embd=64", "model.decoder.n_head=4",
            "model.decoder.max_positions=32", "model.decoder.dropout=0.0"]  # the tiny GPT-2's sizes
@@ -43,7 +40,8 @@ def folders(tmp_path_factory):
     out = tmp_path_factory.mktemp("pretrained")
     vit = tiny_pretrained.write_vit(str(out / "vit"))
     gpt2 = tiny_pretrained.write_gpt2(str(out / "gpt2"))
-    return {"vit": vit, "gpt2": gpt2, "vit-gpt2": tiny_pretrained.write_vit_gpt2(str(out / "vit-gpt2"), vit, gpt2)}
+    return {"vit": vit, "gpt2": gpt2, "vit-gpt2": tiny_pretrained.write_vit_gpt2(str(out / "vit-gpt2"), vit, gpt2),
+            "dinov2": tiny_pretrained.write_dinov2(str(out / "dinov2"))}
 
 
 def overrides(out, folders, *extra):
@@ -127,6 +125,9 @@ def test_a_folder_that_is_not_a_usable_captioner_is_refused_by_name(tmp_path, fo
     assert "model.backbone.name" in _refused(tmp_path, folders, "model.backbone.name=resnet18")
     said = _refused(tmp_path, folders, "model.decoder.n_layer=1")
     assert "model.decoder.n_layer: 1 here" in said and "set model.decoder.n_layer=2" in said
+    # images normalised otherwise than the captioner was trained (its preprocessor_config.json)
+    said = _refused(tmp_path, folders, "data.normalize=imagenet")
+    assert "data.normalize" in said and "(0.5, 0.5, 0.5)" in said
     # a tokenizer whose vocabulary is not the decoder's
     from mtl.data.tokenizer import train_tokenizer
 
@@ -155,6 +156,29 @@ def test_vit_gpt2_to_mtl_and_back_gives_the_same_tensors(tmp_path, folders):
     assert set(saved) == set(files)
     differ = {k for k in files if not torch.equal(saved[k], files[k])}
     assert differ <= set(untrained), differ  # the pooler: initialised afresh (seeded), as mtl_export.json says
+
+
+def test_a_dinov2_run_with_a_narrower_decoder_is_a_vision_encoder_decoder_with_its_projection(tmp_path, folders):
+    """DINOv2 (64 wide) and a 32-wide GPT-2: the head's Linear is the VED's enc_to_dec_proj, and generate gives the
+    head's captions, greedy and with beams."""
+    trainer = Trainer.from_config(TINY, [f"output_dir={tmp_path / 'run'}", "model.backbone.name=hf_vision",
+                                         f"model.backbone.pretrained={folders['dinov2']}", "trainer.max_steps=1"])
+    try:
+        backbone, head = trainer.bare.backbone, trainer.bare.heads["gen"]
+        model, untrained = ved.to_vision_encoder_decoder(backbone, head)
+        trainer.bare.eval()
+        assert untrained == [] and torch.equal(model.enc_to_dec_proj.weight, head.proj.weight)
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            memory = head.memory(backbone(x))
+            for beams in (1, 3):
+                ours = head.decoder.generate(memory, head.max_new_tokens, beams)
+                ids = model.generate(pixel_values=x, num_beams=beams, do_sample=False, max_new_tokens=head.max_new_tokens)
+                theirs = [[t for t in row[1:] if t != head.decoder.pad_id] for row in ids.tolist()]
+                theirs = [row[: row.index(head.decoder.eos_id)] if head.decoder.eos_id in row else row for row in theirs]
+                assert theirs == ours and any(ours), (beams, theirs, ours)
+    finally:
+        trainer.close()
 
 
 CAPTIONER_CHECK = NO_MTL + textwrap.dedent('''

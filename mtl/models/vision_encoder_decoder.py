@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from mtl.data.images import PROCESSOR_FILE, image_normalization, processor_normalization
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer
 from mtl.errors import CheckpointError, ConfigError
@@ -145,6 +146,7 @@ def check_model(cfg, model, folder: str, ved: dict, tokenizer: CaptionTokenizer 
         errors.append(f"{where}: the backbone built from {source!r} is not the encoder "
                       f"of init_from {folder!r}: {'; '.join(diff[:6])}. Point {where} at a folder of that encoder "
                       "(the same config.json)")
+    errors += check_normalization(cfg, folder)
     if "gen" not in model.heads:
         return errors
     decoder, lm = ved["decoder"], model.heads["gen"].decoder.lm.config.to_dict()
@@ -165,6 +167,20 @@ def check_model(cfg, model, folder: str, ved: dict, tokenizer: CaptionTokenizer 
     if tokenizer is not None:
         errors += check_tokenizer(cfg, folder, ved, tokenizer, old_tokenizer)
     return errors
+
+
+def check_normalization(cfg, folder: str) -> list[str]:
+    """The run normalises images as the captioner was trained (its image processor, where the folder has one)."""
+    if not os.path.isfile(os.path.join(folder, PROCESSOR_FILE)):
+        return []
+    theirs, ours = processor_normalization(folder), image_normalization(cfg)
+    same = (theirs is None and ours is None) or (theirs is not None and ours is not None and all(
+        abs(a - b) < 1e-6 for t, o in zip(theirs, ours) for a, b in zip(t, o)))
+    if same:
+        return []
+    return [f"data.normalize: this run normalises images with {ours} (mean, std), the captioner init_from {folder!r} "
+            f"was trained with {theirs} (its {PROCESSOR_FILE}); use a backbone folder with that image processor "
+            "(data.normalize=auto reads it), or set data.normalize to match"]
 
 
 def check_tokenizer(cfg, folder: str, ved: dict, tokenizer: CaptionTokenizer,
