@@ -320,6 +320,9 @@ def test_two_processes_equal_one_process_with_hf_vision_for_every_strategy(ddp_r
         assert all(torch.equal(got[k], other[k]) for k in got), f"{strategy}: the two ranks' replicas differ"
         assert any(k.startswith("backbone.model.") for k in got)
         ref = ddp_runs["single"][f"{strategy if strategy in OBJECTIVE_CHANGERS else 'combined'}@{2 * B}"]
-        assert max_rel_diff(ref, got) <= TOL, strategy
+        # TOL of each tensor's largest entry, and at least 1e-7: the attention key biases (0 in exact arithmetic,
+        # softmax ignores a shift, and 0 at init) hold only rounding noise, different in any summation order
+        for k in ref:
+            assert float((ref[k] - got[k]).abs().max()) <= TOL * max(float(ref[k].abs().max()), 1e-2), (strategy, k)
     # the bar is not trivial: one process on half the batch misses it
     assert max_rel_diff(ddp_runs["single"][f"combined@{2 * B}"], ddp_runs["single"][f"combined@{B}"]) > 1e-3
