@@ -1,0 +1,90 @@
+"""The ``timm`` backbone (mtl/models/backbones/timm_models.py): features == timm's own forward_features on weights
+loaded from a local file, blocks() in order, gradients for every parameter, and bad input refused (exit 2)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import train
+from mtl.errors import ConfigError
+from mtl.models.backbones.timm_models import INSTALL, TimmBackbone
+
+from .conftest import ROOT
+
+timm = pytest.importorskip("timm")
+
+KINDS = {"resnet18": {}, "vit_tiny_patch16_224": {"img_size": 32, "patch_size": 8, "depth": 2}}
+SMALL = ["data.batch_size=4", "data.eval_batch_size=4", "data.synthetic.train_size=8", "data.synthetic.val_size=4",
+         "trainer.max_steps=1", "trainer.eval_every=1", "trainer.eval_max_batches=1", "trainer.num_samples=0",
+         "trainer.progress=false", "optim.warmup_steps=0", "data.image_size=32"]
+
+
+def cfg_for(name, pretrained=None, norm="batch"):
+    return OmegaConf.create({"model": {"backbone": {"name": "timm", "pretrained": pretrained, "norm": norm,
+                                                    "options": {"model": name, **KINDS.get(name, {})}}},
+                             "data": {"image_size": 32}})
+
+
+def reference(tmp_path, name):
+    """A random timm model with its head, saved as safetensors; returns (model, file)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, **KINDS[name]).eval()
+    path = str(tmp_path / f"{name}.safetensors")
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+    return ref, path
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_features_are_timms_forward_features_and_blocks_cover_the_parameters(tmp_path, name):
+    ref, path = reference(tmp_path, name)
+    bb = TimmBackbone.build(cfg_for(name, path)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(bb(x), ref.forward_features(x))
+    assert bb.pool == ("cls" if name.startswith("vit") else "mean")
+    names = [n for n, _ in bb.blocks()]
+    assert len(names) == (2 if name.startswith("vit") else 4), names
+    in_blocks = [id(p) for _, m in bb.blocks() for p in m.parameters()]
+    order = [id(p) for p in bb.parameters() if id(p) in set(in_blocks)]
+    assert in_blocks == order  # blocks in forward (registration) order
+    bb.train()
+    bb(x).float().sum().backward()
+    assert [n for n, p in bb.named_parameters() if p.grad is None] == []  # nothing unused under DDP
+
+
+def test_norm_group_and_frozen_replace_batchnorm(tmp_path):
+    for norm in ("group", "frozen"):
+        bb = TimmBackbone.build(cfg_for("resnet18", norm=norm))
+        assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in bb.modules()), norm
+
+
+def test_bad_input_is_one_message(tmp_path, monkeypatch):
+    _, path = reference(tmp_path, "resnet18")
+    with pytest.raises(ConfigError, match="did you mean 'resnet18'"):
+        TimmBackbone.build(cfg_for("resnet18x"))
+    with pytest.raises(ConfigError, match=f"{path}.*is not a"):
+        TimmBackbone.build(cfg_for("vit_tiny_patch16_224", path))
+    monkeypatch.setitem(sys.modules, "timm", None)
+    with pytest.raises(ConfigError) as e:
+        TimmBackbone.build(cfg_for("resnet18"))
+    assert INSTALL in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["name", "weights"])
+def test_bad_input_through_train_exits_2_and_writes_nothing(tmp_path, capsys, bad):
+    _, path = reference(tmp_path, "vit_tiny_patch16_224")
+    out = tmp_path / "run"
+    extra = (["model.backbone.options.model=resnet18x"] if bad == "name"
+             else ["model.backbone.options.model=resnet18", f"model.backbone.pretrained={path}"])
+    code = train.main(["--config", os.path.join(ROOT, "configs", "default.yaml"), "model.backbone.name=timm",
+                       *SMALL, *extra, f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and "Traceback" not in err, err
+    assert ("did you mean" in err) if bad == "name" else (path in err)
