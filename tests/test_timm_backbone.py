@@ -88,3 +88,33 @@ def test_bad_input_through_train_exits_2_and_writes_nothing(tmp_path, capsys, ba
     err = capsys.readouterr().err
     assert code == 2 and not out.exists() and "Traceback" not in err, err
     assert ("did you mean" in err) if bad == "name" else (path in err)
+
+
+# ------------------------------------------------------------------ DDP: 2 processes == 1 process
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    import functools
+
+    from .conftest import TINY, spawn_parity_runs
+    from .test_strategies_ddp import DEADLINE_S, _runs, parity_worker
+
+    extra = ["model.backbone.name=timm", "model.backbone.options.model=resnet18", "model.backbone.norm=group"]
+    run = functools.partial(_runs, config=TINY, extra=extra)
+    return spawn_parity_runs(functools.partial(parity_worker, run), tmp_path_factory, "timm_ddp", DEADLINE_S,
+                             "timm DDP")
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_a_timm_resnet_for_every_strategy(ddp_runs):
+    from .test_strategies_ddp import OBJECTIVE_CHANGERS, STRATEGIES, TOL, B, max_rel_diff
+
+    for strategy in STRATEGIES:
+        got, other = ddp_runs["rank0"][f"{strategy}@{B}"], ddp_runs["rank1"][f"{strategy}@{B}"]
+        assert all(torch.equal(got[k], other[k]) for k in got), f"{strategy}: the two ranks' replicas differ"
+        assert any(k.startswith("backbone.model.layer1") for k in got)
+        ref = ddp_runs["single"][f"{strategy if strategy in OBJECTIVE_CHANGERS else 'combined'}@{2 * B}"]
+        for k in ref:
+            assert float((ref[k] - got[k]).abs().max()) <= TOL * max(float(ref[k].abs().max()), 1e-2), (strategy, k)
+    assert max_rel_diff(ddp_runs["single"][f"combined@{2 * B}"], ddp_runs["single"][f"combined@{B}"]) > 1e-3
