@@ -59,10 +59,14 @@ def test_features_are_timms_forward_features_and_blocks_cover_the_parameters(tmp
     assert [n for n, p in bb.named_parameters() if p.grad is None] == []  # nothing unused under DDP
 
 
-def test_norm_group_and_frozen_replace_batchnorm(tmp_path):
-    for norm in ("group", "frozen"):
-        bb = TimmBackbone.build(cfg_for("resnet18", norm=norm))
-        assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in bb.modules()), norm
+def test_norm_group_frozen_and_sync_leave_no_per_rank_batch_statistics_and_batch_is_refused_on_reshard():
+    """A timm ResNet's BatchNorm follows model.backbone.norm; the reshard rule (mtl/config/resume.py) refuses a
+    resume on another world size exactly when batch_statistics_layers finds a layer."""
+    from mtl.config.resume import batch_statistics_layers
+
+    assert batch_statistics_layers(TimmBackbone.build(cfg_for("resnet18", norm="batch")))
+    for norm in ("group", "frozen", "sync"):
+        assert batch_statistics_layers(TimmBackbone.build(cfg_for("resnet18", norm=norm))) == [], norm
 
 
 def test_bad_input_is_one_message(tmp_path, monkeypatch):
