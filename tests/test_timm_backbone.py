@@ -122,3 +122,24 @@ def test_two_processes_equal_one_process_with_a_timm_resnet_for_every_strategy(d
         for k in ref:
             assert float((ref[k] - got[k]).abs().max()) <= TOL * max(float(ref[k].abs().max()), 1e-2), (strategy, k)
     assert max_rel_diff(ddp_runs["single"][f"combined@{2 * B}"], ddp_runs["single"][f"combined@{B}"]) > 1e-3
+
+
+def test_a_timm_save_pretrained_folder_loads(tmp_path):
+    from timm.models._hub import save_for_hf
+
+    ref, _ = reference(tmp_path, "resnet18")
+    save_for_hf(ref, str(tmp_path / "folder"))
+    bb = TimmBackbone.build(cfg_for("resnet18", str(tmp_path / "folder"))).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(bb(x), ref.forward_features(x))
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_one_training_step_of_cls_and_gen_on_each_kind(tmp_path, capsys, name):
+    _, path = reference(tmp_path, name)
+    opts = [f"model.backbone.options.{k}={v}" for k, v in KINDS[name].items()]
+    code = train.main(["--config", os.path.join(ROOT, "configs", "default.yaml"), "model.backbone.name=timm",
+                       f"model.backbone.options.model={name}", *opts, f"model.backbone.pretrained={path}", *SMALL,
+                       "checkpoint.every_steps=1", f"output_dir={tmp_path / 'run'}"])
+    assert code == 0, capsys.readouterr().err
