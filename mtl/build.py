@@ -225,12 +225,17 @@ def wrap_model(cfg, model: torch.nn.Module, strategy, dist: DistInfo) -> torch.n
 
 def build_optimizer(cfg, model: torch.nn.Module, weighting: torch.nn.Module) -> torch.optim.Optimizer:
     decay, no_decay = [], []
+    # a method whose parameters train at their own learning rate (``Weighting.params_lr``, e.g. UW's
+    # weighting.options.lr): its own param group, as the papers' code does; 0 / absent: the model's lr
+    own_lr = float(getattr(weighting, "params_lr", 0.0) or 0.0)
+    own = [p for p in weighting.parameters() if p.requires_grad] if own_lr > 0 else []
     for module in (model, weighting):
         for p in module.parameters():
-            if p.requires_grad:
+            if p.requires_grad and not any(p is q for q in own):
                 (decay if p.ndim >= 2 else no_decay).append(p)  # no decay on biases, norms, scalars
     o = cfg.optim
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0},
+              {"params": own, "weight_decay": 0.0, "lr": own_lr}]
     groups = [g for g in groups if g["params"]]
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.9)
