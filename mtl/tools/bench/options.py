@@ -55,6 +55,17 @@ class PublishedOptions:
 
 
 @dataclass
+class DesignOptions:
+    """``bench.design``: the design's assumptions, printed by ``--plan`` (docs/benchmark.md, "A design with power")."""
+
+    sd: float = 0.0  # the assumed spread (sd) of the per-seed Δm differences of a comparison; 0: not said
+    sd_source: str = ""  # where that spread was measured
+    power: float = 0.8  # the power the design is sized for, at Holm's strictest level alpha / m
+    sizing: str = ""  # how bench.slurm.time_min was sized (printed with it)
+    gpu_hours: str = ""  # the estimated GPU-hours of the sweep, with their source
+
+
+@dataclass
 class BenchOptions:
     """``python -m mtl.tools.bench``: which methods to compare, over which seeds, and how to read them."""
 
@@ -68,13 +79,19 @@ class BenchOptions:
     parallel: int = 1  # runs at once (each its own process or torchrun)
     threads: int = 0  # OMP_NUM_THREADS of each run's processes; 0: the CPU count / (parallel x nproc), at least 1
     baselines: bool = True  # also train the single-task runs that delta-m needs (one per task of the config)
-    last_k: int = 3  # the convergence slope is read over the last k evaluations
-    # a run has converged when the 95% interval over seeds of each metric's slope (per 100 steps) lies within +-this
+    last_k: int = 3  # the convergence window: each metric's change over the last k evaluations (fitted line)
+    # a metric is still improving (not converged) when the one-sided 95% lower bound over seeds of its improvement
+    # over the window exceeds this (an improvement smaller than this, or one not shown, counts as converged)
     plateau_tol: float = 0.005
-    # false: the slope in the metric's own units; true: in % of the metric's single-task baseline (the scale Δm reads
-    # it on), for metrics in units such as meV where one absolute tolerance cannot fit every task
+    # false: the change in the metric's own units; true: in % of the metric's single-task baseline (the scale Δm
+    # reads it on), for metrics in units such as meV where one absolute tolerance cannot fit every task
     plateau_relative: bool = False
     alpha: float = 0.05  # family-wise level of the marks against equal: paired t-test, Holm across a table's methods
+    test: str = "t"  # the paired test: t (the paired t-test) | signflip (the exact sign-flip permutation test)
+    # the pre-registered comparisons, [[a, b], ...] (bench.methods entries: a - b on the same seed), marked with
+    # Holm across these only; empty: none (the table's "vs equal" column, Holm across its methods, stays)
+    comparisons: list[Any] = field(default_factory=list)
+    design: DesignOptions = field(default_factory=DesignOptions)  # what --plan says the seeds can detect
     # the evaluation a run reports: best (the best validation delta-m, as Nash-MTL's protocol) | last; its metrics are
     # read on the test split (data.synthetic.test_size / data.test_path) when the runs have one
     select: str = "best"
@@ -95,7 +112,8 @@ class BenchOptions:
     protocol: str = ""  # the protocol in words (printed by --plan and above the tables); the config is what runs
 
 
-SECTIONS = {"slurm": SlurmOptions, "reference": ReferenceOptions, "published": PublishedOptions}
+SECTIONS = {"slurm": SlurmOptions, "reference": ReferenceOptions, "published": PublishedOptions,
+            "design": DesignOptions}
 
 
 def bench_option_errors(cfg) -> tuple[BenchOptions, list[str]]:

@@ -7,10 +7,20 @@ The rank correlation of our order of methods with a published one is Spearman's 
 
 The test is the two-sided **paired t-test** (``scipy.stats.ttest_1samp`` on the per-seed differences, which is
 ``ttest_rel``): at the n = 3-10 seeds a sweep affords it has its nominal size when the differences are about normal,
-and it has power. The exact sign-flip permutation test, the distribution-free alternative, cannot reject at 5% below
-n = 6: its smallest two-sided p-value is 2 / 2^n (0.25 at 3 seeds, 0.0625 at 5), so with the 3 or 5 seeds of the
-presets it would never mark anything. A percentile bootstrap of the mean (this tool's former test) is anti-conservative
-at such n: it rejected 16% of true nulls at 5 seeds (tests/test_bench_stats.py measures the t-test's size).
+and it has power. It does not keep its size for skewed differences: a method with a skewed, wider spread against a
+normal ``equal`` gets false marks more often than alpha (tests/test_bench_stats.py measures how often). The offered
+alternative (``bench.test: signflip``) is the exact sign-flip permutation test (``scipy.stats.permutation_test``):
+exact for differences symmetric about 0 whatever their shape, but it cannot reject at level a below n seeds with
+2 / 2^n > a (at 5%: n < 6; at Holm's 0.05 / 8: n < 9). A percentile bootstrap of the mean (this tool's former
+test) is anti-conservative at such n: it rejected 16% of true nulls at 5 seeds.
+
+The design of a table (``power_holm``, ``seeds_needed``): the power of each of m comparisons is read at Holm's
+strictest level alpha / m, a lower bound of its power under Holm's step-down (a comparison tested later in the
+order gets a larger level).
+
+Convergence (``still_improving``): per run the change of a metric over its last evaluations (the least-squares
+slope times the window's span), and over seeds a one-sided test: a metric is still improving when the 95% lower
+bound of its mean improvement over the window exceeds a tolerance. The seeds' spread carries the evaluation noise.
 
 Pure functions of lists of floats (no torch, no files), tested on known inputs and by simulation.
 """
@@ -20,7 +30,10 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
 from scipy import optimize, stats
+
+TESTS = ("t", "signflip")  # bench.test: the paired t-test, or the exact sign-flip permutation test
 
 
 def _finite(values) -> list[float]:
@@ -45,11 +58,23 @@ def mean_ci(values, level: float = 0.95) -> tuple[float, float]:
     return statistics.mean(v), t_quantile(0.5 + level / 2, len(v) - 1) * statistics.stdev(v) / math.sqrt(len(v))
 
 
-def paired_test(diffs, alpha: float = 0.05) -> dict:
+def signflip_p(diffs) -> float:
+    """The two-sided p-value of the exact sign-flip permutation test of the mean of paired differences against 0
+    (``scipy.stats.permutation_test``, every one of the 2^n sign patterns): exact when the differences are
+    symmetric about 0 under the null, whatever their distribution. Its smallest value is 2 / 2^n."""
+    d = np.asarray(_finite(diffs), dtype=float)
+    return float(stats.permutation_test((d,), np.mean, permutation_type="samples", n_resamples=np.inf,
+                                        alternative="two-sided").pvalue)
+
+
+def paired_test(diffs, alpha: float = 0.05, test: str = "t") -> dict:
     """The paired t-test of per-seed differences (method minus reference on the same seed) against 0:
     ``{n, mean, lo, hi, p, sd}`` with ``[lo, hi]`` the (1 - alpha) t-interval of the mean difference and ``p`` the
     two-sided p-value. Fewer than 3 differences: no interval and no p (nan): two seeds say little about the spread. A
-    spread of 0 (every seed the same difference): p = 0 for a non-zero mean, 1 for zero."""
+    spread of 0 (every seed the same difference): p = 0 for a non-zero mean, 1 for zero. ``test="signflip"``: ``p``
+    from the exact sign-flip permutation test instead (``signflip_p``; the interval stays the t-interval)."""
+    if test not in TESTS:
+        raise ValueError(f"test must be one of {', '.join(TESTS)} (got {test!r})")
     d = _finite(diffs)
     nan = float("nan")
     out = {"n": len(d), "mean": statistics.mean(d) if d else nan, "lo": nan, "hi": nan, "p": nan, "sd": nan}
@@ -60,7 +85,7 @@ def paired_test(diffs, alpha: float = 0.05) -> dict:
     if sd <= 1e-12 * max(1.0, abs(out["mean"])):  # the same difference on every seed (to rounding)
         sd, p = 0.0, (0.0 if abs(out["mean"]) > 1e-12 else 1.0)
     else:
-        p = float(stats.ttest_1samp(d, 0.0).pvalue)
+        p = float(stats.ttest_1samp(d, 0.0).pvalue) if test == "t" else signflip_p(d)
     out.update(lo=out["mean"] - half, hi=out["mean"] + half, p=p, sd=sd)
     return out
 
@@ -106,6 +131,26 @@ def min_detectable(sd: float, n: int, alpha: float, target: float = 0.8) -> floa
     return float(optimize.brentq(lambda e: power(e, sd, n, alpha) - target, 0.0, hi, xtol=sd * 1e-6))
 
 
+def power_holm(effect: float, sd: float, n: int, alpha: float, m: int) -> float:
+    """The power of one of ``m`` comparisons under Holm's correction at family-wise level alpha, read at Holm's
+    strictest level alpha / m (``power``): a lower bound, since a comparison tested later in Holm's order gets a
+    larger level."""
+    return power(effect, sd, n, alpha / max(1, m))
+
+
+def min_detectable_holm(sd: float, n: int, alpha: float, m: int, target: float = 0.8) -> float:
+    """The smallest true difference detected with probability ``target`` at Holm's strictest level alpha / m."""
+    return min_detectable(sd, n, alpha / max(1, m), target)
+
+
+def seeds_needed(effect: float, sd: float, alpha: float, m: int = 1, target: float = 0.8, most: int = 200) -> int:
+    """The fewest seeds (paired runs, at least 3) at which a true difference ``effect`` is detected with probability
+    ``target`` at Holm's strictest level alpha / m (``power_holm``); 0 when even ``most`` seeds do not suffice."""
+    if not sd > 0 or not effect:
+        return 0
+    return next((n for n in range(3, most + 1) if power_holm(abs(effect), sd, n, alpha, m) >= target), 0)
+
+
 def pooled_sd(groups: list[list[float]]) -> tuple[float, int]:
     """(the pooled standard deviation of several groups of paired differences, the median group size): the paired
     spread of one table, each group (method) about its own mean. nan with no group of 2 or more."""
@@ -125,6 +170,30 @@ def slope_per_100(points, last_k: int) -> float:
     if len(pts) < 2 or len({p[0] for p in pts}) < 2:
         return float("nan")
     return 100 * float(stats.linregress([p[0] for p in pts], [p[1] for p in pts]).slope)
+
+
+def window_change(points, last_k: int) -> tuple[float, int]:
+    """(the change of a curve over its last ``last_k`` points: the least-squares slope times the window's span in
+    steps, the span): how much the fitted line moves from the window's first evaluation to its last. nan with
+    fewer than two points."""
+    pts = sorted(points)[-last_k:]
+    if len(pts) < 2 or len({p[0] for p in pts}) < 2:
+        return float("nan"), 0
+    span = pts[-1][0] - pts[0][0]
+    return slope_per_100(pts, last_k) * span / 100, span
+
+
+def still_improving(improvements, tol: float, level: float = 0.95) -> bool | None:
+    """Whether a metric is still improving at the end of its runs: the per-seed improvements over the window
+    (``window_change`` with the sign that makes an improvement positive) show a mean improvement above ``tol``
+    at one-sided level ``level`` (the t lower bound over seeds exceeds ``tol``). The seeds' spread carries the
+    evaluation noise, so a noisy flat curve is not called improving, and a clear fall is. None with fewer than two
+    seeds. A spread of 0: the mean against ``tol``."""
+    v = _finite(improvements)
+    if len(v) < 2:
+        return None
+    mean, sd = statistics.mean(v), statistics.stdev(v)
+    return mean - t_quantile(level, len(v) - 1) * sd / math.sqrt(len(v)) > tol
 
 
 def rank_correlation(x, y, level: float = 0.95) -> dict:

@@ -29,13 +29,20 @@ Definitions (mtl/tools/bench/stats.py holds the statistics):
   declared metrics (``TaskHead.metrics``) of ``(-1)^h_i (M_i - B_i) / B_i * 100`` against the single-task baselines B
   (their mean over seeds; h_i = 1 if higher is better), then the mean over tasks;
 - against ``equal``: per seed, the method's delta-m minus equal's on the same seed; the mean, its t-interval and the
-  two-sided paired t-test; Holm's correction across the table's methods; marked ▼ / ▲ (lower / higher delta-m) where
-  the adjusted p is below ``bench.alpha``; the smallest difference the table's seeds detect with 80% power. Between
+  two-sided paired t-test (``bench.test: signflip``: the exact sign-flip permutation test); Holm's correction across
+  the table's methods; marked ▼ / ▲ (lower / higher delta-m) where the adjusted p is below ``bench.alpha``, which
+  bounds the chance of any false mark in a table by alpha when the per-seed differences are about normal (for
+  skewed ones it does not: docs/benchmark.md); each table opens with the smallest difference its seeds detect with
+  80% power at Holm's strictest level alpha / m. The pre-registered comparisons (``bench.comparisons``: pairs of
+  methods, a - b on the same seed) get a table of their own, Holm across them only, with the power of each at Holm's
+  level (``--plan`` prints the design: ``bench.design``). Between
   regimes, the same for each method's delta-m in a regime minus its delta-m in the first regime (not tested, no
   mark, where its runs trained a different number of steps in the two: that difference is the training length's);
-- convergence: per run the least-squares slope of each validation metric over its last ``last_k`` evaluations, per
-  100 steps (with ``bench.plateau_relative``: in % of the metric's single-task baseline); converged when the 95%
-  t-interval over seeds of every slope lies within ±``bench.plateau_tol``;
+- convergence: per run the change of each validation metric over its last ``last_k`` evaluations (the
+  least-squares slope times the window's span; with ``bench.plateau_relative``: in % of the metric's single-task
+  baseline); a metric is still improving when the one-sided 95% lower bound over seeds of its improvement over the
+  window exceeds ``bench.plateau_tol`` (the seeds' spread carries the evaluation noise); converged otherwise,
+  which means "not shown to improve by more than the tolerance", not "shown flat";
 - read against numbers from elsewhere (mtl/tools/bench/compare.py): Δm against ``bench.reference`` (single-task
   metrics given in the config) in a second column; a paper's Δm per method (``bench.published``) beside ours, with
   Spearman's rank correlation and its Fisher-z interval; step time and memory of both gradient sources side by side;
@@ -74,6 +81,7 @@ from mtl.run.checkpoint import list_checkpoints
 from mtl.run.error_report import run_guarded
 from mtl.strategies import strategy_types
 from mtl.tools.bench.compare import cost_table, published_entries, published_errors, published_table, reference_values
+from mtl.tools.bench.design import comparisons_table, describe_design
 from mtl.tools.bench.entries import method_spec, parse_method  # noqa: F401  (parse_method: this module's interface too)
 from mtl.tools.bench.launch import drive, make_launcher
 from mtl.tools.bench.lock import sweep_lock
@@ -81,7 +89,18 @@ from mtl.tools.bench.options import bench_option_errors, bench_options, keys_hel
 from mtl.tools.bench.plots import write_plots
 from mtl.tools.bench.progress import Progress
 from mtl.tools.bench.record import provenance, provenance_lines, read_record, reuse_problem, run_identity, write_record
-from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, slope_per_100
+from mtl.tools.bench.stats import (
+    TESTS,
+    holm,
+    mark,
+    mean_ci,
+    min_detectable,
+    paired_test,
+    pooled_sd,
+    slope_per_100,
+    still_improving,
+    window_change,
+)
 from mtl.tools.doctor import examine
 
 PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml",
@@ -196,6 +215,21 @@ def bench_errors(cfg) -> list[str]:
         errors.append(f"bench.slurm.cluster: {b.slurm.cluster!r} must be slurm or local (submitit's local executor)")
     if not b.last_k >= 2:
         errors.append(f"bench.last_k: {b.last_k}: the convergence slope needs at least 2 evaluations")
+    if b.test not in TESTS:
+        errors.append(f"bench.test: {b.test!r} must be one of {', '.join(TESTS)} (the paired t-test, or the exact "
+                      "sign-flip permutation test)")
+    if not 0 < b.design.power < 1:
+        errors.append(f"bench.design.power: {b.design.power} must lie in (0, 1) (e.g. 0.8)")
+    if b.design.sd < 0:
+        errors.append(f"bench.design.sd: {b.design.sd} must be >= 0 (0: not said)")
+    for i, pair in enumerate(b.comparisons):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)) \
+                or pair[0] == pair[1]:
+            errors.append(f"bench.comparisons[{i}]: {pair!r} must be a pair of two different bench.methods entries, "
+                          "[a, b] (a - b on the same seed)")
+        elif any(x not in b.methods for x in pair):
+            errors.append(f"bench.comparisons[{i}]: {', '.join(x for x in pair if x not in b.methods)} is not in "
+                          "bench.methods (a comparison is between two of the sweep's entries, as written there)")
     return errors
 
 
@@ -402,6 +436,7 @@ def read_run(run_dir: str, last_k: int, specs: list) -> dict | None:
         if points:
             out["val"][key] = points
             out[key + "_slope"] = slope_per_100(points, last_k)
+            out[key + "_window"] = window_change(points, last_k)[0]
         test = {e["step"]: e["test_" + key] for e in evals if e.get("test_" + key) is not None}
         if test:
             out["test"][key] = test
@@ -493,8 +528,9 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         if b.plateau_relative:  # the slope in % of the baseline per 100 steps (nan where the baseline is 0 or nan)
             for key, _, _ in specs:
                 scale = 100 / abs(base[key]) if base[key] == base[key] and base[key] else float("nan")
-                if key + "_slope" in d:
-                    d[key + "_slope"] *= scale
+                for suffix in ("_slope", "_window"):
+                    if key + suffix in d:
+                        d[key + suffix] *= scale
         d["delta_m_ref"] = delta(d, given, specs, partial=True) if given else float("nan")
     eq = data.get("equal", {})
     rows = []
@@ -512,14 +548,15 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         for key in keys:
             row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
             row[key + "_slope"], row[key + "_slope_ci"] = mean_ci(d.get(key + "_slope") for d in ok.values())
-        row["plateau"], row["moving"] = converged(row, keys, b.plateau_tol)
+            row[key + "_window"], row[key + "_window_ci"] = mean_ci(d.get(key + "_window") for d in ok.values())
+        row["plateau"], row["moving"] = converged(row, ok, specs, b.plateau_tol)
         row["delta_m"], row["delta_m_ci"] = mean_ci(d.get("delta_m") for d in ok.values())
         row["delta_m_ref"], row["delta_m_ref_ci"] = mean_ci(d.get("delta_m_ref") for d in ok.values())
         row["split"] = split
         row["selected_step"] = statistics.median(d["selected_step"] for d in ok.values() if "selected_step" in d) \
             if any("selected_step" in d for d in ok.values()) else float("nan")
         diffs = [ok[s]["delta_m"] - eq[s]["delta_m"] for s in ok if eq.get(s) and not single and label != "equal"]
-        test = paired_test(diffs, b.alpha)
+        test = paired_test(diffs, b.alpha, b.test)
         row["vs_equal"], row["vs_equal_lo"], row["vs_equal_hi"], row["vs_equal_p"] = (
             test["mean"], test["lo"], test["hi"], test["p"])
         row["_diffs"] = diffs
@@ -553,15 +590,18 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
     return rows, base
 
 
-def converged(row: dict, keys: list[str], tol: float) -> tuple[bool | None, list[str]]:
-    """(converged, the metrics that are not): a metric has converged when the 95% t-interval over seeds of its
-    slope lies within [-tol, tol] (a mean slope near 0 with a wide interval has not shown a plateau). None: not
-    decided (fewer than two seeds, or fewer than two evaluations). Metrics the row does not have (a baseline's other
-    task) do not count."""
-    have = [k for k in keys if row[k] == row[k]]
-    if not have or any(row[k + "_slope_ci"] != row[k + "_slope_ci"] for k in have):
+def converged(row: dict, seeds: dict, specs: list, tol: float) -> tuple[bool | None, list[str]]:
+    """(converged, the metrics still improving): a metric is still improving when its per-seed improvements over
+    the window (``<key>_window`` with the sign that makes an improvement positive) show a mean improvement above
+    ``tol`` at one-sided 95% (``stats.still_improving``); converged otherwise ("not shown to improve by more than
+    tol"). None: not decided (fewer than two seeds, or fewer than two evaluations). Metrics the row does not have (a
+    baseline's other task) do not count."""
+    have = [(k, higher) for k, _, higher in specs if row[k] == row[k]]
+    verdicts = {k: still_improving([(1 if higher else -1) * d[k + "_window"] for d in seeds.values()
+                                    if d.get(k + "_window") is not None], tol) for k, higher in have}
+    if not have or any(v is None for v in verdicts.values()):
         return None, []
-    moving = [k for k in have if not abs(row[k + "_slope"]) + row[k + "_slope_ci"] <= tol]
+    moving = [k for k, v in verdicts.items() if v]
     return not moving, moving
 
 
@@ -618,7 +658,7 @@ def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
                             "change": statistics.mean(diffs) if diffs else nan, "change_lo": nan, "change_hi": nan,
                             "change_p": nan, "_diffs": [], "untested": lengths})
                 continue
-            t = paired_test(diffs, alpha)
+            t = paired_test(diffs, alpha, bench_options(cfg).test)
             out.append({"regime": name, "reference": names[0], "method": r["method"],
                         "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": t["mean"],
                         "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"], "_diffs": diffs})
@@ -672,7 +712,8 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
     has_ref = bool(b.reference.metrics)
     methods = [r for r in rows if r["level"] != "single-task"]
     lines = [f"### Regime `{regime}`" + (f" (overrides: `{' '.join(spec['overrides'])}`)" if spec["overrides"] else ""),
-             ""]
+             "", detectable_lead(cfg, methods) + (" The \"vs equal\" column is exploratory: the pre-registered "
+                                                  "comparisons are the table above." if b.comparisons else ""), ""]
     if spec["expect"]:
         lines += [f"Expected (stated before the run): {spec['expect'].strip()}", ""]
     tasks = list(dict.fromkeys(t for _, t, _ in specs))
@@ -709,13 +750,16 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
             f"| {r['time_vs_equal']:.2f}x | {mem} | {r['combine_s'] * 1e3:.2f} | {r['allreduce_mb']:.1f} "
             f"| {r['wall_s']:.0f} |")
     window, steps = eval_window(rows, b.last_k)
-    lines += ["", f"Convergence in `{regime}`: the slope of each validation metric over the last {window} evaluations"
-              + (f" (steps {', '.join(map(str, steps))})" if steps else "") + ", per 100 steps (mean ± 95% t-interval "
-              f"over seeds{'; in % of the single-task baseline' if b.plateau_relative else ''}); converged: the "
-              f"interval of every slope lies within ±{b.plateau_tol:g}{' %' if b.plateau_relative else ''}. The "
-              "selected evaluation's step is the median over seeds.",
+    unit = " %" if b.plateau_relative else ""
+    lines += ["", f"Convergence in `{regime}`: the change of each validation metric over the last {window} evaluations"
+              + (f" (steps {', '.join(map(str, steps))})" if steps else "") + " (its least-squares slope times the "
+              f"window's span; mean ± 95% t-interval over seeds{'; in % of the single-task baseline' if b.plateau_relative else ''}"
+              f"; negative: falling). Still improving: the one-sided 95% lower bound over seeds of the improvement "
+              f"over the window exceeds {b.plateau_tol:g}{unit}; converged otherwise, i.e. not shown to improve by "
+              f"more than {b.plateau_tol:g}{unit} (with this spread and these seeds, not shown flat). The selected "
+              "evaluation's step is the median over seeds. \"no\" lists the metrics still improving.",
               "", "| run | steps | selected step | "
-              + " | ".join(f"{k} slope{' %' if b.plateau_relative else ''}/100 steps" for k in keys)
+              + " | ".join(f"{k} change{unit} over the window" for k in keys)
               + " | converged |", "|---|---|---|" + "---|" * len(keys) + "---|"]
     for r in rows:
         if not r["runs_ok"]:
@@ -725,7 +769,7 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
                    else "no: " + ", ".join(r["moving"]))
         sel = "" if r["selected_step"] != r["selected_step"] else f"{r['selected_step']:.0f}"
         lines.append(f"| `{r['method']}` | {steps_run} | {sel} | "
-                     + " | ".join(_pm(r[k + "_slope"], r[k + "_slope_ci"], 4) if k in base and r[k] == r[k] else "—"
+                     + " | ".join(_pm(r[k + "_window"], r[k + "_window_ci"], 3) if k in base and r[k] == r[k] else "—"
                                   for k in keys)
                      + f" | {verdict} |")
     notes = [f"- `{r['method']}`: {r['meta_cost']}" for r in methods if r.get("meta_cost")]
@@ -762,14 +806,26 @@ def reference_sentence(b, specs: list, rows: list[dict]) -> str:
             + (singles or "none") + ". ")
 
 
+def detectable_lead(cfg, rows: list[dict]) -> str:
+    """The line that opens a table: the smallest difference its seeds detect with 80% power at Holm's strictest
+    level (``detectable``)."""
+    a, d = bench_options(cfg).alpha, detectable(rows, bench_options(cfg).alpha)
+    if d["mde_holm"] != d["mde_holm"]:
+        return "**Detectable here: not said (fewer than 3 seeds).**"
+    return (f"**Detectable here (80% power at Holm's level α/{d['m']} = {a / d['m']:.4g}): {d['mde_holm']:.2f} Δm "
+            f"points** (paired spread sd {d['sd']:.2f} over {d['n']} seeds).")
+
+
 def test_sentence(cfg, rows: list[dict], what: str = "vs equal: Δm − Δm(equal) on the same seed") -> str:
     """How one table's marks are made and what its seeds can detect (``detectable``)."""
     b = bench_options(cfg)
     a, d = b.alpha, detectable(rows, b.alpha)
-    text = (f"{what}: mean [{100 * (1 - a):g}% t-interval], two-sided paired t-test over seeds; ▲ / ▼ where Holm's "
+    test = "paired t-test" if b.test == "t" else "exact sign-flip permutation test"
+    text = (f"{what}: mean [{100 * (1 - a):g}% t-interval], two-sided {test} over seeds; ▲ / ▼ where Holm's "
             f"adjusted p (p_Holm, across the {d['m']} comparison{'s' if d['m'] != 1 else ''} of this table) is below "
             f"{a:g}: ▼ a lower Δm "
-            "(better), ▲ a higher one (worse).")
+            "(better), ▲ a higher one (worse); the chance of any false mark is at most "
+            f"{a:g} when the per-seed differences are about normal (not for skewed ones: docs/benchmark.md).")
     if d["mde"] == d["mde"]:
         return text + (f" Detectable here (80% power, paired spread sd {d['sd']:.2f} over {d['n']} seeds): a "
                        f"difference of {d['mde']:.2f} at α = {a:g}, {d['mde_holm']:.2f} at Holm's strictest level "
@@ -786,7 +842,7 @@ def effects_table(cfg, effects: list[dict]) -> str:
     if len(tested) < len(effects):
         sentence += (" Not tested where the method's runs trained a different number of steps in the two regimes: "
                      "the difference is then the training length's, not the regime's.")
-    lines = ["### Between regimes", "", sentence, "",
+    lines = ["### Between regimes", "", detectable_lead(cfg, tested), "", sentence, "",
              "| regime | method | Δm % in reference | Δm % in regime | change |", "|---|---|---|---|---|"]
     for e in effects:
         if e.get("untested"):
@@ -811,7 +867,8 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
     """results.md, results.csv (one row per regime and method or baseline) and runs.csv (one per run)."""
     out = cfg.output_dir
     all_keys = list(dict.fromkeys(k for rcfg, rows, _ in per_regime.values() for k, _, _ in metric_specs(rcfg)))
-    fields = CSV_FIXED + [k + s for k in all_keys for s in ("", "_ci", "_slope", "_slope_ci")] + CSV_TAIL
+    fields = CSV_FIXED + [k + s for k in all_keys for s in ("", "_ci", "_slope", "_slope_ci", "_window",
+                                                          "_window_ci")] + CSV_TAIL
     with open(os.path.join(out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -819,7 +876,7 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
             for r in rows:
                 w.writerow(r)
     run_fields = ["regime", "method", "seed", "selected_step", "delta_m", "delta_m_ref", "steps", "step_time_s",
-                  "peak_mem_mb", "combine_s", "wall_s"] + [k + s for k in all_keys for s in ("", "_slope")]
+                  "peak_mem_mb", "combine_s", "wall_s"] + [k + s for k in all_keys for s in ("", "_slope", "_window")]
     with open(os.path.join(out, "runs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=run_fields, extrasaction="ignore")
         w.writeheader()
@@ -829,8 +886,10 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
     blocks = [f"Protocol: {opts.protocol.strip()}"] if opts.protocol.strip() else []
     for regime, (rcfg, rows, base) in per_regime.items():
         spec = meta["regimes"][regime]
-        blocks.append(regime_table(cfg, rcfg, regime, spec, rows, base, spec["baselines_from"]))
         first = regime == next(iter(per_regime))  # the published table is read beside the first regime only
+        if first and opts.comparisons:  # the pre-registered comparisons lead: they are what the design is for
+            blocks.append(comparisons_table(cfg, regime, rows))
+        blocks.append(regime_table(cfg, rcfg, regime, spec, rows, base, spec["baselines_from"]))
         blocks += [t for t in (published_table(opts, regime, rows) if first else "",
                                cost_table(regime, rows, len(rcfg.tasks))) if t]
     effects = regime_effects(cfg, {k: v[1] for k, v in per_regime.items()})
@@ -1000,6 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_plan(runs), flush=True)
         if a.plan:
             print(describe_protocol(cfg, loaded))
+            print(describe_design(cfg))
             print(list_runs(runs))
             return
         # one sweep per output_dir while it trains (--analyze trains nothing: it may read a sweep in progress)
