@@ -55,3 +55,24 @@ def test_a_negative_method_lr_is_refused():
         assert any("weighting.options.lr" in m for m in e.errors)
     else:
         raise AssertionError("weighting.options.lr=-1 was accepted")
+
+
+def test_nashmtl_max_norm_is_the_authors_clip_of_the_shared_gradient():
+    """Nash-MTL's QM9 code clips with ``clip_grad_norm_(shared_parameters, 1.0)`` after the weighted backward; our
+    ``max_norm`` scales alpha so that ``||alpha @ G|| <= max_norm``: the same shared update (to the 1e-6 that
+    clip_grad_norm_ adds to the norm), above and below the bound."""
+    from mtl.weighting.nashmtl import clip_weights, nashmtl_weights
+
+    gen = torch.Generator().manual_seed(0)
+    for scale, max_norm in ((10.0, 1.0), (0.01, 1.0), (1.0, 3.0)):
+        grads = torch.randn(4, 50, generator=gen, dtype=torch.float64) * scale
+        gram = grads @ grads.T
+        alpha = nashmtl_weights(gram)
+        d = alpha @ grads
+        assert abs(float(d.norm()) - 2.0) < 1e-8  # ||d||^2 = sum_t alpha_t d.g_t = K whatever the scale
+        ours = clip_weights(alpha, gram, max_norm) @ grads
+        shared = torch.nn.Parameter(torch.zeros(50, dtype=torch.float64))
+        shared.grad = d.clone()
+        torch.nn.utils.clip_grad_norm_([shared], max_norm)
+        assert torch.allclose(ours, shared.grad, rtol=1e-5, atol=0)
+        assert torch.equal(ours, d) if max_norm > 2.0 else abs(float(ours.norm()) - 1.0) < 1e-12

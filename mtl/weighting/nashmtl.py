@@ -27,8 +27,10 @@ Options (``weighting.options``, the authors' code's arguments):
 - ``max_norm`` (0: off): the authors' clip of the shared gradient's norm after the weighted backward
   (their code's default is 1.0): when ``||d|| = sqrt(alpha^T GG^T alpha)`` exceeds it, alpha is scaled down
   so that ||d|| = max_norm. It applies to the shared parameters' direction only; the trainer's
-  ``optim.grad_clip`` clips the whole gradient after it. Off by default: ``optim.grad_clip`` already bounds
-  the step.
+  ``optim.grad_clip`` clips the whole gradient after it. It is the authors' ``clip_grad_norm_(shared_parameters,
+  max_norm)`` (their QM9 code: 1.0; the ``qm9`` bench preset sets it) up to that function's 1e-6. At the exact
+  solution ``||d||^2 = sum_t alpha_t d . g_t = K``, so a max_norm below sqrt(K) scales every update to that norm.
+  Off by default: ``optim.grad_clip`` already bounds the step.
 
 Existence: the equation has a solution iff 0 is not in the convex hull of the unit gradients (some
 direction improves every task): ``mu = min_{a in simplex} a^T C a > 0``. ``solution_exists`` computes
