@@ -224,10 +224,10 @@ def test_the_convergence_rule_by_simulation():
             presets[name] = yaml.safe_load(f)["bench"]
     cpu, gpu = presets["bench_qm9_cpu"], presets["bench_qm9"]
     assert cpu["plateau_relative"] and gpu["plateau_relative"]
-    flat = _improving_share(33, 0.0, len(cpu["seeds"]), cpu["plateau_tol"], cpu["last_k"], reps=1000)
+    flat = _improving_share(33, 0.0, len(cpu["seeds"]), cpu["plateau_tol"], cpu["last_k"], reps=600)
     assert flat <= 0.10, flat
     for seeds in (len(cpu["seeds"]), len(gpu["seeds"])):
-        falling = _improving_share(923, 0.5, seeds, gpu["plateau_tol"], gpu["last_k"], reps=1000, seed=seeds)
+        falling = _improving_share(923, 0.5, seeds, gpu["plateau_tol"], gpu["last_k"], reps=600, seed=seeds)
         assert falling >= 0.90, (seeds, falling)
     # what the former rule (the 95% interval of the slope within +-1% per 100 steps, 3 seeds) did with the same
     # curves: the flat one almost never converged, the falling one mostly did
