@@ -251,7 +251,7 @@ BAD_OPTION = {"cagrad": ("c", -1), "gradnorm": ("alpha", -0.5), "dwa": ("T", 0),
               "gradvac": ("beta", 1.5), "fairgrad": ("alpha", 0), "graddrop": ("leak", -0.1), "dbmtl": ("beta", 1.0),
               "excessmtl": ("eta", -1.0), "stch": ("mu", 0), "moco": ("beta", 0.0), "modo": ("gamma", 0.0),
               "sdmgrad": ("niter", 0), "autolambda": ("update_every", 0),
-              "moml": ("fd_eps", 0.0), "forum": ("rho", 0.0)}
+              "moml": ("fd_eps", 0.0), "forum": ("rho", 0.0), "uw": ("lr", -0.025)}
 
 
 def test_each_method_s_options_are_checked_by_name_type_and_range():
