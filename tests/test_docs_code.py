@@ -18,6 +18,7 @@ from mtl.errors import ConfigError
 
 from .conftest import PY, ROOT
 from .doc_blocks import blocks, commands, missing_excerpt_lines, undefined_names
+from .pretrained_folders import tiny_pretrained
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 ALL = [b for doc in DOCS for b in blocks(os.path.join(ROOT, doc))]
@@ -132,6 +133,8 @@ def _check_command(argv: list[str], where: str, monkeypatch) -> None:
         if rest[0] == "train.py":
             return _check_train(rest[1:], where, monkeypatch)
         assert os.path.isfile(os.path.join(ROOT, rest[0])), f"{where}: no script {rest[0]}"
+        if rest[0] == TINY_SCRIPT:  # the block's next commands read what it writes: run it, in a scratch root
+            _tiny_pretrained_root(monkeypatch)
         return None
     if head == "make":
         with open(os.path.join(ROOT, "Makefile")) as f:
@@ -146,6 +149,27 @@ def _check_command(argv: list[str], where: str, monkeypatch) -> None:
         return None
     raise AssertionError(f"{where}: {' '.join(argv)}: a command this test does not know; mark the block "
                          "<!-- doc-test: skip: WHY --> or teach tests/test_docs_code.py")
+
+
+TINY_SCRIPT = "scripts/make_tiny_pretrained.py"
+
+
+def _tiny_pretrained_root(monkeypatch) -> None:
+    """What the script writes (runs/pretrained/*), in a scratch folder that also has the repository's configs/ and
+    docs/; the block's later commands run from there. Written once per test session."""
+    import tempfile
+
+    global _TINY_ROOT
+    if _TINY_ROOT is None:
+        root = tempfile.mkdtemp(prefix="doc_tiny_")
+        for name in ("configs", "docs", "mtl"):
+            os.symlink(os.path.join(ROOT, name), os.path.join(root, name))
+        tiny_pretrained().write_all(os.path.join(root, "runs", "pretrained"))
+        _TINY_ROOT = root
+    monkeypatch.chdir(_TINY_ROOT)
+
+
+_TINY_ROOT = None
 
 
 @pytest.mark.parametrize("block", _of("commands"))
