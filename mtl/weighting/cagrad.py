@@ -37,10 +37,15 @@ from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 from mtl.weighting.checks import at_least
+from mtl.weighting.qp import nonneg_qp
 
 CAGRAD_C = 0.4  # radius of the ball around g_0, relative to ||g_0||
 CAGRAD_RESCALE = True  # divide the update by 1 + c^2 (the authors' code, rescale=1)
 CAGRAD_MAX_ITER = 2000  # projected-gradient iterations for K > 2
+CAGRAD_SUPPORT_EVERY = 8  # K > 2: every so many iterations, try the stationary point on the iterate's support
+CAGRAD_PARAMETRIC_AT = 100  # K > 2: still running after so many, try the parametric (KKT) solution
+CAGRAD_NEWTON_STEPS = 40  # its most non-negative QPs in each phase (bracket, Newton)
+CAGRAD_KKT_TOL = 1e-12  # a candidate is the optimum when its KKT gap is below this times the gradient's scale
 
 
 def project_simplex(v: np.ndarray) -> np.ndarray:
@@ -50,6 +55,78 @@ def project_simplex(v: np.ndarray) -> np.ndarray:
     idx = np.arange(1, len(v) + 1)
     rho = np.nonzero(u - css / idx > 0)[0][-1]
     return np.maximum(v - css[rho] / (rho + 1.0), 0.0)
+
+
+def dual_gap(m: np.ndarray, b: np.ndarray, sqrt_phi: float, w: np.ndarray) -> tuple[float, float]:
+    """(KKT gap, its round-off floor) of a simplex point w of the dual: ``max_{w_t > 0} dF_t - min_t dF_t`` bounds
+    F(w) - min F (F is convex), and is 0 exactly at the optimum (g_w != 0). The floor: the gradient's term
+    ``sqrt(phi) m w / ||g_w||`` carries round-off ~ eps max_t ||g_t||^2 / ||g_w|| (tiny g_w: nearly opposed rows)."""
+    q = float(w @ m @ w)
+    if not q > 0:
+        return math.inf, 0.0
+    grad = b + sqrt_phi * (m @ w) / math.sqrt(q)
+    dmax = float(np.max(np.diag(m)))
+    scale = float(np.abs(b).max()) + sqrt_phi * math.sqrt(dmax) + sqrt_phi * dmax / math.sqrt(q)
+    return float(grad[w > 0].max() - grad.min()), CAGRAD_KKT_TOL * scale
+
+
+def support_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float, support: np.ndarray) -> np.ndarray | None:
+    """The dual's stationary point with exactly ``support`` (bool, K) positive, or None if it has none.
+
+    With v = sqrt(phi) w / ||g_w||, stationarity on the support is ``m_S v_S = lam 1 - b_S`` and the scale fixes
+    ``v^T m v = phi``: v_S = lam p - r (p = m_S^+ 1, r = m_S^+ b_S), a quadratic in lam (the larger root: v grows
+    with lam). A coordinate that comes out <= 0 leaves the support (twice at most), and w = v / sum(v)."""
+    support = support.copy()
+    for _ in range(3):
+        idx = np.flatnonzero(support)
+        if idx.size == 0:
+            return None
+        ms = m[np.ix_(idx, idx)]
+        sol = np.linalg.lstsq(ms, np.stack([np.ones(idx.size), b[idx]], 1), rcond=None)[0]
+        p, r = sol[:, 0], sol[:, 1]
+        mp = ms @ p
+        a2, b2, c2 = float(p @ mp), float(mp @ r), float(r @ ms @ r)
+        disc = b2 * b2 - a2 * (c2 - sqrt_phi * sqrt_phi)
+        if not (a2 > 0 and disc >= 0):
+            return None
+        v = (b2 + math.sqrt(disc)) / a2 * p - r
+        if (v > 0).all():
+            w = np.zeros(len(b))
+            w[idx] = v / v.sum()
+            return w
+        support[idx[v <= 0]] = False
+    return None
+
+
+def parametric_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float) -> np.ndarray | None:
+    """The dual's optimum found through its KKT system, or None: v(lam) = argmin_{v >= 0} v^T m v + 2 (b - lam 1).v
+    (``nonneg_qp``) has ``psi(lam) = v^T m v`` convex and non-decreasing in lam with slope 2 sum(v), so Newton from a
+    lam with psi >= phi walks down to psi = phi; each v's support is tried in closed form (``support_solution``)."""
+    dmax = float(np.max(np.diag(m)))
+    phi = sqrt_phi * sqrt_phi
+    lo, t = float(b.min()), max(sqrt_phi * math.sqrt(dmax), 1e-300)
+    for _ in range(CAGRAD_NEWTON_STEPS):  # a lam above the root (psi = 0 for lam <= min b)
+        lam = lo + t
+        v = nonneg_qp(m, b - lam)
+        psi = float(v @ m @ v)
+        if psi >= phi:
+            break
+        t *= 4.0
+    else:
+        return None
+    for _ in range(CAGRAD_NEWTON_STEPS):
+        w = support_solution(m, b, sqrt_phi, v > 0)
+        if w is not None:
+            gap, floor = dual_gap(m, b, sqrt_phi, w)
+            if gap <= floor:
+                return w
+        slope = 2.0 * float(v.sum())
+        if not (slope > 0 and psi > phi):
+            return None
+        lam -= (psi - phi) / slope
+        v = nonneg_qp(m, b - lam)
+        psi = float(v @ m @ v)
+    return None
 
 
 def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.ndarray:
@@ -86,10 +163,17 @@ def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.
     def grad(w):
         return b + sqrt_phi * (m @ w) / math.sqrt(max(float(w @ m @ w), 0.0) + eps)
 
+    def certified(w_new, w_old):  # w_new meets the KKT conditions to round-off, and is no worse than w_old
+        if w_new is None:
+            return False
+        gap, floor = dual_gap(m, b, sqrt_phi, w_new)
+        return gap <= floor and f(w_new) <= f(w_old) + floor
+
     w = np.full(k, 1.0 / k)
     fw = f(w)
     step = 1.0 / max(float(np.linalg.norm(m, 2)), 1e-300)
-    for _ in range(max_iter):
+    support = None
+    for it in range(max_iter):
         gw = grad(w)
         while True:
             new = project_simplex(w - step * gw)
@@ -103,6 +187,18 @@ def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.
             break
         w, fw = new, fn
         step *= 2.0
+        # projected gradient finds the optimum's support long before it converges in w: solve the stationarity
+        # conditions on the support it holds (once it is steady), and stop where they certify the optimum
+        if it % CAGRAD_SUPPORT_EVERY == 0:
+            if support is not None and (support == (w > 0)).all():
+                cand = support_solution(m, b, sqrt_phi, support)
+                if certified(cand, w):
+                    return cand
+            support = w > 0
+        if it == CAGRAD_PARAMETRIC_AT:  # slow progress (nearly opposed rows): the KKT system's own path
+            cand = parametric_solution(m, b, sqrt_phi)
+            if certified(cand, w):
+                return cand
     return w
 
 

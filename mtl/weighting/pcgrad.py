@@ -39,20 +39,40 @@ PCGRAD_REDUCTIONS = ("sum", "mean")
 
 
 @torch.no_grad()
+def pcgrad_orders(k: int, generator: torch.Generator | None = None) -> Tensor:
+    """(K, K-1) long: row i lists the other tasks in the order task i is projected on them (a fresh
+    ``torch.randperm`` per task for K > 2 with a generator, else increasing)."""
+    if k > 2 and generator is not None:
+        orders = [[j for j in torch.randperm(k, generator=generator).tolist() if j != i] for i in range(k)]
+    else:
+        orders = [[j for j in range(k) if j != i] for i in range(k)]
+    return torch.tensor(orders, dtype=torch.long).reshape(k, k - 1)
+
+
+@torch.no_grad()
 def pcgrad_coefficients(gram: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """(K, K) C such that the projected gradients are ``C @ grads``; ``gram = grads @ grads.T``."""
+    """(K, K) C such that the projected gradients are ``C @ grads``; ``gram = grads @ grads.T``.
+
+    Row i's projections touch only row i of C, so the K rows advance together: step t projects every row i on its
+    t-th task ``order[i, t]`` at once (K - 1 vectorised steps, not K (K - 1) scalar ones; the same arithmetic)."""
     k = gram.shape[0]
     coef = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    if k < 2:
+        return coef
+    if k == 2:  # one projection each, on the other row: g_i^PC . g_j is the Gram entry itself (the same arithmetic)
+        sq = gram.diagonal()
+        conflict = (gram[0, 1] < 0) & (sq > 0)
+        step = torch.where(conflict, gram[0, 1] / torch.where(sq > 0, sq, 1.0), 0.0)  # step[j]: row 1 - j on row j
+        return coef - torch.diag(step).flip(0)
+    orders = pcgrad_orders(k, generator).to(gram.device)
     sq = gram.diagonal()
-    for i in range(k):
-        if k > 2 and generator is not None:
-            order = [j for j in torch.randperm(k, generator=generator).tolist() if j != i]
-        else:
-            order = [j for j in range(k) if j != i]
-        for j in order:
-            dot = coef[i] @ gram[:, j]  # g_i^PC . g_j
-            conflict = (dot < 0) & (sq[j] > 0)
-            coef[i, j] -= torch.where(conflict, dot / torch.where(sq[j] > 0, sq[j], 1.0), 0.0)
+    rows = torch.arange(k, device=gram.device)
+    safe_sq = torch.where(sq > 0, sq, 1.0)
+    for t in range(k - 1):
+        j = orders[:, t]
+        dot = torch.linalg.vecdot(coef, gram.index_select(1, j).T)  # g_i^PC . g_{j_i}, every i at once
+        conflict = (dot < 0) & (sq[j] > 0)
+        coef[rows, j] -= torch.where(conflict, dot / safe_sq[j], 0.0)
     return coef
 
 

@@ -1,0 +1,42 @@
+"""mtl.tools.bench.solve_cost: the references it times compute what ours computes (so the ratio compares like with
+like), and the tool prints its table. The timings themselves are the benchmark's (docs/benchmark.md), not a test's."""
+
+from __future__ import annotations
+
+import torch
+
+from mtl.tools.bench import solve_cost as sc
+from mtl.weighting.base import gram_matrix
+
+
+def _ours(method: str, rows: torch.Tensor) -> torch.Tensor:
+    m = sc.build(method, rows.shape[0])
+    m.begin_step(0)
+    k = rows.shape[0]
+    return m.weights_for_gram(gram_matrix(rows), torch.ones(k, dtype=torch.float64), torch.float64)
+
+
+def test_the_references_compute_our_weights():
+    for kind in ("random", "ill"):
+        rows = sc.rows_for(kind, 2, 0)
+        gram = gram_matrix(rows)
+        # PCGrad at K = 2 has one order: TorchJD's weights and LibMTL's summed rows are ours exactly (to round-off)
+        ours = _ours("pcgrad", rows)
+        assert torch.allclose(sc.torchjd_pcgrad(gram, rows), ours, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(sc.libmtl_pcgrad(gram, rows), ours @ rows, rtol=1e-10, atol=1e-10)
+    for k in (2, 11):
+        rows = sc.rows_for("random", k, 1)
+        gram = gram_matrix(rows)
+        # CAGrad: LibMTL's SLSQP reaches the dual's optimum to its own tolerance; the update directions agree
+        ours, ref = _ours("cagrad", rows) @ rows, torch.as_tensor(sc.libmtl_cagrad(gram, rows)) @ rows
+        assert float((ours - ref).norm() / ours.norm()) < 1e-3, k
+
+
+def test_the_tool_prints_a_row_per_case(capsys):
+    assert sc.main(["--k", "2", "3", "--methods", "pcgrad", "nashmtl", "--kinds", "ill", "--dtypes", "float64",
+                    "--rounds", "1", "--seeds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("| pcgrad") or line.startswith("| nashmtl")]
+    assert len(rows) == 4
+    assert all(float(r.split("|")[-2]) > 0 for r in rows if r.startswith("| pcgrad"))  # a ratio to TorchJD/LibMTL
+    assert all(r.rstrip().endswith("| none | - | - |") for r in rows if r.startswith("| nashmtl"))
