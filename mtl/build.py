@@ -29,11 +29,13 @@ from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
 from mtl.data.tokenizer import CaptionTokenizer, extend_to_texts, train_tokenizer
 from mtl.delta_m import metric_specs
 from mtl.errors import CheckpointError, ConfigError
+from mtl.models import blockwise
 from mtl.models import vision_encoder_decoder as ved
 from mtl.models.backbones import build_backbone
 from mtl.models.backbones.base import feature_channels, feature_kind
 from mtl.models.decoder import CaptionDecoder
 from mtl.models.multitask import MultiTaskModel
+from mtl.optim_groups import min_lrs, split_by_layer
 from mtl.parallel.dist import DistInfo
 from mtl.parallel.fsdp import shard_model
 from mtl.plateau import PlateauOnDeltaM
@@ -86,6 +88,8 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
     scale = cfg.get("loss_scale") or {}
     model = MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},
                            loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
+    # model.backbone.freeze_blocks: the first N blocks and what runs before them train no more (mtl/models/blockwise.py)
+    model.frozen_blocks = blockwise.freeze(model, int(cfg.model.backbone.get("freeze_blocks") or 0))
     if cfg.trainer.get("poison"):  # testing only: the reliability tests' NaN loss
         install_poison(model)
     model.build_info = info  # what it was built for (its classes, its tokenizer): init_from_weights reads it
@@ -217,7 +221,9 @@ def wrap_ddp(model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Modul
 
 def wrap_model(cfg, model: torch.nn.Module, strategy, dist: DistInfo) -> torch.nn.Module:
     """The engine (``parallel.engine``): DDP around ``model``, or FSDP2 sharding ``model`` in place (its parameters
-    become DTensor shards, so the optimizer is built after this). One process: ``model`` itself."""
+    become DTensor shards, so the optimizer is built after this). One process: ``model`` itself. First the per-block
+    settings (``model.activation_checkpointing``, ``model.compile``: ``blockwise.prepare``), in torchtitan's order."""
+    model.block_notes = blockwise.prepare(cfg, model, dist.device.type)
     if cfg.parallel.engine == "fsdp2" and dist.distributed:
         return shard_model(model, cfg.precision, dist)
     return wrap_ddp(model, strategy, dist)
@@ -236,7 +242,7 @@ def build_optimizer(cfg, model: torch.nn.Module, weighting: torch.nn.Module) -> 
     o = cfg.optim
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0},
               {"params": own, "weight_decay": 0.0, "lr": own_lr}]
-    groups = [g for g in groups if g["params"]]
+    groups = split_by_layer([g for g in groups if g["params"]], model, float(o.layer_decay), o.lr)  # optim.layer_decay
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=o.lr, momentum=0.9)
     return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
@@ -252,7 +258,8 @@ def build_scheduler(cfg, optimizer):
     o, total = cfg.optim, cfg.trainer.max_steps
     if o.scheduler == "plateau":  # on the validation Δm, stepped by the trainer after each evaluation
         p = o.plateau
-        return PlateauOnDeltaM(optimizer, metric_specs(cfg), dict(p.baselines), p.factor, p.patience, p.min_lr)
+        return PlateauOnDeltaM(optimizer, metric_specs(cfg), dict(p.baselines), p.factor, p.patience,
+                               min_lrs(optimizer, p.min_lr))  # the floor scaled per group (optim.layer_decay)
     if o.scheduler == "cosine":
         return get_cosine_schedule_with_warmup(optimizer, o.warmup_steps, total)
     if o.scheduler == "linear":

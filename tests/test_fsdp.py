@@ -45,6 +45,8 @@ STRATEGIES = sorted(n for n, c in strategy_types().items()
                     if not c.unsafe and c.fsdp2_problem() is None and not c.task_gradients)
 DDP_TOO = ["accumulate", "feature_leaf"]  # FSDP2 == DDP directly (DDP == 1 process is tests/test_strategies_ddp.py's)
 DEADLINE_S = 400
+# activation checkpointing on every block, the stem and layer1 frozen, layer-wise lr decay (docs/scale.md)
+BLOCKWISE = ["model.activation_checkpointing=true", "model.backbone.freeze_blocks=1", "optim.layer_decay=0.5"]
 
 
 def overrides(out_dir, batch, strategy, method, engine):
@@ -87,8 +89,9 @@ def _worker(index, port, out_dir):
     torch.set_default_dtype(DTYPE)
     results = {}
 
-    def run(key, strategy, method, engine, batch):
-        trainer = Trainer.from_config(TINY, overrides(f"{out_dir}/{key}", batch, strategy, method, engine))
+    def run(key, strategy, method, engine, batch, extra=()):
+        trainer = Trainer.from_config(TINY, overrides(f"{out_dir}/{key}", batch, strategy, method, engine) + list(extra))
+        frozen = {n: p.detach().clone() for n, p in trainer.bare.named_parameters() if not p.requires_grad}
         steps, batches = [], trainer.batches()
         trainer.bare.train()
         for _ in range(STEPS):
@@ -101,7 +104,9 @@ def _worker(index, port, out_dir):
                           "stepped": r.stepped, "stats": {k: float(v) for k, v in r.stats.items()}})
             if world > 1:
                 verify_replicas(trainer.bare, trainer.step)
-        results[key] = {"steps": steps, "params": _full_params(trainer)}
+        results[key] = {"steps": steps, "params": _full_params(trainer), "frozen": frozen if world == 1 else {},
+                        "groups": [(g["lr_scale"], len(g["params"])) for g in trainer.optimizer.param_groups
+                                   if "lr_scale" in g]}
         trainer.close()
         return trainer
 
@@ -112,6 +117,8 @@ def _worker(index, port, out_dir):
         for strategy in DDP_TOO:
             for method in METHODS:
                 run(f"ddp/{strategy}/{method}", strategy, method, "ddp", B)
+        for engine in ("fsdp2", "ddp"):  # per-block settings (tests/test_scale.py): checkpointing, freezing, lr decay
+            run(f"{engine}/feature_leaf/equal/blocks", "feature_leaf", "equal", engine, B, BLOCKWISE)
         results["resume"] = _resume_exactly(out_dir, world)
         results.update(_fp16_overflow(out_dir))
         results["example"] = _example_config(out_dir)
@@ -119,6 +126,7 @@ def _worker(index, port, out_dir):
         for strategy in ("combined", "detach"):
             for method in METHODS:
                 run(f"single/{strategy}/{method}", strategy, method, "ddp", 2 * B)
+        run("single/combined/equal/blocks", "combined", "equal", "ddp", 2 * B, BLOCKWISE)
     results.update(_weighting_sweep(world, out_dir))
     torch.save(results, os.path.join(out_dir, f"rank{index}.pt" if world > 1 else "single.pt"))
     dist.destroy()
@@ -395,6 +403,21 @@ def test_fsdp2_equals_ddp_on_the_same_run(runs, strategy, method):
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-12)
     if strategy == "feature_leaf":
         assert {"feat_grad_norm/cls", "feat_grad_norm/gen"} <= set(a["steps"][0]["stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_per_block_settings_two_processes_equal_one_process(runs, engine):
+    """Activation checkpointing per block, the first block and the stem frozen and layer-wise lr decay, under FSDP2
+    (a frozen unit, per-block units) and DDP (no gradient for the frozen parameters: DDP is built without them):
+    2 processes == 1 process on the global batch, the frozen parameters unchanged, the lr groups the same."""
+    got, ref = runs["rank0"][f"{engine}/feature_leaf/equal/blocks"], runs["single"]["single/combined/equal/blocks"]
+    assert max_rel_diff(ref["params"], got["params"]) <= TOL
+    for s, r in zip(got["steps"], ref["steps"]):
+        assert s["stepped"] and s["losses"] == pytest.approx(r["losses"], rel=1e-9)
+    assert ref["frozen"] and all(torch.equal(v, ref["params"][k]) for k, v in ref["frozen"].items())
+    assert not any(k.startswith("backbone.layers.1.") for k in ref["frozen"])
+    assert got["groups"] == ref["groups"] and {s for s, _ in ref["groups"]} == {0.5, 1.0}  # layer1 frozen: L=2
 
 
 def _tiny_model(*overrides):

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mtl.tasks", "mtl.weighting"),  # task heads; weighting methods
     ("mtl.strategies",),  # how the per-task backward passes meet DDP (they call a weighting method)
     ("mtl.delta_m",),  # the tasks' metrics against baselines, in the papers' sign
-    ("mtl.plateau",),  # the learning rate that follows the validation delta-m
+    ("mtl.plateau", "mtl.optim_groups"),  # the learning rate that follows the validation delta-m; per-layer lr groups
     ("mtl.run.checkpoint mtl.run.train_state mtl.run.finite mtl.run.faults mtl.run.runlock "
      "mtl.run.signals mtl.run.heartbeat mtl.run.logger mtl.run.error_report mtl.run.console",),  # what a run writes
     # and survives

@@ -87,8 +87,8 @@ NOT_READ = {
     "tokenizer.vocab_size": {"cls_only"},
     **{f"model.decoder.{k}": {"cls_only"}
        for k in ("pretrained", "n_layer", "n_embd", "n_head", "dropout", "max_positions")},
-    **{f"model.backbone.{k}": {"qm9", "plugin_backbone"} for k in ("weights", "norm", "stages")},
-    **{f"model.backbone.{k}": EVERY for k in ("pretrained", "config", "freeze_blocks")},  # hf_vision, timm
+    **{f"model.backbone.{k}": {"qm9", "plugin_backbone"} for k in ("weights", "norm", "stages", "freeze_blocks")},
+    **{f"model.backbone.{k}": EVERY for k in ("pretrained", "config")},  # hf_vision, timm
     "weighting.weights": EVERY - {"static"},
     "ddp.detach_owner": EVERY - {"detach"},
     **{f"optim.plateau.{k}": EVERY - {"plateau"} for k in ("factor", "patience", "min_lr", "baselines")},

@@ -27,6 +27,7 @@ from mtl.data.images import NORMALIZE
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types, unknown_backbone
+from mtl.models.backbones.base import Backbone
 from mtl.parallel.fsdp import ENGINES
 from mtl.parallel.fsdp import check as fsdp_check
 from mtl.parallel.fsdp import check_method as fsdp_method_check
@@ -86,6 +87,7 @@ def validate(cfg) -> list[str]:
         errors.append(f"seed: {cfg.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]} (2**32 - 1), the seeds numpy "
                       "takes; choose a seed in that range")
     backbone = _backbone(errors, cfg)
+    errors += blockwise_errors(cfg, backbone)
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.model.backbone.norm == "sync" and on_cpu:
         errors.append("model.backbone.norm: sync (SyncBatchNorm) needs CUDA devices, and this run is on the CPU "
@@ -320,6 +322,29 @@ def _task_checks(errors, cfg, tasks) -> None:
     for t in cfg.tasks:
         if t in tasks and not any(e.startswith(f"task_options.{t}") for e in errors):
             errors += tasks[t].check(cfg)
+
+
+def blockwise_errors(cfg, backbone: type | None) -> list[str]:
+    """``optim.layer_decay`` in (0, 1]; ``model.backbone.freeze_blocks`` >= 0; the per-block keys refused for a
+    backbone class that declares no blocks (``Backbone.blocks`` not overridden: the QM9 MPNN). A count of blocks
+    above the backbone's is refused when the model is built (``mtl.models.blockwise.freeze``)."""
+    errors = []
+    decay = cfg.optim.layer_decay
+    if not 0.0 < decay <= 1.0:
+        errors.append(f"optim.layer_decay: {decay} is outside (0, 1]; a block d blocks below the top trains at "
+                      "lr * layer_decay**d (0.65-0.75 is BEiT's and MAE's range; 1 turns it off)")
+    freeze = cfg.model.backbone.get("freeze_blocks", 0)
+    if freeze < 0:
+        errors.append(f"model.backbone.freeze_blocks: {freeze} is negative; 0 freezes nothing, N the first N blocks")
+    if backbone is None or backbone.blocks is not Backbone.blocks:
+        return errors
+    for key, on in (("model.activation_checkpointing", cfg.model.get("activation_checkpointing")),
+                    ("model.compile", cfg.model.get("compile")), ("optim.layer_decay", decay != 1.0)):
+        if on:
+            errors.append(f"{key}: the backbone {cfg.model.backbone.name!r} ({backbone.__name__}) declares no blocks "
+                          "(Backbone.blocks()), and this setting acts per block; use a backbone that declares them "
+                          "(hf_vision, timm, the torchvision ones) or remove the key")
+    return errors
 
 
 def _backbone(errors, cfg) -> type | None:

@@ -1,5 +1,6 @@
-"""The FSDP2 engine (``parallel.engine: fsdp2``): ``fully_shard`` per backbone stage, per head and per unit a head
-declares (the caption decoder's transformer blocks), then the root.
+"""The FSDP2 engine (``parallel.engine: fsdp2``): ``fully_shard`` per backbone block (``Backbone.blocks()``: a
+transformer's layers, a CNN's stages) or stage, per head and per unit a head declares (the caption decoder's
+transformer blocks), then the root.
 
 DDP (``parallel.engine: ddp``, the default) keeps a full copy of the parameters, gradients and optimizer
 state on every rank and all-reduces the gradients. FSDP2 (``torch.distributed.fsdp.fully_shard``,
@@ -94,24 +95,58 @@ def _has_params(m: nn.Module) -> bool:
 
 def shard_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules sharded on their own, in the order ``fully_shard`` wraps them (an inner unit before the unit
-    that holds it); the root comes last (``shard_model``). Backbone: each stage, in forward order. A stage: each
-    child of a ``Sequential`` child of the backbone whose children are containers themselves (ResNet's
-    layer1..layerN, a ``.features`` CNN's blocks); any other child with parameters as a whole (ResNet's stem:
-    conv, norm, relu, pool). Heads: for each head, the units it declares (``TaskHead.shard_units``: the caption
-    decoder's transformer blocks), then the head itself, which keeps the rest (the tied embedding / LM head)."""
-    units = []
-    for name, child in model.backbone.named_children():
-        split = isinstance(child, nn.Sequential) and any(any(True for _ in c.children()) for c in child.children())
-        parts = child.named_children() if split else [("", child)]
-        for sub, m in parts:
-            if _has_params(m):
-                units.append((f"backbone.{name}" + (f".{sub}" if sub else ""), m))
+    that holds it); the root comes last (``shard_model``). Backbone: ``backbone_units``. Heads: for each head, the
+    units it declares (``TaskHead.shard_units``: the caption decoder's transformer blocks), then the head itself,
+    which keeps the rest (the tied embedding / LM head)."""
+    units = backbone_units(model.backbone)
     for name, head in model.heads.items():
         inner = head.shard_units()
         _verify_no_shared_parameters(name, head, inner)
         units += [(f"heads.{name}.{sub}", m) for sub, m in inner]
         units.append((f"heads.{name}", head))
     return units
+
+
+def backbone_units(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The backbone's units, in forward order, named from the model. A backbone that declares blocks
+    (``Backbone.blocks()``: a transformer's layers, a CNN's stages): each block is a unit, and every other
+    parameter-holding module on the way to them is one too, as a whole (a ViT's embeddings and final norm, a ResNet's
+    stem): a walk from the backbone down that stops at a block or at a module holding none. Without declared blocks:
+    each child of a ``Sequential`` child of the backbone whose children are containers themselves (ResNet's
+    layer1..layerN, a ``.features`` CNN's blocks); any other child with parameters as a whole."""
+    blocks = backbone.blocks() if hasattr(backbone, "blocks") else []
+    if blocks:
+        is_block = {id(m) for _, m in blocks}
+        holds = {id(c) for _, m in blocks for c in _ancestors(backbone, m)}
+        units = []
+
+        def walk(prefix, module):
+            for name, child in module.named_children():
+                path = f"{prefix}.{name}"
+                if id(child) in is_block or (id(child) not in holds and _has_params(child)):
+                    units.append((path, child))
+                elif id(child) in holds:
+                    walk(path, child)
+
+        walk("backbone", backbone)
+        return units
+    units = []
+    for name, child in backbone.named_children():
+        split = isinstance(child, nn.Sequential) and any(any(True for _ in c.children()) for c in child.children())
+        parts = child.named_children() if split else [("", child)]
+        for sub, m in parts:
+            if _has_params(m):
+                units.append((f"backbone.{name}" + (f".{sub}" if sub else ""), m))
+    return units
+
+
+def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """The modules strictly between ``root`` and ``target`` (its containers)."""
+    for name, m in root.named_modules():
+        if m is target:
+            parts = name.split(".")
+            return [root.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
+    return []
 
 
 def _verify_no_shared_parameters(name: str, head: nn.Module, inner: list[tuple[str, nn.Module]]) -> None:

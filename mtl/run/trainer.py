@@ -29,6 +29,8 @@ from mtl.build import (
 from mtl.config.checks import load_run_config
 from mtl.errors import CheckpointError, TrainingError
 from mtl.files import write_atomic
+from mtl.models.blockwise import frozen_note as blocks_frozen
+from mtl.optim_groups import describe as describe_groups
 from mtl.parallel.amp import Amp
 from mtl.parallel.dist import DistInfo, all_gather_objects, init_distributed
 from mtl.parallel.fsdp import gathered, is_sharded
@@ -109,6 +111,8 @@ class Trainer:
         self.log.info(f"mtl: {dist.world_size} process(es) on {self.device} ({dist.backend or 'no process group'}), "
                       f"strategy={cfg.ddp.strategy}, weighting={cfg.weighting.method}, precision={cfg.precision}, "
                       f"{self.feed.describe(cfg, dist.world_size)}, {sum(p.numel() for p in self.params):,} parameters")
+        for line in [*self.bare.block_notes, *blocks_frozen(self.bare), describe_groups(self.optimizer)]:
+            self.log.info(line)  # per-block settings and the optimizer's groups (mtl/optim_groups.py)
         self.log.info(data_summary(cfg, inputs, run_task_types(cfg)))
 
     @classmethod

@@ -37,7 +37,8 @@ class TorchvisionTrunk(Backbone):
     """A torchvision family (its names in ``variants``), built from ``model.backbone.name``, ``weights``, ``norm`` and
     ``stages``."""
 
-    reads = ("model.backbone.weights", "model.backbone.norm", "model.backbone.stages")  # mtl/config/reads.py
+    reads = ("model.backbone.weights", "model.backbone.norm", "model.backbone.stages",
+             "model.backbone.freeze_blocks")  # mtl/config/reads.py
 
     @classmethod
     def build(cls, cfg):
@@ -67,6 +68,10 @@ class ResNetTrunk(TorchvisionTrunk):
     def forward(self, x):
         return self.layers(self.stem(x))
 
+    def blocks(self):
+        """Its stages (layer1..layerN); the stem runs before them."""
+        return [(f"layers.{i}", m) for i, m in enumerate(self.layers)]
+
 
 class FeaturesTrunk(TorchvisionTrunk):
     """Networks whose ``.features`` Sequential is the whole convolutional trunk (ConvNeXt, EfficientNet, ...)."""
@@ -85,6 +90,11 @@ class FeaturesTrunk(TorchvisionTrunk):
 
     def forward(self, x):
         return self.features(x)
+
+    def blocks(self):
+        """The children of ``.features`` that hold parameters (a ConvNeXt's stem, stages and downsampling layers, an
+        EfficientNet's stem conv, stages and last conv), in forward order."""
+        return [(f"features.{name}", m) for name, m in self.features.named_children() if any(True for _ in m.parameters())]
 
 
 def _load_weights(name: str, weights: str | None) -> nn.Module:
