@@ -306,6 +306,8 @@ def eval_config(predictor: Predictor, config: str | None = None, overrides: list
     cfg = copy.deepcopy(predictor.cfg)
     cfg.data, cfg.seed = source.data, source.seed
     refuse_unread(cfg, config, overrides, "evaluate", EVAL_KEYS)  # an override the evaluation does not read: exit 2
+    if cfg.data.image_size == "auto":  # the model's own size (the pretrained folder it came from need not be here)
+        cfg.data.image_size = predictor.image_size
     if cfg.data.image_size != predictor.image_size:
         raise ConfigError(f"data.image_size: the model was trained at {predictor.image_size}, not "
                           f"{cfg.data.image_size}; remove the override or set it to {predictor.image_size}")

@@ -23,7 +23,7 @@ from mtl.config.schema import (
     load_config_collecting,
     mark_unread,
 )
-from mtl.data.images import NORMALIZE
+from mtl.data.images import NORMALIZE, resolve_image_size
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types, unknown_backbone
@@ -420,6 +420,7 @@ def load_run_config(path: str, overrides: list[str] | None = None, announce: boo
     if unresolved:  # the checks below would read those keys
         raise ConfigError(errors + unresolved)
     note = auto_strategy(cfg, explicit="ddp.strategy" in setters)
+    errors += resolve_image_size(cfg)  # data.image_size: auto -> the model folder's size (an int from here on)
     errors += validate(cfg)
     # a key the user set that the run does not read (mtl/config/reads.py), unless a check above refused it already
     unread, keys = unread_errors(cfg, run_shape(cfg), setters, named={e.split(":")[0] for e in errors})

@@ -112,7 +112,7 @@ class DataConfig:
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
     eval_batch_size: int = 64
     num_workers: int = 0
-    image_size: int = 64
+    image_size: Any = 64  # pixels (square), or auto: the model folder's preprocessor_config.json size (hf_vision)
     on_error: str = "raise"  # raise | skip
     normalize: str = "auto"  # auto (the pretrained weights' mean/std; none without weights) | imagenet | none
     augment: AugmentConfig = field(default_factory=AugmentConfig)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from mtl.config.schema import DataConfig
 from mtl.errors import ConfigError, DataError
 
 PIL_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -203,6 +204,28 @@ def processor_size(folder: str) -> int | None:
         if isinstance(size, int):
             return size
     return None
+
+
+def resolve_image_size(cfg) -> list[str]:
+    """``data.image_size``: a size in pixels, or ``auto``, replaced here by the size the model folder's image
+    processor feeds the model (``processor_size``: hf_vision's ``model.backbone.pretrained`` or ``config``); the
+    problem, if any, as config errors (the key then keeps the schema's default so the other checks can run)."""
+    size = cfg.data.image_size
+    if size == "auto":
+        folder = processor_folder(cfg)
+        native = processor_size(folder) if folder else None
+        if native is not None:
+            cfg.data.image_size = native
+            return []
+        cfg.data.image_size = DataConfig.image_size
+        where = (f"{os.path.join(folder, PROCESSOR_FILE)} gives no size" if folder else
+                 "this run's backbone has no model folder with a preprocessor_config.json (model.backbone.pretrained "
+                 "or config: hf_vision)")
+        return [f"data.image_size: auto takes the model folder's image size, and {where}; set the size in pixels"]
+    if isinstance(size, bool) or not isinstance(size, int):
+        cfg.data.image_size = DataConfig.image_size
+        return [f"data.image_size: {size!r} is neither a size in pixels nor auto"]
+    return []
 
 
 def normalization_text(cfg) -> str:
