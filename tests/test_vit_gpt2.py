@@ -253,3 +253,33 @@ def test_an_exported_vit_gpt2_run_captions_as_mtl_does_in_transformers_without_m
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["captions"] == 6
+
+
+def test_a_captioner_whose_tokenizer_lacks_words_of_the_captions_grows_its_decoder(tmp_path, folders, capsys,
+                                                                                   monkeypatch):
+    """A ViT-GPT2 whose tokenizer (and decoder vocabulary) never saw one colour of the built-in captions: the run's
+    tokenizer extends the folder's (its ids kept), the decoder grows as resize_token_embeddings does: the folder's
+    rows kept exactly, one new row per added word; the grown model trains."""
+    import mtl.data.synthetic as synthetic
+
+    missing = synthetic.COLOUR_NAMES[-1]
+    monkeypatch.setattr(synthetic, "COLOUR_NAMES", synthetic.COLOUR_NAMES[:-1])  # what the folders' tokenizer sees
+    gpt2 = tiny_pretrained.write_gpt2(str(tmp_path / "gpt2"))
+    captioner = tiny_pretrained.write_vit_gpt2(str(tmp_path / "vit-gpt2"), folders["vit"], gpt2)
+    monkeypatch.undo()
+    small = folder_tensors(captioner)["decoder.transformer.wte.weight"]
+    trainer = Trainer.from_config(TINY, overrides(tmp_path / "run", {**folders, "vit-gpt2": captioner},
+                                                  "trainer.max_steps=1"))
+    try:
+        said = capsys.readouterr().out
+        old = json.load(open(os.path.join(captioner, "tokenizer.json")))["model"]["vocab"]
+        assert missing not in old and trainer.tokenizer.vocab()[missing] >= small.shape[0]
+        assert all(trainer.tokenizer.vocab()[w] == i for w, i in old.items())
+        assert f"vocabulary {small.shape[0]} -> {trainer.tokenizer.vocab_size} tokens" in said, said
+        wte = trainer.bare.state_dict()["heads.gen.decoder.lm.transformer.wte.weight"]
+        assert wte.shape[0] == trainer.tokenizer.vocab_size > small.shape[0]
+        assert torch.equal(wte[:small.shape[0]], small)
+        result = trainer.step_once()
+        assert all(torch.isfinite(torch.tensor(float(v))) for v in result.losses.values())
+    finally:
+        trainer.close()
