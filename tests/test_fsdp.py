@@ -414,7 +414,8 @@ def test_per_block_settings_two_processes_equal_one_process(runs, engine):
     got, ref = runs["rank0"][f"{engine}/feature_leaf/equal/blocks"], runs["single"]["single/combined/equal/blocks"]
     assert max_rel_diff(ref["params"], got["params"]) <= TOL
     for s, r in zip(got["steps"], ref["steps"]):
-        assert s["stepped"] and s["losses"] == pytest.approx(r["losses"], rel=1e-9)
+        # the logged losses are averaged over the ranks in float32 (one rounding: ~1e-7)
+        assert s["stepped"] and s["losses"] == pytest.approx(r["losses"], rel=1e-6)
     assert ref["frozen"] and all(torch.equal(v, ref["params"][k]) for k, v in ref["frozen"].items())
     assert not any(k.startswith("backbone.layers.1.") for k in ref["frozen"])
     assert got["groups"] == ref["groups"] and {s for s, _ in ref["groups"]} == {0.5, 1.0}  # layer1 frozen: L=2
