@@ -38,7 +38,8 @@ RUNS = {"equal": ["ddp.strategy=feature_leaf", "weighting.method=equal"],
 
 def overrides(out_dir: str, cache_dir: str, batch: int) -> list[str]:
     return [f"output_dir={out_dir}", f"data.qm9.cache_dir={cache_dir}", "data.qm9.molecules=120",
-            "data.qm9.test_size=20", "data.qm9.val_size=20", f"data.batch_size={batch}", "optim.name=sgd",
+            "data.qm9.test_size=20", "data.qm9.val_size=20", f"data.batch_size={batch}", "data.num_workers=0",
+            "optim.name=sgd",
             "optim.lr=0.05", "trainer.progress=false", "ddp.timeout_s=60"]
 
 

@@ -30,6 +30,7 @@ def small(cache_dir, tmp_path, *more):
     """configs/qm9.yaml on QM9's first MOLECULES molecules, with small batches."""
     return [f"output_dir={tmp_path / 'run'}", f"data.qm9.cache_dir={cache_dir}", f"data.qm9.molecules={MOLECULES}",
             f"data.qm9.test_size={TEST}", f"data.qm9.val_size={VAL}", "data.batch_size=8", "data.eval_batch_size=40",
+            "data.num_workers=0",
             "trainer.progress=false", "trainer.log_every=1", *more]
 
 
@@ -48,10 +49,13 @@ def test_the_papers_split_records_and_graph_batches(cache_dir, tmp_path):
     record = train[0]
     g = train.graphs[int(train.indices[0])]
     n = g.num_nodes
-    assert record["graph"].edge_attr.shape == (n * (n - 1), 5)  # the complete graph, the distance as 5th feature
+    # the record holds the molecule's bonds and positions; the collate makes the complete graph (tests/test_qm9_loader.py)
+    assert record["graph"].edge_attr.shape == (g.edge_index.shape[1], 4) and torch.equal(record["graph"].pos, g.pos)
     assert record["U0_atom"] == pytest.approx(float(g.y[0, 12])) and torch.equal(record["y"], g.y.view(-1))
     batch = inputs.collate([train[i] for i in range(4)])
     assert type(batch["graph"]).__name__ == "DataBatch" and batch["graph"].num_graphs == 4
+    first = batch["graph"].get_example(0)  # the complete graph, the distance as 5th feature
+    assert first.edge_attr.shape == (n * (n - 1), 5) and "pos" not in batch["graph"]
     assert batch["U0_target"].shape == (4,) and batch["index"].tolist() == [0, 1, 2, 3]
     # each head's mean and std are the training split's, in PyG's units
     y = train.graphs.y[train.indices].double()

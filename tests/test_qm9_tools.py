@@ -28,7 +28,8 @@ def cache_dir(tmp_path_factory):
 def small(cache_dir, out):
     """configs/qm9.yaml on QM9's first 240 molecules, with small batches."""
     return [f"output_dir={out}", f"data.qm9.cache_dir={cache_dir}", "data.qm9.molecules=240", "data.qm9.test_size=40",
-            "data.qm9.val_size=40", "data.batch_size=8", "data.eval_batch_size=40", "trainer.progress=false"]
+            "data.qm9.val_size=40", "data.batch_size=8", "data.eval_batch_size=40", "data.num_workers=0",
+            "trainer.progress=false"]
 
 
 @pytest.mark.slow
