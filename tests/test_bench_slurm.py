@@ -118,3 +118,60 @@ def test_the_local_executor_leaves_no_folder_named_after_the_job_id_pattern(tmp_
     assert (tmp_path / "run" / "log.txt").read_text().strip() == "trained"  # the job really ran
     assert _jobs(out) == {str(job.job_id)}, os.listdir(out / "slurm")
     assert not [f for f in os.listdir(out / "slurm") if "%" in f], os.listdir(out / "slurm")
+
+
+@pytest.mark.slow
+def test_a_job_stopped_at_its_time_limit_is_requeued_and_ends_with_the_uninterrupted_model(tmp_path):
+    """bench.slurm: a run's job at its time limit (submitit's warning signal, USR2, sent to the job's process as
+    submitit's local controller sends it signal_delay_s before the limit) checkpoints, is requeued, and the new
+    attempt resumes from the newest checkpoint: the final model is the uninterrupted run's, byte for byte."""
+    pytest.importorskip("submitit")
+    import re
+    import signal
+    import time
+
+    from omegaconf import OmegaConf
+
+    from mtl.tools.bench.launch import REQUEUED, SlurmLauncher
+    from mtl.tools.bench.sweep import run_command
+
+    from .proctree import children
+    from .resume_check import metrics_records
+
+    over = ["trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=1", "checkpoint.every_steps=4",
+            "trainer.num_samples=0", "trainer.progress=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = subprocess.run([PY, os.path.join(ROOT, "train.py"), "--config", TINY, *over,
+                                f"output_dir={tmp_path / 'reference'}"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out, run_dir = tmp_path / "bench", tmp_path / "run"
+    run_dir.mkdir()
+    # a 1-minute limit: submitit counts a USR2 this close to it as the time limit (not a preemption)
+    cfg = OmegaConf.create({"output_dir": str(out), "bench": {"launcher": "slurm", "slurm": {
+        "cluster": "local", "cpus_per_run": 1, "time_min": 1}}})
+    launcher = SlurmLauncher(cfg, {"OMP_NUM_THREADS": "1"}, 1)
+    run = {"dir": str(run_dir), "config": {}, "code": None}
+    job = launcher.start(run, run_command(TINY, [*over, f"output_dir={run_dir}", "resume=null"], 1), None)
+    deadline = time.time() + 300
+    while not (run_dir / "checkpoints" / "step_4" / "manifest.json").exists() and time.time() < deadline:
+        assert launcher.poll(job, run) is None, (run_dir / "log.txt").read_text()[-3000:]
+        time.sleep(0.05)
+    tasks = children(int(job.job_id))  # the local controller's task: the job's own process (submitit's _submit)
+    assert len(tasks) == 1, tasks
+    os.kill(tasks[0], signal.SIGUSR2)
+    while (outcome := launcher.poll(job, run)) is None and time.time() < deadline:
+        time.sleep(0.2)
+    log = (run_dir / "log.txt").read_text()
+    assert outcome is True, f"{outcome}\n{log[-3000:]}"
+    # the kill happened: submitit took it for the time limit and requeued the job, and the run was stopped mid-way
+    submitit_log = "".join(p.read_text() for p in (out / "slurm").glob(f"{job.job_id}_0_log.*"))
+    assert "this job is timed-out" in submitit_log and f"Requeued job {job.job_id}" in submitit_log, submitit_log
+    # (a machine so loaded that an attempt outlives the minute's own warning at 30 s is requeued once more)
+    resumed = [int(s) for s in re.findall(r"resume=auto: resuming from \S*step_(\d+)", log)]
+    assert log.count(REQUEUED) == len(resumed) >= 1 and all(4 <= s < 40 for s in resumed), log[-3000:]
+    # each step trained once, in order, across the two attempts; the same final model as without the stop
+    steps = [r["step"] for r in metrics_records(str(run_dir)) if r.get("kind") == "train"]
+    assert steps == list(range(1, 41)), steps
+    final = os.path.join("checkpoints", "step_40", "model.safetensors")
+    assert (run_dir / final).read_bytes() == (tmp_path / "reference" / final).read_bytes()

@@ -73,8 +73,13 @@ def describe_design(cfg) -> str:
     lines.append(f"  sign-flip test (bench.test: signflip): smallest p-value 2/2^{n} = {smallest:.4g}, "
                  + ("below" if smallest < a / m else "NOT below") + f" Holm's level {a / m:.4g}"
                  + ("" if smallest < a / m else ": it could never mark the first comparison"))
-    lines.append(f"  time limit per job: bench.slurm.time_min = {b.slurm.time_min} min ("
+    s = b.slurm
+    lines.append(f"  time limit per job: bench.slurm.time_min = {s.time_min} min ("
                  + (d.sizing or "not sized: bench.design.sizing says how it was") + ")")
+    lines.append(f"  each run's job (bench.slurm, with bench.launcher=slurm): {s.time_min} min, {s.gpus_per_run} GPU(s), "
+                 f"{s.cpus_per_run or 'bench.nproc x bench.threads'} CPUs, "
+                 + (f"{s.mem_gb} GB" if s.mem_gb else "the partition's memory")
+                 + "; at its time limit or a preemption it checkpoints, is requeued and resumes")
     lines.append("  GPU-hours: " + (d.gpu_hours or "not estimated (bench.design.gpu_hours)"))
     return "\n".join(lines)
 

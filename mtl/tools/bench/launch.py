@@ -1,5 +1,6 @@
 """Where the benchmark's runs train: ``bench.launcher: local`` (a process, or torchrun, per run on this machine) or
-``slurm`` (one Slurm job per run through submitit; torchrun inside the job when ``bench.nproc`` > 1).
+``slurm`` (one Slurm job per run through submitit; torchrun inside the job when ``bench.nproc`` > 1; at its time
+limit or a preemption a job checkpoints its run, is requeued and resumes it: ``RunJob``).
 
 Both are driven by ``drive``: at most ``bench.parallel`` runs at once, each run's output in its folder's ``log.txt``,
 a failed run recorded with its error while the sweep goes on, and every run still in flight stopped (process
@@ -69,15 +70,97 @@ class LocalLauncher:
         log.close()
 
 
-def run_job(command: list[str], run_dir: str, env: dict, cwd: str, record_args: tuple | None = None) -> int:
-    """What one Slurm job does (on its node): record where it runs (``bench_run.json``), then train, the output in
-    the run's ``log.txt``. Returns the command's exit code."""
-    if record_args is not None:
-        config, threads, code = record_args
-        write_record(run_dir, config, provenance(threads), code)
-    with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                              cwd=cwd).returncode
+# Seconds a run's job waits, after submitit's warning signal (USR2, ``signal_delay_s`` before the time limit: 90
+# on Slurm, 30 with the local executor), for its run to save a checkpoint and exit before the job is requeued.
+GRACE_S = {"slurm": 60.0, "local": 20.0}
+REQUEUED = "== requeued (time limit or preemption): resuming from the run's newest checkpoint (resume=auto)"
+
+
+def started_before(run_dir: str) -> bool:
+    """Whether an earlier attempt of this run's job started training in ``run_dir`` (it wrote ``run.json``, which
+    a run writes once every check has passed; the sweep gives each run's first attempt an empty folder)."""
+    return os.path.isfile(os.path.join(run_dir, "run.json"))
+
+
+def resuming(command: list[str]) -> list[str]:
+    """``command`` with ``resume=auto`` in place of its ``resume=`` override (added if it has none)."""
+    out = [a for a in command if not a.startswith("resume=")]
+    return [*out, "resume=auto"]
+
+
+class RunJob:
+    """What one Slurm job does (on its node), a checkpointable callable for submitit: record where it runs
+    (``bench_run.json``), then train, the output in the run's ``log.txt``; returns the command's exit code.
+
+    Checkpointable (submitit's ``checkpoint`` protocol, as ``submitit.helpers.Checkpointable``): at the time limit or
+    a preemption submitit signals the job (USR2) and calls ``checkpoint``, which sends the run SIGTERM (the trainer
+    finishes its step, saves a checkpoint and exits; torchrun passes it to every rank), waits for it to exit (at most
+    ``grace_s``), and hands submitit this callable again, which requeues the job. An attempt that finds the run
+    started before (``started_before``; whether requeued by submitit or by Slurm itself) runs it with ``resume=auto``,
+    so it continues from the newest complete checkpoint, bit for bit as any resume (docs/reliability.md). A run
+    that started training and exits 0 without its ``final_metrics.json`` was stopped by a signal that did not
+    requeue the job: an error, not a finished run."""
+
+    def __init__(self, grace_s: float = GRACE_S["slurm"]):
+        self.grace_s = grace_s
+        self.attempt = 0  # how many times this job was requeued through ``checkpoint``
+        self._proc: subprocess.Popen | None = None
+        self._code: int | None = None
+
+    def __getstate__(self) -> dict:  # pickled by submitit at submission and at each requeue: no process
+        return {"grace_s": self.grace_s, "attempt": self.attempt}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["grace_s"])
+        self.attempt = state["attempt"]
+
+    def __call__(self, command: list[str], run_dir: str, env: dict, cwd: str, record_args: tuple | None = None) -> int:
+        again = started_before(run_dir)
+        if again:
+            command = resuming(command)
+        if record_args is not None:
+            config, threads, code = record_args
+            write_record(run_dir, config, provenance(threads), code)
+        with open(os.path.join(run_dir, "log.txt"), "a" if again else "w") as log:
+            if again:
+                log.write(f"{REQUEUED} (attempt {self.attempt + 1})\n")
+                log.flush()
+            self._code = None
+            self._proc = proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                 env={**os.environ, **env}, cwd=cwd)
+            threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
+            try:
+                while self._code is None:  # no lock held here: submitit's signal handler runs in this thread
+                    time.sleep(0.2)
+            finally:  # the job itself ends (requeued, cancelled): its run must not outlive it
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if self._code == 0 and started_before(run_dir) and not os.path.isfile(os.path.join(run_dir,
+                                                                                      "final_metrics.json")):
+            raise RuntimeError(f"the run in {run_dir} stopped before its end (a stop signal: the job was preempted or "
+                               "cancelled without a requeue); its checkpoints are kept in the folder")
+        return self._code
+
+    def _wait(self, proc: subprocess.Popen) -> None:
+        self._code = proc.wait()
+
+    def checkpoint(self, *args, **kwargs):
+        """submitit's hook at the time limit or a preemption (in the job's main thread, from its USR2 handler):
+        stop the run so that it saves a checkpoint, then requeue this job (a ``DelayedSubmission`` of this callable
+        with the same arguments)."""
+        import submitit
+
+        proc, deadline = self._proc, time.time() + self.grace_s
+        if proc is not None and self._code is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except OSError:  # already gone
+                pass
+            while self._code is None and time.time() < deadline:
+                time.sleep(0.1)
+        self.attempt += 1
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
 def job_folder(output_dir: str, cluster: str) -> str:
@@ -91,7 +174,8 @@ def job_folder(output_dir: str, cluster: str) -> str:
 class SlurmLauncher:
     """Each run one job through submitit (``bench.slurm``: partition, time, GPUs, CPUs, memory per run; ``cluster:
     local`` runs the jobs with submitit's local executor). The jobs' own logs are under ``output_dir/slurm``
-    (``job_folder``)."""
+    (``job_folder``). Each job is a ``RunJob``: at its time limit or a preemption it checkpoints, is requeued and
+    resumes."""
 
     name = "slurm"
 
@@ -104,6 +188,7 @@ class SlurmLauncher:
         b = bench_options(cfg)
         s, nproc = b.slurm, max(1, int(b.nproc))
         self.env, self.threads, self.cwd = env, threads, os.getcwd()
+        self.grace_s = GRACE_S.get(s.cluster, GRACE_S["slurm"])
         self.executor = submitit.AutoExecutor(folder=job_folder(cfg.output_dir, s.cluster), cluster=s.cluster)
         params = {"timeout_min": int(s.time_min), "nodes": 1, "tasks_per_node": 1, "name": "mtl-bench",
                   "cpus_per_task": int(s.cpus_per_run) or nproc * threads, "gpus_per_node": int(s.gpus_per_run)}
@@ -117,7 +202,7 @@ class SlurmLauncher:
         self.executor.update_parameters(**params)
 
     def start(self, run: dict, command: list[str], record) -> object:
-        return self.executor.submit(run_job, command, run["dir"], self.env, self.cwd,
+        return self.executor.submit(RunJob(self.grace_s), command, run["dir"], self.env, self.cwd,
                                     (run["config"], self.threads, run.get("code")))
 
     def poll(self, job, run: dict) -> str | None | bool:
