@@ -23,7 +23,7 @@ from .conftest import ROOT  # noqa: E402
 
 @pytest.fixture(scope="module")
 def graphs(tmp_path_factory):
-    """QM9's first 14 molecules (3 to 9 atoms) and 6 of its last file's (up to 27 atoms), stored as the cache
+    """QM9's first 14 molecules (3 to 11 atoms) and 6 of its last file's (19 to 23 atoms), stored as the cache
     stores them (PyG's InMemoryDataset file)."""
     import pandas as pd
     from torch_geometric.data import InMemoryDataset
