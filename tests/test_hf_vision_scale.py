@@ -139,3 +139,56 @@ def test_hf_vision_under_fsdp2_per_block_two_processes_equal_one_and_its_checkpo
                                          for k in r0["resume_end"])
     assert single["reshard_at"] == 2 and any("not bitwise" in n for n in single["reshard_notes"])
     _within_bar(r0["resume_end"], single["reshard_end"], "2 ranks (FSDP2) -> 1 process")
+
+
+# ------------------------------------------------------------------ the reshard rule on each backbone kind
+
+
+def _backbone(kind, tmp_path):
+    from transformers import ConvNextConfig, ConvNextModel
+
+    from mtl.models.backbones.hf_vision import HFVisionBackbone
+
+    from .pretrained_folders import tiny_pretrained
+    from .test_hf_vision import backbone_cfg
+
+    if kind == "vit":
+        return HFVisionBackbone.build(backbone_cfg(tiny_pretrained().write_vit(str(tmp_path / "vit"))))
+    if kind == "convnext":
+        ConvNextModel(ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)).save_pretrained(
+            tmp_path / "convnext")
+        return HFVisionBackbone.build(backbone_cfg(str(tmp_path / "convnext")))
+    pytest.importorskip("timm")
+    from mtl.models.backbones.timm_models import TimmBackbone
+
+    from .test_timm_backbone import cfg_for
+
+    return TimmBackbone.build(cfg_for("resnet18", norm="batch"))
+
+
+@pytest.mark.slow  # seconds (builds three backbones)
+@pytest.mark.parametrize("kind, exact", [("vit", True), ("convnext", True), ("timm_resnet_batchnorm", False)])
+def test_the_reshard_rule_on_a_vit_a_convnext_and_a_timm_batchnorm_resnet(kind, exact, tmp_path):
+    """A 2-process checkpoint resumed by 1 process on the same global batch is exact where no layer mixes the samples
+    of a process's batch (or draws random numbers): a ViT (LayerNorm per token) and a ConvNeXt (LayerNorm per pixel)
+    do not, and resume with a note; a timm ResNet with BatchNorm does, and is refused naming its layers and the key.
+    The rule's input is checked against the model itself: in training mode, each sample's features on the first half
+    of the batch equal its features on the whole batch exactly where the rule finds nothing."""
+    from mtl.config.resume import batch_statistics_layers, random_layers, reshard_problems
+
+    from .test_reshard import V2_STATE, _checkpoint_dir, _now
+
+    torch.manual_seed(0)
+    backbone = _backbone(kind, tmp_path).train()
+    x = torch.rand(6, 3, 32, 32)
+    with torch.no_grad():
+        mixes = not torch.allclose(backbone(x[:3]), backbone(x)[:3], rtol=1e-5, atol=1e-6)
+    flagged = batch_statistics_layers(backbone)
+    assert mixes == bool(flagged) == (not exact) and random_layers(backbone) == []
+    problems, note = reshard_problems(_checkpoint_dir(tmp_path, 4), V2_STATE, _now(8), 1, "ddp",
+                                      random_layers(backbone), flagged)
+    if exact:
+        assert problems == [] and "not bitwise" in note
+    else:
+        (why,) = problems
+        assert "BatchNorm" in why and flagged[0] in why and "model.backbone.norm=group" in why and note == ""
