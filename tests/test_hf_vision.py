@@ -326,3 +326,20 @@ def test_two_processes_equal_one_process_with_hf_vision_for_every_strategy(ddp_r
             assert float((ref[k] - got[k]).abs().max()) <= TOL * max(float(ref[k].abs().max()), 1e-2), (strategy, k)
     # the bar is not trivial: one process on half the batch misses it
     assert max_rel_diff(ddp_runs["single"][f"combined@{2 * B}"], ddp_runs["single"][f"combined@{B}"]) > 1e-3
+
+
+def test_an_image_size_the_model_cannot_take_through_train_exits_2_and_writes_nothing(folders, tmp_path, capsys):
+    """LeViT (no position-embedding interpolation) at another size: one message naming data.image_size and the fix."""
+    from transformers import LevitConfig, LevitModel
+
+    _quiet()
+    _, overrides = folders
+    LevitModel(LevitConfig(image_size=32, patch_size=16, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3],
+                           depths=[1, 1, 1], key_dim=[8, 8, 8], mlp_ratio=[2, 2, 2], attention_ratio=[2, 2, 2])
+               ).save_pretrained(tmp_path / "levit")
+    out = tmp_path / "run"
+    code = train.main(["--config", VIT_GPT2, *overrides, *SMALL, f"model.backbone.pretrained={tmp_path / 'levit'}",
+                       "data.image_size=48", "data.normalize=imagenet", f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and "Traceback" not in err, err
+    assert "data.image_size: 48" in err and "set data.image_size: 32" in err

@@ -143,3 +143,13 @@ def test_one_training_step_of_cls_and_gen_on_each_kind(tmp_path, capsys, name):
                        f"model.backbone.options.model={name}", *opts, f"model.backbone.pretrained={path}", *SMALL,
                        "checkpoint.every_steps=1", f"output_dir={tmp_path / 'run'}"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_timm_missing_through_train_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if timm were not installed
+    out = tmp_path / "run"
+    code = train.main(["--config", os.path.join(ROOT, "configs", "default.yaml"), "model.backbone.name=timm",
+                       "model.backbone.options.model=resnet18", *SMALL, f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and "Traceback" not in err, err
+    assert INSTALL in err and "model.backbone.name" in err
