@@ -192,3 +192,34 @@ def test_the_reshard_rule_on_a_vit_a_convnext_and_a_timm_batchnorm_resnet(kind, 
     else:
         (why,) = problems
         assert "BatchNorm" in why and flagged[0] in why and "model.backbone.norm=group" in why and note == ""
+
+
+# ------------------------------------------------------------------ SIGKILL, then resume
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_with_hf_vision_under_fsdp2_is_bitwise_identical(tmp_path):
+    """tests/test_reliability.py's kill test on the ViT + GPT-2 (decoder dropout on: the RNG state is restored too),
+    2 ranks under FSDP2 (the sharded DCP state): the whole job SIGKILLed past its step-4 checkpoint, then resumed;
+    it continues from that checkpoint and ends byte for byte where the uninterrupted run ends."""
+    from mtl.config.schema import load_config
+
+    from .conftest import run_train
+    from .pretrained_folders import local_pretrained
+    from .resume_check import check_resume, snapshot
+    from .test_reliability import FAST, kill_job, model_bytes, start, wait_for_step
+
+    folders = local_pretrained(load_config(VIT_GPT2), tmp_path / "pretrained")
+    args = ["--config", VIT_GPT2, *folders, "trainer.max_steps=12", "model.decoder.dropout=0.1", "parallel.engine=fsdp2",
+            "data.batch_size=4", "data.synthetic.train_size=64", "data.synthetic.val_size=4", "trainer.num_samples=0",
+            "data.num_workers=0", *FAST]
+    ref, cut = str(tmp_path / "ref"), str(tmp_path / "cut")
+    run_train([*args, f"output_dir={ref}"], nproc=2)
+    proc = start([*args, f"output_dir={cut}"], nproc=2)
+    wait_for_step(proc, cut, 5)  # past the step-4 checkpoint
+    assert len(kill_job(proc)) >= 3  # the launcher and both workers, all gone
+    before = snapshot(cut)
+    assert 0 < before.step < 12  # a real resume, from before the end
+    run_train([*args, f"output_dir={cut}"], nproc=2)
+    check_resume(cut, before, last_step=12)
+    assert model_bytes(ref, 12) == model_bytes(cut, 12)
