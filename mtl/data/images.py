@@ -218,8 +218,10 @@ def resolve_image_size(cfg) -> list[str]:
             cfg.data.image_size = native
             return []
         cfg.data.image_size = DataConfig.image_size
+        named = [str(f) for f in (cfg.model.backbone.get("pretrained"), cfg.model.backbone.get("config")) if f]
         where = (f"{os.path.join(folder, PROCESSOR_FILE)} gives no size" if folder else
-                 "this run's backbone has no model folder with a preprocessor_config.json (model.backbone.pretrained "
+                 f"{' nor '.join(repr(f) for f in named)} has no {PROCESSOR_FILE}" if named else
+                 f"this run's backbone has no model folder with a {PROCESSOR_FILE} (model.backbone.pretrained "
                  "or config: hf_vision)")
         return [f"data.image_size: auto takes the model folder's image size, and {where}; set the size in pixels"]
     if isinstance(size, bool) or not isinstance(size, int):

@@ -51,6 +51,8 @@ class Heartbeat:
         self._count = 0
         self._closed = threading.Event()
         self._wake = threading.Event()
+        self._written = threading.Condition()
+        self._stored: tuple[int, int | None] | None = None  # the (step, saved) the store has from this rank
         self._thread = threading.Thread(target=self._run, name="mtl-heartbeat", daemon=True)
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (its last beat, when this rank saw it change)
         self._warned: set[int] = set()
@@ -76,7 +78,11 @@ class Heartbeat:
         while not self._closed.is_set():
             self._count += 1
             try:
-                store.set(self._key(self.rank), f"{self._count} {self.step} {self.saved}")
+                step, saved = self.step, self.saved
+                store.set(self._key(self.rank), f"{self._count} {step} {saved}")
+                with self._written:
+                    self._stored = (step, saved)
+                    self._written.notify_all()
                 if time.monotonic() - last_watch >= PERIOD_S:
                     last_watch = time.monotonic()
                     for r in watched:
@@ -153,6 +159,17 @@ def progress(step: int, saved: int | None = None) -> None:
         if saved is not None:
             _current.saved = saved
         _current._wake.set()
+
+
+def flush(timeout_s: float = 5.0) -> bool:
+    """Wait (at most ``timeout_s``) until the store has this rank's current step; whether it does. For
+    ``trainer.poison``'s ``stop``, so the peers can name the step the frozen rank reached (a real freeze may come
+    between a step and its beat: its peers then name the step before)."""
+    hb = _current
+    if hb is None:
+        return False
+    with hb._written:
+        return hb._written.wait_for(lambda: hb._stored == (hb.step, hb.saved), timeout=timeout_s)
 
 
 def lost_peer(error: BaseException) -> TrainingError | None:

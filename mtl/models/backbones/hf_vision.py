@@ -174,6 +174,10 @@ class HFVisionBackbone(Backbone):
             return ["model.backbone.pretrained / model.backbone.config: hf_vision needs exactly one of them (pretrained: "
                     "a local transformers vision-model folder, its weights; config: a folder whose config.json gives "
                     f"random weights of that shape); got pretrained={b.pretrained!r}, config={b.config!r}"]
+        try:  # the folder holds a transformers vision model (its config.json only: cheap)
+            vision_config(*reversed(source_of(cfg)))
+        except ConfigError as e:
+            return e.errors
         return []
 
     @classmethod
