@@ -9,9 +9,10 @@ import math
 
 import numpy as np
 import pytest
+import scipy.optimize
 import torch
 
-from mtl.weighting import weighting_types
+from mtl.weighting import qp, weighting_types
 from mtl.weighting.alignedmtl import alignedmtl, alignedmtl_balance, alignedmtl_weights
 from mtl.weighting.base import GramWeighting, gram_matrix, stream_seed
 from mtl.weighting.cagrad import cagrad, cagrad_weights
@@ -242,6 +243,71 @@ def test_mgda_is_the_min_norm_point_and_descends_for_every_task(k):
         w = torch.cat([e / e.sum(1, keepdim=True), torch.eye(k, dtype=torch.float64)])  # uniform on the simplex
         others = ((w @ g) ** 2).sum(1)
         assert others.min() >= norm2 - 1e-7
+
+
+def min_norm_oracle(rows: torch.Tensor) -> float:
+    """||d*||^2 of the min-norm point of the rows' hull, independently: scipy's NNLS on the rows themselves,
+    min_{u >= 0} ||G^T u||^2 + (sum u - 1)^2 (Wolfe's), d* = G^T u / sum u."""
+    g = rows.numpy()
+    s = float((g * g).sum(1).max())
+    a = np.vstack([g.T / np.sqrt(s), np.ones((1, g.shape[0]))])
+    u = scipy.optimize.nnls(a, np.eye(a.shape[0])[-1])[0]
+    d = (u / u.sum()) @ g
+    return float(d @ d)
+
+
+@pytest.mark.parametrize("k", [3, 5, 40])
+def test_mgda_hard_cases_are_certified_min_norm_points(k):
+    """Nearly opposed, one row 100x, identical rows, a zero row (K > P at K = 40: a singular Gram matrix), and the
+    benchmark's ill case (g, -g + noise, K - 2 small rows): the KKT conditions hold to round-off and ||d||^2 is
+    the independent NNLS's. (Frank-Wolfe from 1/K stopped at its iteration cap on the last with 7x the norm^2.)"""
+    gen = torch.Generator().manual_seed(k)
+    g = torch.randn(1, 64, generator=gen, dtype=torch.float64)
+    ill = torch.cat([g, -g + 0.01 * torch.randn(1, 64, generator=gen, dtype=torch.float64),
+                     0.1 * torch.randn(k - 2, 64, generator=gen, dtype=torch.float64)])
+    for rows in [*pcgrad_hard_cases(k), ill]:
+        m = gram(rows)
+        scale = float(m.diagonal().max())
+        alpha = mgda_weights(m)
+        assert alpha.min() >= 0 and abs(float(alpha.sum()) - 1) < 1e-12
+        d = alpha @ rows
+        norm2 = float(d @ d)
+        h = rows @ d  # (G G^T alpha)_t: >= ||d||^2 everywhere, = ||d||^2 where alpha_t > 0
+        assert float(h.min()) >= norm2 - 1e-12 * scale
+        assert float(h[alpha > 0].max()) <= norm2 + 1e-12 * scale
+        assert abs(norm2 - min_norm_oracle(rows)) <= 1e-12 * scale
+
+
+def test_the_eigendecompositions_are_not_numpys(monkeypatch):
+    """Aligned-MTL and ConFIG take their K x K eigendecomposition from ``qp.small_eigh`` (scipy's): numpy's
+    ``eigh`` runs OpenBLAS's thread pool from K = 26 on and, while another process holds a core, waited 16 ms a call
+    at K = 40 (solve_cost benchmark; 0.1 ms otherwise). Same answers: the Gram condition holds at K = 40."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("np.linalg.eigh called")
+
+    monkeypatch.setattr(np.linalg, "eigh", refuse)
+    g = random_grads(40, 64, 7)
+    m = gram(g)
+    b = alignedmtl_balance(m)
+    close((b @ g) @ (b @ g).T, float(torch.linalg.eigvalsh(m).min()) * torch.eye(40, dtype=torch.float64), 1e-9)
+    assert torch.isfinite(config_weights(m)).all()
+
+
+def test_nonneg_qp_fast_path_is_taken_only_when_it_meets_the_kkt_conditions(monkeypatch):
+    """``nonneg_qp`` answers a positive definite problem by scipy's NNLS on the Cholesky factor (no active-set
+    least-squares solve: UPGrad's 40 QPs at K = 40 went from 45 ms to 4 ms), and falls back to the active set where
+    that answer misses the optimality conditions: a singular q, or a wrong answer."""
+    g = random_grads(6, 4, 11)  # K > P: the Gram matrix is singular (rank 4)
+    for q, b in ((gram(random_grads(6, 9, 3)).numpy(), -np.ones(6)), (gram(g).numpy(), gram(g).numpy()[0])):
+        exact = qp.nonneg_qp(q, b)
+        assert qp.qp_optimal(q, b, exact, 1e-12)
+        with monkeypatch.context() as mp:  # a fast path that answers wrongly is not trusted
+            mp.setattr(qp, "cholesky_nnls", lambda q, b: np.ones(len(b)))
+            close(qp.nonneg_qp(q, b), exact, 1e-10)
+    q, b = gram(random_grads(6, 9, 3)).numpy(), -np.ones(6)
+    with monkeypatch.context() as mp:  # positive definite: no least-squares solve in Python
+        mp.setattr(np.linalg, "lstsq", lambda *a, **k: (_ for _ in ()).throw(AssertionError("active set used")))
+        assert qp.qp_optimal(q, b, qp.nonneg_qp(q, b), 1e-12)
 
 
 # --------------------------------------------------------------------------------------------------

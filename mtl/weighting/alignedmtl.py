@@ -11,7 +11,8 @@ lambda = S^2), keeping the R = rank eigenpairs::
 so the aligned gradients satisfy the Gram condition ``G_hat G_hat^T = lambda_min I`` (on the span of
 the gradients; with full rank exactly lambda_min I): they are orthogonal, all of norm sigma_min, the
 smallest singular value of G (the "balance" of the paper). Equivalently ``G d = sqrt(lambda_min)
-(GG^T)^{1/2} w``. The eigendecomposition is of the tiny K x K matrix, in float64 on the CPU.
+(GG^T)^{1/2} w``. The eigendecomposition is of the tiny K x K matrix, in float64 on the CPU (``small_eigh``:
+scipy's, which stays on one thread; numpy's waited 16 ms a call at K = 40 while another process held a core).
 
 Rank: eigenvalues at most ``rtol * lambda_max`` count as zero (rtol = K * machine epsilon of the
 gradients' dtype, float32 for anything that is not float64, as in LibMTL); B is built from the kept
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.qp import small_eigh
 
 
 def default_rtol(k: int, dtype: torch.dtype) -> float:
@@ -43,7 +45,7 @@ def alignedmtl_balance(gram: Tensor, rtol: float | None = None) -> Tensor:
     if m is None:
         return like_gram(np.eye(k), gram)
     rtol = default_rtol(k, torch.float64) if rtol is None else rtol
-    lam, vec = np.linalg.eigh((m + m.T) / 2)
+    lam, vec = small_eigh((m + m.T) / 2)
     keep = lam > rtol * max(float(lam.max()), 0.0)
     if not keep.any() or lam.max() <= 0:
         return torch.zeros(k, k, dtype=gram.dtype, device=gram.device)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from mtl.weighting.alignedmtl import default_rtol
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.qp import small_eigh
 
 
 @torch.no_grad()
@@ -51,7 +52,7 @@ def config_weights(gram: Tensor, rtol: float | None = None) -> Tensor:
         sub = m[np.ix_(active, active)]
         n = np.sqrt(np.diag(sub))
         c = sub / np.outer(n, n)
-        lam, vec = np.linalg.eigh(c)
+        lam, vec = small_eigh(c)
         keep = lam > rtol * max(float(lam.max()), 0.0)
         a = (vec[:, keep] / lam[keep]) @ (vec[:, keep].T @ np.ones(len(active)))  # C^+ 1
         x_sq = float(a @ c @ a)

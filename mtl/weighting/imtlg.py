@@ -7,7 +7,8 @@ unit gradient u_t = g_t / ||g_t||: ``d . u_1 = d . u_t`` for all t. Closed form 
 
 Every product is a Gram entry (g_i . u_j = (GG^T)_ij / ||g_j||), so the (K-1) x (K-1) system is built
 from the K x K Gram matrix and solved in float64 on the CPU by a pseudo-inverse whose cutoff is
-``rcond * max_t ||g_t||`` (the entries of D U^T are in units of ||g||): ``IMTLG_RCOND`` for float64
+``rcond * max_t ||g_t||`` (the entries of D U^T are in units of ||g||; where no singular value is below it,
+the pseudo-inverse is the inverse and the system is solved by LU, a third of the SVD's cost at K = 40): ``IMTLG_RCOND`` for float64
 gradients, ``IMTLG_RCOND_F32`` when the Gram matrix comes from lower-precision gradients.
 The scale is that of a convex-like combination (alpha sums to 1, like the mean gradient). Only the
 gradient half: IMTL-L (learned loss scales) and the hybrid are not part of this method.
@@ -54,10 +55,13 @@ def imtlg_weights(gram: Tensor, rcond: float = IMTLG_RCOND) -> Tensor:
         c = sub / np.sqrt(np.diag(sub))[None, :]  # c[i, j] = g_i . u_j
         g1_u = c[0, 0] - c[0, 1:]  # g_1 . (u_1 - u_t)
         du = c[0, 0] - c[0, 1:][None, :] - c[1:, 0][:, None] + c[1:, 1:]  # (g_1 - g_i) . (u_1 - u_j)
-        u, s, vt = np.linalg.svd(du)
-        keep = s > rcond * float(np.sqrt(sq[active].max()))
-        inv = (vt[keep].T / s[keep]) @ u[:, keep].T  # pseudo-inverse with an absolute cutoff
-        rest = g1_u @ inv
+        cutoff = rcond * float(np.sqrt(sq[active].max()))
+        if np.linalg.svd(du, compute_uv=False).min() > cutoff:  # no singular value cut: the inverse, by LU
+            rest = np.linalg.solve(du.T, g1_u)
+        else:
+            u, s, vt = np.linalg.svd(du)
+            keep = s > cutoff
+            rest = g1_u @ ((vt[keep].T / s[keep]) @ u[:, keep].T)  # pseudo-inverse with an absolute cutoff
         alpha[active[1:]] = rest
         alpha[active[0]] = 1.0 - rest.sum()
     return like_gram(alpha, gram)

@@ -12,10 +12,20 @@ K = 2, closed form (weight on g_1)::
 
     alpha = clip( ((g_2 - g_1) . g_2) / ||g_1 - g_2||^2, 0, 1 )     (0.5 when g_1 = g_2)
 
-computed with tensor ops on the device. K > 2: Frank-Wolfe on the K x K Gram matrix (the paper's
-Algorithm 2: move towards the vertex e_t with the smallest (G G^T alpha)_t, exact line search on the
-segment), with away steps added for linear convergence, in float64 on the CPU (a K x K system),
-until the duality gap is below ``MGDA_TOL`` * max_t ||g_t||^2.
+computed with tensor ops on the device. K > 2, exactly, in float64 on the CPU (a K x K problem): the
+min-norm point of the hull is a non-negative least-squares problem (Wolfe's; the same as Nash-MTL's
+``solution_exists``), with M = G G^T / max_t ||g_t||^2::
+
+    u* = argmin_{u >= 0} u^T (M + 1 1^T) u - 2 1^T u  ( = ||G^T u||^2 + (sum u - 1)^2 scaled),   alpha* = u* / sum u*
+
+(its optimality conditions (M u)_t >= 1 - sum u, with equality where u_t > 0, are those of the simplex
+problem for alpha = u / sum u), solved by ``nonneg_qp`` (mtl/weighting/qp.py: an active-set NNLS, ending
+with the conditions met to round-off). The answer is certified: the KKT gap ``max_{alpha_t > 0} (G G^T
+alpha)_t - min_t (G G^T alpha)_t`` (0 exactly at the optimum; it bounds the Frank-Wolfe duality gap) must
+be below ``MGDA_TOL`` * max_t ||g_t||^2; if round-off leaves it above, Frank-Wolfe with away steps (the
+paper's Algorithm 2 with exact line search, linearly convergent) continues from it until it is.
+(Frank-Wolfe from 1/K, which this replaced, needed hundreds of steps where the min-norm point is near 0,
+and at K = 40 stopped at its iteration cap with ||d||^2 7x the minimum: python -m mtl.tools.bench.solve_cost.)
 
 Normalisation (``weighting.options.normalization``, the authors' code's ``normalization_type``):
 ``none`` (the default: plain gradients, the paper's definition), ``l2`` (each g_t divided by ||g_t||),
@@ -40,9 +50,10 @@ from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 from mtl.weighting.checks import one_of
+from mtl.weighting.qp import nonneg_qp
 
-MGDA_MAX_ITER = 1000  # Frank-Wolfe iterations (K > 2)
-MGDA_TOL = 1e-12  # stop when the duality gap is below this fraction of max_t ||g_t||^2
+MGDA_MAX_ITER = 1000  # Frank-Wolfe iterations (K > 2), only where the NNLS answer is not certified
+MGDA_TOL = 1e-12  # the optimum: the KKT gap is below this fraction of max_t ||g_t||^2
 MGDA_NORMALIZATIONS = ("none", "l2", "loss", "loss+")
 
 
@@ -53,14 +64,43 @@ def min_norm_2(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return torch.where(ok, ((b - c) / torch.where(ok, denom, 1.0)).clamp(0.0, 1.0), 0.5)
 
 
-def frank_wolfe_min_norm(m: np.ndarray, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL) -> np.ndarray:
-    """argmin over the simplex of alpha^T m alpha, for a PSD float64 matrix m (K x K).
+def kkt_gap(m: np.ndarray, alpha: np.ndarray) -> float:
+    """``max_{alpha_t > 0} (m alpha)_t - min_t (m alpha)_t`` for a simplex point alpha: >= 0, and 0 exactly at the
+    min-norm point (it bounds the Frank-Wolfe duality gap alpha^T m alpha - min_t (m alpha)_t)."""
+    grad = m @ alpha
+    return float(grad[alpha > 0].max() - grad.min())
+
+
+def nnls_min_norm(m: np.ndarray) -> np.ndarray:
+    """argmin over the simplex of alpha^T m alpha from the NNLS problem in the module docstring (m PSD, K x K)."""
+    k = m.shape[0]
+    ones = np.ones(k)
+    u = nonneg_qp(m / max(float(np.max(np.diag(m))), 1e-300) + np.outer(ones, ones), -ones)
+    total = float(u.sum())
+    return u / total if total > 0 else np.full(k, 1.0 / k)
+
+
+def min_norm_weights(m: np.ndarray, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL) -> np.ndarray:
+    """argmin over the simplex of alpha^T m alpha, for a PSD float64 matrix m (K x K): NNLS, certified by its KKT
+    gap, with Frank-Wolfe continuing from it where round-off left the gap above ``tol`` * max_t m_tt."""
+    scale = float(np.max(np.diag(m)))
+    if not scale > 0:  # all rows zero: every point is the origin
+        return np.full(m.shape[0], 1.0 / m.shape[0])
+    alpha = nnls_min_norm(m)
+    if kkt_gap(m, alpha) <= tol * scale:
+        return alpha
+    return frank_wolfe_min_norm(m, max_iter, tol, alpha)
+
+
+def frank_wolfe_min_norm(m: np.ndarray, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL,
+                         start: np.ndarray | None = None) -> np.ndarray:
+    """argmin over the simplex of alpha^T m alpha, for a PSD float64 matrix m (K x K), from ``start`` (1/K).
 
     Frank-Wolfe with exact line search (Sener & Koltun's Algorithm 2), plus away steps (move weight
     off the worst vertex in use), which make it converge linearly instead of as O(1/iterations).
     """
     k = m.shape[0]
-    alpha = np.full(k, 1.0 / k)
+    alpha = np.full(k, 1.0 / k) if start is None else start.copy()
     scale = max(float(np.max(np.diag(m))), 1e-300)
     for _ in range(max_iter):
         grad = m @ alpha  # half the gradient of alpha^T m alpha
@@ -99,7 +139,7 @@ def mgda_weights(gram: Tensor, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_
     m = gram_numpy(gram)
     if m is None:
         return like_gram(np.full(k, 1.0 / k), gram)
-    return like_gram(frank_wolfe_min_norm(m, max_iter, tol), gram)
+    return like_gram(min_norm_weights(m, max_iter, tol), gram)
 
 
 @torch.no_grad()
@@ -124,6 +164,8 @@ def mgda_normalizers(gram: Tensor, losses: Tensor | None, normalization: str) ->
 @torch.no_grad()
 def mgda_normalized_weights(gram: Tensor, losses: Tensor | None = None, normalization: str = "none") -> Tensor:
     """(K,) weights on the raw rows: the min-norm point of the rows g_t / n_t, divided by n_t."""
+    if normalization == "none":  # n = 1
+        return mgda_weights(gram)
     n = mgda_normalizers(gram, losses, normalization)
     return mgda_weights(gram / (n[:, None] * n[None, :])) / n
 

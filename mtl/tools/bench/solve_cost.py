@@ -7,7 +7,7 @@ What is timed: ours, ``weights_for_gram(gram, losses, dtype)`` of a method built
 Gram matrix in, the K weights out: what a step adds to the backward passes and the Gram product); the reference,
 the same computation as the library's code does it, from the Gram matrix where that code starts from it (LibMTL's
 CAGrad and Aligned-MTL, TorchJD's aggregators) and from the K x 64 rows where it works on the rows (LibMTL's
-PCGrad, IMTL-G, GradVac; TorchJD's ConFIG). The references are small re-implementations of the libraries' code
+PCGrad, IMTL-G, GradVac and MGDA (its MinNormSolver); TorchJD's ConFIG). The references are small re-implementations of the libraries' code
 written for this benchmark (neither library is a dependency), each labelled with where it comes from; they are
 not the project's code and nothing imports them.
 
@@ -15,7 +15,15 @@ Matrices: ``random``, K x 64 Gaussian rows; ``ill``, the case that cost CAGrad 6
 nearly opposed rows (g, -g + 0.01 noise) and K - 2 rows 10x smaller, so the Gram matrix is nearly singular and 0
 is nearly in the rows' hull. Rows in float32 (the Gram matrix from float32 rows, as ``gram_matrix`` forms it) and
 float64. Each (method, K, kind, dtype) alternates ours and the reference ``rounds`` times on each of ``seeds``
-matrices, in one process; the table gives the medians and ours / the fastest reference. CPU only; one thread.
+matrices, in one process, each call timed right after an untimed call of the same function (warm: a long
+reference, LibMTL's MGDA loop for example, leaves the caches cold for whatever runs next, which made ours 4x slower
+in its wake); the table gives a row per reference: the medians and ours / the reference. CPU only; one thread.
+
+``ref error``: how far the reference's answer is from ours (the largest over the seeds), so that a faster but
+inexact reference shows as such. MGDA: ``||d_ref|| / ||d_ours|| - 1`` (ours is certified the min-norm point: its
+KKT gap is below 1e-12 of the largest squared norm, so a positive error is the reference's distance from the
+minimum); the others: ``||d_ref - d_ours|| / ||d_ours||`` for the updates d = w @ rows. ``-`` for PCGrad and GradVac,
+whose answers depend on the random order of the tasks (GradVac's also on its EMA state).
 """
 
 from __future__ import annotations
@@ -117,6 +125,75 @@ def torchjd_mgda(gram, rows, epsilon=0.001, max_iters=100):
     return alpha
 
 
+def libmtl_mgda(gram, rows, max_iter=250, stop_crit=1e-5):
+    """LibMTL's MGDA (LibMTL/weighting/MGDA.py, ``_find_min_norm_element``, from the authors' MinNormSolver): the best
+    pair's segment, then projected-gradient steps with an exact line search, until a step moves the weights by less
+    than 1e-5 in l1 (so not the exact min-norm point either), from the rows' Gram matrix. LibMTL's loop never counts
+    its iterations; the authors' 250 cap is kept here."""
+
+    def min_norm_element_from2(v1v1, v1v2, v2v2):
+        if v1v2 >= v1v1:
+            return 0.999, v1v1
+        if v1v2 >= v2v2:
+            return 0.001, v2v2
+        gamma = -1.0 * ((v1v2 - v2v2) / (v1v1 + v2v2 - 2 * v1v2))
+        return gamma, v2v2 + gamma * (v1v2 - v2v2)
+
+    def min_norm_2d(grad_mat):
+        dmin, sol = 1e8, None
+        for i in range(grad_mat.size()[0]):
+            for j in range(i + 1, grad_mat.size()[0]):
+                c, d = min_norm_element_from2(grad_mat[i, i], grad_mat[i, j], grad_mat[j, j])
+                if d < dmin:
+                    dmin, sol = d, [(i, j), c, d]
+        return sol
+
+    def projection2simplex(y):
+        m = len(y)
+        sorted_y = torch.sort(y, descending=True)[0]
+        tmpsum = 0.0
+        tmax_f = (torch.sum(y) - 1.0) / m
+        for i in range(m - 1):
+            tmpsum += sorted_y[i]
+            tmax = (tmpsum - 1) / (i + 1.0)
+            if tmax > sorted_y[i + 1]:
+                tmax_f = tmax
+                break
+        return torch.max(y - tmax_f, torch.zeros(m, dtype=y.dtype))
+
+    def next_point(cur_val, grad, n):
+        proj_grad = grad - (torch.sum(grad) / n)
+        tm1 = -1.0 * cur_val[proj_grad < 0] / proj_grad[proj_grad < 0]
+        tm2 = (1.0 - cur_val[proj_grad > 0]) / (proj_grad[proj_grad > 0])
+        t = torch.ones(1, dtype=grad.dtype)
+        if (tm1 > 1e-7).sum() > 0:
+            t = torch.min(tm1[tm1 > 1e-7])
+        if (tm2 > 1e-7).sum() > 0:
+            t = torch.min(t, torch.min(tm2[tm2 > 1e-7]))
+        return projection2simplex(proj_grad * t + cur_val)
+
+    grad_mat = rows.mm(rows.t())
+    init_sol = min_norm_2d(grad_mat)
+    n = rows.size()[0]
+    sol_vec = torch.zeros(n, dtype=rows.dtype)
+    sol_vec[init_sol[0][0]] = init_sol[1]
+    sol_vec[init_sol[0][1]] = 1 - init_sol[1]
+    if n < 3:
+        return sol_vec
+    for _ in range(max_iter):
+        grad_dir = -1.0 * torch.matmul(grad_mat, sol_vec)
+        new_point = next_point(sol_vec, grad_dir, n)
+        v1v1 = torch.sum(sol_vec.unsqueeze(1).repeat(1, n) * sol_vec.unsqueeze(0).repeat(n, 1) * grad_mat)
+        v1v2 = torch.sum(sol_vec.unsqueeze(1).repeat(1, n) * new_point.unsqueeze(0).repeat(n, 1) * grad_mat)
+        v2v2 = torch.sum(new_point.unsqueeze(1).repeat(1, n) * new_point.unsqueeze(0).repeat(n, 1) * grad_mat)
+        nc, nd = min_norm_element_from2(v1v1, v1v2, v2v2)
+        new_sol_vec = nc * sol_vec + (1 - nc) * new_point
+        if torch.sum(torch.abs(new_sol_vec - sol_vec)) < stop_crit:
+            return sol_vec
+        sol_vec = new_sol_vec
+    return sol_vec
+
+
 def libmtl_imtl(gram, rows):
     """LibMTL's IMTL gradient part (LibMTL/weighting/IMTL.py), on the rows."""
     unit = rows / torch.norm(rows, p=2, dim=-1, keepdim=True)
@@ -182,7 +259,7 @@ def libmtl_gradvac(gram, rows, beta=0.5, state={}):  # noqa: B006 (the EMA targe
 REFERENCES = {
     "cagrad": {"LibMTL (SLSQP)": libmtl_cagrad},
     "pcgrad": {"LibMTL (rows)": libmtl_pcgrad, "TorchJD (Gram)": torchjd_pcgrad},
-    "mgda": {"TorchJD (FW, tol 1e-3)": torchjd_mgda},
+    "mgda": {"TorchJD (FW, tol 1e-3)": torchjd_mgda, "LibMTL (MinNormSolver)": libmtl_mgda},
     "imtlg": {"LibMTL (rows)": libmtl_imtl},
     "alignedmtl": {"LibMTL (eigh)": libmtl_alignedmtl},
     "config": {"TorchJD (rows)": torchjd_config},
@@ -191,6 +268,8 @@ REFERENCES = {
 }
 # methods with no reference timed here, and why (none of these libraries' solvers is installable without a new
 # dependency: cvxpy for Nash-MTL's and TorchJD's CAGrad, quadprog for TorchJD's UPGrad and DualProj)
+# whose references' answers depend on a random order of the tasks (and GradVac's on its EMA state): not compared
+RANDOM_ORDER = ("pcgrad", "gradvac")
 UNREFERENCED = ("nashmtl", "upgrad", "dualproj", "modo", "sdmgrad", "gradnorm")
 
 
@@ -219,9 +298,24 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def update(out, rows: torch.Tensor) -> torch.Tensor:
+    """The float64 update of a reference's answer: its K weights times the rows, or the P-vector it returned."""
+    out = torch.as_tensor(out).double().flatten()
+    return out @ rows.double() if out.shape[0] == rows.shape[0] else out
+
+
+def ref_error(method: str, ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """How far a reference's update is from ours: for MGDA the min-norm value, ||d_ref|| / ||d_ours|| - 1 (>= 0 up
+    to round-off: ours is certified the minimum); else ||d_ref - d_ours|| / ||d_ours||."""
+    if method == "mgda":
+        return float(theirs.norm() / ours.norm() - 1)
+    return float((theirs - ours).norm() / ours.norm())
+
+
 def measure(method: str, k: int, kind: str, dtype: torch.dtype, rounds: int, seeds: int) -> dict:
     refs = REFERENCES.get(method, {})
     ours, theirs = [], {name: [] for name in refs}
+    errors = {name: [] for name in refs}
     for seed in range(seeds):
         rows = rows_for(kind, k, seed).to(dtype)
         gram = gram_matrix(rows)
@@ -232,19 +326,25 @@ def measure(method: str, k: int, kind: str, dtype: torch.dtype, rounds: int, see
             order = [("ours", None), *refs.items()]
             if r % 2:
                 order.reverse()
-            for name, fn in order:
+            for name, fn in order:  # each call timed right after an untimed one: warm, whatever ran before
                 if name == "ours":
-                    m.begin_step(step)
-                    step += 1
-                    t = timed(lambda: m.weights_for_gram(gram, losses, dtype))  # noqa: B023
+                    for _ in range(2):
+                        m.begin_step(step)
+                        step += 1
+                        t = timed(lambda: m.weights_for_gram(gram, losses, dtype))  # noqa: B023
                     if r:
                         ours.append(t)
                 else:
-                    t = timed(lambda: fn(gram.to(dtype), rows))  # noqa: B023
+                    out = []
+                    for _ in range(2):
+                        t = timed(lambda: out.append(fn(gram.to(dtype), rows)))  # noqa: B023
                     if r:
                         theirs[name].append(t)
+                    if r == rounds and method not in RANDOM_ORDER:
+                        errors[name].append(ref_error(method, update(m.last_weights, rows), update(out[-1], rows)))
     med = {name: statistics.median(ts) for name, ts in theirs.items()}
-    return {"ours": statistics.median(ours), "refs": med}
+    err = {name: max(errs, key=abs) if errs else None for name, errs in errors.items()}
+    return {"ours": statistics.median(ours), "refs": med, "errors": err}
 
 
 def main(argv=None) -> int:
@@ -261,20 +361,20 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, numpy {np.__version__}, "
           f"1 thread; medians of {args.rounds} x {args.seeds} (ms)")
-    print("| method | K | Gram | rows | ours ms | reference | ref ms | ours / fastest ref |")
-    print("|---|---:|---|---|---:|---|---:|---:|")
+    print("| method | K | Gram | rows | ours ms | reference | ref ms | ref error | ours / ref |")
+    print("|---|---:|---|---|---:|---|---:|---:|---:|")
     for method in args.methods:
         for k in args.k:
             for kind in args.kinds:
                 for dt in args.dtypes:
                     res = measure(method, k, kind, getattr(torch, dt), args.rounds, args.seeds)
-                    refs = res["refs"]
-                    if refs:
-                        best = min(refs, key=refs.get)
-                        print(f"| {method} | {k} | {kind} | {dt} | {res['ours'] * 1e3:.3f} | {best} | "
-                              f"{refs[best] * 1e3:.3f} | {res['ours'] / refs[best]:.2f} |", flush=True)
-                    else:
-                        print(f"| {method} | {k} | {kind} | {dt} | {res['ours'] * 1e3:.3f} | none | - | - |", flush=True)
+                    case = f"| {method} | {k} | {kind} | {dt} | {res['ours'] * 1e3:.3f} |"
+                    for name, t in res["refs"].items():
+                        err = res["errors"][name]
+                        err = "-" if err is None else f"{err:.1e}"
+                        print(f"{case} {name} | {t * 1e3:.3f} | {err} | {res['ours'] / t:.2f} |", flush=True)
+                    if not res["refs"]:
+                        print(f"{case} none | - | - | - |", flush=True)
     return 0
 
 
