@@ -7,6 +7,8 @@ turns the named task's loss into NaN.
 
 from __future__ import annotations
 
+from mtl.run import heartbeat
+
 
 def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
     """``trainer.poison = "STEP:TASK:RANK"``: that task's loss is NaN at that step on that rank (RANK ``*``: all).
@@ -24,8 +26,6 @@ def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
     if task == "stop":  # a rank that stops answering: the others must name it (mtl/run/heartbeat.py)
         import os
         import signal
-
-        from mtl.run import heartbeat
 
         heartbeat.flush()  # the last step's beat is in the store, so the peers can name it
         os.kill(os.getpid(), signal.SIGSTOP)
