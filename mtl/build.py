@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from mtl.architectures import architecture_of, architecture_options
 from mtl.config.schema import multi_input
 from mtl.data.loader import (
     BatchCollate,
@@ -86,8 +87,11 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
                      feature_shape=tuple(shape), pool=getattr(backbone, "pool", "mean"))
     types = run_task_types(cfg)
     scale = cfg.get("loss_scale") or {}
-    model = MultiTaskModel(backbone, {t: types[t].build(info) for t in cfg.tasks},
-                           loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale})
+    # model.architecture: the trunk (every shared module) and a tower per task before its head (mtl/architectures/)
+    trunk, towers = architecture_of(cfg).build(backbone, list(cfg.tasks), tuple(shape),
+                                               architecture_options(cfg))
+    model = MultiTaskModel(trunk, {t: types[t].build(info) for t in cfg.tasks},
+                           loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale}, towers=towers)
     # model.backbone.freeze_blocks: the first N blocks and what runs before them train no more (mtl/models/blockwise.py)
     model.frozen_blocks = blockwise.freeze(model, int(cfg.model.backbone.get("freeze_blocks") or 0))
     if cfg.trainer.get("poison"):  # testing only: the reliability tests' NaN loss

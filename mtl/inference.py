@@ -138,8 +138,8 @@ class Predictor:
         rows: list[dict] = [{} for _ in range(x.shape[0])]
         with self.model.autocast(self.device.type):
             features = self.model.backbone(x)
-            for head in self.model.heads.values():  # each task says what it predicts (TaskHead.predict)
-                for row, part in zip(rows, head.predict(features, num_beams=num_beams)):
+            for t, head in self.model.heads.items():  # each task says what it predicts (TaskHead.predict)
+                for row, part in zip(rows, head.predict(self.model.task_features(t, features), num_beams=num_beams)):
                     row.update(part)
         return rows
 

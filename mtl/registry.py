@@ -103,7 +103,7 @@ def registered(package: str, base: type, extra_modules, key: str, kind: str, att
 
 # The config keys that name plug-in files. Every checkpoint and export carries a copy of each file they name
 # (``<key>/<file name>``), and a model folder is loaded from those copies only.
-PLUGIN_KEYS = ("task_modules", "backbone_modules", "weighting_modules")
+PLUGIN_KEYS = ("task_modules", "backbone_modules", "weighting_modules", "architecture_modules")
 
 
 def _is_builtin(spec: str) -> bool:

@@ -13,6 +13,7 @@ import os
 import torch
 from omegaconf import OmegaConf
 
+from mtl.architectures import architecture_types, unknown_architecture
 from mtl.build import run_method_types
 from mtl.config.multi_input import check as multi_input_check
 from mtl.config.reads import run_shape, unread_errors
@@ -181,6 +182,7 @@ def validate(cfg) -> list[str]:
         errors += fsdp_method_check(cfg, method)
     errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/config/multi_input.py)
     _options(errors, cfg, tasks, method, backbone)
+    errors += architecture_errors(cfg, method)
     _loss_scale(errors, cfg, tasks)
     errors += plateau_errors(cfg, tasks)
     named = {e.split(":")[0] for e in errors}
@@ -383,6 +385,28 @@ def _options(errors, cfg, tasks, method, backbone=None) -> None:
                                                    "model.backbone.options", errors)
         if not any(e.startswith("model.backbone.options") for e in errors):  # its check reads them
             errors += backbone.check(cfg)
+
+
+def architecture_errors(cfg, method) -> list[str]:
+    """``model.architecture``: a known name, its options (filled in), its own checks, and a features source it can
+    serve (mtl/architectures/)."""
+    try:
+        types = architecture_types(cfg.get("architecture_modules") or ())
+    except ConfigError as e:
+        return e.errors
+    a = cfg.model.architecture
+    arch = types.get(a.name)
+    if arch is None:
+        return [unknown_architecture(a.name, types)]
+    errors: list[str] = []
+    a.options = check_options(a.options, arch.Options, "model.architecture.options", errors)
+    if errors:
+        return errors
+    errors += arch.check(cfg)
+    if arch.features_source and method is not None and method.level == "grad" and cfg.weighting.source == "features":
+        errors.append(f"weighting.source: features cannot serve model.architecture.name={a.name}: "
+                      f"{arch.features_source}; set weighting.source=parameters")
+    return errors
 
 
 def option_defaults(cfg) -> dict:

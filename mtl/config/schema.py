@@ -164,8 +164,15 @@ class DecoderConfig:
 
 
 @dataclass
+class ArchitectureConfig:
+    name: str = "hps"  # how the features reach the heads: a file in mtl/architectures/ (hps, mmoe, cgc, ple, dselect_k)
+    options: dict[str, Any] = field(default_factory=dict)  # the architecture's own options (its Options dataclass)
+
+
+@dataclass
 class ModelConfig:
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
     activation_checkpointing: bool = False  # recompute each backbone and decoder block in the backward pass
     compile: bool = False  # torch.compile each backbone and decoder block (regional compilation)
@@ -265,6 +272,7 @@ class Config:
     task_modules: list[str] = field(default_factory=list)  # more task files: dotted module names or .py paths (from the working directory)
     weighting_modules: list[str] = field(default_factory=list)  # more weighting-method files (as task_modules)
     backbone_modules: list[str] = field(default_factory=list)  # more backbone files (as task_modules)
+    architecture_modules: list[str] = field(default_factory=list)  # more architecture files (as task_modules)
     # task name -> factor on its training loss, before any weighting (1 when not given): a benchmark regime with
     # losses on different scales (docs/benchmark.md). Evaluation metrics are unchanged.
     loss_scale: dict[str, float] = field(default_factory=dict)

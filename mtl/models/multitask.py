@@ -30,10 +30,13 @@ from mtl.models.backbones.base import input_device_type
 
 
 class MultiTaskModel(nn.Module):
-    def __init__(self, backbone: nn.Module, heads: dict[str, nn.Module], loss_scale: dict[str, float] | None = None):
+    def __init__(self, backbone: nn.Module, heads: dict[str, nn.Module], loss_scale: dict[str, float] | None = None,
+                 towers: dict[str, nn.Module] | None = None):
         super().__init__()
-        self.backbone = backbone
+        self.backbone = backbone  # the trunk: every module more than one task reaches (mtl/architectures/base.py)
         self.heads = nn.ModuleDict(heads)
+        if towers:  # each task's own modules between the shared tensor and its head (none: hps)
+            self.towers = nn.ModuleDict(towers)
         self.loss_scale = dict(loss_scale or {})  # config ``loss_scale``: task -> factor on its loss (1 if absent)
         self.autocast_dtype: torch.dtype | None = None  # set by the trainer for bf16/fp16
 
@@ -45,6 +48,17 @@ class MultiTaskModel(nn.Module):
     @property
     def task_names(self) -> list[str]:
         return list(self.heads.keys())
+
+    def task_features(self, task: str, shared: torch.Tensor) -> torch.Tensor:
+        """What ``task``'s head reads: the shared tensor through the task's tower (as it is under ``hps``)."""
+        towers = getattr(self, "towers", None)
+        return towers[task](shared) if towers is not None and task in towers else shared
+
+    def task_parameters(self, task: str) -> list[nn.Parameter]:
+        """The trainable parameters only ``task`` reaches: its tower's and its head's."""
+        towers = getattr(self, "towers", None)
+        mods = [self.heads[task]] + ([towers[task]] if towers is not None and task in towers else [])
+        return [p for m in mods for p in m.parameters() if p.requires_grad]
 
     def forward(self, batch: dict, tasks: Iterable[str] | None = None, detach: Iterable[str] = (),
                 feature_leaf: bool = False, leaf_per_task: bool = False) -> dict:
@@ -60,7 +74,7 @@ class MultiTaskModel(nn.Module):
                     x = leaves[name] = features.detach().requires_grad_()
                 else:
                     x = shared.detach() if name in detach else shared
-                losses[name] = rows.loss(self.heads[name], x, name, batch).float()
+                losses[name] = rows.loss(self.heads[name], self.task_features(name, x), name, batch).float()
                 if name in self.loss_scale:
                     losses[name] = losses[name] * self.loss_scale[name]
         return {"losses": losses, "features": features, "leaf": leaf, "leaves": leaves}

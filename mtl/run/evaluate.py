@@ -31,7 +31,7 @@ def _evaluate(model, loader, tasks: list[str], device: torch.device, max_batches
             with model.autocast(device.type):
                 features = model.backbone(batch[getattr(model.backbone, "consumes", "image")])
                 for t in tasks:
-                    parts[t].append(model.heads[t].eval_batch(features, batch))
+                    parts[t].append(model.heads[t].eval_batch(model.task_features(t, features), batch))
     finally:
         model.train(was_training)
     gathered = all_gather_objects(parts)

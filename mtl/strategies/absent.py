@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def absent_heads_term(model: torch.nn.Module, tasks: list[str]) -> torch.Tensor | None:
-    """A zero scalar reaching every trainable parameter of the heads of the tasks not in ``tasks``, or None."""
+    """A zero scalar reaching every trainable parameter of the heads (and towers) of the tasks not in ``tasks``, or
+    None."""
     bare = model.module if isinstance(model, DistributedDataParallel) else model
-    params = [p for name, head in bare.heads.items() if name not in tasks for p in head.parameters() if p.requires_grad]
+    params = [p for name in bare.heads if name not in tasks for p in bare.task_parameters(name)]
     return 0.0 * sum(p.reshape(-1)[0] for p in params) if params else None

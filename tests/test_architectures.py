@@ -1,0 +1,219 @@
+"""Multi-task architectures (mtl/architectures/): each forward against its paper's equations on small tensors, the
+config checks, and under DDP: 2 processes == 1 process on the same global batch for every architecture x strategy
+and a gradient-level method on each source."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from mtl.architectures import architecture_types
+from mtl.architectures.cgc import CGC
+from mtl.architectures.dselect_k import DSelectGate, DSelectK, binary_codes, smooth_step
+from mtl.architectures.experts import Expert, mix
+from mtl.architectures.mmoe import MMoE
+from mtl.architectures.ple import PLE
+from mtl.config.checks import load_run_config
+from mtl.config.schema import options_of
+from mtl.errors import ConfigError
+
+from .conftest import TINY, parity_worker, spawn_parity_runs
+
+ARCHITECTURES = ["cgc", "dselect_k", "mmoe", "ple"]
+
+
+class Identity(nn.Module):
+    consumes, pool = "image", "mean"
+
+    def forward(self, x):
+        return x
+
+
+def _built(arch, options: dict, tasks=("a", "b"), shape=(3,)):
+    torch.manual_seed(0)
+    return arch.build(Identity(), list(tasks), shape, options_of(arch.Options, options, "model.architecture.options"))
+
+
+def test_every_architecture_file_is_registered():
+    assert set(architecture_types()) == {"hps", *ARCHITECTURES}
+
+
+def test_an_expert_acts_on_the_channels_of_every_feature_kind():
+    e = Expert(3, 5)
+    x = torch.randn(2, 3, 4, 4)
+    per_position = e(x.permute(0, 2, 3, 1).reshape(-1, 3)).reshape(2, 4, 4, 3).permute(0, 3, 1, 2)
+    assert torch.allclose(e(x), per_position, atol=1e-6)
+    tokens = torch.randn(2, 7, 3)
+    assert torch.allclose(e(tokens)[:, 4], e(tokens[:, 4]), atol=1e-6)
+
+
+def test_mmoe_is_each_tasks_softmax_gate_over_the_shared_experts():
+    """Ma et al. 2018, eq. 5-6: f_t(x) = sum_e g_t(x)_e f_e(x), g_t(x) = softmax(W_t x)."""
+    trunk, towers = _built(MMoE, {"experts": 3})
+    x = torch.randn(5, 3)
+    shared = trunk(x)
+    assert shared.shape == (5, 4, 3) and torch.equal(shared[:, 0], x)
+    for t, tower in towers.items():
+        g = torch.softmax(x @ tower.gate.linear.weight.T + tower.gate.linear.bias, dim=-1)
+        assert torch.allclose(g.sum(1), torch.ones(5))
+        by_hand = sum(g[:, e, None] * trunk.experts[e](x) for e in range(3))
+        assert torch.allclose(tower(shared), by_hand, atol=1e-6), t
+    assert not torch.allclose(towers["a"](shared), towers["b"](shared))  # a gate of each task's own
+
+
+def test_cgc_gates_weigh_the_shared_experts_and_the_tasks_own():
+    """Tang et al. 2020, eq. 1-3: g_k(x) = softmax(W_k x) over [the shared experts, task k's experts]."""
+    trunk, towers = _built(CGC, {"shared_experts": 2, "task_experts": 2})
+    x = torch.randn(4, 3)
+    shared = trunk(x)
+    for tower in towers.values():
+        outs = [trunk.experts[0](x), trunk.experts[1](x), tower.experts[0](x), tower.experts[1](x)]
+        g = torch.softmax(tower.gate.linear(x), dim=-1)
+        assert torch.allclose(tower(shared), sum(g[:, i, None] * o for i, o in enumerate(outs)), atol=1e-6)
+    assert set(dict(towers["a"].named_parameters())).isdisjoint(
+        {id(p) for p in towers["b"].parameters()})  # nothing of a tower is shared
+
+
+def test_ple_levels_by_hand():
+    """Tang et al. 2020, eq. 4-5 with two levels: level 1's task and shared gates, level 2's task gates."""
+    trunk, towers = _built(PLE, {"layers": 2, "shared_experts": 1, "task_experts": 1})
+    x = torch.randn(3, 3)
+    lvl = trunk.levels[0]
+    s1, a1, b1 = lvl.shared[0](x), lvl.own["a"][0](x), lvl.own["b"][0](x)
+    xa = mix(torch.softmax(lvl.gates["a"].linear(x), -1), torch.stack([s1, a1], 1))
+    xb = mix(torch.softmax(lvl.gates["b"].linear(x), -1), torch.stack([s1, b1], 1))
+    xs = mix(torch.softmax(lvl.shared_gate.linear(x), -1), torch.stack([s1, a1, b1], 1))
+    shared = trunk(x)
+    assert torch.allclose(shared[:, 0], xa, atol=1e-6) and torch.allclose(shared[:, 1], xb, atol=1e-6)
+    s2 = trunk.last_shared[0](xs)
+    assert torch.allclose(shared[:, 2], s2, atol=1e-6)
+    ta = towers["a"]
+    want = mix(torch.softmax(ta.gate.linear(xa), -1), torch.stack([s2, ta.experts[0](xa)], 1))
+    assert torch.allclose(ta(shared), want, atol=1e-6)
+    # task a's level-1 expert reaches task b's loss (through the shared gate): it is in the trunk, shared
+    towers["b"](trunk(x)).sum().backward()
+    assert lvl.own["a"][0].outer.weight.grad.abs().sum() > 0
+
+
+def test_dselect_k_smooth_step_and_selectors():
+    """Hazimeh et al. 2021, eq. 2-4: S is 0 / cubic / 1 and C^1 at +-gamma/2; a saturated selector picks the expert
+    whose binary code its z's signs spell; the gate is a convex combination of the k selectors."""
+    g = 2.0
+    t = torch.tensor([-5.0, -1.0, -0.5, 0.0, 0.5, 1.0, 5.0])
+    # gamma 2: S(t) = -t^3 / 4 + 3 t / 4 + 1 / 2 on (-1, 1)
+    assert torch.allclose(smooth_step(t, g), torch.tensor([0, 0, 0.15625, 0.5, 0.84375, 1, 1]), atol=1e-7)
+    edge = torch.tensor([-1.0 + 1e-4, 1.0 - 1e-4], requires_grad=True)  # the slope goes to 0 at the edges
+    smooth_step(edge, g).sum().backward()
+    assert edge.grad.abs().max() < 1e-3
+    assert torch.equal(binary_codes(4), torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]], dtype=torch.bool))
+    gate = DSelectGate(3, 8, k=2, gamma=1.0, pool="mean")
+    with torch.no_grad():  # selector 0 spells 101 (expert 5), selector 1 spells 010 (expert 2), alpha favours 0 by e
+        gate.z.weight.zero_()
+        gate.z.bias.copy_(torch.tensor([9.0, -9, 9, -9, 9, -9]))
+        gate.alpha.weight.zero_()
+        gate.alpha.bias.copy_(torch.tensor([1.0, 0.0]))
+    w = gate(torch.randn(4, 3))
+    p = torch.softmax(torch.tensor([1.0, 0.0]), 0)
+    want = torch.zeros(8)
+    want[5], want[2] = p[0], p[1]
+    assert torch.allclose(w, want.expand(4, 8), atol=1e-6)
+    soft = DSelectGate(3, 4, k=3, gamma=1.0, pool="mean")(torch.randn(6, 3))  # at initialisation: dense, on the simplex
+    assert torch.allclose(soft.sum(1), torch.ones(6), atol=1e-6) and (soft > 0).all()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.architecture.name=mmo"], "model.architecture.name: unknown architecture 'mmo' (supported: cgc, "),
+    (["model.architecture.name=mmoe", "model.architecture.options.expert=3"], "'expert' — did you mean 'model.architecture.options.experts'"),
+    (["model.architecture.options.experts=3"], "model.architecture.options: unknown option 'experts'"),  # hps: none
+    (["model.architecture.name=ple", "model.architecture.options.layers=1"],
+     "model.architecture.options.layers: needs at least 2 levels (one level is model.architecture.name=cgc)"),
+])
+def test_bad_architecture_settings_are_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(TINY, overrides)
+    assert message in str(e.value)
+
+
+def test_dselect_k_refuses_an_expert_count_it_cannot_address():
+    with pytest.raises(ConfigError, match=r"model.architecture.options.experts: 6 is not a power of two"):
+        load_run_config(TINY, ["model.architecture.name=dselect_k", "model.architecture.options.experts=6"])
+
+
+def test_hps_builds_todays_model():
+    """No towers, the backbone itself as the trunk: parameter names (and so checkpoints, exports) as before."""
+    from mtl.build import build_model
+    from mtl.data.tokenizer import train_tokenizer
+
+    cfg = load_run_config(TINY, [])
+    model = build_model(cfg, 4, ["a", "b", "c", "d"], train_tokenizer(["a b c"], 64))
+    assert not hasattr(model, "towers")
+    assert all(k.split(".")[0] in ("backbone", "heads") for k in model.state_dict())
+
+
+# ------------------------------------------------------------------ DDP: 2 processes == 1 process
+
+COMMON = ["optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.max_steps=3",
+          "trainer.eval_every=3", "trainer.eval_max_batches=1", "checkpoint.every_steps=0", "ddp.replica_check_every=1",
+          "trainer.progress=false", "ddp.timeout_s=60"]
+B, STEPS, TOL = 4, 3, 1e-5
+
+
+def _cases():
+    from mtl.strategies import strategy_types
+
+    strategies = sorted(n for n, c in strategy_types().items() if not c.unsafe)
+    cases = {f"{a}/{s}": [f"model.architecture.name={a}", f"ddp.strategy={s}"] for a in ARCHITECTURES for s in strategies}
+    for a in ARCHITECTURES:  # a gradient-level method on each source
+        cases[f"{a}/task_grads+mgda"] = [f"model.architecture.name={a}", "ddp.strategy=task_grads",
+                                         "weighting.method=mgda", "weighting.source=parameters"]
+        cases[f"{a}/feature_leaf+mgda"] = [f"model.architecture.name={a}", "ddp.strategy=feature_leaf",
+                                           "weighting.method=mgda", "weighting.source=features"]
+    return cases
+
+
+def _arch_runs(world, out_dir):
+    from mtl.run.trainer import Trainer
+
+    results = {}
+    for name, extra in _cases().items():
+        trainer = Trainer.from_config(TINY, [*COMMON, *extra, f"data.batch_size={2 * B // world}",
+                                             f"output_dir={os.path.join(out_dir, f'w{world}', name)}"])
+        assert trainer.dist.world_size == world
+        trainer.bare.train()
+        for _ in range(STEPS):
+            trainer.step_once()
+        results[name] = {k: v.detach().clone() for k, v in trainer.bare.state_dict().items() if v.is_floating_point()}
+        trainer.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def arch_runs(tmp_path_factory):
+    return spawn_parity_runs(functools.partial(parity_worker, _arch_runs), tmp_path_factory, "architectures_ddp", 600,
+                             "architectures DDP")
+
+
+def _rel(a, b):
+    """The largest difference over each tensor's scale, floored at 1e-2 (as test_timm_backbone's bar): the norm
+    biases behind the experts move ~1e-4 in 3 steps, where float32 summation order alone shows at 1e-3 of them."""
+    return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-2)) for k in a)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_for_every_architecture_and_strategy(arch_runs):
+    from mtl.strategies import strategy_types
+
+    for name in _cases():
+        got, other, ref = arch_runs["rank0"][name], arch_runs["rank1"][name], arch_runs["single"][name]
+        assert all(torch.equal(got[k], other[k]) for k in got), f"{name}: the two ranks' replicas differ"
+        assert _rel(ref, got) <= TOL, name
+        arch, how = name.split("/")
+        assert any(k.startswith("towers.") for k in got), name
+        if how in strategy_types() and not strategy_types()[how].changes_objective:  # every exact strategy: combined's
+            assert _rel(arch_runs["single"][f"{arch}/combined"], ref) <= TOL, name
+    for arch in ARCHITECTURES:  # the bar is not trivial: another objective misses it
+        assert _rel(arch_runs["single"][f"{arch}/combined"], arch_runs["single"][f"{arch}/task_grads+mgda"]) > 1e-3
