@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mtl.parallel",),  # processes, DDP/FSDP2, AMP
     ("mtl.data",),  # raw records (a data set built once, by rank 0 first, waits on the ranks: parallel.dist)
     ("mtl.models",),  # backbones (plug-ins), the decoder, backbone + heads
+    ("mtl.architectures",),  # how the features reach the heads (plug-ins): trunk + towers around a backbone
     ("mtl.tasks", "mtl.weighting"),  # task heads; weighting methods
     ("mtl.strategies",),  # how the per-task backward passes meet DDP (they call a weighting method)
     ("mtl.delta_m",),  # the tasks' metrics against baselines, in the papers' sign

@@ -99,8 +99,9 @@ NOT_READ = {
 }
 # read by every run (sections of plug-in options are checked against the plug-in's Options; bench: the tool's own)
 ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard", "init_from", "overwrite", "tasks",
-          "task_modules", "weighting_modules", "backbone_modules", "data.eval_batch_size", "data.num_workers",
-          "data.per_task", "model.backbone.name", "model.backbone.options", "parallel.engine", "ddp.strategy",
+          "task_modules", "weighting_modules", "backbone_modules", "architecture_modules", "data.eval_batch_size", "data.num_workers",
+          "data.per_task", "model.backbone.name", "model.backbone.options", "model.architecture.name",
+          "model.architecture.options", "parallel.engine", "ddp.strategy",
           "ddp.backend", "ddp.find_unused_parameters", "ddp.static_graph", "ddp.bucket_cap_mb", "ddp.timeout_s",
           "ddp.unsafe", "ddp.replica_check_every", "ddp.nan_monitor", "weighting.method", "weighting.options",
           "weighting.source", "optim.name", "optim.lr", "optim.weight_decay", "optim.scheduler", "optim.warmup_steps",
@@ -127,6 +128,7 @@ TRAINING_ONLY = {"data.train_path", "data.test_path", "data.num_classes", "data.
                  "data.augment.hflip", "data.batch_size", "data.sampling.policy", "data.sampling.weights",
                  "data.sampling.temperature", "data.heldout"}
 SECTIONS = {"task_options", "task_instances", "loss_scale", "data.per_task", "model.backbone.options",
+            "model.architecture.options",
             "weighting.options", "bench"}  # mappings: driven by name, not by value (below)
 FILLER = {"str": "x", "int": 1, "float": 0.5, "bool": True}
 

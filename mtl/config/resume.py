@@ -38,6 +38,7 @@ SAFE_TO_CHANGE = (
     "task_modules",  # where the task files are found; the tasks and their options are compared themselves
     "weighting_modules",  # where a method's file is found; the method and its options are compared themselves
     "backbone_modules",  # where a backbone's file is found; the backbone and its options are compared themselves
+    "architecture_modules",  # where an architecture's file is found; the architecture and its options are compared
     "parallel.engine", "data.batch_size", "resume_reshard",  # checked by reshard_problems: the global batch must stay
 )
 
