@@ -304,9 +304,10 @@ class ImagePath(torch.nn.Module):
     """Images in [0, 1] -> (the backbone's features, the classification head's logits): what ``mtl.inference``
     computes for them, as one module to export."""
 
-    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Module, normalization):
+    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Module, normalization,
+                 tower: torch.nn.Module | None = None):
         super().__init__()
-        self.backbone, self.head = backbone, head
+        self.backbone, self.head, self.tower = backbone, head, tower  # tower: the task's own modules (an architecture's)
         self.normalize = normalization is not None
         mean, std = normalization or ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
         self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1))
@@ -315,6 +316,8 @@ class ImagePath(torch.nn.Module):
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = (images - self.mean) / self.std if self.normalize else images
         features = self.backbone(x)
+        if self.tower is not None:
+            features = self.tower(features)
         return features, self.head.logits(features)
 
 
@@ -324,7 +327,9 @@ def write_image_program(folder: str, predictor) -> bool:
     head = predictor.model.heads["cls"] if "cls" in predictor.model.heads else None
     if head is None or not hasattr(head, "logits"):
         return False
-    module = ImagePath(predictor.model.backbone, head, predictor.normalization).eval()
+    towers = getattr(predictor.model, "towers", None)
+    tower = towers["cls"] if towers is not None and "cls" in towers else None
+    module = ImagePath(predictor.model.backbone, head, predictor.normalization, tower).eval()
     size = int(predictor.cfg.data.image_size)
     example = torch.rand(2, 3, size, size)
     with torch.no_grad():
@@ -343,13 +348,16 @@ def write_image_program(folder: str, predictor) -> bool:
 
 
 def write_interop(folder: str, predictor) -> list[str]:
-    """Each part where the model allows it, and README.md; returns the files and folders written."""
+    """Each part where the model allows it, and README.md; returns the files and folders written. A model whose
+    architecture puts modules of its own between the backbone and the heads (``model.architecture`` other than
+    ``hps``: ``towers``) has no layout in torchvision or transformers: only its image program (which runs them)."""
     written = []
-    if write_torchvision_backbone(folder, predictor.cfg, predictor.model.backbone):
+    plain = getattr(predictor.model, "towers", None) is None
+    if plain and write_torchvision_backbone(folder, predictor.cfg, predictor.model.backbone):
         written.append(TV_DIR)
-    if "gen" in predictor.model.heads and write_hf_decoder(folder, predictor.model.heads["gen"]):
+    if plain and "gen" in predictor.model.heads and write_hf_decoder(folder, predictor.model.heads["gen"]):
         written.append(HF_DIR)
-    if write_hf_captioner(folder, predictor):
+    if plain and write_hf_captioner(folder, predictor):
         written.append(CAPTIONER_DIR)
     if write_image_program(folder, predictor):
         written.append(PROGRAM_FILE)

@@ -217,3 +217,52 @@ def test_two_processes_equal_one_process_for_every_architecture_and_strategy(arc
             assert _rel(arch_runs["single"][f"{arch}/combined"], ref) <= TOL, name
     for arch in ARCHITECTURES:  # the bar is not trivial: another objective misses it
         assert _rel(arch_runs["single"][f"{arch}/combined"], arch_runs["single"][f"{arch}/task_grads+mgda"]) > 1e-3
+
+
+# ------------------------------------------------------------------ resume and export
+
+FAST = ["trainer.eval_every=100", "trainer.num_samples=0", "data.synthetic.train_size=64", "data.synthetic.val_size=16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mmoe", "ple"])
+def test_a_resumed_run_ends_bitwise_as_the_uninterrupted_one(tmp_path, arch):
+    """4 steps straight against 2 steps, then a second process-like run resuming from step_2: the same bytes (the
+    towers' and the trunk's experts' parameters and optimizer state come back with the rest)."""
+    import train
+    from safetensors.torch import load_file
+
+    common = ["--config", TINY, f"model.architecture.name={arch}", *FAST, "checkpoint.every_steps=2"]
+    assert train.main([*common, "trainer.max_steps=4", f"output_dir={tmp_path / 'straight'}"]) == 0
+    assert train.main([*common, "trainer.max_steps=2", f"output_dir={tmp_path / 'split'}"]) == 0
+    assert not (tmp_path / "split" / "checkpoints" / "step_4").exists()  # really stopped at 2
+    assert train.main([*common, "trainer.max_steps=4", "resume=auto", f"output_dir={tmp_path / 'split'}"]) == 0
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step_4" / "model.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoints" / "step_4" / "model.safetensors"))
+    assert any(k.startswith("towers.") for k in a) and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_an_export_runs_the_towers_and_claims_no_torchvision_or_transformers_layout(tmp_path):
+    import train
+    from mtl.inference import load_model
+    from mtl.tools import export
+
+    run = tmp_path / "run"
+    assert train.main(["--config", TINY, "model.architecture.name=cgc", *FAST, "trainer.max_steps=2",
+                       "checkpoint.every_steps=2", f"output_dir={run}"]) == 0
+    out = tmp_path / "export"
+    assert export.main(["--checkpoint", str(run), "--out", str(out)]) == 0
+    assert not (out / "torchvision_backbone").exists() and not (out / "hf_decoder").exists()
+    assert not (out / "hf_captioner").exists()
+    predictor = load_model(str(out))
+    model = predictor.model
+    images = torch.rand(3, 3, 32, 32)
+    program = torch.export.load(str(out / "image_program.pt2")).module()
+    with torch.no_grad():
+        features, logits = program(images)
+        want = model.task_features("cls", model.backbone(images))
+        assert torch.allclose(features, want, atol=1e-5)
+        assert torch.allclose(logits, model.heads["cls"].logits(want), atol=1e-5)
+    assert [r["class_index"] for r in predictor.predict(list(images))] == logits.argmax(1).tolist()
