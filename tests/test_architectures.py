@@ -167,6 +167,11 @@ def _cases():
 
     strategies = sorted(n for n, c in strategy_types().items() if not c.unsafe)
     cases = {f"{a}/{s}": [f"model.architecture.name={a}", f"ddp.strategy={s}"] for a in ARCHITECTURES for s in strategies}
+    fsdp2 = sorted(n for n, c in strategy_types().items()
+                   if not c.unsafe and c.fsdp2_problem() is None and not c.task_gradients)
+    for a in ARCHITECTURES:  # FSDP2 (2 processes) against the same run in one process
+        for s in fsdp2:
+            cases[f"{a}/fsdp2:{s}"] = [f"model.architecture.name={a}", f"ddp.strategy={s}", "parallel.engine=fsdp2"]
     for a in ARCHITECTURES:  # a gradient-level method on each source
         cases[f"{a}/task_grads+mgda"] = [f"model.architecture.name={a}", "ddp.strategy=task_grads",
                                          "weighting.method=mgda", "weighting.source=parameters"]
@@ -176,17 +181,21 @@ def _cases():
 
 
 def _arch_runs(world, out_dir):
+    from mtl.parallel.fsdp import full_model_state, is_sharded
     from mtl.run.trainer import Trainer
 
     results = {}
     for name, extra in _cases().items():
+        if world == 1:  # the reference: one process, no sharding
+            extra = [x for x in extra if x != "parallel.engine=fsdp2"]
         trainer = Trainer.from_config(TINY, [*COMMON, *extra, f"data.batch_size={2 * B // world}",
                                              f"output_dir={os.path.join(out_dir, f'w{world}', name)}"])
         assert trainer.dist.world_size == world
         trainer.bare.train()
         for _ in range(STEPS):
             trainer.step_once()
-        results[name] = {k: v.detach().clone() for k, v in trainer.bare.state_dict().items() if v.is_floating_point()}
+        state = full_model_state(trainer.bare) if is_sharded(trainer.bare) else trainer.bare.state_dict()
+        results[name] = {k: v.detach().cpu().clone() for k, v in state.items() if v.is_floating_point()}
         trainer.close()
     return results
 
@@ -209,10 +218,12 @@ def test_two_processes_equal_one_process_for_every_architecture_and_strategy(arc
 
     for name in _cases():
         got, other, ref = arch_runs["rank0"][name], arch_runs["rank1"][name], arch_runs["single"][name]
-        assert all(torch.equal(got[k], other[k]) for k in got), f"{name}: the two ranks' replicas differ"
+        if "fsdp2:" not in name:  # FSDP2: the full state is gathered on rank 0 only
+            assert all(torch.equal(got[k], other[k]) for k in got), f"{name}: the two ranks' replicas differ"
         assert _rel(ref, got) <= TOL, name
         arch, how = name.split("/")
         assert any(k.startswith("towers.") for k in got), name
+        how = how.removeprefix("fsdp2:")
         if how in strategy_types() and not strategy_types()[how].changes_objective:  # every exact strategy: combined's
             assert _rel(arch_runs["single"][f"{arch}/combined"], ref) <= TOL, name
     for arch in ARCHITECTURES:  # the bar is not trivial: another objective misses it

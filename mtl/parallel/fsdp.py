@@ -123,9 +123,10 @@ def backbone_units(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
         def walk(prefix, module):
             for name, child in module.named_children():
                 path = f"{prefix}.{name}"
-                if id(child) in is_block or (id(child) not in holds and _has_params(child)):
+                container = isinstance(child, (nn.ModuleList, nn.ModuleDict))  # no forward: fully_shard refuses it
+                if id(child) in is_block or (id(child) not in holds and _has_params(child) and not container):
                     units.append((path, child))
-                elif id(child) in holds:
+                elif id(child) in holds or container:
                     walk(path, child)
 
         walk("backbone", backbone)
