@@ -13,7 +13,7 @@ from torch import nn
 
 from mtl.architectures import architecture_types
 from mtl.architectures.cgc import CGC
-from mtl.architectures.dselect_k import DSelectGate, DSelectK, binary_codes, smooth_step
+from mtl.architectures.dselect_k import DSelectGate, binary_codes, smooth_step
 from mtl.architectures.experts import Expert, mix
 from mtl.architectures.mmoe import MMoE
 from mtl.architectures.ple import PLE
@@ -74,8 +74,8 @@ def test_cgc_gates_weigh_the_shared_experts_and_the_tasks_own():
         outs = [trunk.experts[0](x), trunk.experts[1](x), tower.experts[0](x), tower.experts[1](x)]
         g = torch.softmax(tower.gate.linear(x), dim=-1)
         assert torch.allclose(tower(shared), sum(g[:, i, None] * o for i, o in enumerate(outs)), atol=1e-6)
-    assert set(dict(towers["a"].named_parameters())).isdisjoint(
-        {id(p) for p in towers["b"].parameters()})  # nothing of a tower is shared
+    assert {id(p) for p in towers["a"].parameters()}.isdisjoint({id(p) for p in towers["b"].parameters()})
+    assert {id(p) for p in towers["a"].parameters()}.isdisjoint({id(p) for p in trunk.parameters()})
 
 
 def test_ple_levels_by_hand():
@@ -127,7 +127,8 @@ def test_dselect_k_smooth_step_and_selectors():
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.architecture.name=mmo"], "model.architecture.name: unknown architecture 'mmo' (supported: cgc, "),
-    (["model.architecture.name=mmoe", "model.architecture.options.expert=3"], "'expert' — did you mean 'model.architecture.options.experts'"),
+    (["model.architecture.name=mmoe", "model.architecture.options.expert=3"],
+     "'expert' — did you mean 'model.architecture.options.experts'"),
     (["model.architecture.options.experts=3"], "model.architecture.options: unknown option 'experts'"),  # hps: none
     (["model.architecture.name=ple", "model.architecture.options.layers=1"],
      "model.architecture.options.layers: needs at least 2 levels (one level is model.architecture.name=cgc)"),

@@ -40,9 +40,9 @@ def smooth_step(t: torch.Tensor, gamma: float) -> torch.Tensor:
 
 
 def binary_codes(n: int) -> torch.Tensor:
-    """(n, m) booleans: row l is l in binary, most significant bit first."""
+    """(n, m) booleans: row e is e in binary, most significant bit first."""
     m = int(math.log2(n))
-    return torch.tensor([[(l >> (m - 1 - j)) & 1 for j in range(m)] for l in range(n)], dtype=torch.bool)
+    return torch.tensor([[(e >> (m - 1 - j)) & 1 for j in range(m)] for e in range(n)], dtype=torch.bool)
 
 
 class DSelectGate(nn.Module):
