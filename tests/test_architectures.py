@@ -241,8 +241,9 @@ FAST = ["trainer.eval_every=100", "trainer.num_samples=0", "data.synthetic.train
 def test_a_resumed_run_ends_bitwise_as_the_uninterrupted_one(tmp_path, arch):
     """4 steps straight against 2 steps, then a second process-like run resuming from step_2: the same bytes (the
     towers' and the trunk's experts' parameters and optimizer state come back with the rest)."""
-    import train
     from safetensors.torch import load_file
+
+    import train
 
     common = ["--config", TINY, f"model.architecture.name={arch}", *FAST, "checkpoint.every_steps=2"]
     assert train.main([*common, "trainer.max_steps=4", f"output_dir={tmp_path / 'straight'}"]) == 0
