@@ -50,6 +50,10 @@ CASES = [(f"{policy}/{strategy}", policy, strategy, extra)
     # (mtl/strategies/absent.py), and a method that weighs the present tasks only (mtl/weighting/base.py)
     ("round_robin/feature_leaf+famo", "round_robin", "feature_leaf", ["weighting.method=famo"]),
     ("weighted_size/placeholder", "weighted", "placeholder", ["data.sampling.weights=size"]),
+    # an architecture's towers (mtl/architectures/): an absent task's gate is in the zero term; a task's rows read
+    # through its own tower (PLE: lower task experts in the trunk, reached by every task)
+    ("round_robin/feature_leaf+mmoe", "round_robin", "feature_leaf", ["model.architecture.name=mmoe"]),
+    ("mixed/task_grads+pcgrad+ple", "mixed", "task_grads", ["weighting.method=pcgrad", "model.architecture.name=ple"]),
 ]
 NAIVE = "mixed/feature_leaf"  # the case the negative control repeats without the global-mean normalisation
 
