@@ -10,7 +10,7 @@
 4. clip;
 5. ``optimizer.step()``, then the weights' check (a NaN/inf or blown-up weight is a bad step that ends the run);
 6. ``scheduler.step()``;
-7. zero the gradients.
+7. free the gradients (zero them under DDP: :class:`Gradients`).
 
 Everything after step 1 is the same for every strategy.
 """
@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from mtl.data.multi_input import task_rows
 from mtl.parallel.amp import Amp
@@ -49,9 +50,11 @@ class StepParts:
     grad_clip: float  # 0: no clipping
     comm: Comm = field(default_factory=Comm)  # the strategy's hand-made collectives (tools count them)
     running_stats: RunningStats = field(init=False)  # ``bare``'s BatchNorm buffers, found once
+    grads: Gradients = field(init=False)  # step 7's choice: free the gradients, or zero them (DDP)
 
     def __post_init__(self):
         self.running_stats = RunningStats(self.bare)
+        self.grads = Gradients(self.model, self.params)
 
 
 @dataclass
@@ -98,6 +101,7 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
     losses, stats = p.strategy.forward_backward(StepInputs(
         model=p.model, batch=batch, tasks=tasks, weigh=w.weigh, scale=p.amp.scale, loss_scale=p.amp.loss_scale,
         comm=p.comm, log_stats=log_stats, **w.grad_hooks()))
+    p.grads.refill()  # a zero gradient where step 7 freed one and no pass wrote one (an absent task's head)
     average_grads(list(w.parameters()))  # learned loss weights (e.g. uw) live outside DDP
     # the weights the losses were just weighed (or the gradients combined) with: what the step's record logs
     used_weights = w.step_weights() if log_stats else None
@@ -131,8 +135,9 @@ def train_step(p: StepParts, batch: dict, step: int, stop_requested: bool = Fals
         p.running_stats.restore()
     p.amp.update()  # fp16: back the loss scale off after an overflow, grow it after a run of good steps
 
-    # 7. zero, keeping DDP's bucket views (gradient_as_bucket_view): never set_to_none
-    p.optimizer.zero_grad(set_to_none=False)
+    # 7. free the gradients, so the next forward (the step's memory peak) runs without them; under DDP zero them
+    #    instead: they are views of its buckets (gradient_as_bucket_view), freeing them saves nothing
+    p.grads.release(p.optimizer)
 
     loss_values = dict(zip(tasks, loss_avg.tolist()))
     if ok:
@@ -150,6 +155,36 @@ def average_losses_and_stop(losses: dict, tasks: list[str], stop_requested: bool
     stop = torch.tensor([float(stop_requested)], device=device)
     reduced = all_reduce_mean(torch.cat([torch.stack([losses[t].float() for t in tasks]).to(device), stop]))
     return reduced[:-1], bool(reduced[-1] > 0)
+
+
+class Gradients:
+    """Step 7: free the gradients between steps (``set_to_none``) where no DDP bucket views back them: one process,
+    and FSDP2 (its sharded gradients are views of a reduce-scatter output it allocates anew for a parameter without
+    one, so freeing them frees that output). Under DDP: zero them and keep them.
+
+    Freeing must not change a result. Zeroed and kept, a parameter that once had a gradient has a zero one in a
+    step no backward pass reaches it (an absent task's head in multi-input mode), and AdamW updates it (weight decay,
+    the moments' decay); with no gradient AdamW would skip it. So ``refill``, right after the backward passes and
+    before anything reads ``.grad``, gives every such parameter a zero gradient again: the methods, clipping and the
+    optimizer see what they see with the gradients zeroed, bit for bit (tests/test_freed_grads.py). A parameter that
+    never had one stays without, as it does when zeroed (``zero_grad`` leaves a missing gradient missing)."""
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter]):
+        self.free = not isinstance(model, DistributedDataParallel)
+        self.had: list[torch.nn.Parameter] = []  # the parameters that have had a gradient in this process
+        self.never = list(params)  # the others
+
+    def refill(self) -> None:
+        if self.free:
+            for q in self.had:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+
+    def release(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.never:  # empty once every parameter has had a gradient: nothing to do per step then
+            self.had += [q for q in self.never if q.grad is not None]
+            self.never = [q for q in self.never if q.grad is None]
+        optimizer.zero_grad(set_to_none=self.free)
 
 
 def running_stat_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
