@@ -47,7 +47,8 @@ def measure(config: str, overrides: list[str], engine: str, whole_heads: bool = 
         units = fsdp.shard_units(trainer.bare)
         own = fsdp.gathered_now(trainer.bare, [*units, ("", trainer.bare)]) if engine == "ddp" else {}
         task_rows = getattr(trainer.parts.strategy, "_buf", None)  # task_grads: [K losses, K x P (or K x P / W)]
-        out = {"params": _bytes(params), "grads": _bytes(p.grad for p in params), "optimizer": _bytes(state),
+        # a step's gradients: one per trainable parameter (shard), of its size (freed between steps outside DDP)
+        out = {"params": _bytes(params), "grads": _bytes(p for p in params if p.requires_grad), "optimizer": _bytes(state),
                "task_grads": _bytes([task_rows]), "units": [n for n, _ in units],
                "numel": sum(p.numel() for p in params)}
         if engine == "fsdp2":  # a third step, watched: the full parameters gathered at each module's passes
