@@ -89,7 +89,7 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
     scale = cfg.get("loss_scale") or {}
     # model.architecture: the trunk (every shared module) and a tower per task before its head (mtl/architectures/)
     trunk, towers = architecture_of(cfg).build(backbone, list(cfg.tasks), tuple(shape),
-                                               architecture_options(cfg))
+                                               architecture_options(cfg), cfg)
     model = MultiTaskModel(trunk, {t: types[t].build(info) for t in cfg.tasks},
                            loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale}, towers=towers)
     # model.backbone.freeze_blocks: the first N blocks and what runs before them train no more (mtl/models/blockwise.py)

@@ -16,6 +16,7 @@ from mtl.architectures.cgc import CGC
 from mtl.architectures.dselect_k import DSelectGate, binary_codes, smooth_step
 from mtl.architectures.experts import Expert, mix
 from mtl.architectures.mmoe import MMoE
+from mtl.architectures.mtan import MTAN
 from mtl.architectures.ple import PLE
 from mtl.config.checks import load_run_config
 from mtl.config.schema import options_of
@@ -23,7 +24,7 @@ from mtl.errors import ConfigError
 
 from .conftest import TINY, parity_worker, spawn_parity_runs
 
-ARCHITECTURES = ["cgc", "dselect_k", "mmoe", "ple"]
+ARCHITECTURES = ["cgc", "dselect_k", "mmoe", "mtan", "ple"]
 
 
 class Identity(nn.Module):
@@ -35,7 +36,8 @@ class Identity(nn.Module):
 
 def _built(arch, options: dict, tasks=("a", "b"), shape=(3,)):
     torch.manual_seed(0)
-    return arch.build(Identity(), list(tasks), shape, options_of(arch.Options, options, "model.architecture.options"))
+    return arch.build(Identity(), list(tasks), shape, options_of(arch.Options, options, "model.architecture.options"),
+                      None)
 
 
 def test_every_architecture_file_is_registered():
@@ -123,6 +125,50 @@ def test_dselect_k_smooth_step_and_selectors():
     assert torch.allclose(w, want.expand(4, 8), atol=1e-6)
     soft = DSelectGate(3, 4, k=3, gamma=1.0, pool="mean")(torch.randn(6, 3))  # at initialisation: dense, on the simplex
     assert torch.allclose(soft.sum(1), torch.ones(6), atol=1e-6) and (soft > 0).all()
+
+
+class TwoBlocks(nn.Module):
+    """A backbone declaring two blocks (two strided convolutions); its features are the second block's output."""
+
+    consumes, pool = "image", "mean"
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Conv2d(4, 6, 3, stride=2, padding=1)
+
+    def blocks(self):
+        return [("a", self.a), ("b", self.b)]
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_mtan_attends_to_each_block_by_hand():
+    """Liu et al. 2019, eq. 1: a_1 = g_1(p_1) * p_1, a_2 = g_2([p_2; f_2(a_1)]) * p_2, g a sigmoid mask of two 1x1
+    convolutions, f a 3x3 convolution and pooling to the next block's size."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    backbone = TwoBlocks()
+    trunk, towers = MTAN.build(backbone, ["a", "b"], (6, 2, 2), options_of(MTAN.Options, {}, "x"),
+                               SimpleNamespace(data=SimpleNamespace(image_size=8)))
+    x = torch.randn(3, 3, 8, 8)
+    p1 = backbone.a(x)
+    p2 = backbone.b(torch.relu(p1))
+    shared = trunk(x)
+    assert torch.equal(shared, torch.cat([p1.flatten(1), p2.flatten(1), p2.flatten(1)], 1))
+    t = towers["a"]
+
+    def g(att, z):
+        return torch.sigmoid(att.outer(torch.relu(att.inner(z))))
+
+    a1 = g(t.attention[0], p1) * p1
+    carried = torch.nn.functional.adaptive_avg_pool2d(torch.relu(t.carry[0].layer(a1)), (2, 2))
+    a2 = g(t.attention[1], torch.cat([p2, carried], 1)) * p2
+    assert torch.allclose(t(shared), a2, atol=1e-6)
+    assert not torch.allclose(towers["b"](shared), a2)  # each task its own attention
+    with pytest.raises(ConfigError, match="declares no blocks over images"):
+        MTAN.build(Identity(), ["a"], (3,), options_of(MTAN.Options, {}, "x"), None)
 
 
 @pytest.mark.parametrize("overrides, message", [

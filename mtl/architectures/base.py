@@ -5,7 +5,7 @@ defining an ``Architecture`` subclass with a ``name``: ``model.architecture.name
 sharing, the default). Its own options live in ``model.architecture.options``, declared by an ``Options`` dataclass
 and checked like every config key.
 
-``build(backbone, tasks, feature_shape, options)`` splits the network in two at the one tensor every strategy splits
+``build(backbone, tasks, feature_shape, options, cfg)`` splits the network in two at the one tensor every strategy splits
 at (the ``feature_leaf`` leaf, the features source's Gram matrix, ``detach``):
 
 - the **trunk**: every module whose parameters more than one task reaches (the backbone, shared experts, ...). It
@@ -34,9 +34,10 @@ class Architecture:
     features_source: str | None = None
 
     @classmethod
-    def build(cls, backbone: nn.Module, tasks: list[str], feature_shape: tuple[int, ...], options) -> tuple[
+    def build(cls, backbone: nn.Module, tasks: list[str], feature_shape: tuple[int, ...], options, cfg) -> tuple[
             nn.Module, dict[str, nn.Module]]:
-        """(the trunk, {task: tower}) for ``backbone`` whose features per item have ``feature_shape``."""
+        """(the trunk, {task: tower}) for ``backbone`` whose features per item have ``feature_shape``; ``options``:
+        the filled ``Options``; ``cfg``: the run's config (``data.image_size`` for a probe of the backbone)."""
         raise NotImplementedError(f"{cls.__name__} must define build")
 
     @classmethod

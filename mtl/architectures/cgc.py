@@ -55,7 +55,7 @@ class CGC(Architecture):
         return expert_counts(cfg, 1)
 
     @classmethod
-    def build(cls, backbone, tasks, feature_shape, options):
+    def build(cls, backbone, tasks, feature_shape, options, cfg):
         c, pool = feature_channels(feature_shape), getattr(backbone, "pool", "mean")
         n = options.shared_experts + options.task_experts
         trunk = ExpertTrunk(backbone, experts(options.shared_experts, feature_shape, options.hidden))

@@ -92,7 +92,7 @@ class DSelectK(Architecture):
         return errors
 
     @classmethod
-    def build(cls, backbone, tasks, feature_shape, options):
+    def build(cls, backbone, tasks, feature_shape, options, cfg):
         c, pool = feature_channels(feature_shape), getattr(backbone, "pool", "mean")
         trunk = ExpertTrunk(backbone, experts(options.experts, feature_shape, options.hidden))
         return trunk, {t: DSelectTower(DSelectGate(c, options.experts, options.k, options.gamma, pool))

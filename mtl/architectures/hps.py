@@ -10,5 +10,5 @@ class HardSharing(Architecture):
     summary = "one shared backbone, a head per task"
 
     @classmethod
-    def build(cls, backbone, tasks, feature_shape, options):
+    def build(cls, backbone, tasks, feature_shape, options, cfg):
         return backbone, {}

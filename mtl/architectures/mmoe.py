@@ -40,7 +40,7 @@ class MMoE(Architecture):
         return [] if int(o.get("experts", 4)) >= 1 else ["model.architecture.options.experts: needs at least 1 expert"]
 
     @classmethod
-    def build(cls, backbone, tasks, feature_shape, options):
+    def build(cls, backbone, tasks, feature_shape, options, cfg):
         c, pool = feature_channels(feature_shape), getattr(backbone, "pool", "mean")
         trunk = ExpertTrunk(backbone, experts(options.experts, feature_shape, options.hidden))
         return trunk, {t: MMoETower(SoftmaxGate(c, options.experts, pool)) for t in tasks}

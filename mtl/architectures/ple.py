@@ -89,7 +89,7 @@ class PLE(Architecture):
         return errors
 
     @classmethod
-    def build(cls, backbone, tasks, feature_shape, options):
+    def build(cls, backbone, tasks, feature_shape, options, cfg):
         c, pool = feature_channels(feature_shape), getattr(backbone, "pool", "mean")
         trunk = PLETrunk(backbone, tasks, feature_shape, pool, options)
         n = options.shared_experts + options.task_experts

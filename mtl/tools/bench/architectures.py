@@ -26,6 +26,7 @@ import time
 import torch
 
 from mtl.architectures import architecture_types
+from mtl.errors import ConfigError
 from mtl.run.trainer import Trainer
 from mtl.tools import tool_parser
 from mtl.tools.bench.ved_step import held_bytes, step_peak_bytes
@@ -49,10 +50,20 @@ def build(config: str, overrides: list[str], out: str):
 
 
 def measure(config: str, overrides: list[str], archs: list[str], steps: int, warmup: int):
+    """(median step, peak bytes) per (architecture, variant), the parameter count per architecture, and the
+    architectures this model cannot take, with the reason (MTAN on a backbone that declares no blocks)."""
+    refused = {}
     with tempfile.TemporaryDirectory() as tmp:
-        built = {(a, v): build(config, [*overrides, f"model.architecture.name={a}", *extra],
-                               os.path.join(tmp, f"{a}_{len(v)}"))
-                 for a in archs for v, extra in VARIANTS.items()}
+        built = {}
+        for a in archs:
+            for v, extra in VARIANTS.items():
+                try:
+                    built[(a, v)] = build(config, [*overrides, f"model.architecture.name={a}", *extra],
+                                          os.path.join(tmp, f"{a}_{len(v)}"))
+                except ConfigError as e:
+                    refused[a] = e.errors[0]
+                    break
+        built = {key: b for key, b in built.items() if key[0] not in refused}
         times = {key: [] for key in built}
         for r in range(warmup + steps):
             for key, (step, batch, _, _) in built.items():
@@ -62,10 +73,10 @@ def measure(config: str, overrides: list[str], archs: list[str], steps: int, war
                     times[key].append(time.perf_counter() - tic)
         mem = {key: step_peak_bytes(step, batch, held) for key, (step, batch, held, _) in built.items()}
     med = {key: statistics.median(t) for key, t in times.items()}
-    return med, mem, {a: built[(a, "equal")][3] for a in archs}
+    return med, mem, {a: built[(a, "equal")][3] for a in archs if a not in refused}, refused
 
 
-def table(config, steps, warmup, med, mem, params) -> str:
+def table(config, steps, warmup, med, mem, params, refused) -> str:
     mib = 2 ** 20
     rows = [f"{config}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {steps} alternated "
             f"steps after {warmup}",
@@ -74,6 +85,7 @@ def table(config, steps, warmup, med, mem, params) -> str:
     for (a, v), t in med.items():
         rows.append(f"| {a} | {params[a]:,} | {v} | {1000 * t:.1f} | {t / med[('hps', v)]:.2f}x | "
                     f"{mem[(a, v)] / mib:.1f} | {mem[(a, v)] / mem[('hps', v)]:.2f}x |")
+    rows += [f"{a}: not measured: {why}" for a, why in refused.items()]
     return "\n".join(rows)
 
 
@@ -86,8 +98,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     archs = ["hps", *[a for a in args.architectures if a != "hps"]]
     torch.set_num_threads(1)
-    med, mem, params = measure(args.config, list(args.overrides), archs, args.steps, args.warmup)
-    print(table(args.config, args.steps, args.warmup, med, mem, params))
+    med, mem, params, refused = measure(args.config, list(args.overrides), archs, args.steps, args.warmup)
+    print(table(args.config, args.steps, args.warmup, med, mem, params, refused))
     return 0
 
 
