@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from mtl.architectures import architecture_of, architecture_options
+from mtl.architectures import adopt_plain_weights, architecture_of, architecture_options
 from mtl.config.schema import multi_input
 from mtl.data.loader import (
     BatchCollate,
@@ -440,6 +440,7 @@ def init_from_weights(model: torch.nn.Module, source: str, class_names: list | N
         weights = files.weights
         state = read_model_weights(weights, "init_from")
         notes = match_class_rows(model, state, files, class_names, fresh_class_head)
+    notes += adopt_plain_weights(model, state)  # an hps (or captioner) file into a model with an architecture
     grown = shrink_grown_decoders(model, state, files, tokenizer)
     own = model.state_dict()
     fresh: dict[str, list[str]] = {}

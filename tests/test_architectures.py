@@ -325,3 +325,39 @@ def test_an_export_runs_the_towers_and_claims_no_torchvision_or_transformers_lay
         assert torch.allclose(features, want, atol=1e-5)
         assert torch.allclose(logits, model.heads["cls"].logits(want), atol=1e-5)
     assert [r["class_index"] for r in predictor.predict(list(images))] == logits.argmax(1).tolist()
+
+
+@pytest.mark.slow
+def test_a_warm_start_from_an_hps_run_loads_its_backbone_into_the_trunk(tmp_path):
+    """init_from of an hps run into an mmoe model: the backbone's tensors are the file's, the experts and gates keep
+    their fresh values and are named; an mmoe file into an hps model is refused (strict), not silently cut."""
+    import json
+
+    from safetensors.torch import load_file
+
+    import train
+    from mtl.build import build_model, init_from_weights
+    from mtl.data.tokenizer import CaptionTokenizer
+    from mtl.errors import CheckpointError
+
+    run = tmp_path / "hps"
+    assert train.main(["--config", TINY, *FAST, "trainer.max_steps=1", "checkpoint.every_steps=1",
+                       f"output_dir={run}"]) == 0
+    saved = load_file(str(run / "checkpoints" / "step_1" / "model.safetensors"))
+    tok = CaptionTokenizer.load(str(run / "tokenizer"))
+    names = json.loads((run / "class_names.json").read_text())
+    cfg = load_run_config(TINY, ["model.architecture.name=mmoe"])
+    model = build_model(cfg, len(names), names, tok)
+    fresh = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("towers.", "backbone.experts."))}
+    note = init_from_weights(model, str(run))
+    assert "the architecture's own" in note and "backbone.experts" in note and "towers.cls" in note
+    state = model.state_dict()
+    backbone = {k: v for k, v in saved.items() if k.startswith("backbone.")}
+    assert backbone and all(torch.equal(state[f"backbone.{k}"], v) for k, v in backbone.items())
+    assert all(torch.equal(state[k], v) for k, v in fresh.items())
+    assert all(torch.equal(state[k], v) for k, v in saved.items() if k.startswith("heads."))
+    mmoe_run = tmp_path / "mmoe"
+    assert train.main(["--config", TINY, *FAST, "model.architecture.name=mmoe", "trainer.max_steps=1",
+                       "checkpoint.every_steps=1", f"output_dir={mmoe_run}"]) == 0
+    with pytest.raises(CheckpointError, match="unexpected"):
+        init_from_weights(build_model(load_run_config(TINY, []), len(names), names, tok), str(mmoe_run))
