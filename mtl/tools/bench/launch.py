@@ -48,7 +48,10 @@ class LocalLauncher:
 
     def start(self, run: dict, command: list[str], record) -> tuple:
         record()  # where it runs: this machine
-        log = open(os.path.join(run["dir"], "log.txt"), "w")
+        log = open(os.path.join(run["dir"], "log.txt"), "a" if run.get("resume") else "w")
+        if run.get("resume"):  # the earlier attempt's output stays above
+            log.write(f"{RESUMED}\n")
+            log.flush()
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         return proc, log
@@ -74,6 +77,7 @@ class LocalLauncher:
 # on Slurm, 30 with the local executor), for its run to save a checkpoint and exit before the job is requeued.
 GRACE_S = {"slurm": 60.0, "local": 20.0}
 REQUEUED = "== requeued (time limit or preemption): resuming from the run's newest checkpoint (resume=auto)"
+RESUMED = "== an unfinished earlier attempt of this run: resuming from its newest checkpoint (resume=auto)"
 
 
 def started_before(run_dir: str) -> bool:
@@ -122,8 +126,8 @@ class RunJob:
             config, threads, code = record_args
             write_record(run_dir, config, provenance(threads), code)
         with open(os.path.join(run_dir, "log.txt"), "a" if again else "w") as log:
-            if again:
-                log.write(f"{REQUEUED} (attempt {self.attempt + 1})\n")
+            if again:  # requeued through ``checkpoint``, or a new job of the sweep (or Slurm's own requeue)
+                log.write(f"{REQUEUED} (attempt {self.attempt + 1})\n" if self.attempt else f"{RESUMED}\n")
                 log.flush()
             self._code = None
             self._proc = proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,

@@ -18,7 +18,9 @@ row per run), per regime a folder of PNG plots, ``runs.jsonl`` (one status line 
 error) and TensorBoard hparams under ``tb/``. A failed run is recorded and the sweep goes on. A re-run reuses a
 finished run only when the training configuration it recorded (``bench_run.json``: every key but ``output_dir``
 and ``bench.*``, plus ``bench.nproc``) and the hashes of its code files (its method's, strategy's, backbone's and
-tasks' files) are the ones it would train with now (mtl/tools/bench/record.py). While it trains, the sweep holds
+tasks' files) are the ones it would train with now (mtl/tools/bench/record.py); an unfinished run of an earlier
+sweep (killed, a node lost, Ctrl-C) resumes from its newest complete checkpoint when its record is the same, else it
+starts from scratch (``earlier_attempt``; one line per run says which). While it trains, the sweep holds
 ``output_dir``'s lock (mtl/tools/bench/lock.py): a second sweep on the folder is refused, exit 2.
 
 Definitions (mtl/tools/bench/stats.py holds the statistics):
@@ -76,14 +78,14 @@ from mtl.build import run_method_types
 from mtl.config.checks import gradient_source_errors, load_run_config
 from mtl.config.schema import check_options
 from mtl.delta_m import delta, metric_specs  # the one Δm, in the core
-from mtl.errors import ConfigError
-from mtl.run.checkpoint import list_checkpoints
+from mtl.errors import CheckpointError, ConfigError
+from mtl.run.checkpoint import find_resumable, list_checkpoints, read_trainer_state
 from mtl.run.error_report import run_guarded
 from mtl.strategies import strategy_types
 from mtl.tools.bench.compare import cost_table, published_entries, published_errors, published_table, reference_values
 from mtl.tools.bench.design import comparisons_table, describe_design
 from mtl.tools.bench.entries import method_spec, parse_method  # noqa: F401  (parse_method: this module's interface too)
-from mtl.tools.bench.launch import drive, make_launcher
+from mtl.tools.bench.launch import drive, make_launcher, resuming
 from mtl.tools.bench.lock import sweep_lock
 from mtl.tools.bench.options import bench_option_errors, bench_options, keys_help
 from mtl.tools.bench.plots import write_plots
@@ -384,12 +386,16 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
     def begin(r):
         left = len(pending) + 1
         eta = statistics.mean(durations) * left / parallel if durations else None
+        resume_from, how = earlier_attempt(r)
         print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: training ({launcher.name})"
-              + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
-        if os.path.isdir(r["dir"]):
-            shutil.rmtree(r["dir"])  # an unfinished earlier attempt: start it again from scratch
-        os.makedirs(r["dir"])
+              + (f", {how}" if how else "") + (f" (ETA for the sweep {eta / 60:.1f} min)" if eta else ""), flush=True)
+        if resume_from is None and os.path.isdir(r["dir"]):
+            shutil.rmtree(r["dir"])  # nothing to resume (or not this run's to resume): start it again from scratch
+        os.makedirs(r["dir"], exist_ok=True)
+        r["resume"] = resume_from is not None
         command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"]], b.nproc)
+        if r["resume"]:  # the trainer's own resume: the newest complete checkpoint, bit for bit
+            command = resuming(command)
         return command, lambda: write_record(r["dir"], r["config"], provenance(threads), r["code"])
 
     def finish(r, outcome):
@@ -407,6 +413,31 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
                     + "\n")
 
     drive(launcher, pending, parallel, begin, finish, report=Progress(parallel, durations))
+
+
+def earlier_attempt(r: dict) -> tuple[str | None, str]:
+    """What an unfinished earlier attempt of run ``r`` left in its folder (a sweep whose job was killed, a node lost,
+    a Ctrl-C): ``(its newest complete checkpoint, how the run starts)`` when it trained with the configuration and
+    code the run would train with now (its ``bench_run.json``, as a finished run is reused), so ``resume=auto``
+    continues it bit for bit; else ``(None, why it starts from scratch)``: no checkpoint, a broken one, or one of
+    another configuration or code (which the trainer's resume would refuse, or which is not this run). ``(None, "")``
+    for a new run."""
+    if not os.path.isdir(r["dir"]) or not os.listdir(r["dir"]):
+        return None, ""
+    finished = os.path.isfile(os.path.join(r["dir"], "final_metrics.json"))
+    if finished:  # trained again because its configuration or code changed (run_all said so)
+        return None, "from scratch (the finished run in its folder is replaced)"
+    try:
+        path, _ = find_resumable(r["dir"])
+    except CheckpointError as e:
+        return None, f"from scratch: an unfinished earlier attempt left only broken checkpoints ({e.message})"
+    if path is None:
+        return None, "from scratch: an unfinished earlier attempt left no complete checkpoint"
+    problem = reuse_problem(r["dir"], r["config"], r["code"])
+    if problem is not None:
+        return None, f"from scratch: an unfinished earlier attempt has a checkpoint, but {problem}"
+    step = int(read_trainer_state(path)["step"])
+    return path, f"resuming an unfinished earlier attempt from its newest checkpoint, step {step} (resume=auto)"
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -1010,7 +1041,8 @@ HELP = """overrides (key=value, as train.py takes them) change the bench config 
   bench.seeds=[0,1,2]  bench.methods=[equal,'cagrad(c=0.2)','mgda(source=features)']  trainer.max_steps=700
   bench.parallel=2  bench.nproc=2  bench.launcher=slurm bench.slurm.partition=gpu  output_dir=runs/mine
 A finished run is reused only when its training configuration (every key but output_dir and bench.*) and its code
-(the files of its method, strategy, backbone and tasks, plug-ins too) are unchanged. One sweep per output_dir: a
+(the files of its method, strategy, backbone and tasks, plug-ins too) are unchanged; an unfinished run with a
+complete checkpoint of the same configuration and code resumes from it (resume=auto). One sweep per output_dir: a
 second one is refused (exit 2) naming the first one's PID. Exit codes: 0 done (failed runs are in runs.jsonl), 2 a
 config or option error, an --on-change refuse or a folder in use.
 
