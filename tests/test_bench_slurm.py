@@ -175,3 +175,122 @@ def test_a_job_stopped_at_its_time_limit_is_requeued_and_ends_with_the_uninterru
     assert steps == list(range(1, 41)), steps
     final = os.path.join("checkpoints", "step_40", "model.safetensors")
     assert (run_dir / final).read_bytes() == (tmp_path / "reference" / final).read_bytes()
+
+
+def _job_process(job) -> int:
+    """The job's own process under submitit's local controller (its task: submitit's _submit, running RunJob)."""
+    from .proctree import children
+
+    tasks = children(int(job.job_id))
+    assert len(tasks) == 1, tasks
+    return tasks[0]
+
+
+@pytest.mark.slow
+def test_stop_signals_that_reach_the_run_itself_requeue_its_job_and_end_with_the_uninterrupted_model(tmp_path):
+    """Slurm signals every process of the job step, not only submitit's: (1) its warning signal (USR2, at the time
+    limit) reaches the run too, whose default action for it is to die at once without saving; (2) a SIGTERM (a
+    preemption, the hard time limit) makes the run save and exit 0 without its final metrics, which RunJob counted
+    as a failed run. Both sent as Slurm sends them (to the job's process and the run's): each time the run saves its
+    step, the job is requeued, the next attempt resumes, nothing is recorded as failed, and the final model is the
+    uninterrupted run's, byte for byte."""
+    pytest.importorskip("submitit")
+    import re
+    import signal
+    import time
+
+    from omegaconf import OmegaConf
+
+    from mtl.tools.bench.launch import REQUEUED, SlurmLauncher
+    from mtl.tools.bench.sweep import run_command
+
+    from .proctree import children
+    from .resume_check import metrics_records
+
+    over = ["trainer.max_steps=60", "trainer.eval_every=60", "trainer.log_every=1", "checkpoint.every_steps=4",
+            "trainer.num_samples=0", "trainer.progress=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = subprocess.run([PY, os.path.join(ROOT, "train.py"), "--config", TINY, *over,
+                                f"output_dir={tmp_path / 'reference'}"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out, run_dir = tmp_path / "bench", tmp_path / "run"
+    run_dir.mkdir()
+    cfg = OmegaConf.create({"output_dir": str(out), "bench": {"launcher": "slurm", "slurm": {
+        "cluster": "local", "cpus_per_run": 1, "time_min": 2}}})
+    launcher = SlurmLauncher(cfg, {"OMP_NUM_THREADS": "1"}, 1)
+    run = {"dir": str(run_dir), "config": {}, "code": None}
+    job = launcher.start(run, run_command(TINY, [*over, f"output_dir={run_dir}", "resume=null"], 1), None)
+    deadline = time.time() + 300
+    log = run_dir / "log.txt"
+
+    def wait_for(what, ready):
+        while not ready():
+            assert launcher.poll(job, run) is None, f"ended while waiting for {what}:\n{log.read_text()[-3000:]}"
+            assert time.time() < deadline, what
+            time.sleep(0.05)
+
+    def newest():
+        return max((int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*")
+                    if (p / "manifest.json").exists()), default=0)
+
+    def signal_job(sig):  # as Slurm does: every process of the step, the job's own and the run's
+        proc = _job_process(job)
+        (trainer,) = children(proc)
+        for pid in (proc, trainer):
+            os.kill(pid, sig)
+
+    wait_for("the first checkpoint", lambda: newest() >= 4)
+    signal_job(signal.SIGUSR2)
+    def resumed_from():
+        found = re.findall(r"resume=auto: resuming from \S*step_(\d+)", log.read_text())
+        return int(found[-1]) if found else None
+
+    wait_for("the second attempt's first checkpoint", lambda: (s := resumed_from()) is not None and newest() > s)
+    signal_job(signal.SIGTERM)
+    while (outcome := launcher.poll(job, run)) is None and time.time() < deadline:
+        time.sleep(0.2)
+    text = log.read_text()
+    assert outcome is True, f"{outcome}\n{text[-3000:]}"
+    # both stops happened mid-run and each time the run saved its step (not killed by the warning signal)
+    saved = [int(s) for s in re.findall(r"step (\d+): stop signal received", text)]
+    resumed = [int(s) for s in re.findall(r"resume=auto: resuming from \S*step_(\d+)", text)]
+    assert len(saved) == 2 and resumed == saved and all(4 <= s < 60 for s in saved), text[-3000:]
+    assert text.count(REQUEUED) == 2 and "requeuing its job" in text, text[-3000:]
+    submitit_log = "".join(p.read_text() for p in (out / "slurm").glob(f"{job.job_id}_0_log.*"))
+    assert submitit_log.count(f"Requeued job {job.job_id}") == 2, submitit_log
+    steps = [r["step"] for r in metrics_records(str(run_dir)) if r.get("kind") == "train"]
+    assert steps == list(range(1, 61)), steps
+    final = os.path.join("checkpoints", "step_60", "model.safetensors")
+    assert (run_dir / final).read_bytes() == (tmp_path / "reference" / final).read_bytes()
+
+
+def test_a_run_stopped_after_the_sweep_cancelled_its_job_is_not_requeued(tmp_path):
+    """Slurm's cancel (the sweep's ``stop``: scancel) sends the run SIGTERM too, and the run saves and exits 0 as at a
+    preemption: RunJob requeues such a job through submitit's handler, unless the sweep marked the folder first."""
+    import signal
+    import sys
+
+    from mtl.tools.bench.launch import CANCELLED, RunJob, warning_signal
+
+    calls = []
+
+    def checkpoint_and_try_requeue(signum, frame):  # stands for submitit's handler in a job's process
+        calls.append(signum)
+        raise SystemExit(-1)
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text("{}")  # it started training; exits 0 without final_metrics.json: stopped
+    stopped = [sys.executable, "-c", "pass"]
+    previous = signal.signal(warning_signal(), checkpoint_and_try_requeue)
+    try:
+        with pytest.raises(SystemExit):
+            RunJob()(stopped, str(run_dir), {}, ROOT)
+        assert calls == [warning_signal()] and "requeuing its job" in (run_dir / "log.txt").read_text()
+        (run_dir / CANCELLED).write_text("")
+        with pytest.raises(RuntimeError, match="the sweep cancelled its job"):
+            RunJob()(stopped, str(run_dir), {}, ROOT)
+        assert calls == [warning_signal()]
+    finally:
+        signal.signal(warning_signal(), previous)

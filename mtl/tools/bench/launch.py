@@ -80,6 +80,26 @@ REQUEUED = "== requeued (time limit or preemption): resuming from the run's newe
 RESUMED = "== an unfinished earlier attempt of this run: resuming from its newest checkpoint (resume=auto)"
 
 
+CANCELLED = "bench_cancelled"  # in a run's folder: the sweep cancelled its job (``SlurmLauncher.stop``): no requeue
+
+
+def warning_signal() -> int:
+    """submitit's time-limit/preemption warning signal (USR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` says otherwise)."""
+    try:
+        from submitit.core.job_environment import JobEnvironment
+
+        return JobEnvironment._usr_sig()
+    except (ImportError, RuntimeError):
+        return signal.SIGUSR2
+
+
+def _run_ignores_warning() -> None:
+    """In a run's process: Slurm sends submitit's warning signal to every process of the job step, the run's too,
+    whose default action for it is to die at once without a checkpoint. Ignored (inherited through exec, by torchrun
+    and its workers too): the job's ``checkpoint`` stops the run with SIGTERM instead, and it saves its step."""
+    signal.signal(warning_signal(), signal.SIG_IGN)
+
+
 def started_before(run_dir: str) -> bool:
     """Whether an earlier attempt of this run's job started training in ``run_dir`` (it wrote ``run.json``, which
     a run writes once every check has passed; the sweep gives each run's first attempt an empty folder)."""
@@ -101,9 +121,14 @@ class RunJob:
     finishes its step, saves a checkpoint and exits; torchrun passes it to every rank), waits for it to exit (at most
     ``grace_s``), and hands submitit this callable again, which requeues the job. An attempt that finds the run
     started before (``started_before``; whether requeued by submitit or by Slurm itself) runs it with ``resume=auto``,
-    so it continues from the newest complete checkpoint, bit for bit as any resume (docs/reliability.md). A run
-    that started training and exits 0 without its ``final_metrics.json`` was stopped by a signal that did not
-    requeue the job: an error, not a finished run."""
+    so it continues from the newest complete checkpoint, bit for bit as any resume (docs/reliability.md).
+
+    Slurm signals every process of the job step, the run's too: the warning signal is ignored by the run
+    (``_run_ignores_warning``); a SIGTERM that reaches the run itself (a preemption, the time limit, a cancel) makes
+    it save its step and exit 0 without its ``final_metrics.json`` (or, before its handler is installed, die of it).
+    Such a run is not finished and did not fail: the job is requeued as the warning signal would (submitit's own
+    handler, which calls ``checkpoint``), unless the sweep cancelled it (``CANCELLED``); outside a submitit job, or
+    cancelled by the sweep, it is an error."""
 
     def __init__(self, grace_s: float = GRACE_S["slurm"]):
         self.grace_s = grace_s
@@ -131,7 +156,7 @@ class RunJob:
                 log.flush()
             self._code = None
             self._proc = proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                 env={**os.environ, **env}, cwd=cwd)
+                                                 env={**os.environ, **env}, cwd=cwd, preexec_fn=_run_ignores_warning)
             threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
             try:
                 while self._code is None:  # no lock held here: submitit's signal handler runs in this thread
@@ -140,11 +165,29 @@ class RunJob:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        if self._code == 0 and started_before(run_dir) and not os.path.isfile(os.path.join(run_dir,
-                                                                                      "final_metrics.json")):
-            raise RuntimeError(f"the run in {run_dir} stopped before its end (a stop signal: the job was preempted or "
-                               "cancelled without a requeue); its checkpoints are kept in the folder")
+        stopped = self._code in (-signal.SIGTERM, 128 + signal.SIGTERM) or (
+            self._code == 0 and not os.path.isfile(os.path.join(run_dir, "final_metrics.json")))
+        if stopped and started_before(run_dir):  # a stop signal reached the run itself (not through ``checkpoint``)
+            cancelled = os.path.isfile(os.path.join(run_dir, CANCELLED))
+            if not cancelled:
+                self._requeue(run_dir)  # returns only outside a submitit job
+            raise RuntimeError(f"the run in {run_dir} stopped before its end (a stop signal"
+                               + (": the sweep cancelled its job" if cancelled else ", outside a submitit job")
+                               + "); its checkpoints are kept in the folder")
         return self._code
+
+    def _requeue(self, run_dir: str) -> None:
+        """Requeue this job as submitit does at its warning signal: its handler (installed in the job's process
+        before this callable runs) calls ``checkpoint`` (the run has exited: nothing to stop), saves the requeued
+        callable and requeues the job (SystemExit). Returns without a submitit job."""
+        sig = warning_signal()
+        handler = signal.getsignal(sig)
+        if getattr(handler, "__name__", "") != "checkpoint_and_try_requeue":
+            return
+        with open(os.path.join(run_dir, "log.txt"), "a") as log:
+            log.write(f"== the run was stopped by a signal (exit code {self._code}; a preemption or the time limit): "
+                      "requeuing its job\n")
+        handler(sig, None)
 
     def _wait(self, proc: subprocess.Popen) -> None:
         self._code = proc.wait()
@@ -191,7 +234,7 @@ class SlurmLauncher:
                               "bench.launcher=local") from e
         b = bench_options(cfg)
         s, nproc = b.slurm, max(1, int(b.nproc))
-        self.env, self.threads, self.cwd = env, threads, os.getcwd()
+        self.env, self.threads, self.cwd, self._dirs = env, threads, os.getcwd(), {}
         self.grace_s = GRACE_S.get(s.cluster, GRACE_S["slurm"])
         self.executor = submitit.AutoExecutor(folder=job_folder(cfg.output_dir, s.cluster), cluster=s.cluster)
         params = {"timeout_min": int(s.time_min), "nodes": 1, "tasks_per_node": 1, "name": "mtl-bench",
@@ -206,8 +249,13 @@ class SlurmLauncher:
         self.executor.update_parameters(**params)
 
     def start(self, run: dict, command: list[str], record) -> object:
-        return self.executor.submit(RunJob(self.grace_s), command, run["dir"], self.env, self.cwd,
-                                    (run["config"], self.threads, run.get("code")))
+        marker = os.path.join(run["dir"], CANCELLED)
+        if os.path.isfile(marker):  # an earlier sweep cancelled it: this one runs it
+            os.remove(marker)
+        job = self.executor.submit(RunJob(self.grace_s), command, run["dir"], self.env, self.cwd,
+                                   (run["config"], self.threads, run.get("code")))
+        self._dirs[job.job_id] = run["dir"]
+        return job
 
     def poll(self, job, run: dict) -> str | None | bool:
         if not job.done():
@@ -221,6 +269,12 @@ class SlurmLauncher:
         return f"job {job.job_id}, exit code {code}: {tail(os.path.join(run['dir'], 'log.txt'))}"
 
     def stop(self, job) -> None:
+        """Cancel the job, marked first in its run's folder (``CANCELLED``): the SIGTERM Slurm's cancel sends the run
+        must not requeue it."""
+        run_dir = self._dirs.get(job.job_id)
+        if run_dir and os.path.isdir(run_dir):
+            with open(os.path.join(run_dir, CANCELLED), "w") as f:
+                f.write("the sweep cancelled this run's job\n")
         job.cancel(check=False)
 
 
