@@ -13,6 +13,7 @@ from torch import nn
 
 from mtl.architectures import architecture_types
 from mtl.architectures.cgc import CGC
+from mtl.architectures.cross_stitch import CrossStitch
 from mtl.architectures.dselect_k import DSelectGate, binary_codes, smooth_step
 from mtl.architectures.experts import Expert, mix
 from mtl.architectures.mmoe import MMoE
@@ -24,7 +25,7 @@ from mtl.errors import ConfigError
 
 from .conftest import TINY, parity_worker, spawn_parity_runs
 
-ARCHITECTURES = ["cgc", "dselect_k", "mmoe", "mtan", "ple"]
+ARCHITECTURES = ["cgc", "cross_stitch", "dselect_k", "mmoe", "mtan", "ple"]
 
 
 class Identity(nn.Module):
@@ -171,6 +172,57 @@ def test_mtan_attends_to_each_block_by_hand():
         MTAN.build(Identity(), ["a"], (3,), options_of(MTAN.Options, {}, "x"), None)
 
 
+class Staged(TwoBlocks):
+    def stages(self):
+        return [("a", self.a), ("relu", nn.ReLU()), ("b", self.b)]
+
+
+def test_cross_stitch_mixes_the_columns_after_every_block_by_hand():
+    """Misra et al. 2016, eq. 1: after each block, x_t = sum_s alpha_ts y_s, alpha initialised 0.9 / 0.1 (§3.3); a
+    column per task, each starting from the backbone's weights; task t reads its column."""
+    torch.manual_seed(0)
+    backbone = Staged()
+    trunk, towers = CrossStitch.build(backbone, ["a", "b"], (6, 2, 2), options_of(CrossStitch.Options, {}, "x"), None)
+    assert torch.equal(trunk.alpha[0].detach(), torch.tensor([[0.9, 0.1], [0.1, 0.9]]))
+    with torch.no_grad():
+        trunk.alpha[1].copy_(torch.tensor([[0.7, 0.3], [-0.2, 1.1]]))
+        for p in trunk.columns["b"].parameters():
+            p.add_(0.1 * torch.randn_like(p))  # the columns train apart
+    x = torch.randn(3, 3, 8, 8)
+    ca, cb = trunk.columns["a"], trunk.columns["b"]
+    y1a, y1b = ca.a(x), cb.a(x)
+    x1a, x1b = 0.9 * y1a + 0.1 * y1b, 0.1 * y1a + 0.9 * y1b
+    y2a, y2b = ca.b(torch.relu(x1a)), cb.b(torch.relu(x1b))
+    shared = trunk(x)
+    assert torch.allclose(towers["a"](shared), 0.7 * y2a + 0.3 * y2b, atol=1e-6)
+    assert torch.allclose(towers["b"](shared), -0.2 * y2a + 1.1 * y2b, atol=1e-6)
+    assert [n for n, _ in trunk.blocks()] == ["columns.a.a", "columns.b.a", "columns.a.b", "columns.b.b"]
+    with pytest.raises(ConfigError, match="Backbone.stages"):
+        CrossStitch.build(TwoBlocks(), ["a", "b"], (6, 2, 2), options_of(CrossStitch.Options, {}, "x"), None)
+
+
+@pytest.mark.parametrize("name, stages", [("resnet18", 2), ("efficientnet_b0", 4)])
+def test_a_torchvision_backbones_stages_are_its_forward(name, stages):
+    from mtl.models.backbones.torchvision_cnn import build_torchvision_backbone
+
+    torch.manual_seed(0)
+    b = build_torchvision_backbone(name, norm="group", stages=stages).eval()
+    x = torch.randn(2, 3, 32, 32)
+    y = x
+    for _, m in b.stages():
+        y = m(y)
+    with torch.no_grad():
+        assert torch.equal(y, b(x))
+    assert {n for n, _ in b.blocks()} <= {n for n, _ in b.stages()}
+
+
+def test_cross_stitch_refuses_the_features_source_by_name():
+    with pytest.raises(ConfigError, match="weighting.source: features cannot serve model.architecture.name="
+                                          "cross_stitch: each task reads its own column"):
+        load_run_config(TINY, ["model.architecture.name=cross_stitch", "weighting.method=mgda",
+                               "weighting.source=features"])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.architecture.name=mmo"], "model.architecture.name: unknown architecture 'mmo' (supported: cgc, "),
     (["model.architecture.name=mmoe", "model.architecture.options.expert=3"],
@@ -214,16 +266,20 @@ def _cases():
 
     strategies = sorted(n for n, c in strategy_types().items() if not c.unsafe)
     cases = {f"{a}/{s}": [f"model.architecture.name={a}", f"ddp.strategy={s}"] for a in ARCHITECTURES for s in strategies}
-    fsdp2 = sorted(n for n, c in strategy_types().items()
-                   if not c.unsafe and c.fsdp2_problem() is None and not c.task_gradients)
-    for a in ARCHITECTURES:  # FSDP2 (2 processes) against the same run in one process
+    # FSDP2 (2 processes) against the same run in one process: one strategy with one backward and one with a
+    # forward and backward per task (every FSDP2 strategy is proven on hps in tests/test_fsdp.py; here the trunk's and
+    # towers' sharding)
+    fsdp2 = ["accumulate", "feature_leaf"]
+    assert all(strategy_types()[s].fsdp2_problem() is None for s in fsdp2)
+    for a in ARCHITECTURES:
         for s in fsdp2:
             cases[f"{a}/fsdp2:{s}"] = [f"model.architecture.name={a}", f"ddp.strategy={s}", "parallel.engine=fsdp2"]
-    for a in ARCHITECTURES:  # a gradient-level method on each source
+    for a in ARCHITECTURES:  # a gradient-level method on each source (where the architecture has a shared tensor)
         cases[f"{a}/task_grads+mgda"] = [f"model.architecture.name={a}", "ddp.strategy=task_grads",
                                          "weighting.method=mgda", "weighting.source=parameters"]
-        cases[f"{a}/feature_leaf+mgda"] = [f"model.architecture.name={a}", "ddp.strategy=feature_leaf",
-                                           "weighting.method=mgda", "weighting.source=features"]
+        if architecture_types()[a].features_source is None:
+            cases[f"{a}/feature_leaf+mgda"] = [f"model.architecture.name={a}", "ddp.strategy=feature_leaf",
+                                               "weighting.method=mgda", "weighting.source=features"]
     return cases
 
 
@@ -269,7 +325,7 @@ def test_two_processes_equal_one_process_for_every_architecture_and_strategy(arc
             assert all(torch.equal(got[k], other[k]) for k in got), f"{name}: the two ranks' replicas differ"
         assert _rel(ref, got) <= TOL, name
         arch, how = name.split("/")
-        assert any(k.startswith("towers.") for k in got), name
+        assert any(k.startswith(("towers.", "backbone.alpha.")) for k in got), name  # the architecture was built
         how = how.removeprefix("fsdp2:")
         if how in strategy_types() and not strategy_types()[how].changes_objective:  # every exact strategy: combined's
             assert _rel(arch_runs["single"][f"{arch}/combined"], ref) <= TOL, name

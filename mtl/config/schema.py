@@ -165,7 +165,7 @@ class DecoderConfig:
 
 @dataclass
 class ArchitectureConfig:
-    name: str = "hps"  # how the features reach the heads: a file in mtl/architectures/ (hps, mmoe, cgc, ple, dselect_k, mtan)
+    name: str = "hps"  # how the features reach the heads: a file in mtl/architectures/ (hps, mmoe, cgc, ple, dselect_k, mtan, cross_stitch)
     options: dict[str, Any] = field(default_factory=dict)  # the architecture's own options (its Options dataclass)
 
 

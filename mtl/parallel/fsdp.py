@@ -123,7 +123,9 @@ def backbone_units(backbone: nn.Module) -> list[tuple[str, nn.Module]]:
         def walk(prefix, module):
             for name, child in module.named_children():
                 path = f"{prefix}.{name}"
-                container = isinstance(child, (nn.ModuleList, nn.ModuleDict))  # no forward: fully_shard refuses it
+                # no forward of its own (ModuleList, ParameterList, ...): no unit (FSDP2 gathers a unit in its
+                # forward); its modules are walked, its own parameters stay with the module above
+                container = type(child).forward is nn.Module.forward
                 if id(child) in is_block or (id(child) not in holds and _has_params(child) and not container):
                     units.append((path, child))
                 elif id(child) in holds or container:

@@ -86,6 +86,13 @@ class Backbone(nn.Module):
         """The repeated units in forward order, as (name relative to the backbone, module). Default: none."""
         return []
 
+    def stages(self) -> list[tuple[str, nn.Module]]:
+        """The whole forward as modules applied one after the other, (name relative to the backbone, module):
+        ``forward(x)`` is the last applied to ... the first applied to x, and the declared blocks are among them. What
+        an architecture that runs several copies of the backbone in step needs (``cross_stitch``). Default: none
+        declared (such an architecture is refused)."""
+        return []
+
     @torch.no_grad()
     def feature_shape(self, cfg) -> tuple[int, ...]:
         """The features' shape per item. An image backbone: (C, h, w), from one zero image of ``data.image_size``

@@ -72,6 +72,9 @@ class ResNetTrunk(TorchvisionTrunk):
         """Its stages (layer1..layerN); the stem runs before them."""
         return [(f"layers.{i}", m) for i, m in enumerate(self.layers)]
 
+    def stages(self):
+        return [("stem", self.stem), *self.blocks()]
+
 
 class FeaturesTrunk(TorchvisionTrunk):
     """Networks whose ``.features`` Sequential is the whole convolutional trunk (ConvNeXt, EfficientNet, ...)."""
@@ -95,6 +98,9 @@ class FeaturesTrunk(TorchvisionTrunk):
         """The children of ``.features`` that hold parameters (a ConvNeXt's stem, stages and downsampling layers, an
         EfficientNet's stem conv, stages and last conv), in forward order."""
         return [(f"features.{name}", m) for name, m in self.features.named_children() if any(True for _ in m.parameters())]
+
+    def stages(self):
+        return [(f"features.{name}", m) for name, m in self.features.named_children()]
 
 
 def _load_weights(name: str, weights: str | None) -> nn.Module:

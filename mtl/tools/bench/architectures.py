@@ -51,7 +51,8 @@ def build(config: str, overrides: list[str], out: str):
 
 def measure(config: str, overrides: list[str], archs: list[str], steps: int, warmup: int):
     """(median step, peak bytes) per (architecture, variant), the parameter count per architecture, and the
-    architectures this model cannot take, with the reason (MTAN on a backbone that declares no blocks)."""
+    (architecture, variant) pairs the config refuses, with the reason (MTAN on a backbone that declares no blocks,
+    Cross-stitch with the features source)."""
     refused = {}
     with tempfile.TemporaryDirectory() as tmp:
         built = {}
@@ -60,10 +61,8 @@ def measure(config: str, overrides: list[str], archs: list[str], steps: int, war
                 try:
                     built[(a, v)] = build(config, [*overrides, f"model.architecture.name={a}", *extra],
                                           os.path.join(tmp, f"{a}_{len(v)}"))
-                except ConfigError as e:
-                    refused[a] = e.errors[0]
-                    break
-        built = {key: b for key, b in built.items() if key[0] not in refused}
+                except ConfigError as e:  # this model cannot take it (mtan without blocks), or this source
+                    refused[(a, v)] = e.errors[0]
         times = {key: [] for key in built}
         for r in range(warmup + steps):
             for key, (step, batch, _, _) in built.items():
@@ -73,7 +72,7 @@ def measure(config: str, overrides: list[str], archs: list[str], steps: int, war
                     times[key].append(time.perf_counter() - tic)
         mem = {key: step_peak_bytes(step, batch, held) for key, (step, batch, held, _) in built.items()}
     med = {key: statistics.median(t) for key, t in times.items()}
-    return med, mem, {a: built[(a, "equal")][3] for a in archs if a not in refused}, refused
+    return med, mem, {a: b[3] for (a, _), b in built.items()}, refused
 
 
 def table(config, steps, warmup, med, mem, params, refused) -> str:
@@ -85,7 +84,7 @@ def table(config, steps, warmup, med, mem, params, refused) -> str:
     for (a, v), t in med.items():
         rows.append(f"| {a} | {params[a]:,} | {v} | {1000 * t:.1f} | {t / med[('hps', v)]:.2f}x | "
                     f"{mem[(a, v)] / mib:.1f} | {mem[(a, v)] / mem[('hps', v)]:.2f}x |")
-    rows += [f"{a}: not measured: {why}" for a, why in refused.items()]
+    rows += [f"{a}, {v}: not measured: {why}" for (a, v), why in refused.items()]
     return "\n".join(rows)
 
 
