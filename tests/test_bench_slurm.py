@@ -269,7 +269,8 @@ def test_stop_signals_that_reach_the_run_itself_requeue_its_job_and_end_with_the
 
 def test_a_run_stopped_after_the_sweep_cancelled_its_job_is_not_requeued(tmp_path):
     """Slurm's cancel (the sweep's ``stop``: scancel) sends the run SIGTERM too, and the run saves and exits 0 as at a
-    preemption: RunJob requeues such a job through submitit's handler, unless the sweep marked the folder first."""
+    preemption: RunJob requeues such a job through submitit's handler, unless the sweep marked the folder first; a
+    run killed by SIGTERM is requeued too."""
     import signal
     import sys
 
@@ -294,5 +295,13 @@ def test_a_run_stopped_after_the_sweep_cancelled_its_job_is_not_requeued(tmp_pat
         with pytest.raises(RuntimeError, match="the sweep cancelled its job"):
             RunJob()(stopped, str(run_dir), {}, ROOT)
         assert calls == [warning_signal()]
+        # a run that dies of SIGTERM (before the trainer's handler is installed, even before it wrote run.json) is
+        # requeued too: what it saved is kept, and a run that saved nothing starts again
+        fresh = tmp_path / "fresh"
+        fresh.mkdir()
+        with pytest.raises(SystemExit):
+            RunJob()([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], str(fresh),
+                     {}, ROOT)
+        assert calls == [warning_signal()] * 2
     finally:
         signal.signal(warning_signal(), previous)

@@ -165,9 +165,12 @@ class RunJob:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        stopped = self._code in (-signal.SIGTERM, 128 + signal.SIGTERM) or (
-            self._code == 0 and not os.path.isfile(os.path.join(run_dir, "final_metrics.json")))
-        if stopped and started_before(run_dir):  # a stop signal reached the run itself (not through ``checkpoint``)
+        # a stop signal reached the run itself, not through ``checkpoint``: it died of it (before the trainer's handler
+        # was installed: what it saved before is kept), or it saved its step and exited 0 without its final metrics
+        killed = self._code in (-signal.SIGTERM, 128 + signal.SIGTERM)
+        saved = self._code == 0 and started_before(run_dir) and not os.path.isfile(os.path.join(run_dir,
+                                                                                           "final_metrics.json"))
+        if killed or saved:
             cancelled = os.path.isfile(os.path.join(run_dir, CANCELLED))
             if not cancelled:
                 self._requeue(run_dir)  # returns only outside a submitit job
