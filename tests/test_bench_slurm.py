@@ -305,3 +305,29 @@ def test_a_run_stopped_after_the_sweep_cancelled_its_job_is_not_requeued(tmp_pat
         assert calls == [warning_signal()] * 2
     finally:
         signal.signal(warning_signal(), previous)
+
+
+def test_the_sweeps_cancel_marks_the_run_folder_before_it_cancels_the_job(tmp_path):
+    """``SlurmLauncher.stop`` (the sweep interrupted) writes ``CANCELLED`` in the run's folder before the cancel, whose
+    SIGTERM the job's RunJob then reads as the sweep's, not a preemption's."""
+    pytest.importorskip("submitit")
+    from omegaconf import OmegaConf
+
+    from mtl.tools.bench.launch import CANCELLED, SlurmLauncher
+
+    cfg = OmegaConf.create({"output_dir": str(tmp_path / "bench"), "bench": {"launcher": "slurm",
+                                                                              "slurm": {"cluster": "local"}}})
+    launcher = SlurmLauncher(cfg, {}, 1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    seen = []
+
+    class Job:
+        job_id = "7"
+
+        def cancel(self, check=True):
+            seen.append((run_dir / CANCELLED).exists())
+
+    launcher._dirs["7"] = str(run_dir)
+    launcher.stop(Job())
+    assert seen == [True]
