@@ -172,6 +172,36 @@ REGIMES = ("bench.regimes={natural: {expect: 'nothing moves'}, scaled: {override
            "baselines_from: natural, methods: [equal, uw], expect: 'equal loses cls'}}")
 
 
+def test_the_architecture_axis_repeats_every_regime_with_each_architecture():
+    """bench.architectures: each regime again as <regime>+<architecture>, its runs built with that architecture, the
+    single-task baselines the regime's own (planned once); a name that is not an architecture, or a source it cannot
+    serve, is refused naming the regime."""
+    from mtl.config.checks import load_run_config
+    from mtl.tools.bench.sweep import plan, regime_configs
+
+    over = [REGIMES, "bench.methods=[equal, 'mgda(source=features)']", "bench.seeds=[0]",
+            "bench.architectures=[mmoe, cross_stitch]"]
+    cfg = load_run_config(TINY, over)
+    loaded, errors = regime_configs(cfg, TINY, over)
+    # cross_stitch has no shared tensor: the features source is refused in its regime, by name
+    assert errors and all("+cross_stitch" in e and "weighting.source: features cannot serve" in e for e in errors)
+    over[-1] = "bench.architectures=[mmoe]"
+    cfg = load_run_config(TINY, over)
+    loaded, errors = regime_configs(cfg, TINY, over)
+    assert errors == [] and list(loaded) == ["natural", "scaled", "natural+mmoe", "scaled+mmoe"]
+    runs = plan(cfg, loaded=loaded)
+    by = {(r["regime"], r["label"]): r for r in runs}
+    assert ("natural+mmoe", "single_cls") not in by and ("natural", "single_cls") in by  # baselines once
+    assert "model.architecture.name=mmoe" in by[("natural+mmoe", "mgda(source=features)")]["overrides"]
+    assert "loss_scale.gen=100" in by[("scaled+mmoe", "uw")]["overrides"]
+    assert not any("architecture" in o for o in by[("natural", "equal")]["overrides"])
+    assert loaded["natural+mmoe"][1].model.architecture.name == "mmoe"
+    bad = [REGIMES, "bench.architectures=[mmo]"]
+    _, errors = regime_configs(load_run_config(TINY, bad), TINY, bad)
+    assert any(e.startswith("bench.regimes.natural+mmo.overrides") and "unknown architecture 'mmo'" in e
+               for e in errors), errors
+
+
 def test_regimes_and_gradient_sources_plan_the_right_runs():
     """Each regime's overrides reach its runs; a regime with baselines_from plans no baselines of its own; an
     entry's source=features becomes weighting.source with the features strategy; bad entries are refused."""

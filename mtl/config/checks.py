@@ -403,10 +403,18 @@ def architecture_errors(cfg, method) -> list[str]:
     if errors:
         return errors
     errors += arch.check(cfg)
-    if arch.features_source and method is not None and method.level == "grad" and cfg.weighting.source == "features":
-        errors.append(f"weighting.source: features cannot serve model.architecture.name={a.name}: "
-                      f"{arch.features_source}; set weighting.source=parameters")
-    return errors
+    return errors + architecture_source_errors(cfg, method, arch)
+
+
+def architecture_source_errors(cfg, method, arch=None) -> list[str]:
+    """``weighting.source: features`` with an architecture that has no tensor every task reads (``cross_stitch``)."""
+    if arch is None:
+        arch = architecture_types(cfg.get("architecture_modules") or ()).get(cfg.model.architecture.name)
+    if arch is not None and arch.features_source and method is not None and method.level == "grad" \
+            and cfg.weighting.source == "features":
+        return [f"weighting.source: features cannot serve model.architecture.name={arch.name}: "
+                f"{arch.features_source}; set weighting.source=parameters"]
+    return []
 
 
 def option_defaults(cfg) -> dict:

@@ -107,6 +107,9 @@ class BenchOptions:
     # regime's single-task runs), expect: "what this regime should show, stated before the run"}; empty: one
     # regime, "natural", with no overrides
     regimes: dict[str, Any] = field(default_factory=dict)
+    # the architecture axis: each regime again with each of these model.architecture.name values, as the regime
+    # <regime>+<architecture> (its single-task baselines the regime's own); empty: the config's architecture only
+    architectures: list[str] = field(default_factory=list)
     reference: ReferenceOptions = field(default_factory=ReferenceOptions)  # a second Δm, against given baselines
     published: PublishedOptions = field(default_factory=PublishedOptions)  # a paper's Δm, read beside ours
     protocol: str = ""  # the protocol in words (printed by --plan and above the tables); the config is what runs

@@ -75,7 +75,7 @@ from safetensors import safe_open
 from torch.utils import tensorboard
 
 from mtl.build import run_method_types
-from mtl.config.checks import gradient_source_errors, load_run_config
+from mtl.config.checks import architecture_source_errors, gradient_source_errors, load_run_config
 from mtl.config.schema import check_options
 from mtl.delta_m import delta, metric_specs  # the one Δm, in the core
 from mtl.errors import CheckpointError, ConfigError
@@ -164,6 +164,7 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
         else:
             found += [e for e in types[name].check(run_cfg) if e.startswith("weighting.options")]
         found += gradient_source_errors(run_cfg, strategies.get(run_cfg.ddp.strategy), types[name], strategies)
+        found += architecture_source_errors(run_cfg, types[name])
         errors += [f"{where}: {e}" for e in found]
     return errors
 
@@ -196,6 +197,23 @@ def regimes(cfg) -> dict[str, dict]:
                           "methods": list(spec.get("methods") or b.methods),
                           "baselines_from": spec.get("baselines_from"), "expect": spec.get("expect") or "",
                           "_unknown": [k for k in spec if k not in REGIME_KEYS]}
+    return {**out, **architecture_regimes(out, b.architectures)}
+
+
+def architecture_regimes(specs: dict, architectures: list) -> dict[str, dict]:
+    """``bench.architectures``, the sweep's architecture axis: each regime again with each architecture
+    (``model.architecture.name``), as the regime ``<regime>+<architecture>``: the same methods and overrides, its
+    single-task baselines those of the regime it repeats (an architecture shares a network between tasks, so a
+    single task's baseline is the plain network's), so its Δm and the "Between regimes" column compare it with the
+    same methods on the config's own architecture."""
+    out = {}
+    for arch in architectures:
+        for name, spec in specs.items():
+            expect = f"{spec['expect']} " if spec["expect"] else ""
+            out[f"{name}+{arch}"] = {
+                **spec, "overrides": [*spec["overrides"], f"model.architecture.name={arch}"],
+                "baselines_from": spec["baselines_from"] or name,
+                "expect": f"{expect}(the regime {name} with model.architecture.name={arch})"}
     return out
 
 
