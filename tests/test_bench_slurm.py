@@ -120,6 +120,32 @@ def test_the_local_executor_leaves_no_folder_named_after_the_job_id_pattern(tmp_
     assert not [f for f in os.listdir(out / "slurm") if "%" in f], os.listdir(out / "slurm")
 
 
+def _reference_and_job(tmp_path, steps: int, time_min: int):
+    """An uninterrupted run of ``steps`` steps in ``tmp_path/reference``, then the same run started as a job of
+    submitit's local executor (``bench.slurm.time_min``): (the bench folder, the run's folder, the launcher, the
+    run, the job)."""
+    from omegaconf import OmegaConf
+
+    from mtl.tools.bench.launch import SlurmLauncher
+    from mtl.tools.bench.sweep import run_command
+
+    over = [f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", "trainer.log_every=1",
+            "checkpoint.every_steps=4", "trainer.num_samples=0", "trainer.progress=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = subprocess.run([PY, os.path.join(ROOT, "train.py"), "--config", TINY, *over,
+                                f"output_dir={tmp_path / 'reference'}"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out, run_dir = tmp_path / "bench", tmp_path / "run"
+    run_dir.mkdir()
+    cfg = OmegaConf.create({"output_dir": str(out), "bench": {"launcher": "slurm", "slurm": {
+        "cluster": "local", "cpus_per_run": 1, "time_min": time_min}}})
+    launcher = SlurmLauncher(cfg, {"OMP_NUM_THREADS": "1"}, 1)
+    run = {"dir": str(run_dir), "config": {}, "code": None}
+    job = launcher.start(run, run_command(TINY, [*over, f"output_dir={run_dir}", "resume=null"], 1), None)
+    return out, run_dir, launcher, run, job
+
+
 @pytest.mark.slow
 def test_a_job_stopped_at_its_time_limit_is_requeued_and_ends_with_the_uninterrupted_model(tmp_path):
     """bench.slurm: a run's job at its time limit (submitit's warning signal, USR2, sent to the job's process as
@@ -130,29 +156,13 @@ def test_a_job_stopped_at_its_time_limit_is_requeued_and_ends_with_the_uninterru
     import signal
     import time
 
-    from omegaconf import OmegaConf
-
-    from mtl.tools.bench.launch import REQUEUED, SlurmLauncher
-    from mtl.tools.bench.sweep import run_command
+    from mtl.tools.bench.launch import REQUEUED
 
     from .proctree import children
     from .resume_check import metrics_records
 
-    over = ["trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=1", "checkpoint.every_steps=4",
-            "trainer.num_samples=0", "trainer.progress=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    reference = subprocess.run([PY, os.path.join(ROOT, "train.py"), "--config", TINY, *over,
-                                f"output_dir={tmp_path / 'reference'}"], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    out, run_dir = tmp_path / "bench", tmp_path / "run"
-    run_dir.mkdir()
     # a 1-minute limit: submitit counts a USR2 this close to it as the time limit (not a preemption)
-    cfg = OmegaConf.create({"output_dir": str(out), "bench": {"launcher": "slurm", "slurm": {
-        "cluster": "local", "cpus_per_run": 1, "time_min": 1}}})
-    launcher = SlurmLauncher(cfg, {"OMP_NUM_THREADS": "1"}, 1)
-    run = {"dir": str(run_dir), "config": {}, "code": None}
-    job = launcher.start(run, run_command(TINY, [*over, f"output_dir={run_dir}", "resume=null"], 1), None)
+    out, run_dir, launcher, run, job = _reference_and_job(tmp_path, 40, time_min=1)
     deadline = time.time() + 300
     while not (run_dir / "checkpoints" / "step_4" / "manifest.json").exists() and time.time() < deadline:
         assert launcher.poll(job, run) is None, (run_dir / "log.txt").read_text()[-3000:]
@@ -201,28 +211,12 @@ def test_stop_signals_that_reach_the_run_itself_requeue_its_job_and_end_with_the
     import signal
     import time
 
-    from omegaconf import OmegaConf
-
-    from mtl.tools.bench.launch import REQUEUED, SlurmLauncher
-    from mtl.tools.bench.sweep import run_command
+    from mtl.tools.bench.launch import REQUEUED
 
     from .proctree import children
     from .resume_check import metrics_records
 
-    over = ["trainer.max_steps=60", "trainer.eval_every=60", "trainer.log_every=1", "checkpoint.every_steps=4",
-            "trainer.num_samples=0", "trainer.progress=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    reference = subprocess.run([PY, os.path.join(ROOT, "train.py"), "--config", TINY, *over,
-                                f"output_dir={tmp_path / 'reference'}"], cwd=ROOT, env=env, capture_output=True,
-                               text=True, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    out, run_dir = tmp_path / "bench", tmp_path / "run"
-    run_dir.mkdir()
-    cfg = OmegaConf.create({"output_dir": str(out), "bench": {"launcher": "slurm", "slurm": {
-        "cluster": "local", "cpus_per_run": 1, "time_min": 2}}})
-    launcher = SlurmLauncher(cfg, {"OMP_NUM_THREADS": "1"}, 1)
-    run = {"dir": str(run_dir), "config": {}, "code": None}
-    job = launcher.start(run, run_command(TINY, [*over, f"output_dir={run_dir}", "resume=null"], 1), None)
+    out, run_dir, launcher, run, job = _reference_and_job(tmp_path, 60, time_min=2)
     deadline = time.time() + 300
     log = run_dir / "log.txt"
 
