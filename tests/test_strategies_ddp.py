@@ -68,6 +68,21 @@ def _runs(world, out_dir, config=TINY, extra=()):
     return results
 
 
+def assert_every_strategy_matches(runs: dict, prefix: str) -> None:
+    """What ``_runs`` gave in a spawn (``spawn_parity_runs``) with another backbone, whose parameters start with
+    ``prefix``: for every strategy, the two ranks' replicas are equal and match the single process on the global
+    batch (each tensor within TOL of its largest entry, floored at 1e-2: a ViT's attention key biases, 0 in exact
+    arithmetic, hold only rounding noise); and the bar is not trivial (one process on half the batch misses it)."""
+    for strategy in STRATEGIES:
+        got, other = runs["rank0"][f"{strategy}@{B}"], runs["rank1"][f"{strategy}@{B}"]
+        assert all(torch.equal(got[k], other[k]) for k in got), f"{strategy}: the two ranks' replicas differ"
+        assert any(k.startswith(prefix) for k in got)
+        ref = runs["single"][f"{strategy if strategy in OBJECTIVE_CHANGERS else 'combined'}@{2 * B}"]
+        for k in ref:
+            assert float((ref[k] - got[k]).abs().max()) <= TOL * max(float(ref[k].abs().max()), 1e-2), (strategy, k)
+    assert max_rel_diff(runs["single"][f"combined@{2 * B}"], runs["single"][f"combined@{B}"]) > 1e-3
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     worker = functools.partial(parity_worker, _runs)
