@@ -216,6 +216,12 @@ def test_a_torchvision_backbones_stages_are_its_forward(name, stages):
     assert {n for n, _ in b.blocks()} <= {n for n, _ in b.stages()}
 
 
+@pytest.mark.parametrize("key", ["model.backbone.freeze_blocks=1", "optim.layer_decay=0.5"])
+def test_cross_stitch_refuses_depth_settings_of_one_backbone(key):
+    with pytest.raises(ConfigError, match=f"{key.split('=')[0]}: not with model.architecture.name=cross_stitch"):
+        load_run_config(TINY, ["model.architecture.name=cross_stitch", key])
+
+
 def test_cross_stitch_refuses_the_features_source_by_name():
     with pytest.raises(ConfigError, match="weighting.source: features cannot serve model.architecture.name="
                                           "cross_stitch: each task reads its own column"):

@@ -87,6 +87,19 @@ class CrossStitch(Architecture):
                        "tensor every task reads), so there is no shared tensor to take the tasks' gradients of")
 
     @classmethod
+    def check(cls, cfg):
+        # both count depth in one backbone's blocks; the columns' blocks are K backbones' (a freeze or a rate per
+        # column's block is not what these keys say)
+        errors = []
+        if int(cfg.model.backbone.get("freeze_blocks") or 0):
+            errors.append("model.backbone.freeze_blocks: not with model.architecture.name=cross_stitch (its K columns "
+                          "each have the backbone's blocks); remove the key")
+        if float(cfg.optim.get("layer_decay", 1.0)) != 1.0:
+            errors.append("optim.layer_decay: not with model.architecture.name=cross_stitch (its K columns each have "
+                          "the backbone's blocks); remove the key")
+        return errors
+
+    @classmethod
     def build(cls, backbone, tasks, feature_shape, options, cfg):
         stages = backbone.stages() if hasattr(backbone, "stages") else []
         names = [n for n, _ in stages]
