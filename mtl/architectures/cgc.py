@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mtl.architectures.base import Architecture
-from mtl.architectures.experts import ExpertTrunk, SoftmaxGate, experts, mix
+from mtl.architectures.experts import ExpertTrunk, SoftmaxGate, experts, features_and_experts, mix
 from mtl.models.backbones.base import feature_channels
 
 
@@ -30,8 +30,8 @@ class CGCTower(nn.Module):
         self.experts, self.gate = own, gate
 
     def forward(self, shared):
-        f = shared[:, 0]
-        outputs = torch.cat([shared[:, 1:], torch.stack([e(f) for e in self.experts], dim=1)], dim=1)
+        f, common = features_and_experts(shared)
+        outputs = torch.cat([common, torch.stack([e(f) for e in self.experts], dim=1)], dim=1)
         return mix(self.gate(f), outputs)
 
 

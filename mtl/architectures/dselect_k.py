@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mtl.architectures.base import Architecture
-from mtl.architectures.experts import ExpertTrunk, experts, mix
+from mtl.architectures.experts import ExpertTrunk, experts, features_and_experts, mix
 from mtl.models.backbones.base import feature_channels, pool_features
 
 
@@ -71,7 +71,8 @@ class DSelectTower(nn.Module):
         self.gate = gate
 
     def forward(self, shared):
-        return mix(self.gate(shared[:, 0]), shared[:, 1:])
+        f, outputs = features_and_experts(shared)
+        return mix(self.gate(f), outputs)
 
 
 class DSelectK(Architecture):

@@ -39,9 +39,21 @@ def experts(n: int, feature_shape: tuple[int, ...], hidden: int) -> nn.ModuleLis
     return nn.ModuleList(Expert(c, hidden or c) for _ in range(n))
 
 
+def features_and_experts(shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot 0 (the features) and slots 1.. (the shared experts' outputs) of an ``ExpertTrunk``'s tensor. A split, not
+    two slices: its backward joins the two gradients, where each slice's would fill a zero tensor of the whole
+    shared tensor (measured: most of a step's time on the main job's map, ``python -m mtl.tools.bench.libmtl``)."""
+    f, outputs = shared.split([1, shared.shape[1] - 1], dim=1)
+    return f.squeeze(1), outputs
+
+
 def mix(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
     """sum_e weights[b, e] * outputs[b, e]: weights (B, E), outputs (B, E, *S) -> (B, *S)."""
-    return (weights.reshape(*weights.shape, *([1] * (outputs.dim() - 2))).to(outputs.dtype) * outputs).sum(1)
+    weights = weights.to(outputs.dtype)
+    if outputs.dim() == 3:  # vectors: the product and the sum beat a batch of (1, E) @ (E, C) products
+        return (weights.unsqueeze(-1) * outputs).sum(1)
+    # maps and tokens: (B, 1, E) @ (B, E, prod S), with no (B, E, *S) temporary (python -m mtl.tools.bench.libmtl)
+    return torch.bmm(weights.unsqueeze(1), outputs.flatten(2)).view(outputs.shape[0], *outputs.shape[2:])
 
 
 class ExpertTrunk(Trunk):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mtl.architectures.base import Architecture
-from mtl.architectures.experts import ExpertTrunk, SoftmaxGate, experts, mix
+from mtl.architectures.experts import ExpertTrunk, SoftmaxGate, experts, features_and_experts, mix
 from mtl.models.backbones.base import feature_channels
 
 
@@ -26,7 +26,8 @@ class MMoETower(nn.Module):
         self.gate = gate
 
     def forward(self, shared):
-        return mix(self.gate(shared[:, 0]), shared[:, 1:])
+        f, outputs = features_and_experts(shared)
+        return mix(self.gate(f), outputs)
 
 
 class MMoE(Architecture):

@@ -70,8 +70,9 @@ class PLETower(nn.Module):
         self.slot, self.num_tasks, self.experts, self.gate = slot, num_tasks, own, gate
 
     def forward(self, shared):
-        x = shared[:, self.slot]
-        outputs = torch.cat([shared[:, self.num_tasks:], torch.stack([e(x) for e in self.experts], dim=1)], dim=1)
+        pieces = shared.split([1] * self.num_tasks + [shared.shape[1] - self.num_tasks], dim=1)  # see features_and_experts
+        x = pieces[self.slot].squeeze(1)
+        outputs = torch.cat([pieces[-1], torch.stack([e(x) for e in self.experts], dim=1)], dim=1)
         return mix(self.gate(x), outputs)
 
 
