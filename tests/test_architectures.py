@@ -423,3 +423,29 @@ def test_a_warm_start_from_an_hps_run_loads_its_backbone_into_the_trunk(tmp_path
                        "checkpoint.every_steps=1", f"output_dir={mmoe_run}"]) == 0
     with pytest.raises(CheckpointError, match="unexpected"):
         init_from_weights(build_model(load_run_config(TINY, []), len(names), names, tok), str(mmoe_run))
+
+
+@pytest.mark.slow
+def test_the_doctor_reports_each_architectures_sharing_and_conflict(capsys):
+    """On every architecture the doctor's reach table shows the trunk (the model's ``backbone``) reached by both tasks
+    and each task's tower by that task alone, and it measures the tasks' gradient conflict on the trunk's parameters
+    (the parameters source's shared part; Cross-stitch has no shared tensor, so the parameters are where every
+    architecture has one)."""
+    import json
+
+    from mtl.tools.doctor import main
+
+    for arch in ARCHITECTURES:
+        assert main(["--config", TINY, "--json", "--batches", "3", f"model.architecture.name={arch}"]) == 0
+        r = json.loads(capsys.readouterr().out)
+        tasks = r["tasks"]
+        groups = r["reach"][tasks[0]]
+        trunk = [g for g in groups if g.startswith("backbone.")]
+        assert trunk and all(r["reach"][t][g] == "non-zero" for t in tasks for g in trunk), arch
+        towers = [g for g in groups if g.startswith("towers.")]
+        assert bool(towers) == (arch != "cross_stitch"), arch  # cross_stitch's towers only pick a column
+        for g in towers:
+            own = g.split(".")[1]
+            assert all(r["reach"][t][g] == ("non-zero" if t == own else "none") for t in tasks), (arch, g)
+        c = r["cosine"][f"{tasks[0]}/{tasks[1]}"]
+        assert len(c["per_batch"]) == 3 and all(-1 <= v <= 1 for v in c["per_batch"]), arch
