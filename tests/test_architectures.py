@@ -345,10 +345,11 @@ FAST = ["trainer.eval_every=100", "trainer.num_samples=0", "data.synthetic.train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mmoe", "ple"])
+@pytest.mark.parametrize("arch", ["mmoe"])
 def test_a_resumed_run_ends_bitwise_as_the_uninterrupted_one(tmp_path, arch):
     """4 steps straight against 2 steps, then a second process-like run resuming from step_2: the same bytes (the
-    towers' and the trunk's experts' parameters and optimizer state come back with the rest)."""
+    towers' and the trunk's experts' parameters and optimizer state come back with the rest). PLE is SIGKILLed
+    under 2 processes and resumed in tests/test_reliability.py."""
     from safetensors.torch import load_file
 
     import train

@@ -82,7 +82,9 @@ def model_bytes(run_dir, step):
     (2, TINY, ["ddp.strategy=task_grads", "weighting.method=pcgrad"]),  # a gradient-level method
     # a bilevel method: its held-out stream (one global batch of 2 x 8: a new epoch every step) and its meta state
     (2, TINY, ["weighting.method=autolambda", "data.heldout=16"]),
-], ids=["multi_input-find_unused", "task_grads-pcgrad", "bilevel-autolambda"])
+    # an architecture with towers and task experts below its last level (mtl/architectures/ple.py), under MGDA
+    (2, TINY, ["model.architecture.name=ple", "ddp.strategy=task_grads", "weighting.method=mgda"]),
+], ids=["multi_input-find_unused", "task_grads-pcgrad", "bilevel-autolambda", "architecture-ple-mgda"])
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, nproc, config, overrides):
     args = ["--config", config, "trainer.max_steps=10", "model.decoder.dropout=0.1", *FAST, *overrides]
     ref, cut = str(tmp_path / "ref"), str(tmp_path / "cut")
