@@ -103,7 +103,8 @@ def test_a_batch_without_positions_is_left_as_the_bond_graph(graphs):
 
 @pytest.mark.slow
 def test_loader_workers_give_the_same_batches(graphs):
-    """data.num_workers=2 (the collate, complete graph included, in the workers): the batches of 0 workers, in order."""
+    """data.num_workers=2 (the collate, complete graph included, in the workers; each batch sent packed as one buffer,
+    mtl/data/packing.py): the batches of 0 workers, in order, and every tensor of a batch a view of one storage."""
     from mtl.build import build_collate
     from mtl.config.checks import load_run_config
     from mtl.data.loader import build_train_loader
@@ -119,4 +120,6 @@ def test_loader_workers_give_the_same_batches(graphs):
     assert len(runs[0]) == 5 and len(runs[1]) == 5
     for a, b in zip(*runs):
         assert_same_batch(a["graph"], b["graph"])
-        assert all(torch.equal(a[k], b[k]) for k in a if k != "graph")
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a if k != "graph")
+        sent = [b[k] for k in b if k != "graph"] + [b["graph"][k] for k in b["graph"].keys()]
+        assert len({t.untyped_storage().data_ptr() for t in sent}) == 1  # one storage received, not one a tensor

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from mtl.data.images import Augment, Normalized, image_normalization
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
+from mtl.data.packing import PackedCollate, unpacked
 from mtl.data.qm9_source import batch_graphs, qm9_splits
 from mtl.data.synthetic import MIN_CLASSES, SyntheticShapes
 from mtl.errors import ConfigError, DataError
@@ -280,7 +281,16 @@ def verify_train_size(size: int, batch_size: int, world_size: int) -> None:
             "processes, or add training data")
 
 
-class TrainLoader(DataLoader):
+class Loader(DataLoader):
+    """A DataLoader whose workers send each batch packed as one buffer (mtl/data/packing.py; ``_loader_kwargs``
+    packs it): its iterator gives the batch as the collate made it."""
+
+    def __iter__(self):
+        batches = super().__iter__()
+        return (unpacked(b) for b in batches) if self.num_workers > 0 else batches
+
+
+class TrainLoader(Loader):
     """A DataLoader that refuses to start an epoch without a single batch, rather than let a
     ``while True: for batch in loader`` loop spin forever (silently, deaf to signals)."""
 
@@ -298,15 +308,18 @@ def normalizing(collate, ds: Dataset):
     return Normalized(collate, *norm) if norm else collate
 
 
-def _loader_kwargs(ds: Dataset, collate, batch_size: int, num_workers: int, pin_memory: bool) -> dict:
-    """What the train and the eval loaders share: the batch size, the collate (normalizing where ``ds`` says so) and
+def _loader_kwargs(ds: Dataset, collate, batch_size: int, num_workers: int, pin_memory: bool, pack: bool = True) -> dict:
+    """What the train and the eval loaders share: the batch size, the collate (normalizing where ``ds`` says so;
+    packing its batch into one buffer in the workers, so the training process receives one storage a batch) and
     the workers."""
-    return {"batch_size": batch_size, "collate_fn": normalizing(collate, ds), "num_workers": num_workers,
+    collate = normalizing(collate, ds)
+    return {"batch_size": batch_size, "collate_fn": PackedCollate(collate) if num_workers > 0 and pack else collate,
+            "num_workers": num_workers,
             "pin_memory": pin_memory, "persistent_workers": num_workers > 0}
 
 
 def build_train_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank: int, world_size: int, seed: int,
-                       num_workers: int = 0, pin_memory: bool = False, heldout: int = 0) -> DataLoader:
+                       num_workers: int = 0, pin_memory: bool = False, heldout: int = 0, pack: bool = True) -> DataLoader:
     """Shuffled, equal-size batches on every rank (``drop_last`` in the sampler and the loader), from the first
     ``len(ds) - heldout`` items (``data.heldout``: the last ones are the held-out part, mtl/data/heldout.py).
 
@@ -318,6 +331,7 @@ def build_train_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank
     changes nothing about which samples are seen together, which makes runs with different world
     sizes comparable. (A resume still needs the world size of the checkpoint: the per-rank RNG
     states do not map onto another number of ranks, and the resume refuses it.) Call ``loader.sampler.set_epoch(epoch)`` before each epoch.
+    ``pack=False`` (for ``mtl.tools.bench.qm9_loader``'s comparison only): the workers send each tensor on its own.
     """
     verify_train_size(len(ds) - heldout, batch_size, world_size)
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
@@ -328,7 +342,7 @@ def build_train_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank
     # the loader's own generator: making an iterator (at each epoch, and at a resume) must not draw
     # from the global torch RNG, or a resumed run's dropout would see a shifted random stream
     return TrainLoader(ds, sampler=sampler, drop_last=True, generator=torch.Generator().manual_seed(seed),
-                       **_loader_kwargs(ds, collate, batch_size, num_workers, pin_memory))
+                       **_loader_kwargs(ds, collate, batch_size, num_workers, pin_memory, pack))
 
 
 def build_eval_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank: int, world_size: int,
@@ -339,7 +353,7 @@ def build_eval_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank:
     twice in the metrics.) Ranks may therefore get one batch more or less than each other, so eval
     code must reduce sums and counts, not per-rank means, and must not run a collective per batch.
     """
-    return DataLoader(ds, sampler=list(range(rank, len(ds), world_size)), shuffle=False, drop_last=False,
+    return Loader(ds, sampler=list(range(rank, len(ds), world_size)), shuffle=False, drop_last=False,
                       **_loader_kwargs(ds, collate, batch_size, num_workers, pin_memory))
 
 
