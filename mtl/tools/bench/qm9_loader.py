@@ -11,7 +11,9 @@ the run's own training loader (``build_train_loader``: its sampler, its collate 
 ``data.batch_size``) is read with each number of workers, twice over the training split: the first pass (each item
 read for the first time, the workers started) and the second (what the other epochs of a run cost), with the CPU
 time of the training process per batch (with workers: what receiving a batch costs it, which bounds the rate any
-number of workers can reach). Then the run's
+number of workers can reach). With workers, each is read twice: the batch sent tensor by tensor (each tensor a
+shared-memory storage of its own, as before issue 35) and packed as one buffer (``mtl.data.packing``, what the run
+does). Then the run's
 step (``Trainer.step_once``: forward, backward, the weighting, the optimizer) is timed on ``--steps`` batches after
 one untimed. The ratio is loader batches per second times the step's seconds: how many steps' worth of batches the
 loader makes in the time of one step (above 1: it keeps up).
@@ -39,14 +41,14 @@ from mtl.tools import tool_parser
 PATHS = ("per_item", "batched")
 
 
-def loader_rates(cfg, path: str, workers: int) -> tuple[float, float, float]:
+def loader_rates(cfg, path: str, workers: int, pack: bool = True) -> tuple[float, float, float]:
     """(batches per second of the first pass, of the second, and the second's CPU milliseconds per batch in this
     process alone: with workers, what receiving a batch costs the training process, which bounds the rate any
-    number of workers can reach) of the run's training loader."""
+    number of workers can reach) of the run's training loader; ``pack=False``: each tensor sent on its own."""
     train = qm9_splits(cfg)["train"]
     ds = QM9Split(train.graphs, train.indices, train.graph, "training", batched=path == "batched")
     loader = build_train_loader(ds, build_collate(cfg, 0, [], None), cfg.data.batch_size, 0, 1, cfg.seed,
-                                num_workers=workers)
+                                num_workers=workers, pack=pack)
     rates = []
     for epoch in range(2):
         loader.sampler.set_epoch(epoch)
@@ -82,9 +84,10 @@ def measure(config: str, overrides: list[str], graphs: list[str], paths: list[st
         cfg = load_run_config(config, over)
         step = step_seconds(config, over, steps) if steps else float("nan")
         for path in paths:
-            for w in workers:
-                first, warm, cpu_ms = loader_rates(cfg, path, w)
-                rows.append({"graph": graph, "path": path, "workers": w, "first_pass_batches_per_s": first,
+            for w, pack in [(n, p) for n in workers for p in ((False, True) if n else (False,))]:
+                first, warm, cpu_ms = loader_rates(cfg, path, w, pack)
+                rows.append({"graph": graph, "path": path, "workers": w, "packed": pack,
+                             "first_pass_batches_per_s": first,
                              "batches_per_s": warm, "main_cpu_ms_per_batch": cpu_ms, "step_s": step,
                              "ratio": warm * step,
                              "batch_size": int(cfg.data.batch_size)})
@@ -93,7 +96,8 @@ def measure(config: str, overrides: list[str], graphs: list[str], paths: list[st
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['graph']:<8} {r['path']:<8} workers {r['workers']}: loader {r['batches_per_s']:7.1f} batches/s "
+    sent = "packed" if r["packed"] else "tensor by tensor" if r["workers"] else "in process"
+    return (f"{r['graph']:<8} {r['path']:<8} workers {r['workers']} ({sent}): loader {r['batches_per_s']:7.1f} batches/s "
             f"({1e3 / r['batches_per_s']:5.1f} ms a batch, {r['main_cpu_ms_per_batch']:5.1f} ms of this process's CPU; "
             f"first pass {r['first_pass_batches_per_s']:6.1f}/s), step "
             f"{r['step_s']:.3f} s: the loader makes {r['ratio']:.0f} steps' batches per step")
