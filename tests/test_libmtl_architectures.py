@@ -80,5 +80,5 @@ def test_the_benchmark_prints_a_row_per_case_and_the_encoder_counts(capsys):
     rows = [r for r in out.splitlines() if r.startswith("| ") and "mmoe" in r]
     assert len(rows) == len(lb.CASES)
     assert "| yes |" in rows[1] and "flattened map" in rows[0]
-    counts = {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith("| mtan") or r.startswith("| cross")}
-    assert set(counts) == {"mtan", "cross_stitch"}
+    counts = {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith(("| mtan", "| cross", "| ple"))}
+    assert set(counts) == {"mtan", "cross_stitch", "ple"}

@@ -186,13 +186,16 @@ def measure(steps: int, warmup: int, names=tuple(DESIGNS)) -> list[dict]:
 
 
 def encoder_counts(tasks: int = 2, image: int = 64) -> list[tuple[str, int, int]]:
-    """(architecture, our parameters, LibMTL's) for MTAN and Cross-stitch on one encoder, a torchvision ResNet-18
-    with its 4 stages, ``tasks`` tasks: different designs (docs/sharing.md), counted on the same encoder. The
-    heads are left out of both; LibMTL's parts of the ResNet are those it runs (not its ``fc``)."""
+    """(architecture, our parameters, LibMTL's) for MTAN, Cross-stitch and PLE on one encoder, a torchvision
+    ResNet-18 with its 4 stages, ``tasks`` tasks: different designs (docs/sharing.md), counted on the same encoder.
+    The heads are left out of both; LibMTL's parts of the ResNet are those it runs (not its ``fc``). PLE at each
+    one's defaults: ours 2 levels of 2 shared and 1 task expert on the features; LibMTL's experts are whole ResNets
+    (1 shared and 1 per task here, its smallest), with a gate on the flattened input of each of its 5 levels."""
     arch, names = libmtl_architectures(), [f"t{i}" for i in range(tasks)]
     cfg = types.SimpleNamespace(data=types.SimpleNamespace(image_size=image))
     out = []
-    for name, cls in (("mtan", "MTAN"), ("cross_stitch", "Cross_stitch")):
+    extra = {"PLE": dict(img_size=[3, image, image], num_experts=[1] * (tasks + 1))}
+    for name, cls in (("mtan", "MTAN"), ("cross_stitch", "Cross_stitch"), ("ple", "PLE")):
         ours_type = architecture_types()[name]
         backbone = build_torchvision_backbone("resnet18", None, norm="batch", stages=4)
         trunk, towers = ours_type.build(backbone, names, (512, image // 32, image // 32), ours_type.Options(), cfg)
@@ -204,7 +207,7 @@ def encoder_counts(tasks: int = 2, image: int = 64) -> list[tuple[str, int, int]
             return net
 
         theirs = getattr(arch, cls)(task_name=names, encoder_class=resnet, decoders=nn.ModuleDict(), rep_grad=False,
-                                    multi_input=False, device="cpu")
+                                    multi_input=False, device="cpu", **extra.get(cls, {}))
         out.append((name, ours, sum(p.numel() for p in theirs.encoder.parameters())))
     return out
 
