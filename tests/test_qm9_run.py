@@ -197,7 +197,7 @@ def test_rank_0_builds_the_cache_and_its_failure_stops_every_rank(tmp_path, fail
 @pytest.mark.slow
 def test_the_loader_benchmark_measures_each_graph_path_and_worker_count(cache_dir, tmp_path):
     """``python -m mtl.tools.bench.qm9_loader`` (docs/qm9.md, "The loader"), on QM9's first molecules and a narrow
-    model: a row per graph, records path and number of workers, each with the loader's rate, the step and their
+    model: a row per graph, records path, number of workers and way of sending the batch, each with the loader's rate, the step and their
     product (the batches the loader makes in one step's time)."""
     import json
 
@@ -208,8 +208,10 @@ def test_the_loader_benchmark_measures_each_graph_path_and_worker_count(cache_di
     assert main(["--config", QM9_YAML, "--workers", "0,1", "--steps", "1", "--json", str(out), *over,
                  "model.backbone.options.dim=8", "model.backbone.options.edge_hidden=8"]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["graph"], r["path"], r["workers"]) for r in rows] == [
-        (g, p, w) for g in ("bond", "complete") for p in ("per_item", "batched") for w in (0, 1)]
+    # with a worker, the batch sent tensor by tensor (before) and packed as one buffer (mtl/data/packing.py)
+    assert [(r["graph"], r["path"], r["workers"], r["packed"]) for r in rows] == [
+        (g, p, w, k) for g in ("bond", "complete") for p in ("per_item", "batched")
+        for w, k in ((0, False), (1, False), (1, True))]
     for r in rows:
         assert r["batches_per_s"] > 0 and r["first_pass_batches_per_s"] > 0 and r["step_s"] > 0, r
         assert r["ratio"] == r["batches_per_s"] * r["step_s"] and r["batch_size"] == 8, r
