@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mtl.architectures.base import Architecture
-from mtl.architectures.experts import ExpertTrunk, experts, features_and_experts, mix
+from mtl.architectures.experts import ExpertTrunk, GatedTower, experts
 from mtl.models.backbones.base import feature_channels, pool_features
 
 
@@ -65,16 +65,6 @@ class DSelectGate(nn.Module):
         return torch.einsum("bi,bie->be", torch.softmax(self.alpha(x).float(), dim=-1), r)
 
 
-class DSelectTower(nn.Module):
-    def __init__(self, gate: DSelectGate):
-        super().__init__()
-        self.gate = gate
-
-    def forward(self, shared):
-        f, outputs = features_and_experts(shared)
-        return mix(self.gate(f), outputs)
-
-
 class DSelectK(Architecture):
     name = "dselect_k"
     summary = "shared experts over the backbone's features, a sparse differentiable DSelect-k gate per task"
@@ -96,5 +86,5 @@ class DSelectK(Architecture):
     def build(cls, backbone, tasks, feature_shape, options, cfg):
         c, pool = feature_channels(feature_shape), getattr(backbone, "pool", "mean")
         trunk = ExpertTrunk(backbone, experts(options.experts, feature_shape, options.hidden))
-        return trunk, {t: DSelectTower(DSelectGate(c, options.experts, options.k, options.gamma, pool))
+        return trunk, {t: GatedTower(DSelectGate(c, options.experts, options.k, options.gamma, pool))
                        for t in tasks}

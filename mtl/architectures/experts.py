@@ -77,3 +77,15 @@ class SoftmaxGate(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.linear(pool_features(f, self.pool)).float(), dim=-1)
+
+
+class GatedTower(nn.Module):
+    """A task's tower over an ``ExpertTrunk``'s tensor: its gate (reading the features) mixes the shared experts."""
+
+    def __init__(self, gate: nn.Module):
+        super().__init__()
+        self.gate = gate
+
+    def forward(self, shared):
+        f, outputs = features_and_experts(shared)
+        return mix(self.gate(f), outputs)

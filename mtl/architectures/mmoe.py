@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
-
 from mtl.architectures.base import Architecture
-from mtl.architectures.experts import ExpertTrunk, SoftmaxGate, experts, features_and_experts, mix
+from mtl.architectures.experts import ExpertTrunk, GatedTower, SoftmaxGate, experts
 from mtl.models.backbones.base import feature_channels
 
 
@@ -18,16 +16,6 @@ from mtl.models.backbones.base import feature_channels
 class MMoEOptions:
     experts: int = 4  # the shared experts
     hidden: int = 0  # each expert's hidden width; 0: the features' width
-
-
-class MMoETower(nn.Module):
-    def __init__(self, gate: SoftmaxGate):
-        super().__init__()
-        self.gate = gate
-
-    def forward(self, shared):
-        f, outputs = features_and_experts(shared)
-        return mix(self.gate(f), outputs)
 
 
 class MMoE(Architecture):
@@ -44,4 +32,4 @@ class MMoE(Architecture):
     def build(cls, backbone, tasks, feature_shape, options, cfg):
         c, pool = feature_channels(feature_shape), getattr(backbone, "pool", "mean")
         trunk = ExpertTrunk(backbone, experts(options.experts, feature_shape, options.hidden))
-        return trunk, {t: MMoETower(SoftmaxGate(c, options.experts, pool)) for t in tasks}
+        return trunk, {t: GatedTower(SoftmaxGate(c, options.experts, pool)) for t in tasks}
