@@ -82,3 +82,12 @@ def test_the_benchmark_prints_a_row_per_case_and_the_encoder_counts(capsys):
     assert "| yes |" in rows[1] and "flattened map" in rows[0]
     counts = {r.split("|")[1].strip(): r for r in out.splitlines() if r.startswith(("| mtan", "| cross", "| ple"))}
     assert set(counts) == {"mtan", "cross_stitch", "ple"}
+
+
+def test_without_libmtl_the_benchmark_says_so_and_exits_2(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "LibMTL.architecture", None)  # an import of it now raises ImportError
+    assert lb.main(["--steps", "1", "--warmup", "0", "--architectures", "mmoe"]) == 2
+    err = capsys.readouterr().err
+    assert "needs LibMTL" in err and "Traceback" not in err

@@ -40,6 +40,7 @@ from mtl.architectures import architecture_types
 from mtl.architectures.experts import Expert
 from mtl.errors import ConfigError
 from mtl.models.backbones.torchvision_cnn import build_torchvision_backbone
+from mtl.run.error_report import run_guarded
 from mtl.tools import tool_parser
 from mtl.tools.bench.ved_step import held_bytes, step_peak_bytes
 
@@ -234,12 +235,15 @@ def main(argv=None) -> int:
     p.add_argument("--architectures", nargs="+", default=list(DESIGNS), choices=list(DESIGNS))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(table(measure(args.steps, args.warmup, args.architectures), args.steps, args.warmup))
-    print("\nOn one encoder (a torchvision ResNet-18, 4 stages, K = 2, 64 px), heads left out:\n"
-          "| architecture | parameters, ours | LibMTL's |\n|---|---:|---:|")
-    for name, ours, theirs in encoder_counts():
-        print(f"| {name} | {ours:,} | {theirs:,} |")
-    return 0
+
+    def go():
+        print(table(measure(args.steps, args.warmup, args.architectures), args.steps, args.warmup))
+        print("\nOn one encoder (a torchvision ResNet-18, 4 stages, K = 2, 64 px), heads left out:\n"
+              "| architecture | parameters, ours | LibMTL's |\n|---|---:|---:|")
+        for name, ours, theirs in encoder_counts():
+            print(f"| {name} | {ours:,} | {theirs:,} |")
+
+    return run_guarded(go)  # LibMTL missing: one message naming it, exit 2
 
 
 if __name__ == "__main__":
