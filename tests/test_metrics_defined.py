@@ -52,6 +52,14 @@ def test_bleu4_of_long_captions_is_unchanged():
         assert out["bleu4_order"] == 4 and out["bleu4"] > 0
 
 
+def test_bleu4_of_a_perfect_match_is_exactly_one():
+    """sacrebleu's score of a caption equal to its reference is 100.00000000000004: BLEU-4 stays in [0, 1] (issue 41.5)."""
+    assert BLEU(tokenize="13a", smooth_method="exp", effective_order=True).corpus_score(
+        ["a red square"], [["a red square"]]).score / 100 == 1.0000000000000004  # the case
+    out = reduce(["a red square", "the cat sat on the mat"], [["a red square"], ["the cat sat on the mat"]])
+    assert out["bleu4"] == 1.0 and out["exact"] == 1.0
+
+
 @pytest.mark.parametrize("bad", [0.0, 0, float("inf"), float("-inf")])
 def test_delta_m_refuses_a_zero_or_infinite_baseline(bad):
     specs = [("cls_acc", "cls", True), ("gen_bleu4", "gen", True)]

@@ -38,7 +38,7 @@ def corpus_bleu4(hyps: list[str], streams: list[list]) -> tuple[float, int]:
 
     score = BLEU(tokenize="13a", smooth_method=BLEU_SMOOTH, effective_order=True).corpus_score(hyps, streams)
     order = next((n for n, total in enumerate(score.totals[:BLEU_MAX_ORDER]) if total == 0), BLEU_MAX_ORDER)
-    return score.score / 100.0, order
+    return min(1.0, max(0.0, score.score / 100.0)), order  # sacrebleu's perfect match is 100.00000000000004
 
 
 @dataclass
