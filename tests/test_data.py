@@ -488,15 +488,33 @@ def test_image_folder(tmp_path):
     assert [ds[i]["label"] for i in range(3)] == [1, 0, 0]
     assert ds[0]["image"].shape == (3, 8, 8) and ds[0]["image"].max() == 0.0
     assert ds[1]["captions"] == ["cat", "a cat"] or ds[1]["captions"] == ["a cat", "cat"]
-    # val split with the train classes; a folder that is not a train class is a bad line
+    # val split with the train classes; an image outside every class folder is a bad line
     val = _image_folder(tmp_path / "val")
-    _png(str(val / "bird" / "1.png"))
+    _png(str(val / "loose.png"))
     caps = _write_lines(
         tmp_path / "val_caps.jsonl",
-        [{"image": "cat/1.png", "caption": "c"}, {"image": "bird/1.png", "caption": "b"}],
+        [{"image": "cat/1.png", "caption": "c"}, {"image": "loose.png", "caption": "b"}],
     )
     _line_2_refused_or_skipped(lambda **kw: ImageFolderCaptions(str(val), captions_file=caps, class_names=ds.class_names,
                                                                 **kw), caps, "class folder")
+
+
+@pytest.mark.parametrize("captions", [True, False])
+def test_a_validation_class_with_no_training_images_is_named(tmp_path, captions):
+    """A val folder bird/ that the training set lacks: not an image "outside a class folder", nor dropped with
+    on_error=skip (its class would vanish from the scores), but refused by name (issue 41.6)."""
+    val = _image_folder(tmp_path / "val")
+    _png(str(val / "bird" / "1.png"))
+    if captions:
+        _write_lines(val / "captions.jsonl", [{"image": "cat/1.png", "caption": "c"},
+                                              {"image": "bird/1.png", "caption": "b"}])
+    for on_error in ("raise", "skip"):
+        with pytest.raises(DataError) as err:
+            ImageFolderCaptions(str(val), on_error=on_error, class_names=["cat", "dog"])
+        msg = str(err.value)
+        assert "class 'bird' has no training images" in msg and "training set's classes: cat, dog" in msg, msg
+        assert "add training images of 'bird'" in msg and "remove its folder" in msg, msg
+        assert "on_error" not in msg and "not inside a class folder" not in msg, msg
 
 
 def test_image_folder_bad_image(tmp_path):

@@ -307,14 +307,17 @@ class ImageFolderCaptions(CaptionedImages):
     ):
         if not os.path.isdir(root):
             raise DataError(f"image folder {root!r} not found — set the data path to an existing folder")
+        folders = sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name[0] != ".")
         if class_names is None:
-            class_names = sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name[0] != ".")
+            class_names = folders
             if not class_names:
                 raise DataError(f"image folder {root!r} has no class folders (expected root/<class>/<image>)")
         index = {name: i for i, name in enumerate(class_names)}
 
         def label_fn(obj: dict, rel: str) -> int:
             parts = rel.replace("\\", "/").split("/")
+            if len(parts) >= 2 and parts[0] in folders and parts[0] not in index:
+                raise DataError(untrained_class(f"image folder {root}", [parts[0]], class_names))
             if len(parts) < 2 or parts[0] not in index:
                 raise LineError(
                     f"image {rel!r} is not inside a class folder of {root!r} "
@@ -325,6 +328,9 @@ class ImageFolderCaptions(CaptionedImages):
 
         default = os.path.join(root, "captions.jsonl")
         if captions_file is None and not os.path.isfile(default):
+            extra = [f for f in folders if f not in index and _has_images(os.path.join(root, f))]
+            if extra:
+                raise DataError(untrained_class(f"image folder {root}", extra, class_names))
             records, reasons = _scan_class_folders(root, class_names, on_error)
             source = f"image folder {root} (no captions.jsonl)"
         else:
@@ -347,6 +353,22 @@ class ImageFolderCaptions(CaptionedImages):
 
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+def untrained_class(where: str, names: list[str], class_names: list[str],
+                    remove: tuple[str, str] = ("its folder", "their folders")) -> str:
+    """The message for classes of a split checked against the training classes (a validation or test set) that the
+    training set does not have: not bad images or lines to skip, since skipping them drops the class from the
+    scores."""
+    one = len(names) == 1
+    shown = ", ".join(map(repr, names))
+    return (f"{where}: {'class' if one else 'classes'} {shown} {'has' if one else 'have'} no training images (the "
+            f"training set's classes: {', '.join(class_names)}) — add training images of {shown}, or remove "
+            f"{remove[0] if one else remove[1]} from this set")
+
+
+def _has_images(folder: str) -> bool:
+    return any(f.lower().endswith(IMAGE_EXTENSIONS) for _, _, files in os.walk(folder) for f in files)
 
 
 def _scan_class_folders(root: str, class_names: list[str], on_error: str) -> tuple[list[Record], list[str]]:
