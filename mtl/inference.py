@@ -336,7 +336,8 @@ def eval_dataset(cfg, class_names: list[str]):
     if not d.val_path:
         raise ConfigError(f"data.val_path: set it to the {d.source} to evaluate on")
     if d.source == "manifest":
-        ds = ManifestDataset(d.val_path, d.image_root, d.image_size, len(class_names), d.on_error)
+        ds = ManifestDataset(d.val_path, d.image_root, d.image_size, len(class_names), d.on_error,
+                             class_names=class_names)
     else:
         ds = ImageFolderCaptions(d.val_path, image_size=d.image_size, on_error=d.on_error, class_names=class_names)
     ds.normalization = image_normalization(cfg)  # the eval loader normalises as training did

@@ -419,7 +419,8 @@ BAD_CASES = {
     "no caption": ({"image": "img/a.png", "label": 0}, "caption"),
     "invalid json": ('{"image": "img/a.png", "label": 0,', "invalid JSON"),
     "label out of range": ({"image": "img/a.png", "label": 5, "caption": "x"}, "outside"),
-    "label not int": ({"image": "img/a.png", "label": "cat", "caption": "x"}, "not an integer"),
+    "label not int": ({"image": "img/a.png", "label": 1.5, "caption": "x"}, "not an integer"),
+    "label of the other kind": ({"image": "img/a.png", "label": "cat", "caption": "x"}, "one kind"),
     "no image key": ({"label": 0, "caption": "x"}, "image"),
 }
 
@@ -547,6 +548,50 @@ def test_build_datasets_synthetic_splits_use_seed_offsets():
     assert train.seed == 5 + cfg.data.synthetic.train_seed_offset
     assert val.seed == 5 + cfg.data.synthetic.val_seed_offset
     assert not torch.equal(train[0]["image"], val[0]["image"])
+
+
+STRING = [{"image": "img/a.png", "label": "dog", "caption": "a"}, {"image": "img/b.png", "label": "cat", "caption": "b"},
+          {"image": "img/c.jpg", "label": "dog", "caption": "c"}]
+
+
+def test_string_labels_name_the_classes(images):
+    """Class names as labels (issue 41.6): the classes are the sorted names, and a val split reads them by name."""
+    train = ManifestDataset(_write_lines(images / "train.jsonl", STRING), image_size=8)
+    assert train.class_names == ["cat", "dog"] and train.num_classes == 2
+    assert [train[i]["label"] for i in range(3)] == [1, 0, 1]
+    val = ManifestDataset(_write_lines(images / "val.jsonl", STRING[1:2]), image_size=8, class_names=train.class_names)
+    assert val.class_names == ["cat", "dog"] and val[0]["label"] == 0
+    bird = _write_lines(images / "bird.jsonl", STRING[1:2] + [dict(STRING[0], label="bird")])
+    for on_error in ("raise", "skip"):  # skipping its lines would drop the class from the scores
+        with pytest.raises(DataError) as err:
+            ManifestDataset(bird, on_error=on_error, class_names=train.class_names)
+        assert "class 'bird' has no training images (the training set's classes: cat, dog)" in str(err.value)
+        assert "remove its lines" in str(err.value) and bird in str(err.value)
+    with pytest.raises(DataError, match="num_classes=3.*2 classes"):
+        ManifestDataset(_write_lines(images / "train.jsonl", STRING), num_classes=3)
+    cfg = _cfg(source="manifest", train_path=str(images / "train.jsonl"), val_path=str(images / "val.jsonl"))
+    assert [ds.class_names for ds in build_datasets(cfg)] == [["cat", "dog"]] * 2
+
+
+def test_a_classes_line_orders_the_classes(images):
+    """A first line {"classes": [...]}: the class list in its order, for string labels and integer ones alike."""
+    header = {"classes": ["dog", "cat", "bird"]}
+    ds = ManifestDataset(_write_lines(images / "named.jsonl", [header] + STRING), image_size=8)
+    assert ds.class_names == ["dog", "cat", "bird"] and ds.num_classes == 3  # bird: declared, no image yet
+    assert [ds[i]["label"] for i in range(3)] == [0, 1, 0] and [r.line for r in ds.records] == [2, 3, 4]
+    numbered = ManifestDataset(_write_lines(images / "numbered.jsonl", [header] + GOOD), image_size=8)
+    assert numbered.class_names == ["dog", "cat", "bird"] and [numbered[i]["label"] for i in range(2)] == [0, 1]
+    typo = _write_lines(images / "typo.jsonl", [header, STRING[0], dict(STRING[1], label="fox")])
+    with pytest.raises(DataError) as err:
+        ManifestDataset(typo)
+    assert "line 3" in str(err.value) and "'fox'" in str(err.value) and "classes line" in str(err.value)
+    assert len(ManifestDataset(typo, on_error="skip")) == 1
+    for bad, why in (({"classes": "dog"}, "a list of class names"), ({"classes": ["a", "a"]}, "'a' twice")):
+        with pytest.raises(DataError, match=why):
+            ManifestDataset(_write_lines(images / "bad.jsonl", [bad] + STRING))
+    with pytest.raises(DataError, match="classes line"):  # a val split's own list must be the training one
+        ManifestDataset(_write_lines(images / "val.jsonl", [{"classes": ["cat", "dog"]}] + STRING),
+                        class_names=["dog", "cat"])
 
 
 def test_build_datasets_user_data(images):

@@ -48,7 +48,8 @@ def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
     elif not d.test_path:
         return None
     elif d.source == "manifest":
-        test = ManifestDataset(d.test_path, d.image_root, d.image_size, train.num_classes, d.on_error)
+        test = ManifestDataset(d.test_path, d.image_root, d.image_size, train.num_classes, d.on_error,
+                               class_names=train.class_names)
     else:
         test = ImageFolderCaptions(d.test_path, image_size=d.image_size, on_error=d.on_error,
                                    class_names=train.class_names)
@@ -81,7 +82,8 @@ def _datasets(cfg) -> tuple[Dataset, Dataset]:
                                     Augment.from_config(cfg))
         # val labels are checked against the train split's classes
         with _naming("data.val_path"):
-            val = ManifestDataset(d.val_path, d.image_root, d.image_size, train.num_classes, d.on_error)
+            val = ManifestDataset(d.val_path, d.image_root, d.image_size, train.num_classes, d.on_error,
+                                  class_names=train.class_names)
         return train, val
     with _naming("data.train_path"):
         train = ImageFolderCaptions(d.train_path, image_size=d.image_size, on_error=d.on_error,

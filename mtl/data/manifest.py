@@ -32,7 +32,7 @@ class Record:
     """One validated line: an absolute image path, its label and its captions (never empty)."""
 
     image: str
-    label: int
+    label: int  # the class index
     captions: list[str]
     line: int
     extra: dict = field(default_factory=dict)  # the line's other keys, passed on to the tasks as record fields
@@ -130,6 +130,7 @@ def read_caption_lines(
             lines = f.read().splitlines()  # bytes: one undecodable line must not sink the whole file
     except OSError as e:
         raise DataError(f"{kind} {path!r} cannot be read: {e.strerror}") from None
+    first = True
     for number, raw in enumerate(lines, start=1):
         try:
             try:
@@ -138,6 +139,9 @@ def read_caption_lines(
                 raise LineError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})",
                                 fix="save the file as UTF-8") from None
             if not text.strip():
+                continue
+            header, first = first and kind == "manifest", False
+            if header and classes_line(text, path, number) is not None:
                 continue
             records.append(_parse_line(text, number, image_root, label_fn))
         except LineError as e:
@@ -213,26 +217,75 @@ class CaptionedImages(Dataset):
         return item
 
 
-def _int_label(obj: dict, rel: str) -> int:
+def _raw_label(obj: dict) -> int | str:
+    """A line's label as it is written: an integer class index, or a class name."""
     label = obj.get("label")
     if label is None:
-        raise LineError("no 'label' (an integer class index)")
+        raise LineError("no 'label' (a class name, or an integer class index)")
+    if isinstance(label, str):
+        if not label.strip():
+            raise LineError("empty label")
+        return label
     if isinstance(label, bool) or not isinstance(label, int):
-        raise LineError(f"label {label!r} is not an integer")
+        raise LineError(f"label {label!r} is not an integer class index or a class name (a string)")
     if label < 0:
         raise LineError(f"label {label} is negative")
     return label
 
 
+def classes_line(text: str, path: str, number: int) -> list[str] | None:
+    """The class list of a manifest's first line ``{"classes": ["cat", "dog", ...]}``, or None when ``text`` is not
+    one (a line with no ``image`` key and a ``classes`` key). A malformed one is a DataError: it names every class."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or "classes" not in obj or "image" in obj:
+        return None
+    names = obj["classes"]
+    where = f"manifest {path} line {number}: the classes line"
+    fix = 'write it as {"classes": ["<name>", ...]}, a list of class names, the class index their position'
+    if set(obj) != {"classes"}:
+        raise DataError(f"{where} has other keys ({', '.join(sorted(set(obj) - {'classes'}))}) — {fix}")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise DataError(f"{where} is not a non-empty list of class names — {fix}")
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise DataError(f"{where} lists {twice!r} twice — name each class once")
+    return names
+
+
+def manifest_classes(path: str) -> list[str] | None:
+    """The class list of the manifest ``path``'s first line, if it is a classes line (``classes_line``); None when it
+    is not, or the file cannot be read (``read_caption_lines`` says why)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for number, raw in enumerate(lines, start=1):
+        try:
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError:
+            return None
+        if text.strip():
+            return classes_line(text, path, number)
+    return None
+
+
 class ManifestDataset(CaptionedImages):
-    """A JSONL manifest: ``{"image": "a/b.jpg", "label": 3, "caption": "..."}`` per line
+    """A JSONL manifest: ``{"image": "a/b.jpg", "label": "cat", "caption": "..."}`` per line
     (or ``"captions": [...]``). Relative paths resolve against ``image_root`` (default: the
     manifest's folder).
 
-    ``num_classes`` None (a training split): the classes are 0..K-1 where every one of them has an
-    image. A label beyond a class with no image at all (labels 0..3 and one 7) is a typo, not four new
-    classes: it is reported with its line (or skipped with ``on_error="skip"``); set ``num_classes``
-    when some classes really have no training image.
+    A label is a class name or an integer class index, one kind in a file. The class list:
+    - ``class_names`` given (a val or test split): the training split's; a name it lacks is refused by name;
+    - else a first line ``{"classes": ["cat", "dog", ...]}``: that list, in its order (a class may have no image);
+    - else, class names: the sorted names;
+    - else, integers: ``num_classes`` None: the classes are 0..K-1 where every one of them has an image, named
+      "0".."K-1". A label beyond a class with no image at all (labels 0..3 and one 7) is a typo, not four new
+      classes: it is reported with its line (or skipped with ``on_error="skip"``); set ``num_classes`` when some
+      classes really have no training image.
     """
 
     def __init__(
@@ -243,21 +296,77 @@ class ManifestDataset(CaptionedImages):
         num_classes: int | None = None,
         on_error: str = "raise",
         augment: Augment | None = None,
+        class_names: list[str] | None = None,
     ):
-        def label_fn(obj: dict, rel: str) -> int:
-            label = _int_label(obj, rel)
-            if num_classes is not None and label >= num_classes:
-                raise LineError(f"label {label} is outside [0, {num_classes}) (num_classes={num_classes})")
-            return label
+        names = _class_list(path, class_names, num_classes)
+        index = {n: i for i, n in enumerate(names or ())}
+        kinds: set[type] = set()
+
+        def label_fn(obj: dict, rel: str) -> int | str:
+            label = _raw_label(obj)
+            kind = str if isinstance(label, str) else int
+            if kinds and kind not in kinds:
+                raise LineError(f"label {label!r} is {'a class name' if kind is str else 'an integer'}, but the "
+                                f"labels before it are {'integers' if kind is str else 'class names'}: use one kind in a "
+                                "manifest (class names, or integer class indices)", fix="fix the label")
+            kinds.add(kind)
+            if kind is int:
+                limit = len(names) if names is not None else num_classes
+                if limit is not None and label >= limit:
+                    said = f"num_classes={limit}" if names is None else f"{limit} classes: {', '.join(names)}"
+                    raise LineError(f"label {label} is outside [0, {limit}) ({said})")
+                return label
+            if names is None:
+                return label  # named once every line is read (the sorted names)
+            if label not in index:
+                if class_names is not None:  # a split checked against the training classes
+                    raise DataError(untrained_class(f"manifest {path}", [label], names, ("its lines", "their lines")))
+                raise LineError(f"label {label!r} is not in the classes line ({', '.join(names)})",
+                                fix="add it to the classes line or fix the label")
+            return index[label]
 
         root = image_root if image_root is not None else os.path.dirname(os.path.abspath(path))
         records, reasons = read_caption_lines(path, root, label_fn, on_error)
-        if num_classes is None:
+        if names is None and str in kinds:
+            names = _sorted_names(records, path, num_classes)
+        elif names is None and num_classes is None:
             records, reasons = _drop_stray_labels(records, reasons, path, on_error)
         super().__init__(records, reasons, image_size, f"manifest {path}", augment)
         self.path = path
-        self.num_classes = num_classes if num_classes is not None else max(r.label for r in records) + 1
-        self.class_names = [str(i) for i in range(self.num_classes)]
+        if names is not None:
+            self.num_classes, self.class_names = len(names), list(names)
+        else:
+            self.num_classes = num_classes if num_classes is not None else max(r.label for r in records) + 1
+            self.class_names = [str(i) for i in range(self.num_classes)]
+
+
+def _class_list(path: str, class_names: list[str] | None, num_classes: int | None) -> list[str] | None:
+    """A manifest's class list before its lines are read: the training split's (``class_names``; a classes line
+    must then say the same), else its classes line's; None: its labels decide."""
+    own = manifest_classes(path)
+    if class_names is not None:
+        if own is not None and own != list(class_names):
+            raise DataError(f"manifest {path!r}: its classes line ({', '.join(own)}) is not the training set's class "
+                            f"list ({', '.join(class_names)}) — make the two lines the same, or remove this one")
+        return list(class_names)
+    if own is not None and num_classes is not None and num_classes != len(own):
+        raise DataError(f"manifest {path!r}: data.num_classes={num_classes} but its classes line lists {len(own)} "
+                        "classes — remove data.num_classes")
+    return own
+
+
+def _sorted_names(records: list[Record], path: str, num_classes: int | None) -> list[str]:
+    """The classes of a manifest labelled by name without a classes line: the sorted names; each record's label
+    becomes its name's index."""
+    names = sorted({r.label for r in records})
+    if num_classes is not None and num_classes != len(names):
+        raise DataError(f"manifest {path!r}: data.num_classes={num_classes} but its labels name {len(names)} classes "
+                        f"({', '.join(names)}) — remove data.num_classes, or list every class in a first line "
+                        '{"classes": [...]}')
+    index = {n: i for i, n in enumerate(names)}
+    for r in records:
+        r.label = index[r.label]
+    return names
 
 
 def _drop_stray_labels(records: list[Record], reasons: list[str], path: str, on_error: str):

@@ -85,7 +85,8 @@ def _user_split(cfg, d: TaskDataConfig, path: str, train: bool, labelled: bool, 
                                    class_names=getattr(train_split, "class_names", None))
     if labelled:
         return ManifestDataset(path, d.image_root or None, cfg.data.image_size,
-                               getattr(train_split, "num_classes", None), d.on_error, augment)
+                               getattr(train_split, "num_classes", None), d.on_error, augment,
+                               class_names=getattr(train_split, "class_names", None))
     records, reasons = read_caption_lines(path, d.image_root or _folder(path), _no_label, d.on_error)
     ds = CaptionedImages(records, reasons, cfg.data.image_size, f"manifest {path}", augment)
     ds.num_classes = max(r.label for r in records) + 1 if records else 0
