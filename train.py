@@ -9,8 +9,10 @@ import argparse
 import sys
 
 from mtl.run.error_report import run_guarded
+from mtl.run.signals import start_up_guard
 
 
+@start_up_guard  # first of all: a stop signal during start-up ends the run cleanly (mtl/run/signals.py)
 def main(argv: list[str] | None = None) -> int:
     from mtl.config.checks import options_help
     from mtl.config.schema import keys_help

@@ -7,7 +7,12 @@ turns the named task's loss into NaN.
 
 from __future__ import annotations
 
+import os
+import signal
+
 from mtl.run import heartbeat
+
+_signalled: set[str] = set()  # the phases this process has sent itself SIGTERM in (signal_at), since the run began
 
 
 def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
@@ -24,9 +29,6 @@ def poison(batch: dict, spec: str | None, step: int, rank: int) -> None:
     if task == "crash":  # a rank that dies mid-step: the others must not hang
         raise RuntimeError(f"trainer.poison: rank {rank} crashes at step {step} (testing)")
     if task == "stop":  # a rank that stops answering: the others must name it (mtl/run/heartbeat.py)
-        import os
-        import signal
-
         heartbeat.flush()  # the last step's beat is in the store, so the peers can name it
         os.kill(os.getpid(), signal.SIGSTOP)
         return
@@ -44,3 +46,14 @@ def install_poison(model) -> None:
         return output
 
     model.register_forward_hook(hook, with_kwargs=True)
+
+
+def signal_at(phase: str) -> None:
+    """``MTL_TEST_SIGTERM_AT=<phase>`` (tests only): the process sends itself SIGTERM the first time the run enters
+    that phase (``mtl.run.signals.enter_phase``: build, evaluation, sample figure, save ...), so a test hits each phase
+    for sure instead of by timing. Entering ``start-up`` (a new run in this process) arms it again."""
+    if phase == "start-up":
+        _signalled.clear()
+    if os.environ.get("MTL_TEST_SIGTERM_AT") == phase and phase not in _signalled:
+        _signalled.add(phase)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -13,10 +13,20 @@
 
 Python runs signal handlers only between bytecodes of the main thread, so a main thread blocked in a
 collective would never see them. The handler's wake-up byte goes to a watcher thread, which acts at once.
+
+Before training (``start_up_guard``, around train.py's ``main``, installed before anything slow is imported): no
+step has been taken, so there is nothing to save. The first stop signal ends the run at once: ``StartupStop``
+unwinds the start-up (the run folder's cleanup releases ``output_dir/run.lock``), one line names the signal and the
+phase it arrived in, and the exit code is 128 + the signal (143 for SIGTERM, 138 for SIGUSR1, 130 for Ctrl-C): not
+0, since nothing was trained, so ``train.py && next`` stops, and torchrun sees a failed worker (it tears the group
+down, or restarts it under ``--max-restarts``) instead of a worker that claims to have finished. Slurm's requeue of a
+preempted job does not depend on the code. After training (``finishing``) a stop signal is ignored: the run is
+ending by itself, its final checkpoint saved.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import signal
@@ -25,6 +35,7 @@ import sys
 import threading
 import time
 
+from mtl.run import error_report, faults
 from mtl.run.console import say
 
 STOP = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -33,6 +44,66 @@ GRACE_S = 2.0  # a peer that exits normally (after the last barrier) leaves this
 
 
 _active: list = []  # the installed StopSignals of this process, if any
+_phase = "start-up"  # what the run is doing now (enter_phase): a stop signal's message names it
+
+
+def enter_phase(phase: str) -> None:
+    """The run begins ``phase`` (start-up, build, step, evaluation, sample figure, save, finishing), which a stop
+    signal's message names. Tests make the run send itself SIGTERM here (``faults.signal_at``)."""
+    global _phase
+    _phase = phase
+    faults.signal_at(phase)
+
+
+def phase() -> str:
+    return _phase
+
+
+STARTING = ("start-up", "build")  # the phases before training: a stop signal ends the run at once
+
+
+class StartupStop(BaseException):
+    """A stop signal before training (see the module docstring). A BaseException, as KeyboardInterrupt is, so that
+    no ``except Exception`` on its way out swallows it; every ``finally`` and cleanup on the way runs."""
+
+    def __init__(self, signum: int, phase: str):
+        self.signum, self.phase, self.exit_code = signum, phase, 128 + signum
+        self.message = (f"{signal.Signals(signum).name} during start-up ({phase}): no step taken, nothing to save; "
+                        f"exiting with code {self.exit_code}, output_dir's lock released")
+        super().__init__(self.message)
+
+
+def start_up_guard(main):
+    """``main`` (train.py's) with stop signals handled from its first line on: before training they raise
+    ``StartupStop``, which becomes one line and the exit code 128 + the signal; the trainer's ``StopSignals`` takes
+    over for training. The previous handlers are back when ``main`` returns."""
+
+    @functools.wraps(main)
+    def guarded(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+            return main(*args, **kwargs)
+        got: list[int] = []
+
+        def handler(signum, _frame):
+            if got:  # one stop at a time: the start-up's cleanup is not interrupted again
+                return
+            got.append(signum)
+            if _phase in STARTING:
+                raise StartupStop(signum, _phase)
+
+        enter_phase("start-up")
+        previous = {sig: signal.signal(sig, handler) for sig in STOP}
+        try:
+            return main(*args, **kwargs)
+        except StartupStop as stop:
+            error_report.say(stop.message)
+            return stop.exit_code
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            enter_phase("start-up")  # the next run in this process (tests) starts from the beginning
+
+    return guarded
 
 
 def _after_fork_in_child() -> None:
@@ -71,6 +142,7 @@ class StopSignals:
         self.rank, self.world_size = rank, world_size
         self.on_request = on_request  # called in the main thread when a stop is asked for
         self.signum: int | None = None  # the first stop signal this rank got
+        self.phase: str | None = None  # the phase of the run it arrived in (enter_phase)
         self.done = False  # set once the stop checkpoint is written, or training ended: nothing left to protect
         host = socket.gethostname()
         self._local_peers = [(r, pid) for r, (h, pid) in enumerate(peers or []) if h == host and r != rank]
@@ -113,11 +185,19 @@ class StopSignals:
         if self.on_request is not None:
             self.on_request()
         if self.signum is None:
-            self.signum = signum
+            self.signum, self.phase = signum, _phase
 
     @property
     def interrupted(self) -> bool:
         return self.signum == signal.SIGINT
+
+    def describe(self, step: int) -> str:
+        """The first stop signal and when it came, ``step``: the steps done then, e.g. "SIGTERM, during the
+        evaluation at step 30" (a peer's signal, agreed through the step: "from another rank")."""
+        if self.signum is None:
+            return "from another rank"
+        when = f"during step {step + 1}" if self.phase == "step" else f"during the {self.phase} at step {step}"
+        return f"{signal.Signals(self.signum).name}, {when}"
 
     # ------------------------------------------------------------------ watcher thread
 

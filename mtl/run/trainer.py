@@ -43,7 +43,7 @@ from mtl.run.finite import nonfinite_eval
 from mtl.run.logger import RunLogger
 from mtl.run.run_folder import RunFolder
 from mtl.run.runtime_checks import explain_ddp_error, verify_replicas
-from mtl.run.signals import StopSignals
+from mtl.run.signals import StopSignals, enter_phase
 from mtl.run.step import StepParts, StepResult, train_step
 from mtl.run.step_log import StepLog, flat_metrics
 
@@ -60,6 +60,7 @@ class Trainer:
     def _setup(self, cfg, dist: DistInfo) -> None:
         self.cfg, self.dist, self.device, self.tasks = cfg, dist, dist.device, list(cfg.tasks)
         self.folder.lock()  # rank 0; a busy output_dir is reported with the data's errors, after reading the data
+        enter_phase("build")  # a stop signal from here until train() ends the run at once (mtl/run/signals.py)
 
         def tokenizer_for(captions):  # the data is read and good: now the folder's decision, nothing written yet
             self._resume = self.folder.prepare(commit=False)
@@ -99,6 +100,7 @@ class Trainer:
         self.val_loaders, self.test_loader = build_eval_feeds(cfg, inputs, dist, self._test_ds)
         self.step, self.last_eval, self.poison_spec = 0, {}, cfg.trainer.poison  # read once: a config read is ~10 µs
         self.stop_requested = self.stop_agreed = False  # set by SIGTERM/SIGUSR1; agreed through a collective
+        self.stop_signal_step = 0  # the steps done when this rank's stop signal came (its message names it)
         self.resume_notes: list[str] = []
         if resume:
             self.step, self.resume_notes = self.folder.load(resume, self.parts, self.feed)
@@ -163,8 +165,11 @@ class Trainer:
         finally:
             heartbeat.stop()
             self.signals.uninstall()
+            enter_phase("finishing")  # a stop signal now changes nothing: the run is ending (mtl/run/signals.py)
 
     def _request_stop(self) -> None:  # SIGTERM/SIGUSR1/SIGINT: acted on after the current step by every rank together
+        if not self.stop_requested:
+            self.stop_signal_step = self.step
         self.stop_requested = True
 
     def _train(self, start: float) -> dict:
@@ -175,6 +180,7 @@ class Trainer:
         if self.folder.is_last(self.step):
             self.log.info(f"nothing to do: step {self.step} >= trainer.max_steps {trainer_cfg.max_steps}")
         while not self.folder.is_last(self.step):
+            enter_phase("step")
             result = self.step_once()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -190,7 +196,9 @@ class Trainer:
             if self.folder.save_due(self.step) and not self.steplog.bad_steps:
                 self.save()
             if self.stop_agreed:  # a rank got SIGTERM/SIGUSR1/SIGINT: all finish this step, save, exit
-                self.log.info(f"step {self.step}: stop signal received; saving a checkpoint and exiting")
+                self.log.info(f"step {self.step}: stop signal received "
+                              f"({self.signals.describe(self.stop_signal_step)}); "
+                              "saving a checkpoint and exiting")
                 self.save()
                 self.signals.done = True
                 if self.signals.interrupted:  # Ctrl-C on this rank: saved, and exits 130 (mtl/run/signals.py)
@@ -208,6 +216,7 @@ class Trainer:
         return final
 
     def run_eval(self) -> dict:
+        enter_phase("evaluation")
         limit = self.cfg.trainer.eval_max_batches
         with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
             metrics = evaluate_run(self.bare, self.val_loaders, self.device, limit)
@@ -217,6 +226,7 @@ class Trainer:
         if hasattr(self.scheduler, "evaluated"):  # optim.scheduler=plateau: the rate follows the validation Δm
             flat["plateau_delta_m"] = self.scheduler.evaluated(flat)
         self.last_eval = self.steplog.evaluation(self.step, flat)
+        enter_phase("sample figure")
         self.steplog.samples(self.step, metrics, {t: loader.dataset for t, loader in self.val_loaders.items()})
         return self.last_eval
 
@@ -225,6 +235,7 @@ class Trainer:
 
     def save(self) -> str:
         """Checkpoint this step (unless output_dir already holds exactly it), with the non-finite streak at it."""
+        enter_phase("save")
         path, written = self.folder.save(self.step, self.parts, self.feed, self.steplog.bad_steps)
         if written:
             heartbeat.progress(self.step, saved=self.step)

@@ -1,0 +1,66 @@
+"""SIGTERM at each phase of a run, hit for sure (not by timing): ``MTL_TEST_SIGTERM_AT=<phase>`` makes the run send
+itself SIGTERM when it enters that phase (mtl/run/faults.py). In start-up the run ends at once (exit 143, one line,
+run.lock released); later it saves and exits 0. In-process and one process: the phases are the same under torchrun."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import train
+
+from .conftest import TINY
+
+# two steps, an evaluation with its sample figure and a periodic save at step 2; a stop there is saved at step 3
+RUN = ["--config", TINY, "trainer.max_steps=4", "trainer.eval_every=2", "checkpoint.every_steps=2", "trainer.log_every=1"]
+
+
+@pytest.fixture
+def sigterm_guard():
+    """A SIGTERM no handler of the run catches lands here and is counted, instead of ending the test process."""
+    caught = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    yield caught
+    signal.signal(signal.SIGTERM, previous)
+
+
+def run_with_sigterm_at(phase, tmp_path, capsys, monkeypatch) -> tuple[int, str, str, str]:
+    monkeypatch.setenv("MTL_TEST_SIGTERM_AT", phase)
+    out = str(tmp_path / "run")
+    capsys.readouterr()
+    code = train.main([*RUN, f"output_dir={out}"])
+    stdout, err = capsys.readouterr()
+    return code, stdout, err, out
+
+
+def checkpoints(out) -> list[int]:
+    root = os.path.join(out, "checkpoints")
+    return sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_")) if os.path.isdir(root) else []
+
+
+def test_sigterm_while_the_run_builds_ends_it_at_once_with_the_lock_released(tmp_path, capsys, monkeypatch,
+                                                                             sigterm_guard):
+    code, stdout, err, out = run_with_sigterm_at("build", tmp_path, capsys, monkeypatch)
+    assert sigterm_guard == []  # the run's own handler took it
+    assert code == 143, (stdout[-2000:], err[-2000:])  # 128 + SIGTERM: nothing was trained or saved
+    lines = [line for line in err.splitlines() if "SIGTERM" in line]
+    assert len(lines) == 1 and "during start-up (build)" in lines[0], err[-2000:]
+    assert "Traceback" not in err
+    assert not os.path.exists(os.path.join(out, "run.lock"))  # released: the next run starts without a stale lock
+    assert checkpoints(out) == [] and "step 1" not in stdout
+
+
+@pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
+@pytest.mark.parametrize("phase", ["evaluation", "sample figure", "save"])
+def test_sigterm_in_training_saves_and_exits_zero_whatever_the_run_is_doing(phase, tmp_path, capsys, monkeypatch,
+                                                                            sigterm_guard):
+    code, stdout, err, out = run_with_sigterm_at(phase, tmp_path, capsys, monkeypatch)
+    assert sigterm_guard == []
+    assert code == 0, (stdout[-2000:], err[-2000:])
+    # it arrived in that phase (at step 2), and the next step, agreed by every rank, is saved
+    assert f"step 3: stop signal received (SIGTERM, during the {phase} at step 2); saving a checkpoint" in stdout, \
+        stdout[-2000:]
+    assert checkpoints(out) == [2, 3] and "done:" not in stdout
+    assert not os.path.exists(os.path.join(out, "run.lock"))
