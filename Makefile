@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The main job: NPROC processes on this machine (gloo on CPU, nccl on GPU, chosen automatically).
+# The main job: NPROC processes on this machine (gloo on CPU, nccl on GPU, chosen automatically). MTL_MAKE_TARGET tells
+# the launcher to word its hints as make train ARGS="..." (e.g. a re-run on a folder with checkpoints).
 train: $(STAMP)
-	$(BIN)/python -m mtl.tools.launch --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
+	MTL_MAKE_TARGET=train $(BIN)/python -m mtl.tools.launch --standalone --nproc_per_node=$(NPROC) train.py --config $(CONFIG) $(ARGS)
 
 # The whole suite (what CI runs), with its 25 slowest tests listed (the suite must stay under 30 min on 2 cores).
 test: $(STAMP)

@@ -3,11 +3,13 @@ describes every key (a comment after the field, or the comment block above it) a
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import train
 
-from .conftest import TINY
+from .conftest import ROOT, TINY
 
 
 def test_a_mistyped_weighting_method_gets_the_nearest_name(tmp_path, capsys):
@@ -43,3 +45,44 @@ def test_the_benchmark_s_help_describes_its_own_keys(capsys):
                       ("bench.slurm.partition", "null: the cluster's default partition"),
                       ("bench.reference.metrics", "task -> {metric: value}")]:
         assert says in lines[key], (key, lines[key])
+
+
+def launch_refusal(tmp_path, capsys, monkeypatch, via_make: bool) -> tuple[int, str, list]:
+    """``mtl.tools.launch`` as ``make train`` runs it, on a folder that holds a checkpoint: (exit code, stderr, the
+    torchrun runs it started)."""
+    import torch.distributed.run as torchrun
+
+    from mtl.tools import launch
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_6").mkdir(parents=True)
+    started = []
+    monkeypatch.setattr(torchrun, "run", started.append)  # a worker started would be a run here
+    if via_make:
+        monkeypatch.setenv("MTL_MAKE_TARGET", "train")
+    else:
+        monkeypatch.delenv("MTL_MAKE_TARGET", raising=False)
+    capsys.readouterr()
+    code = launch.main(["--standalone", "--nproc_per_node=2", "train.py", "--config", TINY, "trainer.max_steps=9",
+                        f"output_dir={out}"])
+    return code, capsys.readouterr().err, started
+
+
+def test_re_running_make_train_is_refused_before_the_workers_start_with_the_make_form(tmp_path, capsys, monkeypatch):
+    code, err, started = launch_refusal(tmp_path, capsys, monkeypatch, via_make=True)
+    assert code == 2 and started == [], err
+    out = tmp_path / "run"
+    assert "step_6" in err and "Traceback" not in err
+    # the overrides go in make's ARGS, the ones already given kept
+    assert f'make train ARGS="trainer.max_steps=9 output_dir={out} resume=auto"' in err, err
+    assert f'make train ARGS="trainer.max_steps=9 output_dir={out} overwrite=true"' in err, err
+    # and make tells the launcher so: its train target sets the variable the launcher reads
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        recipe = f.read().split("\ntrain:", 1)[1].split("\n\n", 1)[0]
+    assert "MTL_MAKE_TARGET=train" in recipe and "mtl.tools.launch" in recipe, recipe
+
+
+def test_the_launcher_outside_make_gives_the_overrides_as_they_are(tmp_path, capsys, monkeypatch):
+    code, err, started = launch_refusal(tmp_path, capsys, monkeypatch, via_make=False)
+    assert code == 2 and started == [] and "make train" not in err, err
+    assert "resume=auto" in err and "overwrite=true" in err

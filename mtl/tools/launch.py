@@ -1,7 +1,9 @@
 """``python -m mtl.tools.launch [torchrun options] train.py --config X [key=value ...]``: torchrun, quieter on failure.
 
 What ``make train`` uses. It checks the config once, before any worker starts (a config error is one
-message and exit code 2), then runs torchrun's own launcher in this process. When a worker fails it
+message and exit code 2), and refuses a re-run on an output_dir that holds checkpoints at once (exit 2, with
+the ways out; under ``make train``, which sets ``MTL_MAKE_TARGET=train``, in the form ``make train ARGS="..."``),
+then runs torchrun's own launcher in this process. When a worker fails it
 has already printed its one-line error; instead of torchrun's launcher traceback this prints one
 summary line and exits with the worker's exit code. Plain ``torchrun`` works too; it only prints
 more on failure.
@@ -9,10 +11,12 @@ more on failure.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from mtl.config.checks import load_run_config
-from mtl.errors import MTLError
+from mtl.errors import ConfigError, MTLError
+from mtl.run.checkpoint import latest_checkpoint
 from mtl.run.error_report import run_guarded
 
 # the exit codes of mtl's own errors (2-5): a rank that exits with one of these failed for a reason of its own
@@ -30,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, overrides = _config_args(argv)
     if config is not None:
-        code = run_guarded(lambda: load_run_config(config, overrides, announce=False))
+        code = run_guarded(lambda: refuse_a_re_run(load_run_config(config, overrides, announce=False), overrides))
         if code:
             return code
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -48,6 +52,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mtl.tools.launch: {summary(e.failures)}", file=sys.stderr)
         return exit_code(e.failures)
     return 0
+
+
+def refuse_a_re_run(cfg, overrides: list[str]) -> None:
+    """The workers' own refusal of an output_dir that holds checkpoints (mtl/run/run_folder.py), said before they
+    start, with the ways out as this command takes them: under ``make train`` (``MTL_MAKE_TARGET``), its ARGS."""
+    existing = latest_checkpoint(cfg.output_dir) if cfg.resume is None and not cfg.overwrite else None
+    if existing is None:
+        return
+    target = os.environ.get("MTL_MAKE_TARGET")
+    if target:
+        given = " ".join(overrides)
+
+        def way(override: str) -> str:
+            return f'make {target} ARGS="{given} {override}"' if given else f'make {target} ARGS="{override}"'
+    else:
+        def way(override: str) -> str:
+            return f"the same command with {override}"
+    raise ConfigError(f"output_dir: {cfg.output_dir!r} already holds checkpoints ({os.path.basename(existing)}) of "
+                      f"another run. To continue it: {way('resume=auto')}; to delete them and start over: "
+                      f"{way('overwrite=true')}; or choose another output_dir")
 
 
 def _root_causes(failures: dict) -> dict:
