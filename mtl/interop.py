@@ -9,7 +9,8 @@
 - ``hf_captioner/``: the backbone and the caption head as one ``transformers.VisionEncoderDecoderModel`` folder (a
   ViT-GPT2's layout), with its image processor (the run's image size, mean and std), tokenizer and processor, where
   the backbone is ``hf_vision`` (ViT, DINOv2) and the head reads its tokens: ``generate(pixel_values=...)`` and
-  ``pipeline("image-to-text", model=...)`` give mtl's captions (``mtl.models.vision_encoder_decoder``);
+  ``pipeline("image-to-text", model=...)(image, text="")`` give mtl's captions (``mtl.models.vision_encoder_decoder``;
+  its tokenizer starts every prompt with BOS, the decoder's start);
 - ``image_program.pt2``: a ``torch.export`` program of the image path, normalisation, backbone and classification
   head, for any batch size: ``torch.export.load(path).module()(images)`` gives ``(features, logits)`` with plain
   torch, whatever the backbone (``image_program.json`` says what goes in and comes out).
@@ -142,18 +143,19 @@ with torch.no_grad():
 captions = [" ".join(t.split()) for t in processor.tokenizer.batch_decode(ids, skip_special_tokens=True)]
 ```
 
-On PIL images, with transformers' pipeline: its image processor resizes the short side and cuts out the centre
-square as mtl does, with its own resampling, so the pixels (and the captions) equal mtl's for images of the run's
-size S x S, and are close otherwise. Its `image-to-text` task runs as `image-text-to-text` in transformers 5, whose
-prompt is the caption's first token:
+On image files or PIL images, with transformers' pipeline: its image processor resizes the short side and cuts out
+the centre square as mtl does, with its own resampling, so the pixels (and the captions) equal mtl's for images of
+the run's size S x S, and are close otherwise. In transformers 5 the `image-to-text` task runs as
+`image-text-to-text`, which takes a text prompt with every image: `text=""` is the caption from its start (the
+tokenizer puts BOS, the decoder's start, before any prompt; `text="two"` would start the caption with that word).
+Without `text`, transformers reads a path as the prompt and finds no image, and refuses a PIL image:
 
 ```python
 import transformers
 from PIL import Image
-pipe = transformers.pipeline("image-to-text", model="hf_captioner")
+pipe = transformers.pipeline("image-to-text", model="hf_captioner")  # pipe("photo.jpg", text="") for a file
 pil = [Image.fromarray((image.permute(1, 2, 0) * 255).round().byte().numpy()) for image in images]
-out = pipe(pil, text=[pipe.tokenizer.bos_token] * len(pil), return_full_text=False,
-           generate_kwargs={"num_beams": 1, "do_sample": False})
+out = pipe(pil, text=[""] * len(pil), generate_kwargs={"num_beams": 1, "do_sample": False})
 pipeline_captions = [" ".join(o["generated_text"].split()) for o in out]
 ```
 """
@@ -264,6 +266,18 @@ def write_hf_decoder(folder: str, head) -> bool:
     return True
 
 
+def _prompt_tokenizer(path: str, bos: str, bos_id: int):
+    """The run's tokenizer (``tokenizers``, from ``path``) whose encoding of a text starts with BOS: the pipeline's
+    prompt (``text=""``, or the caption's first words) is then the decoder's start, as in mtl's own generate."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = Tokenizer.from_file(path)
+    tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
+                                                  special_tokens=[(bos, bos_id)])
+    return tokenizer
+
+
 def write_hf_captioner(folder: str, predictor) -> bool:
     """``folder/hf_captioner/``: the backbone and the caption head as a ``VisionEncoderDecoderModel``
     (``mtl.models.vision_encoder_decoder``), its image processor (the run's ``data.image_size`` and
@@ -287,7 +301,9 @@ def write_hf_captioner(folder: str, predictor) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(tmp)
         names = {i: t for t, i in tok.vocab().items()}
-        fast = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tmp, "tokenizer.json"), bos_token=names[tok.bos_id],
+        fast = PreTrainedTokenizerFast(tokenizer_object=_prompt_tokenizer(os.path.join(tmp, "tokenizer.json"),
+                                                                          names[tok.bos_id], tok.bos_id),
+                                       bos_token=names[tok.bos_id],
                                        eos_token=names[tok.eos_id], pad_token=names[tok.pad_id],
                                        unk_token=names.get(tok.unk_id) if tok.unk_id is not None else None,
                                        clean_up_tokenization_spaces=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,10 +17,15 @@ import pytest
 import torch
 
 from mtl.data.images import normalize_images
-from mtl.inference import load_model
+from mtl.inference import Predictor, load_model
+from mtl.interop import write_hf_captioner
+from mtl.run.trainer import Trainer
 from mtl.tools import export as export_tool
 
-from .test_inference import checkpoint, synthetic_val, train
+from . import pretrained_folders
+from .conftest import ROOT, TINY
+from .doc_blocks import blocks
+from .test_inference import checkpoint, synthetic_val, to_pil, train
 
 # the head of a check script run with ``python -I``: its import system refuses mtl (tests/test_vit_gpt2.py too)
 NO_MTL = textwrap.dedent('''
@@ -118,3 +124,40 @@ def test_transformers_and_torchvision_load_the_export_and_agree_without_mtl(tmp_
                           text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["captions"] == 6
+
+
+def readme_pipeline_block():
+    """README.md's Python block that calls ``pipeline("image-to-text", ...)`` on an export's ``hf_captioner/``."""
+    found = [b for b in blocks(os.path.join(ROOT, "README.md")) if 'pipeline("image-to-text"' in b.text]
+    assert len(found) == 1 and found[0].lang == "python", [b.where for b in found]
+    return found[0]
+
+
+@pytest.mark.slow  # builds a ViT-GPT2-shaped run, steps it 3 times and runs transformers' pipeline (~4 s warm)
+def test_the_readme_pipeline_line_captions_an_exported_captioner_as_mtl_does(tmp_path, monkeypatch, capsys):
+    """README.md's ``pipeline("image-to-text", model=EXPORT/hf_captioner)`` line, as written, from a folder that has
+    the export where README's commands put it and ``photo.jpg``: it prints mtl's own caption of that file (an
+    untrained ViT-GPT2-sized model: the export's files, not the training, are under test)."""
+    vit = pretrained_folders.tiny_pretrained().write_vit(str(tmp_path / "vit"))
+    trainer = Trainer.from_config(TINY, [f"output_dir={tmp_path / 'run'}", "model.backbone.name=hf_vision",
+                                         f"model.backbone.pretrained={vit}", "model.decoder.n_embd=32",
+                                         "model.decoder.max_positions=32"])
+    try:
+        for _ in range(3):
+            trainer.step_once()
+        trainer.bare.eval()
+        predictor = Predictor(trainer.bare, trainer.cfg, trainer.tokenizer, ["a"] * 4, torch.device("cpu"), None)
+        block = readme_pipeline_block()
+        export = re.search(r'model="([^"]+)/hf_captioner"', block.text).group(1)
+        os.makedirs(tmp_path / export)
+        assert write_hf_captioner(str(tmp_path / export), predictor)
+        to_pil(synthetic_val(1)[0]["image"]).save(tmp_path / "photo.jpg")
+        want = predictor.predict([str(tmp_path / "photo.jpg")])[0]["caption"]
+    finally:
+        trainer.close()
+    assert want, "an empty caption would make the comparison meaningless"
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    exec(block.text, {})
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed and " ".join(printed[-1].split()) == want, (printed, want)
