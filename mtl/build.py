@@ -320,11 +320,13 @@ def find_model_files(path: str, key: str) -> ModelFiles:
     )
 
 
-def verify_model_files(files: ModelFiles, key: str) -> None:
+def verify_model_files(files: ModelFiles, key: str) -> set[str]:
     """Trust a model folder only once its manifest checks out, as a resume does: a checkpoint through
     ``mtl.run.checkpoint.verify_checkpoint`` (every file's size and SHA-256), an export folder through its own manifest
     (``verify_manifest``, the same check), and every file of the folder that is read (the weights, config.yaml, the
-    class names, the tokenizer) must be listed in it. Raises CheckpointError naming ``key``, the file and the fix."""
+    class names, the tokenizer) must be listed in it. Returns the names the manifest lists (checked), against which
+    ``mtl.registry.use_folder_copies`` admits plug-in copies. Raises CheckpointError naming ``key``, the file and the
+    fix."""
     folder = files.folder
     fix = ("It changed after it was written (corrupt, or edited by hand): use another checkpoint, or export again "
            "from the run's checkpoint")
@@ -351,6 +353,7 @@ def verify_model_files(files: ModelFiles, key: str) -> None:
         if not rel.startswith("../") and os.path.isfile(path) and rel not in listed:
             raise CheckpointError(f"{key}: {rel} in {folder!r} is not in its {ckpt.MANIFEST} (added after it was "
                                   f"written). {fix}")
+    return listed
 
 
 def find_verified_model_files(path: str, key: str) -> ModelFiles:

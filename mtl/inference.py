@@ -55,14 +55,15 @@ from mtl.data.loader import build_datasets, verify_task_fields
 from mtl.data.manifest import IMAGE_EXTENSIONS, ImageFolderCaptions, ManifestDataset, load_image
 from mtl.data.multi_input import build_task_val_sets
 from mtl.data.tokenizer import CaptionTokenizer
-from mtl.errors import CheckpointError, ConfigError, DataError
+from mtl.errors import CheckpointError, ConfigError, DataError, TrainingError
 from mtl.files import free_bytes
 from mtl.interop import interop_bytes, write_interop
 from mtl.models.backbones.hf_vision import carried_files, use_carried_copy
 from mtl.parallel.amp import DTYPES
-from mtl.registry import PLUGIN_KEYS, copy_names, use_folder_copies
+from mtl.registry import PLUGIN_KEYS, copy_names, refuse_untrusted, use_folder_copies
 from mtl.run.checkpoint import describe_os_error, write_manifest
 from mtl.run.evaluate import evaluate_run
+from mtl.run.finite import first_nonfinite
 from mtl.run.runlock import alive  # the run lock's own test of a PID
 
 LOAD_FIX = "Was it written with another version of mtl's model code, or edited by hand?"
@@ -242,24 +243,31 @@ def _class_names(files: ModelFiles, cfg, num_classes: int | None) -> list[str]:
     return [str(i) for i in range(int(cfg.data.num_classes or 1) if num_classes is None else num_classes)]
 
 
-def load_model(path: str, device="cpu") -> Predictor:
-    """The trained model at ``path`` in eval mode on ``device`` (auto | cpu | cuda | cuda:N | a torch.device)."""
+def load_model(path: str, device="cpu", trust_plugins: bool = False) -> Predictor:
+    """The trained model at ``path`` in eval mode on ``device`` (auto | cpu | cuda | cuda:N | a torch.device).
+
+    Plug-in code the folder carries (``task_modules/`` ...) is imported, which runs it, only with ``trust_plugins``
+    or where each file is byte-identical to the one at its recorded path on this machine (your own run's code):
+    otherwise a ConfigError naming each file and its SHA-256, nothing imported (``mtl.registry.refuse_untrusted``).
+    Weights holding a NaN or inf are a TrainingError naming the tensor."""
     files = find_model_files(os.fspath(path), "model")
     state = read_model_weights(files.weights, "model")  # first: is it ours at all?
     if files.config is None:
         raise CheckpointError(f"{files.folder!r} has no config.yaml next to {MODEL_FILE}: it is not an mtl "
                               "checkpoint or export folder")
-    verify_model_files(files, "model")  # as a resume does: every file we read matches the folder's manifest
+    listed = verify_model_files(files, "model")  # as a resume does: every file we read matches the folder's manifest
+    refuse_nonfinite(state, files.weights)
     if files.tokenizer is None:
         raise CheckpointError(f"{files.folder!r}: no tokenizer/ found in it or in its run folder; the model "
                               "cannot decode captions without the tokenizer it was trained with")
     saved = saved_config(files.folder)  # plain data: nothing in it resolved, no base: followed
     cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
-    code = use_folder_copies(cfg, files.folder)  # its own plug-in files only (listed in its manifest, verified)
+    code = use_folder_copies(cfg, files.folder, listed)  # its own plug-in files only, inside it and in its manifest
+    why = refuse_untrusted(code, files.folder, trust_plugins)  # before anything imports them
     use_carried_copy(cfg, files.folder)  # hf_vision: its backbone/config.json and processor, not the pretrained folder
     if code:
-        print(f"note: {files.folder!r} carries plug-in code ({', '.join(_rel(c, files.folder) for c in code)}); "
-              "loading the model imports it, which runs it: trust a model folder like a script", file=sys.stderr)
+        print(f"note: {files.folder!r}: the model imports its plug-in code "
+              f"({', '.join(_rel(c, files.folder) for c in code)}), {why}", file=sys.stderr)
     tokenizer = CaptionTokenizer.load(files.tokenizer)
     weighed = int(state["heads.cls.fc.weight"].shape[0]) if "heads.cls.fc.weight" in state else None
     class_names = _class_names(files, cfg, weighed)
@@ -274,6 +282,16 @@ def load_model(path: str, device="cpu") -> Predictor:
     model.autocast_dtype = DTYPES.get(cfg.precision)  # as the run's own evaluation
     model.to(dev).eval()
     return Predictor(model, cfg, tokenizer, class_names, dev, files, saved)
+
+
+def refuse_nonfinite(state: dict, weights: str) -> None:
+    """A model file whose weights hold a NaN or inf (a run that diverged, or an edited file) predicts NaN: a
+    TrainingError (exit 5, as training's own check, ``mtl.run.finite``) naming the first such tensor."""
+    bad = first_nonfinite(state)
+    if bad:
+        raise TrainingError(f"model: {weights!r} holds NaN or inf values in {bad}: the model it saves diverged (or "
+                            "the file was edited), so every prediction from it would be NaN. Use an earlier "
+                            "checkpoint of the run")
 
 
 def model_config(saved: dict, source: str, overrides: list[str] | None = None):
@@ -395,13 +413,14 @@ def evaluate_model(predictor: Predictor, cfg, max_batches: int = 0, num_beams: i
 # ------------------------------------------------------------------ export
 
 
-def export_model(path: str, out: str) -> str:
+def export_model(path: str, out: str, trust_plugins: bool = False) -> str:
     """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json, the
     plug-in files (``<key>/<file>``: task_modules/, backbone_modules/, weighting_modules/), and the parts in other
     libraries' layouts (``mtl.interop``: hf_decoder/ for transformers, torchvision_backbone/, README.md), with
     manifest.json last.
 
-    The model is loaded first (so a broken checkpoint is refused, not copied). Before anything is written, the free
+    The model is loaded first (so a broken checkpoint is refused, not copied; its plug-in code, and so the copy of
+    it, only with ``trust_plugins`` or where it is your own run's code: ``load_model``). Before anything is written, the free
     space is checked against the export's size (``export_bytes``): too little is one ConfigError (exit 2) naming the
     folder, the bytes needed and free. The folder appears whole or not at all: it is written next to ``out`` as
     ``<out>.<pid>.tmp`` and renamed; a write that fails anyway (the disk filled up meanwhile) is one CheckpointError
@@ -410,7 +429,7 @@ def export_model(path: str, out: str) -> str:
     out = os.fspath(out).rstrip(os.sep) or os.sep
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out: {out!r} already exists and is not an empty folder; choose a new folder")
-    predictor = load_model(path, "cpu")
+    predictor = load_model(path, "cpu", trust_plugins)
     parent = os.path.dirname(os.path.abspath(out))
     _remove_stale_exports(out)
     needed, free = export_bytes(predictor), free_bytes(parent)

@@ -111,13 +111,21 @@ def _is_builtin(spec: str) -> bool:
     return not spec.endswith(".py") and (spec == "mtl" or spec.startswith("mtl."))
 
 
+def _module_name(spec: str) -> bool:
+    """A dotted module name (``pkg.mod``): identifiers only, so never a path (no ``/``, no ``..``)."""
+    return all(part.isidentifier() for part in spec.split("."))
+
+
 def copy_names(key: str, specs) -> dict[str, str]:
     """{a spec of ``key``: its copy's name in a model folder}: ``<key>/<file name>`` for a ``.py`` path (a second
-    file of the same name gets a number in front), ``<key>/<dotted.name>.py`` for a module name outside mtl."""
+    file of the same name gets a number in front), ``<key>/<dotted.name>.py`` for a module name outside mtl. A spec
+    that is neither (``../x/pwn``: its copy's name would climb out of ``<key>/``) is a ConfigError naming it."""
     out: dict[str, str] = {}
     for spec in map(str, specs or ()):
         if spec in out or _is_builtin(spec):
             continue
+        if not spec.endswith(".py") and not _module_name(spec):
+            raise ConfigError(f"{key}: {spec!r} is neither a .py path nor a dotted module name")
         base = os.path.basename(spec) if spec.endswith(".py") else f"{spec}.py"
         name = f"{key}/{base}"
         out[spec] = name if name not in out.values() else f"{key}/{len(out)}_{base}"
@@ -154,29 +162,108 @@ def plugin_files(cfg) -> dict[str, bytes]:
     return out
 
 
-def use_folder_copies(cfg, folder: str) -> list[str]:
+def use_folder_copies(cfg, folder: str, listed) -> dict[str, str]:
     """Point every ``PLUGIN_KEYS`` spec of ``cfg`` (a model folder's saved config) at the folder's own copy, in place;
-    returns the copies, which importing will run. A spec without a copy in ``folder`` is refused unread
-    (CheckpointError naming the key and the file): a model folder never imports code from outside itself. Module names inside mtl
-    stay as they are (the installed package's own code). The copies' hashes are checked by the caller against the
-    folder's manifest (``mtl.build.verify_model_files``)."""
-    used, errors = [], []
+    returns {each copy: the spec it replaced}, the files importing will run (which only ``refuse_untrusted`` allows).
+    Module names inside mtl stay as they are (the installed package's own code).
+
+    A model folder never imports code from outside itself: a spec is refused unread (one CheckpointError naming each
+    key, spec and why) when it is neither a ``.py`` path nor a module name, when its copy is missing, is a symbolic
+    link, resolves (realpath) anywhere but ``folder/<key>/``, or is not in ``listed`` (the names in the folder's
+    manifest, whose hashes ``mtl.build.verify_model_files`` has checked)."""
+    used, errors = {}, []
     for key in PLUGIN_KEYS:
-        names = copy_names(key, cfg.get(key))
-        specs = []
-        for spec in map(str, cfg.get(key) or ()):
+        specs = list(map(str, cfg.get(key) or ()))
+        bad = [s for s in specs if not s.endswith(".py") and not _module_name(s)]
+        errors += [f"{key}: {s!r} is neither a .py file nor a module name: its copy would lie outside "
+                   f"{key}/ in {folder!r}, and a model folder imports only code inside it" for s in bad]
+        names = copy_names(key, [s for s in specs if s not in bad])
+        resolved = []
+        for spec in specs:
             if spec not in names:
-                specs.append(spec)
+                resolved.append(spec)
                 continue
             copy = os.path.join(folder, *names[spec].split("/"))
-            if not os.path.isfile(copy):
-                errors.append(f"{key}: {spec!r} has no copy {names[spec]} in {folder!r}; a model folder imports only "
-                              "the plug-in files it carries, never a file or module from outside it, so this one is "
-                              "not read. Load a checkpoint or export written since mtl carries every plug-in file")
+            why = _uncontained(copy, os.path.join(folder, key), names[spec], listed)
+            if why:
+                errors.append(f"{key}: {spec!r} {why}; a model folder imports only the plug-in files it carries, "
+                              "never a file or module from outside it, so this one is not read. Load a checkpoint "
+                              "or export written by mtl, as it wrote it")
                 continue
-            used.append(copy)
-            specs.append(copy)
-        cfg[key] = specs
+            used[copy] = spec
+            resolved.append(copy)
+        cfg[key] = resolved
     if errors:
         raise CheckpointError("; ".join(errors))
     return used
+
+
+def _uncontained(copy: str, home: str, name: str, listed) -> str | None:
+    """Why the copy ``name`` (``<key>/<file>``) at ``copy`` may not be imported, or None: it must be a regular file
+    (no symbolic link) whose real path is inside ``home`` (the folder's ``<key>/``), listed in the manifest."""
+    if os.path.islink(copy):
+        return f"has a copy {name} that is a symbolic link (to {os.path.realpath(copy)!r}), not a file the folder holds"
+    if not os.path.lexists(copy):
+        return f"has no copy {name} in {os.path.dirname(home)!r}"
+    if os.path.dirname(os.path.realpath(copy)) != os.path.realpath(home) or os.path.islink(home):
+        return f"has a copy {name} that resolves to {os.path.realpath(copy)!r}, outside {home!r}"
+    if not os.path.isfile(copy):
+        return f"has a copy {name} that is not a regular file"
+    if name not in listed:
+        return f"has a copy {name} that is not in the folder's manifest.json"
+    return None
+
+
+# ------------------------------------------------------------------ consent to run a model folder's plug-in code
+
+TRUST_FLAG = "--trust-plugins"
+
+
+def _python_installation() -> list[str]:
+    """The folders of the Python installation (standard library, installed packages): a file there is nobody's run
+    code, so it never vouches for a copy (a stdlib module such as ``antigravity`` acts when imported)."""
+    import site
+    import sysconfig
+
+    paths = [sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    paths += list(getattr(site, "getsitepackages", list)()) + [getattr(site, "USER_SITE", None)]
+    return [os.path.realpath(p) for p in paths if p]
+
+
+def recorded_source(spec: str) -> str | None:
+    """The file on this machine at the path a run recorded for a plug-in (``spec``, from the folder's config.yaml:
+    a ``.py`` path; a relative one is read from the working directory, as the run read it), or None: a module name
+    (finding its file could import its package), a path that is no file here, or one inside the Python installation."""
+    if not spec.endswith(".py"):
+        return None
+    path = os.path.realpath(spec)
+    if not os.path.isfile(path) or any(os.path.commonpath([path, p]) == p for p in _python_installation()):
+        return None
+    return path
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def refuse_untrusted(copies: dict[str, str], folder: str, trusted: bool) -> str:
+    """Consent to import a model folder's plug-in copies (``copies``: {copy: its spec}, from ``use_folder_copies``),
+    as transformers' ``trust_remote_code``: given by ``trusted`` (the tools' --trust-plugins, ``load_model``'s
+    ``trust_plugins=True``), or, without it, by each copy being byte-identical to the file at its recorded path on
+    this machine (``recorded_source``: your own run's code). Otherwise one ConfigError (exit 2, nothing imported)
+    naming each copy that lacks it, its SHA-256, and the flag. Returns why the code may run, in words."""
+    if not copies or trusted:
+        return f"trusted by {TRUST_FLAG}"
+    rel = {c: os.path.relpath(c, folder).replace(os.sep, "/") for c in copies}
+    sources = {c: recorded_source(spec) for c, spec in copies.items()}
+    unvouched = [c for c, src in sources.items() if src is None or _sha256(src) != _sha256(c)]
+    if unvouched:
+        files = ", ".join(f"{rel[c]} (SHA-256 {_sha256(c)})" for c in unvouched)
+        raise ConfigError(f"{folder!r} carries plug-in code, and loading the model would import it, which runs it: "
+                          f"{files}. No file at the path its config.yaml records on this machine has the same bytes "
+                          f"(as your own run's code would). Read it, and if you trust it pass {TRUST_FLAG} "
+                          "(mtl.inference.load_model(..., trust_plugins=True))")
+    return "each identical to the file at its recorded path (" + ", ".join(sources.values()) + ")"

@@ -5,6 +5,7 @@ nothing else. Relative plug-in paths in a config file are read from that file's 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -69,12 +70,114 @@ def test_the_model_folders_alone_predict_and_evaluate_from_another_folder(traine
     image = _image(tmp_path)
     for folder in (export, step):
         capsys.readouterr()
-        assert predict_tool.main(["--model", str(folder), image, "--out", "p.jsonl"]) == 0
+        assert predict_tool.main(["--model", str(folder), image, "--out", "p.jsonl", "--trust-plugins"]) == 0
         err = capsys.readouterr().err
-        assert "carries plug-in code" in err and "backbone_modules/small_cnn.py" in err and "runs it" in err, err
+        assert "imports its plug-in code" in err and "backbone_modules/small_cnn.py" in err and "--trust-plugins" in err
         (row,) = [json.loads(line) for line in open("p.jsonl")]
         assert {"class", "caption", "colour"} <= set(row), row
-        assert evaluate_tool.main(["--checkpoint", str(folder), "--max-batches", "1"]) == 0
+        assert evaluate_tool.main(["--checkpoint", str(folder), "--max-batches", "1", "--trust-plugins"]) == 0
+
+
+def _with_marker(folder, dst, marker):
+    """A copy of ``folder`` whose task plug-in also writes ``marker`` when imported, its manifest refreshed."""
+    bad = _copy_folder(folder, dst)
+    with open(bad / "task_modules" / "dominant_colour.py", "a") as f:
+        f.write(f"\nopen({str(marker)!r}, 'w').write('ran')\n")
+    write_manifest(str(bad))
+    return bad
+
+
+def test_carried_code_runs_only_with_trust_plugins(trained, tmp_path, capsys):
+    """Plug-in code a folder carries, with no identical file at its recorded path here: every tool refuses it with
+    exit 2 naming each file, its SHA-256 and the flag, and imports nothing; --trust-plugins loads it."""
+    _, step, export, _ = trained
+    marker = tmp_path / "plugin_ran"
+    image = _image(tmp_path)
+    for folder in (step, export):
+        bad = _with_marker(folder, tmp_path / f"marked_{folder.name}", marker)
+        capsys.readouterr()
+        codes = [predict_tool.main(["--model", str(bad), image]),
+                 evaluate_tool.main(["--checkpoint", str(bad), "--max-batches", "1"]),
+                 export_tool.main(["--checkpoint", str(bad), "--out", str(tmp_path / "refused")])]
+        err = capsys.readouterr().err
+        assert codes == [2, 2, 2], (folder, codes, err)
+        assert "Traceback" not in err and err.count("--trust-plugins") == 3, err
+        for key, name in PLUGINS.items():
+            digest = hashlib.sha256((bad / key / name).read_bytes()).hexdigest()
+            assert f"{key}/{name} (SHA-256 {digest})" in err, err
+        assert not marker.exists() and not (tmp_path / "refused").exists()
+        with pytest.raises(ConfigError, match="trust_plugins=True"):
+            load_model(str(bad))
+        assert not marker.exists()
+        assert predict_tool.main(["--model", str(bad), image, "--trust-plugins"]) == 0
+        assert marker.exists()
+        marker.unlink()
+    out = tmp_path / "onward"
+    assert export_tool.main(["--checkpoint", str(bad), "--out", str(out), "--trust-plugins"]) == 0
+    assert (out / "task_modules" / "dominant_colour.py").read_bytes() == (bad / "task_modules" / "dominant_colour.py"
+                                                                           ).read_bytes()
+    assert load_model(str(out), trust_plugins=True).tasks == ["cls", "gen", "colour"]
+
+
+def test_a_folder_whose_code_is_identical_at_its_recorded_paths_needs_no_flag(trained, monkeypatch, capsys):
+    """Your own run's code: each copy byte-identical to the file at the path its config.yaml records (here relative,
+    read from the working directory as the run read it) loads without --trust-plugins; one changed source makes its
+    copy untrusted again, and only that one is named."""
+    root, step, export, originals = trained
+    work = root / "work"
+    monkeypatch.chdir(work)
+    (work / "plugins").mkdir()
+    try:
+        for key, name in PLUGINS.items():
+            (work / "plugins" / name).write_bytes(originals[key])
+        for folder in (step, export):
+            assert load_model(str(folder)).tasks == ["cls", "gen", "colour"]
+            assert "identical to" in capsys.readouterr().err
+        with open(work / "plugins" / PLUGINS["backbone_modules"], "a") as f:
+            f.write("# edited since the run\n")
+        with pytest.raises(ConfigError) as refused:
+            load_model(str(step))
+        assert "backbone_modules/small_cnn.py" in str(refused.value) and "task_modules/" not in str(refused.value)
+        assert load_model(str(step), trust_plugins=True).tasks == ["cls", "gen", "colour"]
+    finally:
+        shutil.rmtree(work / "plugins")
+
+
+def _escaping_spec(target):
+    """A module-name spec (no .py) whose copy name ``task_modules/<spec>.py`` climbs out to ``target`` (a .py)."""
+    return "../" * 30 + str(target)[:-len(".py")].lstrip("/")
+
+
+def test_a_plugin_spec_that_leaves_the_folder_is_refused_unimported(trained, tmp_path, capsys):
+    """config.yaml (manifest refreshed) naming a copy that resolves outside ``folder/<key>/``, and a carried copy
+    that is a symlink to a file outside: exit 4 in every tool, --trust-plugins or not; nothing imported."""
+    _, step, export, _ = trained
+    marker = tmp_path / "pwned"
+    outside = tmp_path / "x"
+    outside.mkdir()
+    (outside / "pwn.py").write_text(open(os.path.join(EXAMPLES, "dominant_colour.py")).read()
+                                    + f"\nopen({str(marker)!r}, 'w').write('ran')\n")
+    image = _image(tmp_path)
+    for folder in (step, export):
+        escaping = _copy_folder(folder, tmp_path / f"escaping_{folder.name}")
+        config = escaping / "config.yaml"
+        config.write_text(config.read_text().replace("task_modules:", f"task_modules:\n- {_escaping_spec(outside / 'pwn.py')}", 1))
+        write_manifest(str(escaping))
+        linked = _copy_folder(folder, tmp_path / f"linked_{folder.name}")
+        os.remove(linked / "task_modules" / "dominant_colour.py")
+        os.symlink(outside / "pwn.py", linked / "task_modules" / "dominant_colour.py")
+        write_manifest(str(linked))
+        for bad, why in ((escaping, "outside"), (linked, "symbolic link")):
+            capsys.readouterr()
+            codes = [predict_tool.main(["--model", str(bad), image, "--trust-plugins"]),
+                     evaluate_tool.main(["--checkpoint", str(bad), "--max-batches", "1"]),
+                     export_tool.main(["--checkpoint", str(bad), "--out", str(tmp_path / "out"), "--trust-plugins"])]
+            err = capsys.readouterr().err
+            assert codes == [4, 4, 4], (bad, codes, err)
+            assert "task_modules" in err and why in err and "Traceback" not in err, err
+            with pytest.raises(CheckpointError, match=why):
+                load_model(str(bad), trust_plugins=True)
+            assert not marker.exists(), f"{bad} ran code from outside it"
 
 
 def _copy_folder(src, dst):

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mtl.errors import TrainingError
+from mtl.inference import load_model
 from mtl.run.checkpoint import write_manifest
 from mtl.tools import evaluate as evaluate_tool
 from mtl.tools import export as export_tool
@@ -133,3 +135,37 @@ def test_a_checkpoints_config_is_data_never_resolved(run, tmp_path, capsys, monk
         assert "hunter2" not in captured.out + captured.err
         assert f"{key}: '{value}'" in captured.err and "config.yaml" in captured.err, captured.err
         assert ("never evaluated" if key != "base" else "'base:' is not followed") in captured.err
+
+
+def test_non_finite_weights_are_refused_at_load_naming_the_tensor(run, tmp_path, capsys):  # noqa: F811
+    """A model.safetensors holding a NaN or inf (the manifest refreshed: not damage, a diverged or edited model) is
+    refused at load, exit 5 naming the tensor, in every tool: never "prob": NaN with exit 0."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "step_4"
+    shutil.copytree(checkpoint(run), folder)
+    weights = str(folder / "model.safetensors")
+    with safe_open(weights, "pt") as f:
+        meta = f.metadata()
+    state = load_file(weights)
+    state[TENSOR][0, 1] = float("nan")
+    save_file(state, weights, metadata=meta)
+    write_manifest(str(folder))
+    for tool, args in ((predict_tool, ["--model", str(folder), _image(tmp_path)]),
+                       (evaluate_tool, ["--checkpoint", str(folder), "--max-batches", "1"]),
+                       (export_tool, ["--checkpoint", str(folder), "--out", str(tmp_path / "e")])):
+        captured = capsys.readouterr()
+        assert tool.main(args) == 5, tool.__name__
+        captured = capsys.readouterr()
+        one_error(captured.err)
+        assert TENSOR in captured.err and "NaN or inf" in captured.err, captured.err
+        assert captured.out == ""
+    assert not os.path.exists(tmp_path / "e")
+    state[TENSOR][0, 1] = 0.0
+    first = next(k for k, v in state.items() if k.startswith("backbone.") and v.is_floating_point())
+    state[first].view(-1)[0] = float("-inf")
+    save_file(state, weights, metadata=meta)
+    write_manifest(str(folder))
+    with pytest.raises(TrainingError, match=f"NaN or inf values in {first}:"):
+        load_model(str(folder))

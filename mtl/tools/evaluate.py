@@ -15,7 +15,9 @@ falls back to other data: a set that cannot be read is an error naming the task 
 Checked before the model loads: --device (a CUDA device this machine lacks) and --out (writable, with
 room); before the evaluation: the data.* and seed keys, by train.py's own checks. Each is exit 2. The metrics
 are printed first; --out is then written whole or not at all (a write that fails, e.g. on a disk that
-filled up meanwhile, is exit 3).
+filled up meanwhile, is exit 3). A model folder that carries plug-in code (task_modules/ ...) is loaded only with
+--trust-plugins (importing the code runs it), unless each file is identical to the one at its recorded path here
+(your own run's code): else exit 2, naming each file and its SHA-256. Weights holding a NaN or inf: exit 5.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 
 from mtl.errors import ConfigError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, tool_parser, verify_out, write_out
+from mtl.tools import MODEL_HELP, TRUST_HELP, tool_parser, verify_out, write_out
 
 OUT_BYTES = 1 << 16  # room asked for --out before the evaluation: its metrics are a few hundred bytes
 
@@ -33,6 +35,7 @@ OUT_BYTES = 1 << 16  # room asked for --out before the evaluation: its metrics a
 def main(argv: list[str] | None = None) -> int:
     parser = tool_parser("mtl.tools.evaluate", __doc__)
     parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
+    parser.add_argument("--trust-plugins", action="store_true", help=TRUST_HELP)
     parser.add_argument("--config", help="take the data to evaluate on (data.*, seed) from this config")
     parser.add_argument("overrides", nargs="*", help="data.* / seed overrides, e.g. data.source=manifest "
                         "data.val_path=test.jsonl")
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--max-batches must be >= 0 and --beams >= 1")
         device = resolve_device(args.device, "--device")  # before any work
         free = verify_out(args.out, OUT_BYTES) if args.out else None
-        predictor = load_model(args.checkpoint, device)
+        predictor = load_model(args.checkpoint, device, args.trust_plugins)
         cfg = eval_config(predictor, args.config, args.overrides)  # with train.py's checks of data.* and seed
         metrics = evaluate_model(predictor, cfg, args.max_batches, args.beams)
         text = json.dumps({"checkpoint": predictor.files.folder, **metrics}, indent=2) + "\n"

@@ -8,7 +8,9 @@ image path (backbone and classification head) that plain torch runs.
 
 The folder needs nothing else: mtl.inference.load_model(folder) rebuilds the model in one call, and
 python -m mtl.tools.predict / evaluate accept it wherever they take a checkpoint. The checkpoint is
-loaded first (a broken one is refused, not copied), and the folder appears whole or not at all.
+loaded first (a broken one is refused, not copied), and the folder appears whole or not at all. Plug-in code the
+checkpoint carries (task_modules/ ...) is imported, and copied on, only with --trust-plugins, unless each file is
+identical to the one at its recorded path here (your own run's code): else exit 2, naming each file and its SHA-256.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from __future__ import annotations
 import sys
 
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, tool_parser
+from mtl.tools import MODEL_HELP, TRUST_HELP, tool_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = tool_parser("mtl.tools.export", __doc__)
     parser.add_argument("--checkpoint", required=True, help=MODEL_HELP)
+    parser.add_argument("--trust-plugins", action="store_true", help=TRUST_HELP)
     parser.add_argument("--out", required=True, help="the folder to create (new, or empty)")
     args = parser.parse_args(argv)
 
@@ -29,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         # import here: torch and the model code load after the arguments parse, so --help and a usage error answer at once
         from mtl.inference import export_model
 
-        print(f"exported to {export_model(args.checkpoint, args.out)}", flush=True)
+        print(f"exported to {export_model(args.checkpoint, args.out, args.trust_plugins)}", flush=True)
 
     return run_guarded(run)
 

@@ -12,6 +12,9 @@ summary on stderr counts the skipped files (exit 3 only when none could be read)
 not at all, and if that write fails (a disk that filled up meanwhile: exit 3) the predictions are printed
 to stdout instead. Image models only: a model whose backbone reads something else (QM9's molecule
 graphs) is refused with exit 2; evaluate it on its data with python -m mtl.tools.evaluate.
+A model folder that carries plug-in code (task_modules/ ...) is loaded only with --trust-plugins (importing the
+code runs it), unless each file is identical to the one at its recorded path here (your own run's code): else
+exit 2, naming each file and its SHA-256. Weights holding a NaN or inf are refused (exit 5, naming the tensor).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 
 from mtl.errors import ConfigError, DataError
 from mtl.run.error_report import run_guarded
-from mtl.tools import MODEL_HELP, tool_parser, verify_out, write_out
+from mtl.tools import MODEL_HELP, TRUST_HELP, tool_parser, verify_out, write_out
 
 LINE_BYTES = 512  # room asked for --out per image before predicting, beside its path: a line's class, caption, count
 
@@ -29,6 +32,7 @@ LINE_BYTES = 512  # room asked for --out per image before predicting, beside its
 def main(argv: list[str] | None = None) -> int:
     parser = tool_parser("mtl.tools.predict", __doc__)
     parser.add_argument("--model", required=True, help=MODEL_HELP)
+    parser.add_argument("--trust-plugins", action="store_true", help=TRUST_HELP)
     parser.add_argument("images", nargs="+", help="image files and/or folders of images")
     parser.add_argument("--beams", type=int, default=1, help="beam width for the captions (1: greedy, the default)")
     parser.add_argument("--out", help="write the JSON lines here (default: print them)")
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         free = None
         if args.out:  # before predicting: a full disk or an unwritable --out is known now, not after the work
             free = verify_out(args.out, sum(len(p.encode()) + LINE_BYTES for p in paths))
-        predictor = load_model(args.model, device)
+        predictor = load_model(args.model, device, args.trust_plugins)
         skipped: list[str] = []
 
         def unreadable(path: str, error) -> None:  # one file does not stop the job: a warning, and it is counted
