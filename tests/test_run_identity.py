@@ -144,6 +144,52 @@ def test_which_checkpoints_a_resume_may_write_over(tmp_path):
     assert decide(tmp_path / "fresh", f"resume={old}") == old
 
 
+# ------------------------------------------------------------------ 41.4: a resume cannot splice two histories
+
+
+def test_a_linked_checkpoint_of_another_run_is_not_taken_for_the_folder_s_own(tmp_path):
+    """The issue's first splice: ``ln -s B/checkpoints/step_3 A2/checkpoints/fromB`` then ``resume=A2/checkpoints/fromB
+    output_dir=A2`` used to pass as A2's own checkpoint (only the link's parent folder was resolved): B's run would
+    replace A2's checkpoints, run.json, config.yaml and metrics.jsonl. The link is followed: refused, nothing moves."""
+    a2, b = tmp_path / "A2", tmp_path / "B"
+    fake_checkpoint(a2, 6, "run-a")
+    theirs = fake_checkpoint(b, 3, "run-b")
+    link = a2 / "checkpoints" / "fromB"
+    os.symlink(theirs, link)
+    before = snapshot(a2)
+    with pytest.raises(ConfigError) as e:
+        decide(a2, f"resume={link}")
+    assert e.value.exit_code == 2 and "this folder's run run-a; the checkpoint's run run-b" in e.value.message
+    assert snapshot(a2) == before
+
+
+def test_a_fork_of_the_folder_s_own_run_is_refused_and_an_identical_copy_resumes(tmp_path):
+    """The issue's second splice: two copies of one run (``cp -r A A2``) go on separately (another trainer.max_steps
+    each, an allowed change), then A's step_6 is resumed into A2. Both carry the one run id, so it used to pass as
+    a copy of A2's own run, and A2 ended up holding two histories. A resume from outside the folder must be
+    byte-identical (its manifest) to the folder's own checkpoint of that step: A's step_4, from before the fork,
+    still resumes into A2; A's step_6 is refused, naming both checkpoints and the ways out."""
+    a, a2 = tmp_path / "A", tmp_path / "A2"
+    fake_checkpoint(a, 2, "run-a")
+    shared = fake_checkpoint(a, 4, "run-a")
+    shutil.copytree(a, a2)  # cp -r A A2
+    theirs = fake_checkpoint(a, 6, "run-a")  # each copy goes on its own way
+    fake_checkpoint(a2, 6, "run-a")
+    assert ckpt.checkpoint_run_id(theirs) == ckpt.checkpoint_run_id(str(a2 / "checkpoints/step_6"))
+    assert decide(a2, f"resume={shared}") == shared  # byte-identical to A2's own step_4
+    before = snapshot(a2)
+    with pytest.raises(ConfigError) as e:
+        decide(a2, f"resume={theirs}")
+    message = e.value.message
+    assert e.value.exit_code == 2 and f"resume={theirs!r} is not one of {str(a2)!r}'s own checkpoints" in message
+    assert str(a2 / "checkpoints" / "step_6") in message and "two histories" in message
+    assert f"output_dir=<new folder> resume={theirs}" in message and "resume=auto" in message
+    assert snapshot(a2) == before
+    (a2 / "checkpoints" / "step_6").rename(a2 / "checkpoints" / "step_8")  # no own step_6 to compare with: refused too
+    with pytest.raises(ConfigError, match="is not one of"):
+        decide(a2, f"resume={theirs}")
+
+
 # ------------------------------------------------------------------ 36.4: a non-finite streak
 
 

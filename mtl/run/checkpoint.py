@@ -408,6 +408,24 @@ def same_checkpoint(a: str, b: str) -> bool:
     return files is not None and files == manifest_files(b)
 
 
+def manifest_files(path: str) -> dict | None:
+    """What the folder's ``manifest.json`` lists ({relative name: {"bytes", "sha256"}}), unchecked; None when it is
+    missing or unreadable."""
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return files if isinstance(files, dict) else None
+
+
+def same_checkpoint(a: str, b: str) -> bool:
+    """Whether two checkpoint folders were written as one: their manifests list the same files with the same sizes
+    and SHA-256 (a copy of a checkpoint, not another run's or another history's checkpoint of the same step)."""
+    files = manifest_files(a)
+    return files is not None and files == manifest_files(b)
+
+
 def verify_checkpoint(path: str) -> dict:
     """The checkpoint's trainer state once every file is present and matches the manifest's digest;
     otherwise a CheckpointError whose message is the reason, naming the file."""

@@ -18,8 +18,11 @@ A run's identity: a fresh run gets a random id, kept in ``output_dir/run.json`` 
 ``trainer_state.pt`` (``run_id``). A resume continues the checkpoint's run, and may write over that run's
 checkpoints only: a checkpoint of another folder resumes into a folder with no checkpoints (it becomes a new run
 there, with a new id; ``run.json`` names the checkpoint it started from) or into one whose checkpoints are its
-own run's (a copy), never over another run's (``_identity``; a ConfigError, exit 2, as ``resume=null`` on a
-folder with checkpoints). A checkpoint without an id (written before ids) is its own folder's run's.
+own run's, never over another run's (``_identity``; a ConfigError, exit 2, as ``resume=null`` on a folder with
+checkpoints). A checkpoint is a folder's own when it lies in its ``checkpoints/`` (links followed), or is a
+byte-identical copy (``checkpoint.same_checkpoint``: the same manifest) of the folder's own checkpoint of that step;
+a checkpoint of the folder's run that is neither (a copy of the run that went on its own way) is refused too: one
+folder never holds two histories. A checkpoint without an id (written before ids) is its own folder's run's.
 
 Then ``load`` (every rank) restores a checkpoint into the step's parts and the feed, and ``save`` writes one;
 ``save_due(step)`` / ``is_last(step)`` say when, as torchtitan's checkpointer does.
@@ -167,10 +170,21 @@ class RunFolder:
             run_id = new_run_id()
             return run_id, 0, (f"resume: {path} is another folder's checkpoint: {out} starts a new run from it "
                                f"(run id {run_id}, in {RUN_ID_FILE})")
-        ids = {ckpt.checkpoint_run_id(p) for _, p in held} - {None}
-        if theirs and ids == {theirs}:  # a copy of this folder's own run
-            return theirs, step, ""
-        names = ", ".join(os.path.basename(p) for _, p in held)
+        own = own_checkpoint(out, step)
+        if own and ckpt.same_checkpoint(path, own):  # a byte-identical copy of one of this folder's own checkpoints
+            return theirs or folder_run_id(out) or new_run_id(), step, ""
+        mine = [p for _, p in held if in_checkpoint_root(p, out)] or [p for _, p in held]  # not links out of it
+        ids = {ckpt.checkpoint_run_id(p) for p in mine} - {None}
+        names = ", ".join(os.path.basename(p) for p in mine)
+        if theirs and theirs in ids:  # this folder's run, but another history of it (a copy that went on its own way)
+            differs = (f"its step_{step} differs from this folder's {own}" if own else
+                       f"this folder holds no step_{step} to compare it with (its checkpoints: {names})")
+            raise ConfigError(f"output_dir: resume={cfg.resume!r} is not one of {out!r}'s own checkpoints: it is of "
+                              f"this folder's run {theirs}, but {differs} (a copy of the run that went on its own "
+                              f"way): resuming it here would leave two histories in one folder, spliced in its "
+                              f"checkpoints, metrics.jsonl and config.yaml. To continue that checkpoint, give it a new "
+                              f"folder: output_dir=<new folder> resume={cfg.resume}; to continue this folder's own "
+                              f"run: resume=auto")
         why = (f"this folder's run {', '.join(sorted(ids))}; the checkpoint's run {theirs}" if theirs and ids else
                "one of them was written before mtl saved run ids, so they cannot be told to be one run")
         raise ConfigError(f"output_dir: {out!r} holds checkpoints ({names}) of another run than resume={cfg.resume!r} "
@@ -421,9 +435,17 @@ def folder_run_id(output_dir: str) -> str | None:
 
 
 def in_checkpoint_root(path: str, output_dir: str) -> bool:
-    """Whether checkpoint ``path`` is one of ``output_dir``'s own (``output_dir/checkpoints/step_<N>``)."""
-    parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
-    return os.path.realpath(parent) == os.path.realpath(ckpt.checkpoint_root(output_dir))
+    """Whether checkpoint ``path`` is one of ``output_dir``'s own (``output_dir/checkpoints/step_<N>``), links
+    followed: a link in that folder to another folder's checkpoint is the other folder's."""
+    return os.path.dirname(os.path.realpath(path)) == os.path.realpath(ckpt.checkpoint_root(output_dir))
+
+
+def own_checkpoint(output_dir: str, step: int) -> str | None:
+    """``output_dir``'s own checkpoint of ``step`` (not a link out of its checkpoints folder), or None."""
+    for held, path in ckpt.list_checkpoints(output_dir):
+        if held == step and in_checkpoint_root(path, output_dir):
+            return path
+    return None
 
 
 def folder_files(folder: str) -> dict[str, bytes]:
