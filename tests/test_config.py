@@ -1,5 +1,7 @@
 """Config loading: schema errors, semantic errors, bases and overrides."""
 
+import os
+
 import pytest
 
 from mtl.config.checks import load_run_config
@@ -389,3 +391,45 @@ def test_a_strategy_the_user_named_is_never_replaced(tmp_path, capsys, where):
     (msg,) = [e for e in errors_of(path, over) if e.startswith("weighting.method=pcgrad needs")]
     assert "ddp.strategy=feature_leaf does not give; use ddp.strategy=task_grads" in msg
     assert capsys.readouterr().out == ""
+
+
+# ------------------------------------------------------------------ a user's YAML: anchors with a cap, no repeated key
+
+
+@pytest.mark.timeout(60)  # a regression would expand the bomb: fail, not hang
+def test_a_user_config_may_use_anchors_up_to_a_cap(tmp_path):
+    from mtl.config.schema import USER_YAML_VALUES
+
+    shared = write(tmp_path, f"base: {TINY}\nsteps: &n 3\ntrainer: {{max_steps: *n, eval_every: *n}}\n"
+                             "optim: &o {lr: 0.01}\n", "anchors.yaml")
+    assert "steps" in " ".join(errors_of(shared))  # anchors load; the helper key is an unknown key, as any
+    merged = write(tmp_path, f"base: {TINY}\ntrainer: &t {{max_steps: 3}}\ncheckpoint: {{<<: *t}}\n", "merge.yaml")
+    assert "checkpoint.max_steps" in " ".join(errors_of(merged))  # a merge key reads (and is checked) as its keys
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{n}: &a{n} [{', '.join([f'*a{n - 1}'] * 10)}]" for n in range(1, 9)]  # 10^9 strings expanded
+    bomb = write(tmp_path, "\n".join(lines) + "\n", "bomb.yaml")
+    (err,) = errors_of(bomb)
+    assert "bomb.yaml" in err and f"more than {USER_YAML_VALUES:,} values" in err, err
+    nested = "x: &x [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]" + "".join(  # 111,111 values: over the cap on one command line
+        f", {b}: &{b} [{', '.join([f'*{a}'] * 10)}]" for a, b in zip("xyzw", "yzwv"))
+    (err,) = errors_of(TINY, [f"data.per_task={{{nested}}}"])
+    assert err.startswith("command line: data.per_task: it expands to more than"), err
+    cyclic = write(tmp_path, "a: &a [*a]\n", "cyclic.yaml")
+    assert "more than" in errors_of(cyclic)[0]
+
+
+def test_a_key_repeated_in_a_user_config_is_refused_naming_both_lines(tmp_path):
+    path = write(tmp_path, f"base: {TINY}\ntrainer:\n  max_steps: 3\n  eval_every: 1\n  max_steps: 5\n")
+    (err,) = errors_of(path)
+    assert "c.yaml" in err and "lines 3 and 5: key 'max_steps' appears twice in one mapping" in err, err
+    (err,) = errors_of(TINY, ["trainer={max_steps: 3, max_steps: 4}"])
+    assert err.startswith("command line: trainer: key 'max_steps' appears twice"), err
+
+
+def test_every_shipped_config_loads_with_the_stricter_reader():
+    import glob
+
+    from mtl.config.schema import read_config_chain
+
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(TINY), "*.yaml"))):
+        assert read_config_chain(path), path

@@ -11,9 +11,10 @@ is still the interrupted one (same global batch, and no per-rank random stream t
 number of ranks, no statistics over each rank's own batch: BatchNorm), and otherwise asks for
 ``resume_reshard: true``.
 
-A checkpoint's ``config.yaml`` is data, not a config: it is read with ``yaml.safe_load`` and no
-``${...}`` interpolation or resolver in it is ever evaluated (a crafted ``seed: ${oc.env:TOKEN}``
-is compared, and printed, as that literal text). mtl writes it already resolved.
+A checkpoint's ``config.yaml`` is data, not a config: it is read with ``mtl.config.schema.load_saved_yaml`` (an
+anchor, alias or repeated key is refused by line: mtl writes none) and no ``${...}`` interpolation or resolver in it
+is ever evaluated (a crafted ``seed: ${oc.env:TOKEN}`` is compared, and printed, as that literal text). mtl writes it
+already resolved.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from mtl.config.checks import option_defaults
-from mtl.config.schema import Config, drop_moved_options, in_effect, move_keys, multi_input, unread_keys
+from mtl.config.schema import (SAVED_YAML_FIX, Config, YamlRefusal, drop_moved_options, in_effect, load_saved_yaml,
+                               move_keys, multi_input, unread_keys)
 from mtl.errors import CheckpointError
 from mtl.run.checkpoint import LEGACY_FORMAT
 from mtl.tasks import task_types
@@ -72,8 +74,11 @@ def saved_config(checkpoint_dir: str) -> dict:
         raise CheckpointError(f"checkpoint {checkpoint_dir!r} has no config.yaml: it is incomplete or not written by mtl")
     try:
         with open(path, encoding="utf-8") as f:
-            saved = yaml.safe_load(f)  # plain data: nothing in it is resolved
-    except (OSError, yaml.YAMLError) as e:
+            saved = load_saved_yaml(f)  # plain data: nothing in it is resolved, no anchor, alias or repeated key
+    except YamlRefusal as e:
+        raise CheckpointError(f"{path!r}, {e}: {SAVED_YAML_FIX}. Use another checkpoint or export, or restore the "
+                              "file from the run") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise CheckpointError(f"{path!r} cannot be read: {e}") from None
     if not isinstance(saved, dict):
         raise CheckpointError(f"{path!r} is not an mtl config (a mapping of keys expected)")

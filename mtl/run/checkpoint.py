@@ -36,15 +36,17 @@ import shutil
 
 import numpy as np
 import torch
+import yaml
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
+from mtl.config.schema import SAVED_YAML_FIX, YamlRefusal, load_saved_yaml
 from mtl.errors import CheckpointError, TrainingError
 from mtl.files import sha256_file
 from mtl.parallel.dist import all_gather_objects
 from mtl.parallel.fsdp import is_sharded, load_full_model_state, load_full_optimizer_state
 from mtl.run.finite import first_nonfinite
-from mtl.run.train_state import load_sharded, read_metadata, write_sharded
+from mtl.run.train_state import load_failure, load_sharded, read_metadata, write_sharded
 
 FORMAT = "mtl-checkpoint-v2"
 # before sharded state: the optimizer in trainer_state.pt, the model only in model.safetensors (``load_checkpoint``)
@@ -408,24 +410,6 @@ def same_checkpoint(a: str, b: str) -> bool:
     return files is not None and files == manifest_files(b)
 
 
-def manifest_files(path: str) -> dict | None:
-    """What the folder's ``manifest.json`` lists ({relative name: {"bytes", "sha256"}}), unchecked; None when it is
-    missing or unreadable."""
-    try:
-        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return files if isinstance(files, dict) else None
-
-
-def same_checkpoint(a: str, b: str) -> bool:
-    """Whether two checkpoint folders were written as one: their manifests list the same files with the same sizes
-    and SHA-256 (a copy of a checkpoint, not another run's or another history's checkpoint of the same step)."""
-    files = manifest_files(a)
-    return files is not None and files == manifest_files(b)
-
-
 def verify_checkpoint(path: str) -> dict:
     """The checkpoint's trainer state once every file is present and matches the manifest's digest;
     otherwise a CheckpointError whose message is the reason, naming the file."""
@@ -449,7 +433,20 @@ def verify_checkpoint(path: str) -> dict:
             raise CheckpointError(f"checkpoint {name}: {rel} is not in its {MANIFEST}")
     if state.get("state"):
         _verify_index(path, name, listed)
+    _verify_config(path, name)
     return state
+
+
+def _verify_config(path: str, name: str) -> None:
+    """The checkpoint's config.yaml reads as data mtl wrote (``mtl.config.schema.load_saved_yaml``: no anchor, alias or
+    repeated key), so no later reader of it can be made to expand a bomb: resume=auto passes over it."""
+    try:
+        with open(os.path.join(path, "config.yaml"), encoding="utf-8") as f:
+            load_saved_yaml(f)
+    except YamlRefusal as e:
+        raise CheckpointError(f"checkpoint {name}: config.yaml, {e}: {SAVED_YAML_FIX}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CheckpointError(f"checkpoint {name}: config.yaml cannot be read as YAML ({type(e).__name__})") from None
 
 
 def _verify_index(path: str, name: str, listed: dict) -> None:
@@ -575,5 +572,4 @@ def load_state(path: str, model: torch.nn.Module, weighting: torch.nn.Module, op
         refused = [x for x, _ in getattr(e, "failures", {}).values() if isinstance(x, CheckpointError)]
         if refused:  # mtl.run.train_state refused a value that is not plain data
             raise CheckpointError(refused[0].message) from None
-        raise CheckpointError(f"checkpoint {folder!r} does not fit this run's model and optimizer ({str(e)[:500]}). "
-                              "Was it written with another model or optimizer config?") from None
+        raise CheckpointError(load_failure(folder, e)) from None  # one line: DCP's message holds tracebacks
