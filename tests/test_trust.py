@@ -121,3 +121,47 @@ def test_a_shard_removed_from_the_folder_and_the_manifest_is_caught_and_skipped(
         ckpt.verify_checkpoint(newest)
     assert "state/__0_0.distcp, which state/.metadata refers to, is not in its manifest.json" in e.value.message
     assert decide(tmp_path, "resume=auto") == good
+
+
+def _tensor_bytes_overwritten(data: bytes, folder: str) -> bytes:
+    """The shard with the first bytes of its last stored item overwritten (a tensor's pickle: no longer readable)."""
+    last = max(ts.read_metadata(folder).storage_data.values(), key=lambda info: info.offset)
+    return data[:last.offset] + b"\xff" * 8 + data[last.offset + 8:]
+
+
+@pytest.mark.parametrize("tamper, reason", [
+    (lambda data, folder: data[:len(data) // 2], "has 20,502 bytes; its index (state/.metadata) refers to 41,004"),
+    (_tensor_bytes_overwritten, "cannot be read (UnpicklingError: Weights only load failed)"),
+])
+def test_a_tampered_shard_is_one_line_naming_the_file(tmp_path, tamper, reason):
+    """A shard file altered after the save (the manifest refreshed, so it verifies) used to be refused with DCP's
+    whole traceback text inside the message; now one line names the file and what is wrong with it."""
+    path = save_sharded(tmp_path, 2)
+    folder = os.path.join(path, ckpt.STATE_DIR)
+    shard = os.path.join(folder, "__0_0.distcp")
+    with open(shard, "rb") as f:
+        data = f.read()
+    assert len(data) == 41_004  # the sizes the first case names
+    with open(shard, "wb") as f:
+        f.write(tamper(data, folder))
+    refresh_manifest(path)
+    ckpt.verify_checkpoint(path)  # the manifest cannot tell
+    net, weighting, opt = _parts(9)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load_state(path, net, weighting, opt)
+    message = e.value.message
+    assert e.value.exit_code == 4 and "\n" not in message and "Traceback" not in message and len(message) < 400
+    assert f"checkpoint {path!r}: state/__0_0.distcp " in message and reason in message, message
+
+
+def test_a_state_that_does_not_fit_is_one_line_naming_the_tensor(tmp_path):
+    """The same for a checkpoint that is whole but of another model: DCP's own reason, without its traceback."""
+    path = save_sharded(tmp_path, 2)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 5))
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load_state(path, net, torch.nn.Module(), torch.optim.AdamW(net.parameters()))
+    message = e.value.message
+    assert "\n" not in message and "Traceback" not in message, message
+    assert "does not fit this run's model and optimizer (ValueError: Size mismatch between saved torch.Size([3, 8]) " \
+           "and current: torch.Size([5, 8]) for model.1.weight)" in message

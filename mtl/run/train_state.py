@@ -188,6 +188,48 @@ def _safe_planner(folder: str):
     return Planner()
 
 
+def load_failure(folder: str, error: BaseException) -> str:
+    """One line for a failed DCP load of ``folder`` (DCP's own message holds every rank's traceback text): a shard
+    file shorter than its index says, a shard that cannot be read, or a state that does not fit this run; each
+    names the file or the tensor, and what is wrong."""
+    where = f"checkpoint {os.path.dirname(folder.rstrip(os.sep))!r}: {os.path.basename(folder.rstrip(os.sep))}"
+    files = _referred_sizes(folder)
+    for name, needed in sorted(files.items()):
+        size = os.path.getsize(os.path.join(folder, name)) if os.path.isfile(os.path.join(folder, name)) else 0
+        if size < needed:
+            return (f"{where}/{name} has {size:,} bytes; its index ({os.path.basename(folder)}/.metadata) refers to "
+                    f"{needed:,}: the file is truncated or was altered after the save. Point resume at another "
+                    "checkpoint")
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, its stack)}
+    cause, stack = sorted(failures.items())[0][1] if failures else (error, ())
+    reason = f"{type(cause).__name__}: {_first_sentence(cause)}"
+    if any(frame.name == "read_data" for frame in stack or ()):  # raised reading a shard, not fitting the state
+        which = (f"{where}/{next(iter(files))}" if len(files) == 1 else
+                 f"{where}: one of {', '.join(sorted(files))}")
+        return (f"{which} cannot be read ({reason}): the file is corrupt or was altered after the save. Point resume "
+                "at another checkpoint")
+    return (f"checkpoint {folder!r} does not fit this run's model and optimizer ({reason}). Was it written with "
+            "another model or optimizer config?")
+
+
+def _referred_sizes(folder: str) -> dict[str, int]:
+    """{shard file: the bytes its index's entries reach} for the files ``folder``'s index refers to ({} if unread)."""
+    try:
+        storage = read_metadata(folder).storage_data or {}
+    except CheckpointError:
+        return {}
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    return sizes
+
+
+def _first_sentence(error: BaseException) -> str:
+    """The first sentence of an exception's message, on one line (torch's carry paragraphs of advice)."""
+    text = " ".join(str(error).split("\n")[0].split())
+    return text.split(". ")[0].rstrip(".")[:300]
+
+
 def saved_keys(folder: str) -> set[str]:
     """The flattened keys in a DCP folder's index (``optim.state.<parameter>.<name>`` ...)."""
     return set(read_metadata(folder).state_dict_metadata)
