@@ -86,3 +86,16 @@ def test_the_launcher_outside_make_gives_the_overrides_as_they_are(tmp_path, cap
     code, err, started = launch_refusal(tmp_path, capsys, monkeypatch, via_make=False)
     assert code == 2 and started == [] and "make train" not in err, err
     assert "resume=auto" in err and "overwrite=true" in err
+
+
+@pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
+def test_without_a_terminal_the_progress_bar_is_a_plain_line_every_log_every_steps(tmp_path, capsys):
+    capsys.readouterr()  # captured output is no terminal, as a log file or make's pipe
+    code = train.main(["--config", TINY, "trainer.progress=true", "trainer.max_steps=6", "trainer.log_every=3",
+                       "trainer.eval_every=100", f"output_dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    assert "\r" not in out + err, err[-2000:]  # no bar frames
+    progress = [line for line in out.splitlines() if line.startswith("progress: step ")]
+    assert [line.split()[2] for line in progress] == ["3/6", "6/6"], out[-3000:]
+    assert "loss_cls=" in progress[0] and "s/step" in progress[0], progress

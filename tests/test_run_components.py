@@ -272,7 +272,7 @@ def test_the_start_up_summary_shows_the_data_and_not_the_keys_the_run_does_not_r
 def test_lines_printed_during_training_go_through_the_progress_bar(tmp_path):
     """stdout and stderr into one pipe (a log file, ``| tee``): each line lands where it was printed, between two
     drawings of the bar, not at the end of the run glued to the bar."""
-    script = (f"from mtl.run.logger import RunLogger\nlog = RunLogger({str(tmp_path)!r}, True, 3, True)\n"
+    script = (f"from mtl.run.logger import RunLogger\nlog = RunLogger({str(tmp_path)!r}, True, 3, True, terminal=True)\n"
               "for step in (1, 2, 3):\n    log.progress(step, {'loss': 1.0})\n    log.info(f'message {step}')\n"
               "log.close()\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered, as in a pipe
@@ -289,7 +289,7 @@ def test_a_warning_from_another_thread_prints_through_the_bar(tmp_path):
     through ``mtl.run.console.say``, which clears the bar, writes the line and draws the bar again below it, so
     the warning starts its own line instead of being glued to a half-drawn bar."""
     script = (f"import threading\nfrom mtl.run import console\nfrom mtl.run.logger import RunLogger\n"
-              f"log = RunLogger({str(tmp_path)!r}, True, 3, True)\n"
+              f"log = RunLogger({str(tmp_path)!r}, True, 3, True, terminal=True)\n"
               "for step in (1, 2, 3):\n    log.progress(step, {'loss': 1.0})\n"
               "    t = threading.Thread(target=console.say, args=(f'warning {step}',))\n    t.start()\n    t.join()\n"
               "log.close()\nconsole.say('after the bar')\n")

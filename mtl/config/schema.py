@@ -240,7 +240,7 @@ class TrainerConfig:
     num_samples: int = 4  # greedy sample captions shown at each eval
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps
     poison: str | None = None  # testing: "STEP:TASK:RANK" makes TASK's loss NaN at STEP on RANK (RANK * = all)
-    progress: bool = True  # progress bar with ETA on rank 0
+    progress: bool = True  # rank 0's progress: a bar with ETA on a terminal; else (a log, a pipe) a line every log_every steps
 
 
 @dataclass

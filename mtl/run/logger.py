@@ -1,4 +1,8 @@
-"""Run logs, written by rank 0 only: ``metrics.jsonl``, TensorBoard under ``tb/``, and the console."""
+"""Run logs, written by rank 0 only: ``metrics.jsonl``, TensorBoard under ``tb/``, and the console.
+
+The progress (``trainer.progress``) is a bar on a terminal. Where the bar's stream (stderr) is not a terminal (a log
+file, a pipe, ``make train > log``), its redrawn frames would fill the file, so the progress is a plain line every
+``trainer.log_every`` steps and at the last step instead, as HF Trainer and Lightning do (``ProgressLines``)."""
 
 from __future__ import annotations
 
@@ -15,11 +19,15 @@ from mtl.run.checkpoint import describe_os_error
 
 
 class RunLogger:
-    def __init__(self, output_dir: str, enabled: bool, max_steps: int, progress: bool, start_step: int = 0):
+    def __init__(self, output_dir: str, enabled: bool, max_steps: int, progress: bool, start_step: int = 0,
+                 every: int = 10, terminal: bool | None = None):
+        """``every``: the steps between two progress lines without a terminal; ``terminal``: draw the bar (True) or
+        print the lines (False) whatever stderr is (None: the bar where stderr is a terminal)."""
         self.enabled = enabled
         self.output_dir = output_dir
         self._tb = None
         self._bar = None
+        self._lines: ProgressLines | None = None  # the progress without a terminal
         self._jsonl = None
         self._failed = False  # a failed write was reported
         if not enabled:
@@ -30,7 +38,9 @@ class RunLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(os.path.join(output_dir, "tb"))
-        if progress:
+        if progress and not (is_terminal(sys.stderr) if terminal is None else terminal):
+            self._lines = ProgressLines(max_steps, start_step, every)
+        elif progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
@@ -67,6 +77,8 @@ class RunLogger:
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in postfix.items()}, refresh=True)
+        elif self._lines is not None and self._lines.due(step):
+            self.info(self._lines.line(step, postfix))
 
     def image(self, tag: str, image, step: int) -> None:
         if self.enabled:
@@ -100,6 +112,40 @@ class RunLogger:
                     print(f"warning: could not finish writing the logs in {self.output_dir}: {describe_os_error(e)}",
                           file=sys.stderr, flush=True)
                 self._failed = True
+
+
+def is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class ProgressLines:
+    """The progress as plain lines (see the module docstring): every ``every`` steps and the last, each with the
+    step, the losses, the time a step has taken on average since this run began, and the time left."""
+
+    def __init__(self, total: int, start_step: int, every: int):
+        self.total, self.start_step, self.every = total, start_step, max(1, every)
+        self.start = time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.total
+
+    def line(self, step: int, postfix: dict) -> str:
+        per_step = (time.perf_counter() - self.start) / max(step - self.start_step, 1)
+        losses = ", ".join(f"{k}={v:.3g}" for k, v in postfix.items())
+        percent = 100 * step // max(self.total, 1)
+        return (f"progress: step {step}/{self.total} ({percent}%) {losses}; {per_step:.2f} s/step, "
+                f"{duration(per_step * max(self.total - step, 0))} left")
+
+
+def duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s``, ``12s``."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def trim_metrics(output_dir: str, step: int) -> None:

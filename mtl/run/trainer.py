@@ -105,7 +105,8 @@ class Trainer:
         if resume:
             self.step, self.resume_notes = self.folder.load(resume, self.parts, self.feed)
         self.folder.commit()  # nothing can refuse the run now: output_dir is written (a refused run writes nothing)
-        self.log = RunLogger(cfg.output_dir, dist.is_main, cfg.trainer.max_steps, cfg.trainer.progress, self.step)
+        self.log = RunLogger(cfg.output_dir, dist.is_main, cfg.trainer.max_steps, cfg.trainer.progress, self.step,
+                             every=cfg.trainer.log_every)  # without a terminal: a progress line every log_every steps
         self.steplog = StepLog(cfg, self.parts, self.log, self.device, dist.world_size, dist.is_main,
                                bad_steps=self.folder.resumed_bad_steps)  # a streak goes on where it stopped
         for note in self.resume_notes:
