@@ -540,6 +540,11 @@ def match_class_rows(model: torch.nn.Module, state: dict, files: ModelFiles, cla
             raise CheckpointError(f"init_from: {files.folder!r} has no {CLASS_NAMES_FILE} and its heads.{t} is of "
                                   f"another size than this run's {len(new)} classes, so its rows cannot be matched "
                                   f"to them. {fix}")
+        if numbered(old) and numbered(new):
+            notes.append(f"heads.{t}: both runs' classes are integer labels ({shown(old)}"
+                         f"{'' if old == new else '; this run: ' + shown(new)}), so its rows load by index: if the two "
+                         "data sets number their classes differently, name them (class names as labels, or a first "
+                         'manifest line {"classes": [...]}) and the rows follow the names')
         if old == new:
             continue
         rows = [k for k in keys if k in state and state[k].ndim >= 1 and state[k].ndim == own[k].ndim
@@ -566,6 +571,11 @@ def match_class_rows(model: torch.nn.Module, state: dict, files: ModelFiles, cla
                      f"{' (' + shown(added) + ', initialised as a fresh head)' if added else ''}, dropped "
                      f"{len(dropped)}{' (' + shown(dropped) + ')' if dropped else ''}")
     return notes
+
+
+def numbered(names: list[str]) -> bool:
+    """Whether ``names`` are the classes of integer labels, which name nothing: "0", "1", ..."""
+    return names == [str(i) for i in range(len(names))]
 
 
 def shrink_grown_decoders(model: torch.nn.Module, state: dict, files: ModelFiles,

@@ -19,11 +19,11 @@ from PIL import Image
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from mtl.build import build_run_inputs
+from mtl.build import ModelFiles, build_run_inputs, match_class_rows
 from mtl.config.checks import load_run_config
 from mtl.data.tokenizer import CaptionTokenizer, extend_to_texts, train_tokenizer, unknown_share_text
-from mtl.errors import DataError
-from mtl.inference import export_model, load_model
+from mtl.errors import CheckpointError, DataError
+from mtl.inference import evaluate_model, export_model, load_model
 from mtl.parallel.dist import DistInfo
 from mtl.run.checkpoint import write_manifest
 from mtl.run.trainer import Trainer
@@ -151,6 +151,84 @@ def test_a_folder_without_class_names_loads_by_position_only_for_the_same_count(
                             *data_args(other)])
     err = capsys.readouterr().err
     assert rc == 4 and "has no class_names.json" in err and "init_from_fresh_class_head=true" in err, err
+
+
+def manifest(path, folder, label, header=None):
+    """A JSONL manifest of ``folder``'s images (``image_folder``), ``label(class)`` each, after ``header`` if given."""
+    lines = [header] if header else []
+    with open(os.path.join(folder, "captions.jsonl")) as f:
+        for line in f:
+            obj = json.loads(line)
+            lines.append(dict(obj, image=os.path.join(folder, obj["image"]), label=label(obj["image"].split("/")[0])))
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def manifest_args(path, val=None):
+    return ["data.source=manifest", f"data.train_path={path}", f"data.val_path={val or path}", "data.batch_size=4",
+            "data.eval_batch_size=4", "trainer.eval_max_batches=1"]
+
+
+def test_a_fine_tune_across_manifests_numbered_differently_matches_by_class_name(source, tmp_path, capsys):
+    """The model folder's classes (circle, square, triangle) numbered 0, 1, 2; this run's manifest numbers them
+    triangle 0, circle 1, square 2 and names them in a classes line: the rows follow the names, the run's
+    class_names.json has them, and a val manifest labelled by name evaluates (issue 41.6)."""
+    classes = ["triangle", "circle", "square"]
+    folder = image_folder(tmp_path / "data", OLD_CLASSES, OLD_CAPTIONS)
+    numbered = manifest(tmp_path / "train.jsonl", folder, classes.index, {"classes": classes})
+    named = manifest(tmp_path / "val.jsonl", folder, str)
+    saved = load_file(os.path.join(source, "model.safetensors"))
+    trainer = Trainer(load_run_config(TINY, [f"output_dir={tmp_path / 'warm'}", f"init_from={source}",
+                                             "trainer.max_steps=1", *manifest_args(numbered, named)]), DistInfo())
+    try:
+        out = capsys.readouterr().out
+        assert "carried 3 (triangle, circle, square; moved triangle 2->0, circle 0->1, square 1->2)" in out, out
+        state = trainer.bare.state_dict()
+        for i, name in enumerate(classes):
+            for part in ("weight", "bias"):
+                assert torch.equal(state[HEAD + part][i], saved[HEAD + part][OLD_CLASSES.index(name)]), (name, part)
+        trainer.train()
+    finally:
+        trainer.close()
+    step = tmp_path / "warm" / "checkpoints" / "step_1"
+    assert json.loads((step / "class_names.json").read_text()) == classes
+    cfg = load_run_config(os.path.join(step, "config.yaml"), [])
+    assert "cls_acc" in evaluate_model(load_model(str(step)), cfg)
+
+
+def test_a_fine_tune_onto_manifest_classes_of_other_names_is_refused_by_name(source, tmp_path):
+    folder = image_folder(tmp_path / "data", OLD_CLASSES, OLD_CAPTIONS)
+    fruit = manifest(tmp_path / "train.jsonl", folder, lambda c: {"circle": "apple", "square": "pear"}.get(c, "plum"))
+    with pytest.raises(CheckpointError) as e:
+        Trainer(load_run_config(TINY, [f"output_dir={tmp_path / 'x'}", f"init_from={source}",
+                                       *manifest_args(fruit)]), DistInfo())
+    assert "none of this run's 3 classes (apple, pear, plum) is among the 3" in str(e.value), e.value
+    assert "circle" in str(e.value) and "init_from_fresh_class_head=true" in str(e.value)
+
+
+class _ClassHead(torch.nn.Module):
+    requires = ("label",)
+
+    def __init__(self, k):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, k)
+
+
+def test_integer_labels_on_both_sides_say_the_rows_match_by_index(tmp_path):
+    """Neither side names its classes (integer labels: "0", "1", "2"): the rows load by index, and the init_from
+    note says so with the way to name them, rather than passing it over as a match by class name."""
+    model = torch.nn.Module()
+    model.heads = torch.nn.ModuleDict({"cls": _ClassHead(3)})
+    names = tmp_path / "class_names.json"
+    names.write_text(json.dumps(["0", "1", "2"]))
+    files = ModelFiles(folder=str(tmp_path), weights="", config=None, tokenizer=None, class_names=str(names))
+    state = {k: v + 1 for k, v in model.state_dict().items()}
+    notes = match_class_rows(model, state, files, ["0", "1", "2"], fresh=False)
+    assert len(notes) == 1 and notes[0].startswith("heads.cls: both runs' classes are integer labels (0, 1, 2), so "
+                                                   "its rows load by index"), notes
+    assert '{"classes": [...]}' in notes[0] and "class names as labels" in notes[0], notes
+    names.write_text(json.dumps(["a", "b", "c"]))
+    assert match_class_rows(model, state, files, ["a", "b", "c"], fresh=False) == []  # named: nothing to say
 
 
 # ------------------------------------------------------------------ new caption words grow the vocabulary
