@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -259,26 +260,68 @@ def test_re_saving_a_step_replaces_it_and_leaves_no_copy(tmp_path):
     assert torch.equal(net[0].weight, model(99)[0].weight) and state["step"] == 3  # the new save's weights
 
 
+TWO_STEPS = ("trainer.max_steps=2", "checkpoint.every_steps=2", "optim.warmup_steps=1")  # the cosine ends at lr 0
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """A finished 2-step run of tiny.yaml (checkpoint step_2), trained through train.py in this process, to copy."""
+    import train
+
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    assert train.main(["--config", TINY, f"output_dir={out}", *TWO_STEPS]) == 0
+    return out
+
+
 @pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
-def test_a_resume_with_nothing_left_to_do_does_not_rewrite_its_checkpoint(tmp_path, capsys):
+def test_a_resume_with_nothing_left_to_do_does_not_rewrite_its_checkpoint(tmp_path, capsys, two_step_run):
     """Every re-save is a window (short, and covered by the aside copy) in which step_N is being replaced:
     a run that already holds the step it would save (a resume with nothing left to do; a stop signal on a
-    checkpoint step) writes nothing. A resume from another folder's checkpoint still saves its own."""
+    checkpoint step) writes nothing, and its summary says it had nothing to do (it used to say "2 steps in 0 s").
+    A resume from another folder's checkpoint still saves its own."""
     import train
 
     out = tmp_path / "run"
-    args = ["--config", TINY, f"output_dir={out}", "trainer.max_steps=2", "checkpoint.every_steps=2"]
-    assert train.main(args) == 0
+    shutil.copytree(two_step_run, out)
+    args = ["--config", TINY, f"output_dir={out}", *TWO_STEPS]
     model_file = out / "checkpoints" / "step_2" / "model.safetensors"
     before = os.stat(model_file)
+    capsys.readouterr()
     assert train.main([*args, "resume=auto"]) == 0
-    assert "nothing to do" in capsys.readouterr().out  # the resume really had nothing left to do
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    assert len(done) == 1 and done[0].startswith("done: nothing to do (step 2, trainer.max_steps 2)"), done
+    assert "steps in" not in done[0]
     after = os.stat(model_file)
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
     other = tmp_path / "other"
-    assert train.main(["--config", TINY, f"output_dir={other}", "trainer.max_steps=2",
+    assert train.main(["--config", TINY, f"output_dir={other}", *TWO_STEPS,
                        f"resume={out / 'checkpoints' / 'step_2'}"]) == 0
     assert (other / "checkpoints" / "step_2" / "manifest.json").is_file()  # its own copy, written
+
+
+@pytest.mark.slow  # builds one run in this process (~3 s), trains nothing
+def test_a_resume_with_another_max_steps_announces_the_new_schedule(tmp_path, capsys, two_step_run):
+    """trainer.max_steps may change on resume, and with a cosine schedule that moves the learning rate: the 2-step
+    run ended at rate 0, and resumed with max_steps=4 it rises again (the issue: silently, from 0 to 3e-5). Start-up
+    says so in one line (old and new end step, the rate at the resumed step on both schedules), and from the resumed
+    step on the new schedule holds: the next step's rate is the new schedule's at step 2, not the old one's 0."""
+    out = tmp_path / "run"
+    shutil.copytree(two_step_run, out)
+    capsys.readouterr()
+    t = Trainer(config(out, *TWO_STEPS, "trainer.max_steps=4", "resume=auto"), DistInfo())
+    try:
+        new_rate = 3e-3 * 0.75  # optim.lr x the cosine schedule of 4 steps (1 of warmup) at step 2: a third of the way
+        lines = [line for line in capsys.readouterr().out.splitlines() if "schedule" in line]
+        assert lines == [f"resume: trainer.max_steps changed from 2 to 4: the cosine learning-rate schedule now ends "
+                         f"at step 4 instead of 2, from the resumed step 2 on: the learning rate at step 2 is "
+                         f"{new_rate:.4g} (it was 0 on the old schedule)"], lines
+        assert t.optimizer.param_groups[0]["lr"] == pytest.approx(new_rate)  # what step 3 will use
+        assert t.scheduler.get_last_lr()[0] == pytest.approx(new_rate)
+    finally:
+        t.close()
+    capsys.readouterr()
+    Trainer(config(out, *TWO_STEPS, "resume=auto"), DistInfo()).close()  # unchanged: no such line
+    assert "schedule" not in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ full disk, read-only folder (defect 10)

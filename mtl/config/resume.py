@@ -1,7 +1,8 @@
 """Which config changes a resume may make without breaking exactness (docs/reliability.md).
 
-Safe to change: ``trainer.max_steps``, the logging and evaluation intervals, output options, and
-operational switches that do not touch the maths. Everything else (model shape, data, strategy,
+Safe to change: ``trainer.max_steps`` (under a cosine or linear schedule it changes the learning rate from the
+resumed step on, said at start-up: ``mtl.run.run_folder.schedule_change``), the logging and evaluation intervals,
+output options, and operational switches that do not touch the maths. Everything else (model shape, data, strategy,
 weighting, batch size, seed, precision, optimizer ...) must match the checkpoint's config, or the
 resumed run would not be the run that was interrupted; each differing key is listed.
 

@@ -358,6 +358,7 @@ class RunFolder:
             parts.weighting.load_state_dict(state["weighting"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"checkpoint {path!r} does not fit this run's optimizer/weighting: {e}") from None
+        notes += schedule_change(cfg, path, parts.scheduler, int(state["step"]))
         if not state.get("data") and "epoch" in state:  # v1: batches per rank, at its own batch size
             state = {**state, "data": data_position(state["epoch"], state["batch_in_epoch"],
                                                     saved_config(path)["data"]["batch_size"],
@@ -381,6 +382,24 @@ class RunFolder:
                 os.rmdir(self.cfg.output_dir)  # only if empty
             except OSError:
                 pass
+
+
+def schedule_change(cfg, checkpoint: str, scheduler, step: int) -> list[str]:
+    """A resume with another ``trainer.max_steps`` under a schedule that ends there (cosine, linear): the new schedule
+    holds from the resumed ``step`` on (the next step's learning rate is the new schedule's at ``step``, set here;
+    it was the old one's), and one line says so: the old and new end step, and the rate at ``step`` on both."""
+    kind, new_end = cfg.optim.scheduler, int(cfg.trainer.max_steps)
+    old_end = (saved_config(checkpoint).get("trainer") or {}).get("max_steps")
+    if kind not in ("cosine", "linear") or old_end is None or int(old_end) == new_end:
+        return []
+    was = scheduler.get_last_lr()[0]
+    rates = [base * rule(step) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr() (the step log's lr) reports until the next step
+    return [f"resume: trainer.max_steps changed from {old_end} to {new_end}: the {kind} learning-rate schedule now "
+            f"ends at step {new_end} instead of {old_end}, from the resumed step {step} on: the learning rate at step "
+            f"{step} is {rates[0]:.4g} (it was {was:.4g} on the old schedule)"]
 
 
 def refuse_linked_checkpoints(output_dir: str) -> None:

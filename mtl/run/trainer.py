@@ -178,6 +178,7 @@ class Trainer:
         skipped, reasons = self.skipped_lines
         if skipped:
             self.log.info(f"data.on_error=skip: skipped {skipped} bad data line(s): " + "; ".join(reasons[:5]))
+        first = self.step  # 0, or the resumed checkpoint's step: the summary counts the steps this run took
         if self.folder.is_last(self.step):
             self.log.info(f"nothing to do: step {self.step} >= trainer.max_steps {trainer_cfg.max_steps}")
         while not self.folder.is_last(self.step):
@@ -213,7 +214,7 @@ class Trainer:
                                 f"checkpoint was not written. Lower optim.lr or set optim.grad_clip; "
                                 f"{self.steplog.kept_checkpoint()}")
         self.save()
-        self._finish(final, time.perf_counter() - start)
+        self._finish(final, time.perf_counter() - start, first)
         return final
 
     def run_eval(self) -> dict:
@@ -243,7 +244,8 @@ class Trainer:
             self.log.info(f"step {self.step}: checkpoint {path}")
         return path
 
-    def _finish(self, final: dict, wall: float) -> None:
+    def _finish(self, final: dict, wall: float, first: int = 0) -> None:
+        """The run's end (``first``: the step it started from): final_metrics.json, the curves, the summary line."""
         cfg, out = self.cfg, self.cfg.output_dir
         if self.dist.is_main:
             summary = {"step": self.step, "wall_time_s": round(wall, 1), "world_size": self.dist.world_size,
@@ -253,7 +255,10 @@ class Trainer:
             hp = {"strategy": cfg.ddp.strategy, "weighting": cfg.weighting.method, "precision": cfg.precision,
                   "lr": cfg.optim.lr, "global_batch": cfg.data.batch_size * self.dist.world_size}
             self.log.hparams(hp, {f"hparam/{k}": v for k, v in final.items()})
-        self.log.info(f"done: {self.step} steps in {wall:.0f} s; " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
+        taken = self.step - first
+        what = (f"nothing to do (step {self.step}, trainer.max_steps {cfg.trainer.max_steps})" if not taken else
+                f"{taken} steps ({first + 1}-{self.step}) in {wall:.0f} s" if first else f"{taken} steps in {wall:.0f} s")
+        self.log.info(f"done: {what}; " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
 
     def _write_final_metrics(self, target: str, summary: dict) -> None:
         """``final_metrics.json``, whole or not at all. When it cannot be written (a full disk), its content goes to
