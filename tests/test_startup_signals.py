@@ -12,6 +12,7 @@ import pytest
 import train
 
 from .conftest import TINY
+from .resume_check import metrics_records
 
 # two steps, an evaluation with its sample figure and a periodic save at step 2; a stop there is saved at step 3
 RUN = ["--config", TINY, "trainer.max_steps=4", "trainer.eval_every=2", "checkpoint.every_steps=2", "trainer.log_every=1"]
@@ -64,3 +65,10 @@ def test_sigterm_in_training_saves_and_exits_zero_whatever_the_run_is_doing(phas
         stdout[-2000:]
     assert checkpoints(out) == [2, 3] and "done:" not in stdout
     assert not os.path.exists(os.path.join(out, "run.lock"))
+    # a periodic evaluation a stop signal lands in is cut short, so that the save comes within the grace torchrun
+    # and Slurm give (30 s) however long the evaluation; a cut evaluation is not recorded (nor stepped on)
+    evals = [r["step"] for r in metrics_records(out) if r["kind"] == "eval"]
+    if phase == "evaluation":
+        assert evals == [] and "step 2: evaluation cut short by a stop signal" in stdout, stdout[-2000:]
+    else:
+        assert evals == [2]

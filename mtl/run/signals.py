@@ -68,8 +68,9 @@ class StartupStop(BaseException):
 
     def __init__(self, signum: int, phase: str):
         self.signum, self.phase, self.exit_code = signum, phase, 128 + signum
-        self.message = (f"{signal.Signals(signum).name} during start-up ({phase}): no step taken, nothing to save; "
-                        f"exiting with code {self.exit_code}, output_dir's lock released")
+        where = "start-up, before output_dir was locked" if phase == "start-up" else f"start-up ({phase})"
+        self.message = (f"{signal.Signals(signum).name} during {where}: no step taken, nothing to save; exiting with "
+                        f"code {self.exit_code}" + ("" if phase == "start-up" else ", output_dir's lock released"))
         super().__init__(self.message)
 
 

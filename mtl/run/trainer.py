@@ -36,7 +36,7 @@ from mtl.parallel.dist import DistInfo, all_gather_objects, init_distributed
 from mtl.parallel.fsdp import gathered, is_sharded
 from mtl.run import checkpoint as ckpt
 from mtl.run import heartbeat
-from mtl.run.evaluate import evaluate_run
+from mtl.run.evaluate import EvaluationStopped, evaluate_run
 from mtl.run.faults import poison
 from mtl.run.feed import build_eval_feeds, build_feed, check_feed_data, data_summary
 from mtl.run.finite import nonfinite_eval
@@ -192,7 +192,7 @@ class Trainer:
             if self.dist.distributed and every and self.step % every == 0:
                 verify_replicas(self.bare, self.step)
             if self.step % trainer_cfg.eval_every == 0 and not self.folder.is_last(self.step):
-                self.run_eval()
+                self.run_eval(stoppable=True)
             # no periodic save in a non-finite streak: its weights may have blown up, and keep_last would delete
             # the checkpoint from before it, the one to go back to
             if self.folder.save_due(self.step) and not self.steplog.bad_steps:
@@ -217,13 +217,20 @@ class Trainer:
         self._finish(final, time.perf_counter() - start, first)
         return final
 
-    def run_eval(self) -> dict:
+    def run_eval(self, stoppable: bool = False) -> dict:
+        """The validation (and test) metrics, recorded. ``stoppable`` (a periodic evaluation): a stop signal cuts
+        it short, unrecorded, so that the stop's checkpoint comes within torchrun's and Slurm's grace (30 s)."""
         enter_phase("evaluation")
         limit = self.cfg.trainer.eval_max_batches
-        with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
-            metrics = evaluate_run(self.bare, self.val_loaders, self.device, limit)
-            test = {} if self.test_loader is None else evaluate_run(
-                self.bare, dict.fromkeys(self.tasks, self.test_loader), self.device, limit)
+        stop = (lambda: self.stop_requested) if stoppable else None
+        try:
+            with gathered(self.bare):  # FSDP2: the full parameters once, so no rank waits on another's batch count
+                metrics = evaluate_run(self.bare, self.val_loaders, self.device, limit, stop)
+                test = {} if self.test_loader is None else evaluate_run(
+                    self.bare, dict.fromkeys(self.tasks, self.test_loader), self.device, limit, stop)
+        except EvaluationStopped:
+            self.log.info(f"step {self.step}: evaluation cut short by a stop signal (not recorded): saving first")
+            return self.last_eval
         flat = flat_metrics(metrics, test)
         if hasattr(self.scheduler, "evaluated"):  # optim.scheduler=plateau: the rate follows the validation Δm
             flat["plateau_delta_m"] = self.scheduler.evaluated(flat)
