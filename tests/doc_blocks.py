@@ -36,6 +36,7 @@ class Block:
     kind: str  # run | commands | config | excerpt | skip | text
     arg: str  # the excerpt's file, or the reason to skip
     text: str
+    section: str = ""  # the ``## `` heading the block sits under
 
     @property
     def where(self) -> str:
@@ -48,10 +49,11 @@ def blocks(path: str, text: str | None = None) -> list[Block]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     lines = text.split("\n")
-    out, i = [], 0
+    out, i, section = [], 0, ""
     while i < len(lines):
         m = re.match(r"^```(\w*)\s*$", lines[i])
         if not m:
+            section = lines[i][3:].strip() if lines[i].startswith("## ") else section
             i += 1
             continue
         end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
@@ -61,7 +63,7 @@ def blocks(path: str, text: str | None = None) -> list[Block]:
         marker = MARKER.search(above[-1]) if above else None
         lang = m.group(1)
         kind, arg = (marker.group(1), marker.group(2)) if marker else (DEFAULT_KIND.get(lang, "unknown"), "")
-        out.append(Block(path, i + 1, lang, kind, arg, "\n".join(lines[i + 1:end])))
+        out.append(Block(path, i + 1, lang, kind, arg, "\n".join(lines[i + 1:end]), section))
         i = end + 1
     return out
 
@@ -82,6 +84,88 @@ def commands(text: str) -> list[list[str]]:
         if kept:
             out.append(kept)
     return out
+
+
+def target(argv: list[str]) -> tuple[str, list[str]]:
+    """What a documented command runs, and its arguments: ``("train", args)`` for train.py (directly, under torchrun
+    or the launcher), ``("tool", [module, *args])`` for ``python -m``, ``("script", [path, *args])``, ``("make",
+    args)``, or ``("other", argv)``. ``VAR=value`` words before the command are left out."""
+    while argv and "=" in argv[0] and not argv[0].startswith("-"):
+        argv = argv[1:]
+    if argv and argv[0] == "make":
+        return "make", argv[1:]
+    if not argv or argv[0] not in ("python", "python3", "torchrun"):
+        return "other", argv
+    rest = argv[1:]
+    if argv[0] == "torchrun":  # its own options, then the script or -m module
+        while rest and rest[0].startswith("--") and rest[0] != "-m":
+            rest = rest[1:]
+    if rest[:2] == ["-m", "mtl.tools.launch"] and "train.py" in rest:
+        rest = rest[rest.index("train.py"):]
+    if rest and rest[0] == "train.py":
+        return "train", rest[1:]
+    if rest and rest[0] == "-m":
+        return "tool", rest[1:]
+    return "script", rest
+
+
+def _option(args: list[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``args``."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a[len(name) + 1:]
+    return None
+
+
+def _key(args: list[str], key: str) -> str | None:
+    """The value of the override ``key=VALUE`` in ``args``."""
+    found = [a[len(key) + 1:] for a in args if a.startswith(key + "=")]
+    return found[-1] if found else None
+
+
+def model_paths_read(argv: list[str]) -> list[str]:
+    """The model folders a command reads: a tool's ``--checkpoint`` / ``--model``, a run's ``init_from`` and
+    ``resume`` (a folder, not ``auto``)."""
+    kind, args = target(argv)
+    if kind == "tool":
+        found = [_option(args, "--checkpoint"), _option(args, "--model")]
+    elif kind == "train":
+        resume = _key(args, "resume")
+        found = [_key(args, "init_from"), None if resume in (None, "auto", "null") else resume]
+    else:
+        found = []
+    return [os.path.normpath(p) for p in found if p]
+
+
+def checkpoint_steps(max_steps: int, every_steps: int, keep_last: int = 0) -> list[int]:
+    """The steps whose checkpoints a finished run keeps (``mtl.run.run_folder``: every ``every_steps`` and the
+    last step; ``keep_last`` > 0 keeps only that many)."""
+    steps = [s for s in range(every_steps, max_steps, every_steps)] if every_steps else []
+    steps.append(max_steps)
+    return steps[-keep_last:] if keep_last else steps
+
+
+def paths_made(argv: list[str], run_folder, makefile: dict[str, str]) -> list[str]:
+    """The folders a finished command leaves: a run's ``output_dir`` and its ``checkpoints/step_<N>`` (``run_folder(
+    config, overrides)`` gives ``(output_dir, steps)``), ``make train``'s (with the Makefile's ``CONFIG`` and
+    ``ARGS``), an export's ``--out``, scripts/make_tiny_pretrained.py's folders."""
+    kind, args = target(argv)
+    if kind == "make" and "train" in args:
+        config = next((a[7:] for a in args if a.startswith("CONFIG=")), makefile["CONFIG"])
+        extra = next((shlex.split(a[5:]) for a in args if a.startswith("ARGS=")), [])
+        kind, args = "train", ["--config", config, *extra]
+    if kind == "train":
+        output_dir, steps = run_folder(args[1], [a for a in args[2:] if "=" in a])
+        output_dir = os.path.normpath(output_dir)
+        return [output_dir] + [os.path.join(output_dir, "checkpoints", f"step_{n}") for n in steps]
+    if kind == "tool" and args[0] == "mtl.tools.export" and _option(args, "--out"):
+        return [os.path.normpath(_option(args, "--out"))]
+    if kind == "script" and args[0] == "scripts/make_tiny_pretrained.py":
+        out = next((a for a in args[1:] if not a.startswith("-")), "runs/pretrained")
+        return [os.path.normpath(os.path.join(out, name)) for name in ("vit", "dinov2", "gpt2", "vit-gpt2")]
+    return []
 
 
 def code_lines(text: str) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
 
 from .conftest import PY, ROOT
-from .doc_blocks import blocks, commands, missing_excerpt_lines, undefined_names
+from .doc_blocks import blocks, checkpoint_steps, commands, missing_excerpt_lines, model_paths_read, paths_made, target, undefined_names
 from .pretrained_folders import tiny_pretrained
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -100,20 +101,23 @@ def _check_tool(module: str, args: list[str], where: str, monkeypatch) -> None:
     monkeypatch.undo()
 
 
-def _check_train(args: list[str], where: str, monkeypatch) -> None:
+def _check_train(args: list[str], where: str, monkeypatch):
     """``train.py --config C key=value ...``: the config and its overrides load and pass every check, on this CPU
     or, for a command the docs give for GPUs, as on a machine with 8 CUDA devices."""
     assert args[0] == "--config", f"{where}: train.py without --config first: {args}"
-    overrides = [a for a in args[2:] if "=" in a]
+    # a model folder an earlier command makes is not here: whether it would be is the question of
+    # test_every_model_folder_a_readme_command_reads_exists_after_the_commands_before_it
+    overrides = [a for a in args[2:] if "=" in a and not (a.startswith(("init_from=", "resume=")) and a.split("=", 1)[1]
+                                                          not in ("auto", "null") and not os.path.exists(a.split("=", 1)[1]))]
     try:
-        load_run_config(args[1], overrides)
+        return load_run_config(args[1], overrides)
     except ConfigError:
         import torch
 
         with monkeypatch.context() as m:
             m.setattr(torch.cuda, "is_available", lambda: True)
             m.setattr(torch.cuda, "device_count", lambda: 8)
-            load_run_config(args[1], overrides)
+            return load_run_config(args[1], overrides)
 
 
 def _check_command(argv: list[str], where: str, monkeypatch) -> None:
@@ -181,13 +185,59 @@ def test_a_shell_block_names_real_configs_keys_and_options(block, monkeypatch):
         _check_command(argv, block.where, monkeypatch)
 
 
+def _makefile_defaults() -> dict[str, str]:
+    """The Makefile's ``NAME ?= value`` variables (``CONFIG``, ``RUN_DIR`` ...)."""
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        return {m.group(1): m.group(2).strip() for m in re.finditer(r"^(\w+)\s*\?=\s*(.*)$", f.read(), re.M)}
+
+
+def _in_clone(path: str) -> bool:
+    """A file or folder of a fresh clone (runs/ is what commands write, never part of it)."""
+    return not path.split(os.sep)[0] == "runs" and os.path.exists(os.path.join(ROOT, path))
+
+
+def test_every_model_folder_a_readme_command_reads_exists_after_the_commands_before_it(monkeypatch):
+    """A reader runs README's first shell block (the two commands), then the shell blocks of one section in order:
+    every checkpoint, model, ``init_from`` or ``resume`` folder a command there reads is in the clone or left by an
+    earlier command of that path (a run's output_dir and the checkpoints its trainer.max_steps and
+    checkpoint.every_steps keep, an export's --out, the tiny pretrained folders)."""
+    monkeypatch.chdir(ROOT)
+    readme = [b for b in ALL if b.path == "README.md" and b.lang == "bash" and b.kind in ("run", "commands")]
+    makefile = _makefile_defaults()
+
+    def run_folder(config, overrides):
+        cfg = _check_train(["--config", config, *overrides], config, monkeypatch)
+        ck = cfg.checkpoint
+        return cfg.output_dir, checkpoint_steps(int(cfg.trainer.max_steps), int(ck.every_steps), int(ck.keep_last))
+
+    def follow(block, state: list[str], problems: list[str]) -> list[str]:
+        for argv in commands(block.text):
+            problems += [f"{block.where} ({block.section}): {' '.join(argv)}: reads {path}, which neither the clone "
+                         f"nor a command before it has; there: {sorted(set(state))}"
+                         for path in model_paths_read(argv) if path not in state and not _in_clone(path)]
+            kind, args = target(argv)
+            if kind == "script" and args[0] == TINY_SCRIPT:
+                _tiny_pretrained_root(monkeypatch)
+            state = state + paths_made(argv, run_folder, makefile)
+        return state
+
+    problems: list[str] = []
+    after_first = follow(readme[0], [], problems)
+    assert os.path.join(makefile["RUN_DIR"], "checkpoints") in " ".join(after_first), after_first  # make train's run
+    states: dict[str, list[str]] = {}
+    for block in readme[1:]:
+        states[block.section] = follow(block, states.get(block.section, after_first), problems)
+    assert not problems, "\n".join(problems)
+
+
 # ------------------------------------------------------------------ blocks that run
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A folder as the README's examples assume it: the repository's configs/, docs/ and train.py, a trained tiny
-    run (runs/tiny, 6 steps), two images (photos/a.png, cat.jpg) and a manifest of them (test.jsonl)."""
+    """A folder as the README's examples assume it, after its two commands: the repository's configs/, docs/ and
+    train.py, the run `make train` leaves (runs/default, from configs/default.yaml: its model, 6 steps on a small
+    data set, enough to caption), two images (photos/a.png, cat.jpg) and a manifest of them (test.jsonl)."""
     from PIL import Image
 
     ws = tmp_path_factory.mktemp("docs_ws")
@@ -199,8 +249,10 @@ def workspace(tmp_path_factory):
     (ws / "test.jsonl").write_text('{"image": "photos/a.png", "label": 0, "captions": ["one big red circle"]}\n'
                                    '{"image": "cat.jpg", "label": 1, "captions": ["two small blue squares"]}\n')
     env = {**os.environ, "PYTHONPATH": ROOT}
-    subprocess.run([PY, "train.py", "--config", "configs/tiny.yaml"], cwd=ws, env=env, check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run([PY, "train.py", "--config", "configs/default.yaml", "trainer.max_steps=6", "optim.warmup_steps=0",
+                    "checkpoint.every_steps=0", "data.synthetic.train_size=256", "data.synthetic.val_size=32",
+                    "data.eval_batch_size=32", "trainer.eval_max_batches=1", "trainer.num_samples=2"],
+                   cwd=ws, env=env, check=True, capture_output=True, timeout=600)
     return ws
 
 
@@ -235,7 +287,7 @@ def test_the_export_readme_runs_without_mtl_and_agrees_with_mtl(workspace, tmp_p
     from mtl.interop import README_TITLE
 
     export = tmp_path / "export"
-    subprocess.run([PY, "-m", "mtl.tools.export", "--checkpoint", "runs/tiny", "--out", str(export)],
+    subprocess.run([PY, "-m", "mtl.tools.export", "--checkpoint", "runs/default", "--out", str(export)],
                    cwd=workspace, check=True, capture_output=True, timeout=600)
     readme = (export / "README.md").read_text()
     assert readme.startswith(README_TITLE)
