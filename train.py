@@ -19,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"{keys_help()}\n\n{options_help()}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML config file (may name a base: file)")
+    parser.add_argument("--config", required=True, help="YAML config file (may name a base: file). Relative paths: "
+                        "base: and the *_modules .py files from the config file's folder; every other path "
+                        "(output_dir, data.*_path, init_from ...), and every path on the command line, from the "
+                        "working directory (docs/config.md#relative-paths)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_steps=100 "
                         "(the keys are listed below)")
     args = parser.parse_args(argv)

@@ -4,10 +4,14 @@ describes every key (a comment after the field, or the comment block above it) a
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
 import train
+from mtl.registry import PLUGIN_KEYS
 
 from .conftest import ROOT, TINY
 
@@ -99,3 +103,54 @@ def test_without_a_terminal_the_progress_bar_is_a_plain_line_every_log_every_ste
     progress = [line for line in out.splitlines() if line.startswith("progress: step ")]
     assert [line.split()[2] for line in progress] == ["3/6", "6/6"], out[-3000:]
     assert "loss_cls=" in progress[0] and "s/step" in progress[0], progress
+
+
+def relative_path_rules() -> list[tuple[list[str], str, str]]:
+    """docs/config.md's table of relative paths: (keys, in a config file relative to, on the command line relative
+    to), one row each."""
+    with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
+        text = f.read()
+    table = text[text.index("<!-- relative-paths:begin -->"):text.index("<!-- relative-paths:end -->")]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.splitlines()[3:]
+            if line.startswith("|")]
+    return [(re.findall(r"`([\w.]+)`", keys), in_file, on_line) for keys, in_file, on_line in rows]
+
+
+def test_each_relative_path_key_resolves_as_docs_config_md_says_and_help_agrees(tmp_path, monkeypatch, capsys):
+    """From a working directory other than the config file's folder: base: and the plug-in .py paths of a file, its
+    output_dir and data paths, and the command line's, are read from where the table in docs/config.md says; and
+    train.py --help says nothing else."""
+    from mtl.config.schema import load_config
+
+    rules = {key: (in_file, on_line) for keys, in_file, on_line in relative_path_rules() for key in keys}
+    where = {"the file's folder": tmp_path / "conf", "the working directory": tmp_path / "work"}
+    assert {"base", "output_dir", "data.train_path", *PLUGIN_KEYS} <= set(rules), rules
+    assert {rule for pair in rules.values() for rule in pair} <= {*where, "(a file key only)"}, rules
+    for folder in where.values():
+        folder.mkdir()
+    (where[rules["base"][0]] / "base.yaml").write_text("seed: 7\n")
+    config = tmp_path / "conf" / "run.yaml"
+    config.write_text(yaml.safe_dump({"base": "base.yaml", "output_dir": "out", "data": {"train_path": "t.jsonl"},
+                                      **{key: [f"{key}.py"] for key in PLUGIN_KEYS}}))
+    for key in PLUGIN_KEYS:  # the plug-in files exist where the rule reads them from
+        (where[rules[key][0]] / f"{key}.py").write_text("")
+    monkeypatch.chdir(tmp_path / "work")
+    cfg = load_config(str(config))
+    assert cfg.seed == 7  # base: found where the table says
+    for key in ("output_dir", "data.train_path", *PLUGIN_KEYS):
+        value = OmegaConf.select(cfg, key)
+        value = value if isinstance(value, str) else value[0]
+        assert os.path.abspath(value) == str(where[rules[key][0]] / os.path.basename(value)), (key, value)
+    line = load_config(str(config), [f"{key}=[{key}_line.py]" for key in PLUGIN_KEYS] + ["output_dir=out2"])
+    for key in ("output_dir", *PLUGIN_KEYS):
+        value = OmegaConf.select(line, key)
+        value = value if isinstance(value, str) else value[0]
+        assert os.path.abspath(value) == str(where[rules[key][1]] / os.path.basename(value)), (key, value)
+    # train.py --help: its --config line gives the same rule and points at the table; no key's line says otherwise
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "docs/config.md#relative-paths" in out and "base: and the *_modules .py files from the config file's folder" in out
+    for key in PLUGIN_KEYS:
+        said = re.search(rf" {key} .*?(?= \w+_modules | \w+\.\w+ |$)", out).group(0)
+        assert "working directory" not in said or "from its folder" in said or "as task_modules" in said, said
