@@ -307,3 +307,35 @@ def test_the_export_readme_runs_without_mtl_and_agrees_with_mtl(workspace, tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"classes": [p["class"] for p in predicted], "captions": [p["caption"] for p in predicted]}
+
+
+@pytest.mark.slow  # one training step of configs/user_data.yaml's ResNet-18 on 8 small images, in this process (~5 s)
+def test_readme_s_own_images_block_trains_on_the_folders_its_comment_describes(tmp_path, monkeypatch):
+    """README's "Train on your own images": its command, as written, from a folder holding what its comment
+    describes (class folders of .jpg images, a captions.jsonl in each split), trains; the overrides added only make
+    it one short step."""
+    import json
+
+    from PIL import Image
+
+    import train
+
+    (block,) = [b for b in ALL if b.path == "README.md" and b.section == "Train on your own images" and b.lang == "bash"]
+    (argv,) = commands(block.text)
+    kind, args = target(argv)
+    assert kind == "train", argv
+    given = dict(a.split("=", 1) for a in args[2:])
+    for split in ("data.train_path", "data.val_path"):
+        root, lines = tmp_path / given[split], []
+        for c, name in enumerate(("dog", "cat")):
+            (root / name).mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (40, 30), (200 * c, 60, 40 * i)).save(root / name / f"{i:04d}.jpg")
+                lines.append(json.dumps({"image": f"{name}/{i:04d}.jpg", "captions": [f"a {name} on a sofa"]}))
+        (root / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    short = ["trainer.max_steps=1", "data.image_size=32", "data.batch_size=4", "data.num_workers=0",
+             "trainer.eval_max_batches=1", "trainer.num_samples=0", "checkpoint.every_steps=0"]
+    assert train.main(args + short) == 0
+    assert os.path.isdir(tmp_path / given["output_dir"] / "checkpoints" / "step_1")
