@@ -9,8 +9,10 @@ import os
 
 import pytest
 import torch
+import yaml
 
 from mtl.config.checks import load_run_config
+from mtl.config.schema import parse_overrides
 from mtl.data.multi_input import MultiInputStream, SamplingPlan, TaskSampler, build_task_datasets, step_tasks
 from mtl.errors import ConfigError, DataError
 from mtl.tasks import task_types
@@ -204,10 +206,18 @@ def _rows(batch):
 POLICIES = ["all", "round_robin", "weighted", "temperature", "mixed"]
 
 
-def test_two_ranks_together_hold_exactly_the_single_process_rows_every_step():
-    base = load_run_config(MI, ["ddp.strategy=find_unused", "data.per_task.gen.ratio=0.3",
-                                "data.per_task.cls.batch_size=3", "data.per_task.gen.batch_size=2",
-                                "data.batch_size=4", "data.sampling.policy=all"])  # policy last: what it reads decides
+def sizes_then_policy(tmp_path, sizes: list[str], policy: str):
+    """MI with ``sizes`` in a file and the policy on the command line: the sizes the policy does not read are left out,
+    set before it chose (on one command line they would be refused: its keys are judged together)."""
+    path = tmp_path / "sizes.yaml"
+    path.write_text(yaml.safe_dump({"base": MI, **parse_overrides(sizes)[0]}))
+    return load_run_config(str(path), [f"data.sampling.policy={policy}"])
+
+
+def test_two_ranks_together_hold_exactly_the_single_process_rows_every_step(tmp_path):
+    base = sizes_then_policy(tmp_path, ["ddp.strategy=find_unused", "data.per_task.gen.ratio=0.3",
+                                        "data.per_task.cls.batch_size=3", "data.per_task.gen.batch_size=2",
+                                        "data.batch_size=4"], "all")
     for policy in POLICIES:
         _check_policy(base, policy)
 
@@ -314,13 +324,12 @@ def test_a_task_set_smaller_than_its_global_batch_is_refused_by_the_config_check
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_task_set_of_any_source_smaller_than_its_global_rows_is_refused_before_the_first_step(policy):
+def test_a_task_set_of_any_source_smaller_than_its_global_rows_is_refused_before_the_first_step(policy, tmp_path):
     """The stream checks the loaded sets' sizes (a manifest's or an ImageFolder's is known only once read): gen has
     6 items; 4 rows per process fit one process, not two, under every policy (mixed: up to 4 x 2 - 1 rows, the
     other task holding at least one)."""
-    cfg = load_run_config(MI, ["ddp.strategy=find_unused", "data.per_task.cls.batch_size=2",
-                               "data.per_task.gen.batch_size=4", "data.batch_size=4",
-                               f"data.sampling.policy={policy}"])  # last: the batch sizes it does not read are left out
+    cfg = sizes_then_policy(tmp_path, ["ddp.strategy=find_unused", "data.per_task.cls.batch_size=2",
+                                       "data.per_task.gen.batch_size=4", "data.batch_size=4"], policy)
     sets, collates = {"cls": _Items(20, "label"), "gen": _Items(6, "captions")}, {"cls": _collate, "gen": _collate}
     MultiInputStream(cfg, sets, collates, 0, 1).next_batch(0)
     with pytest.raises(DataError) as e:

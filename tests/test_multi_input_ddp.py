@@ -62,10 +62,16 @@ def overrides(policy, strategy, extra, out_dir, world):
     k = 2 // world  # the single process takes the global batch
     return [f"output_dir={out_dir}", "optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0",
             "optim.warmup_steps=0", "trainer.progress=false", "ddp.timeout_s=60", "ddp.replica_check_every=1",
-            f"ddp.strategy={strategy}", f"data.batch_size={B_MIXED * k}",
-            f"data.per_task.cls.batch_size={B_CLS * k}", f"data.per_task.gen.batch_size={B_GEN * k}",
-            "data.per_task.gen.ratio=0.25" if policy == "mixed" else "data.per_task.gen.ratio=1",
-            f"data.sampling.policy={policy}", *extra]  # the policy after the sizes: those it does not read are left out
+            f"ddp.strategy={strategy}", *sizes(policy, k, extra), f"data.sampling.policy={policy}",
+            *extra]
+
+
+def sizes(policy, k, extra):
+    """The sizes ``policy`` reads (one command line is judged together: a size it does not read would be refused)."""
+    if policy == "mixed":
+        return [f"data.batch_size={B_MIXED * k}", "data.per_task.gen.ratio=0.25"]
+    return [f"data.per_task.cls.batch_size={B_CLS * k}", f"data.per_task.gen.batch_size={B_GEN * k}",
+            *(["data.per_task.gen.ratio=1"] if policy == "weighted" and "data.sampling.weights=size" not in extra else [])]
 
 
 def _to(batch):

@@ -262,8 +262,9 @@ def test_the_start_up_summary_shows_the_data_and_not_the_keys_the_run_does_not_r
     assert lines[2].startswith("  gen: train 40 items, val 64 items; vocabulary ") and ", unknown tokens train " in lines[2]
     assert "synthetic.train_size=40" in config_summary(cfg)  # a synthetic run reads them
     # set before data.source chose a manifest: not read, left out (mtl/config/reads.py; tests/test_unused_keys.py)
-    manifest = config(tmp_path, "data.synthetic.train_size=40", "data.source=manifest", "data.train_path=t.jsonl",
-                      "data.val_path=v.jsonl")
+    (tmp_path / "synthetic40.yaml").write_text(f"base: {TINY}\ndata: {{synthetic: {{train_size: 40}}}}\n")  # a file:
+    manifest = config(tmp_path, "data.source=manifest", "data.train_path=t.jsonl",  # one command line is judged whole
+                      "data.val_path=v.jsonl", path=str(tmp_path / "synthetic40.yaml"))
     *in_effect, left_out = config_summary(manifest).splitlines()
     assert "synthetic" not in "\n".join(in_effect) and "source=manifest" in "\n".join(in_effect)
     assert left_out.startswith("  not read by this run, left out: ") and "data.synthetic.train_size=40" in left_out

@@ -54,6 +54,7 @@ SETUPS = {
     "static": ["weighting.method=static"],
     "detach": ["ddp.strategy=detach"],
     "bilevel": ["weighting.method=autolambda"],
+    "fsdp2": ["parallel.engine=fsdp2"],
 }
 MULTI = {"multi", "multi_files", "multi_mixed", "multi_temperature"}
 ONE_SYNTHETIC = set(SETUPS) - MULTI - {"manifest", "imagefolder", "qm9"}  # one synthetic data set
@@ -80,7 +81,7 @@ NOT_READ = {
        for k in ("random_resized_crop", "scale", "ratio", "hflip")},
     "data.batch_size": {"multi", "multi_files", "multi_temperature"},
     "data.sampling.policy": EVERY - MULTI,
-    "data.sampling.weights": EVERY - {"multi_files"},
+    "data.sampling.weights": EVERY - {"multi_files", "multi_mixed"},  # mixed draws each row's task by the weights
     "data.sampling.temperature": EVERY - {"multi_temperature"},
     "data.heldout": EVERY - {"bilevel"},
     "tokenizer.path": {"cls_only"},
@@ -93,6 +94,8 @@ NOT_READ = {
     "ddp.detach_owner": EVERY - {"detach"},
     **{f"optim.plateau.{k}": EVERY - {"plateau"} for k in ("factor", "patience", "min_lr", "baselines")},
     "optim.betas": {"sgd"},
+    "ddp.bucket_cap_mb": {"fsdp2"},  # DDP's gradient buckets: FSDP2 has no reducer
+    "trainer.num_samples": {"cls_only"},  # sample captions: the caption task declares it
     "init_from_fresh_class_head": set(),  # the drive sets init_from too (a filler): see test_a_fresh_head_needs_init_from
     # sections named by task: the section of a task the run does not train (test_sections_of_other_tasks)
     "task_options": set(), "task_instances": set(), "loss_scale": set(),
@@ -102,18 +105,18 @@ ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard
           "task_modules", "weighting_modules", "backbone_modules", "architecture_modules", "data.eval_batch_size", "data.num_workers",
           "data.per_task", "model.backbone.name", "model.backbone.options", "model.architecture.name",
           "model.architecture.options", "parallel.engine", "ddp.strategy",
-          "ddp.backend", "ddp.find_unused_parameters", "ddp.static_graph", "ddp.bucket_cap_mb", "ddp.timeout_s",
+          "ddp.backend", "ddp.find_unused_parameters", "ddp.static_graph", "ddp.timeout_s",
           "ddp.unsafe", "ddp.replica_check_every", "ddp.nan_monitor", "weighting.method", "weighting.options",
           "weighting.source", "optim.name", "optim.lr", "optim.weight_decay", "optim.scheduler", "optim.warmup_steps",
           "optim.grad_clip", "optim.layer_decay", "model.activation_checkpointing", "model.compile",
           "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
-          "trainer.eval_max_batches", "trainer.num_samples", "trainer.max_bad_steps", "trainer.poison",
+          "trainer.eval_max_batches", "trainer.max_bad_steps", "trainer.poison",
           "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench"}
 # data.per_task.<task>.<key> -> the multi-input set-ups (and task) whose run does not read it
 PER_TASK_NOT_READ = {
     "source": set(),
     "batch_size": {("multi_mixed", t) for t in ("cls", "gen")},
-    "ratio": {(s, t) for s in MULTI - {"multi_files"} for t in ("cls", "gen")},
+    "ratio": {(s, t) for s in MULTI - {"multi_files", "multi_mixed"} for t in ("cls", "gen")},
     "train_size": {("multi_files", "cls"), ("multi_files", "gen")},
     "val_size": {("multi_files", "cls"), ("multi_files", "gen")},
     "train_path": {(s, t) for s in MULTI - {"multi_files"} for t in ("cls", "gen")},
@@ -383,3 +386,35 @@ def test_a_fresh_head_needs_init_from(tmp_path):
         load_run_config(TINY, ["init_from_fresh_class_head=true"])
     cfg = load_run_config(TINY, [f"init_from={tmp_path}", "init_from_fresh_class_head=true"])
     assert cfg.init_from_fresh_class_head is True
+
+
+# ------------------------------------------------------------------ keys that did nothing; one command line, one judgement
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["parallel.engine=fsdp2", "ddp.bucket_cap_mb=1"],
+     "ddp.bucket_cap_mb: set (command line) but not read: parallel.engine is fsdp2"),
+    (["tasks=[cls]", "trainer.num_samples=7"],
+     "trainer.num_samples: set (command line) but not read: no task of this run (cls) reads it"),
+])
+def test_a_key_that_did_nothing_is_refused_naming_it(overrides, says):
+    """issue 41: both were accepted (DDP's other options are refused under FSDP2; only the caption task shows samples)."""
+    with pytest.raises(ConfigError) as e:
+        load_run_config(TINY, overrides)
+    assert e.value.exit_code == 2 and any(m.startswith(says) for m in e.value.errors), e.value.errors
+
+
+def test_no_samples_asked_of_a_run_without_captions_is_not_an_error():
+    """trainer.num_samples=0 asks for nothing: accepted where no task reads it (and left out of the saved config)."""
+    cfg = load_run_config(TINY, ["tasks=[cls]", "trainer.num_samples=0"])
+    assert "num_samples" not in to_yaml(cfg)
+
+
+@pytest.mark.parametrize("order", [["optim.betas=[0.5,0.5]", "optim.name=sgd"],
+                                   ["optim.name=sgd", "optim.betas=[0.5,0.5]"]])
+def test_keys_on_one_command_line_are_judged_together_in_either_order(order):
+    """issue 41: the order of two overrides decided whether betas was refused or silently dropped."""
+    with pytest.raises(ConfigError) as e:
+        load_run_config(TINY, order)
+    assert e.value.exit_code == 2 and any(m.startswith("optim.betas: set (command line) but not read: optim.name is sgd")
+                                          for m in e.value.errors), e.value.errors

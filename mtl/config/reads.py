@@ -13,7 +13,9 @@ collected with the other config errors (exit 2) before anything starts. One exce
 set *earlier* in the precedence order than the choice that made it unread (``base: tiny.yaml`` sets
 ``data.synthetic.*``, the command line sets ``data.source=imagefolder``) is not an error; the later setting chose.
 Either way the run's saved config leaves out every key it does not read (``mtl.config.schema.mark_unread``), and its
-start-up summary lists those it left out that hold other than their defaults.
+start-up summary lists those it left out that hold other than their defaults. A rule may name values that ask for
+nothing (``off``: ``trainer.num_samples: 0``, no sample captions): a key set to one is left out where unread, not refused.
+The keys of one command line share one place in that order: they are judged together, whatever their order.
 
 A tool that applies overrides to a saved config (``python -m mtl.tools.evaluate``) takes the same rule with
 ``tool="evaluate"``: a key only training reads (``data.train_path``, ``data.augment.*`` ...) is not read there.
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from omegaconf import OmegaConf
 
 from mtl.build import run_method_types
 from mtl.config.schema import move_keys, multi_input, read_config_chain, user_set
@@ -51,6 +55,7 @@ class RunShape:
     plugins: dict
     tool: str = "train"  # train | evaluate
     init_from: bool = False  # a warm start (init_from is set)
+    engine: str = "ddp"  # parallel.engine
 
     @property
     def sources(self) -> set[str]:
@@ -69,6 +74,7 @@ class Reads:
     when: When
     by: tuple[str, ...]  # the keys whose values decide (the order of precedence compares them with the key's)
     training_only: bool = False  # read by training, not by evaluation (python -m mtl.tools.evaluate)
+    off: tuple = ()  # values that ask for nothing: a key set to one is left out where unread, but not an error
 
 
 MULTI = ("multi-input mode (data.per_task) gives each task its own data set and reads data.per_task.<task> instead",
@@ -134,11 +140,13 @@ def sampling(s, t, key=None):
         "give each task its own data set in data.per_task.<task>, or remove {key}")
 
 
-def policy_is(policy: str, weights: str | None = None) -> When:
+def policy_is(*policies: str, weights: str | None = None) -> When:
+    """Read in multi-input mode under one of ``policies`` (and with ``data.sampling.weights=weights``, if given)."""
     def when(s, t, key=None):
-        if s.multi_input and s.policy == policy and weights in (None, s.sampling_weights):
+        if s.multi_input and s.policy in policies and weights in (None, s.sampling_weights):
             return None
-        want = f"data.sampling.policy={policy}" + (f" with data.sampling.weights={weights}" if weights else "")
+        want = f"data.sampling.policy={' or '.join(policies)}" + (
+            f" with data.sampling.weights={weights}" if weights else "")
         have = (f"data.sampling.policy is {s.policy}" + (f", data.sampling.weights {s.sampling_weights}" if weights else "")
                 if s.multi_input else "one data set for every task (no data.per_task)")
         return f"only {want} reads it, and {have}", f"set {want}, or remove {{key}}"
@@ -176,6 +184,13 @@ def optimizer_is(name: str) -> When:
     def when(s, t, key=None):
         return None if s.optimizer == name else (f"optim.name is {s.optimizer}",
                                                  f"set optim.name={name}, or remove {{key}}")
+    return when
+
+
+def engine_is(name: str) -> When:
+    def when(s, t, key=None):
+        return None if s.engine == name else (f"parallel.engine is {s.engine}",
+                                              f"set parallel.engine={name}, or remove {{key}}")
     return when
 
 
@@ -228,7 +243,8 @@ READS: tuple[Reads, ...] = (
     Reads(("data.augment.",), any_set(*IMAGE_FILES), DATA, training_only=True),
     Reads(("data.batch_size",), batch_size, ("data.per_task", "data.sampling.policy"), training_only=True),
     Reads(("data.sampling.policy",), sampling, ("data.per_task",), training_only=True),
-    Reads(("data.sampling.weights",), policy_is("weighted"), ("data.per_task", "data.sampling.policy"),
+    # mixed draws each row's task by the weights too (mtl/data/multi_input.py, SamplingPlan.from_config)
+    Reads(("data.sampling.weights",), policy_is("weighted", "mixed"), ("data.per_task", "data.sampling.policy"),
           training_only=True),
     Reads(("data.sampling.temperature",), policy_is("temperature"), ("data.per_task", "data.sampling.policy"),
           training_only=True),
@@ -240,7 +256,7 @@ READS: tuple[Reads, ...] = (
     Reads(("data.per_task.*.train_path",), task_source(*IMAGE_FILES), ("data.per_task.*.source",), training_only=True),
     Reads(("data.per_task.*.image_root",), task_source("manifest"), ("data.per_task.*.source",)),
     Reads(("data.per_task.*.batch_size",), task_batch_size, ("data.sampling.policy",), training_only=True),
-    Reads(("data.per_task.*.ratio",), policy_is("weighted", "set"),
+    Reads(("data.per_task.*.ratio",), policy_is("weighted", "mixed", weights="set"),
           ("data.per_task", "data.sampling.policy", "data.sampling.weights"), training_only=True),
     Reads(("task_options.*", "task_instances.*", "loss_scale.*"), in_tasks, ("tasks",)),
     # read where a plug-in of the run declares them in its ``reads``
@@ -250,6 +266,9 @@ READS: tuple[Reads, ...] = (
           ("model.backbone.name", "backbone_modules")),
     Reads(("weighting.weights",), method, ("weighting.method", "weighting_modules")),
     Reads(("ddp.detach_owner",), strategy, ("ddp.strategy",)),
+    Reads(("ddp.bucket_cap_mb",), engine_is("ddp"), ("parallel.engine",), training_only=True),  # FSDP2: no reducer
+    # sample captions at each evaluation (the caption task declares it); 0 asks for none
+    Reads(("trainer.num_samples",), task, ("tasks", "task_modules", "task_instances"), off=(0,)),
     Reads(("optim.plateau.",), scheduler_is("plateau"), ("optim.scheduler",)),
     Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
     Reads(("init_from_fresh_class_head",), warm_start, ("init_from",), training_only=True),
@@ -279,7 +298,7 @@ def run_shape(cfg, tool: str = "train") -> RunShape:
         task_sources={str(t): str((sec or {}).get("source", "synthetic")) for t, sec in per_task.items()},
         policy=str(cfg.data.sampling.policy), sampling_weights=str(cfg.data.sampling.weights),
         scheduler=str(cfg.optim.scheduler), optimizer=str(cfg.optim.name), tasks=tuple(cfg.tasks), heldout=heldout,
-        plugins=plugins, tool=tool, init_from=cfg.get("init_from") is not None)
+        plugins=plugins, tool=tool, init_from=cfg.get("init_from") is not None, engine=str(cfg.parallel.engine))
 
 
 def _plugin(types, name):
@@ -352,7 +371,7 @@ def unread_errors(cfg, shape: RunShape, setters: dict, named: set | frozenset = 
         decided = max((_position(setters, b) for b in by), default=-1)
         for k in mine:
             position, where = setters[k]
-            if position >= decided:
+            if position >= decided and not (rule.off and OmegaConf.select(cfg, k) in rule.off):
                 errors.setdefault((why, fix, where), []).append(k)
     lines = [f"{', '.join(sorted(keys, key=order.get))}: set ({where}) but not read: {why}. " + _fix(fix, keys)
              for (why, fix, where), keys in errors.items()]

@@ -754,18 +754,19 @@ def load_config_collecting(path: str, overrides: list[str] | None, errors: list[
 
 def user_set(files: list[tuple[dict, str]], overrides: list[str] | None) -> dict[str, tuple[int, str]]:
     """Every key the user set, as ``{dotted key: (position, where)}``: its last setting in the precedence order (the
-    ``base:`` files first, then the config file, then each command-line override in turn; a later one wins) and the
-    file or "command line". ``files``: ``read_config_chain``'s [(mapping, source)] after ``move_keys`` (a key's old
-    name counts as the key). A key no file or override names holds the schema's default: it is not here."""
+    ``base:`` files first, then the config file, then the command line) and the file or "command line". The command
+    line is one position: keys given together are judged together, whatever their order (``optim.betas=... optim.name=
+    sgd`` is refused as the reverse is). ``files``: ``read_config_chain``'s [(mapping, source)] after ``move_keys`` (a
+    key's old name counts as the key). A key no file or override names holds the schema's default: it is not here."""
     out: dict[str, tuple[int, str]] = {}
     for i, (data, source) in enumerate(files):
         for key in _flat(data, empty=True):
             out[key] = (i, source)
-    for j, item in enumerate(overrides or []):
+    for item in overrides or []:
         one, _ = parse_overrides([item])
         move_keys(one, "command line", [])
         for key in _flat(one, empty=True):
-            out[key] = (len(files) + j, "command line")
+            out[key] = (len(files), "command line")
     return out
 
 
