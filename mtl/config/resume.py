@@ -26,8 +26,17 @@ import yaml
 from omegaconf import OmegaConf
 
 from mtl.config.checks import option_defaults
-from mtl.config.schema import (SAVED_YAML_FIX, Config, YamlRefusal, drop_moved_options, in_effect, load_saved_yaml,
-                               move_keys, multi_input, unread_keys)
+from mtl.config.schema import (
+    SAVED_YAML_FIX,
+    Config,
+    YamlRefusal,
+    drop_moved_options,
+    in_effect,
+    load_saved_yaml,
+    move_keys,
+    multi_input,
+    unread_keys,
+)
 from mtl.errors import CheckpointError
 from mtl.run.checkpoint import LEGACY_FORMAT
 from mtl.tasks import task_types
