@@ -132,14 +132,15 @@ def _cls_manifest_sets(tmp_path, train_labels, val_labels):
 
 
 def test_a_labelled_tasks_manifest_is_read_with_strict_labels(tmp_path):
-    """A classification task on a manifest: a missing or non-integer label is an error naming the line (never
-    class 0 in silence), and a val label outside the training classes is one too."""
+    """A classification task on a manifest: a missing label, or labels of both kinds (class names and indices) in
+    one file, is an error naming the line (never class 0 in silence), and a val label outside the training classes
+    is one too."""
     good = [{"label": 0}, {"label": 1}, {"label": 1}]
     sets = _cls_manifest_sets(tmp_path, good, [{"label": 1}])
     assert [sets["cls"][0][i]["label"] for i in range(3)] == [0, 1, 1]
     with pytest.raises(DataError, match=r"train.jsonl line 2: no 'label'"):
         _cls_manifest_sets(tmp_path, [{"label": 0}, {}, {"label": 1}], [{"label": 0}])
-    with pytest.raises(DataError, match=r"line 1: label 'x' is not an integer"):
+    with pytest.raises(DataError, match=r"line 2: label 0 is an integer, but the labels before it are class names"):
         _cls_manifest_sets(tmp_path, [{"label": "x"}, {"label": 0}], [{"label": 0}])
     with pytest.raises(DataError, match=r"val.jsonl line 1: label 2 is outside \[0, 2\)"):
         _cls_manifest_sets(tmp_path, good, [{"label": 2}])

@@ -269,7 +269,9 @@ class Config:
     # task name -> {type: <a task type's kind>, <its arguments>}: named tasks made from one task type (e.g. QM9's
     # U0: {type: regression, field: y, column: 12}); ``tasks`` may list them (mtl/tasks/__init__.py)
     task_instances: dict[str, Any] = field(default_factory=dict)
-    task_modules: list[str] = field(default_factory=list)  # more task files: dotted module names or .py paths (in a config file: from its folder; on the command line: from the working directory)
+    # more task files: dotted module names or .py paths (in a config file: from its folder; on the command line: from
+    # the working directory)
+    task_modules: list[str] = field(default_factory=list)
     weighting_modules: list[str] = field(default_factory=list)  # more weighting-method files (as task_modules)
     backbone_modules: list[str] = field(default_factory=list)  # more backbone files (as task_modules)
     architecture_modules: list[str] = field(default_factory=list)  # more architecture files (as task_modules)
