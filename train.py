@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from mtl.run.error_report import run_guarded
-from mtl.run.signals import start_up_guard
+from mtl.run.signals import keep_exit_code, start_up_guard
 
 
 @start_up_guard  # first of all: a stop signal during start-up ends the run cleanly (mtl/run/signals.py)
@@ -47,4 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:  # torchrun tears the job down once a rank has failed: this rank keeps its own code (mtl/run/signals.py)
+        keep_exit_code(code)
+    sys.exit(code)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
 import train
 
-from .conftest import TINY
+from .conftest import ROOT, TINY
 from .resume_check import metrics_records
 
 # two steps, an evaluation with its sample figure and a periodic save at step 2; a stop there is saved at step 3
@@ -72,3 +74,16 @@ def test_sigterm_in_training_saves_and_exits_zero_whatever_the_run_is_doing(phas
         assert evals == [] and "step 2: evaluation cut short by a stop signal" in stdout, stdout[-2000:]
     else:
         assert evals == [2]
+
+
+def test_a_failed_rank_torn_down_by_torchrun_keeps_its_own_exit_code():
+    """Once a rank has failed, its peers exit and torchrun sends SIGTERM to whoever is left, which can be the failed
+    rank itself, still exiting: it must end with its own code (4 here), not be killed (-15), or the launcher names the
+    wrong cause."""
+    code = ("import os, signal, sys, time\nfrom mtl.run.signals import keep_exit_code\n"
+            "if sys.argv[1] == 'keep':\n    keep_exit_code(4)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
+    runs = {how: subprocess.run([sys.executable, "-c", code, how], cwd=ROOT, capture_output=True, timeout=60)
+            for how in ("default", "keep")}
+    assert runs["default"].returncode == -signal.SIGTERM  # the fault: killed, its code lost
+    assert runs["keep"].returncode == 4, runs["keep"].stderr

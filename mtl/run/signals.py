@@ -107,6 +107,24 @@ def start_up_guard(main):
     return guarded
 
 
+def keep_exit_code(code: int) -> None:
+    """From now on a stop signal ends this process with ``code`` (its own error's exit code) at once, instead of
+    killing it: under torchrun, once a rank has failed the others exit and torchrun sends SIGTERM to whoever is left,
+    which can be the failed rank itself, still tearing down. Killed, it would show as -15 and hide its code. For
+    train.py's ``__main__`` only: in a process that goes on (a test), it would end that process."""
+
+    def end(_signum, _frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    for sig in STOP:
+        signal.signal(sig, end)
+
+
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker) must not wake this process's watcher with its own signals:
     Ctrl-C reaches every process of the terminal's group, and N workers would look like N more Ctrl-Cs."""
