@@ -92,10 +92,10 @@ def test_the_engine_under_its_old_name_still_reads_with_a_note(tmp_path, capsys,
     resumes); the two names at odds are an error."""
     import yaml
 
-    from mtl.config import schema
+    from mtl.config import load, schema
     from mtl.config.resume import verify_resume_config
 
-    monkeypatch.setattr(schema, "_NOTED", set())
+    monkeypatch.setattr(load, "_NOTED", set())  # the notes said so far in this process (mtl/config/load.py)
     monkeypatch.delenv("RANK", raising=False)
     old = write(tmp_path, f"base: {TINY}\nddp:\n  engine: fsdp2\n  strategy: combined\n")
     cfg = load_config(old)
