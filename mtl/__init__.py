@@ -11,7 +11,23 @@ __version__ = "0.1.0"
 # {old dotted name: new dotted name}. An old name still imports for one release, as the very module of its new name
 # (so its classes and functions are the same objects), with a DeprecationWarning saying where it went. Add a line
 # here when a module moves; the test of the moved names (tests/test_layout.py) imports each one.
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    "mtl.tools.bench.options": "mtl.bench.options",
+    "mtl.tools.bench.entries": "mtl.bench.entries",
+    "mtl.tools.bench.compare": "mtl.bench.compare",
+    "mtl.tools.bench.stats": "mtl.bench.stats",
+    "mtl.tools.bench.record": "mtl.bench.record",
+    "mtl.tools.bench.launch": "mtl.bench.launch",
+    "mtl.tools.bench.lock": "mtl.bench.lock",
+    "mtl.tools.bench.progress": "mtl.bench.progress",
+    "mtl.tools.bench.design": "mtl.bench.design",
+    "mtl.tools.bench.plots": "mtl.bench.plots",
+    "mtl.tools.bench.toy_problem": "mtl.bench.toy_problem",
+    "mtl.run.checkpoint": "mtl.checkpoint.folder",
+    "mtl.run.train_state": "mtl.checkpoint.train_state",
+    "mtl.run.finite": "mtl.checkpoint.finite",
+    "mtl.interop": "mtl.inference.interop",
+}
 
 
 def _install_moved_names() -> None:

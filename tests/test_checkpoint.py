@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from mtl import files as files_module
+from mtl.checkpoint import folder as ckpt
 from mtl.config.checks import load_run_config
 from mtl.config.schema import to_yaml
 from mtl.errors import CheckpointError, ConfigError
 from mtl.parallel.dist import DistInfo
-from mtl.run import checkpoint as ckpt
 from mtl.run import logger as logger_module
 from mtl.run import runlock
 from mtl.run.run_folder import RunFolder

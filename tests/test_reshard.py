@@ -52,10 +52,10 @@ def _wait_for(path: str) -> str:
 
 def _worker(index, port, out):
     world = spawn_env(index, port)
+    from mtl.checkpoint import folder as ckpt
     from mtl.config.schema import to_yaml
     from mtl.parallel import dist
     from mtl.parallel.fsdp import full_model_state, full_optimizer_state
-    from mtl.run import checkpoint as ckpt
     from mtl.run.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -268,8 +268,8 @@ def _stepped(seed):
 
 
 def test_the_sharded_state_round_trips_and_a_parameter_that_never_stepped_stays_without_state(tmp_path):
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
 
     net, weighting, opt = _stepped(0)
     path = ckpt.save_checkpoint(str(tmp_path), 2, net, {"step": 2, "world_size": 1}, "seed: 0\n", 0,
@@ -287,9 +287,9 @@ def test_the_sharded_state_round_trips_and_a_parameter_that_never_stepped_stays_
 
 
 def test_a_missing_sharded_index_is_refused_naming_it(tmp_path):
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
     from mtl.errors import CheckpointError
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
 
     net, weighting, opt = _stepped(0)
     path = ckpt.save_checkpoint(str(tmp_path), 2, net, {"step": 2, "world_size": 1}, "seed: 0\n", 0,
@@ -305,9 +305,9 @@ def test_a_full_disk_while_the_sharded_state_is_written_leaves_the_previous_chec
 
     from torch.distributed.checkpoint.filesystem import FileSystem
 
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
     from mtl.errors import CheckpointError
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
 
     from .test_checkpoint import FullDisk, _Filling
 
@@ -344,9 +344,9 @@ def test_torch_s_short_write_error_is_named_as_a_full_disk_in_its_own_words(tmp_
 
     import torch.distributed.checkpoint.filesystem as fs
 
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
     from mtl.errors import CheckpointError
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
 
     net, weighting, opt = _stepped(0)
     previous = ckpt.save_checkpoint(str(tmp_path), 2, net, {"step": 2, "world_size": 1}, "seed: 0\n", 0,
