@@ -12,6 +12,9 @@ __version__ = "0.1.0"
 # (so its classes and functions are the same objects), with a DeprecationWarning saying where it went. Add a line
 # here when a module moves; the test of the moved names (tests/test_layout.py) imports each one.
 MOVED: dict[str, str] = {
+    "mtl.plateau": "mtl.optim.plateau",
+    "mtl.optim_groups": "mtl.optim.layer_groups",
+    "mtl.plots": "mtl.run.plots",
     "mtl.tools.bench.options": "mtl.bench.options",
     "mtl.tools.bench.entries": "mtl.bench.entries",
     "mtl.tools.bench.compare": "mtl.bench.compare",
@@ -26,6 +29,11 @@ MOVED: dict[str, str] = {
     "mtl.run.checkpoint": "mtl.checkpoint.folder",
     "mtl.run.train_state": "mtl.checkpoint.train_state",
     "mtl.run.finite": "mtl.checkpoint.finite",
+    "mtl.build": "mtl.setup.build",
+    "mtl.config.checks": "mtl.setup.checks",
+    "mtl.config.reads": "mtl.setup.reads",
+    "mtl.config.resume": "mtl.setup.resume",
+    "mtl.config.multi_input": "mtl.setup.multi_input",
     "mtl.interop": "mtl.inference.interop",
 }
 

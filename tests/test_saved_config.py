@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from mtl.checkpoint import folder as ckpt
-from mtl.config.resume import saved_config
 from mtl.errors import CheckpointError
+from mtl.setup.resume import saved_config
 from mtl.tools import predict as predict_tool
 
 from .test_checkpoint import decide, file_bytes, save

@@ -61,7 +61,7 @@ import torch
 from scipy.special import softmax
 from torch import Tensor, nn
 
-from mtl.config.schema import NoOptions, options_of
+from mtl.config.keys import NoOptions, options_of
 from mtl.weighting.checks import option_errors
 
 
