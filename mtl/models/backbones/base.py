@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtl.config.schema import NoOptions, options_of
+from mtl.config.keys import NoOptions, options_of
 
 FEATURE_KINDS = {3: "map", 2: "tokens", 1: "vector"}  # len(feature_shape) -> kind
 POOLS = ("cls", "mean")
