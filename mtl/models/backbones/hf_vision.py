@@ -182,9 +182,7 @@ class HFVisionBackbone(Backbone):
 
     @classmethod
     def build(cls, cfg):
-        errors = cls.check(cfg)
-        if errors:
-            raise ConfigError(errors)
+        cls.refuse_unchecked(cfg)
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
