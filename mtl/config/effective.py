@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtl.config.keys import Config, _flat, _show
 
-# A key the run does not read (``mtl.config.reads``) is marked on its node of the checked config with this flag: the
+# A key the run does not read (``mtl.config.read_rules``) is marked on its node of the checked config with this flag: the
 # printed and saved config (``to_yaml``, ``config_summary``, ``in_effect``) leave it out.
 UNREAD = "mtl_not_read"
 
@@ -82,6 +82,6 @@ def config_summary(cfg: DictConfig, saved_to: str | None = None, skip: tuple[str
         lines.append(f"  {section + ': ' if section else ''}{' '.join(items)}")
     if not changed:
         lines.append("  (all defaults)")
-    if left:  # set in a config file before a later setting made them unread (mtl/config/reads.py)
+    if left:  # set in a config file before a later setting made them unread (mtl/config/read_rules.py)
         lines.append(f"  not read by this run, left out: {' '.join(left)}")
     return "\n".join(lines)

@@ -111,7 +111,7 @@ class DataConfig:
     image_root: str | None = None  # base for relative image paths; default: the manifest's folder
     num_classes: int | None = None  # user data: number of classes (default: inferred from train labels)
     # multi-input: each task its own data set (task name -> its section); empty: every image serves every task
-    # (each section's keys: TaskDataConfig, checked by mtl.config.checks like a task's options)
+    # (each section's keys: TaskDataConfig, checked by mtl.setup.checks like a task's options)
     per_task: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # training items held out for a bilevel method's meta-objective (weighting.method=autolambda ...): the LAST
@@ -407,7 +407,7 @@ def check_options(values, schema: type, key: str, errors: list[str]) -> dict:
 
 
 def task_data(cfg, task: str) -> TaskDataConfig:
-    """``data.per_task.<task>`` with its defaults filled in (checked: mtl.config.checks refuses bad sections)."""
+    """``data.per_task.<task>`` with its defaults filled in (checked: mtl.setup.checks refuses bad sections)."""
     return options_of(TaskDataConfig, (cfg.data.get("per_task") or {}).get(task), f"data.per_task.{task}")
 
 

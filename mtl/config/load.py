@@ -175,7 +175,7 @@ def load_config(path: str, overrides: list[str] | None = None) -> DictConfig:
     """Load ``path`` (and its base chain) and apply ``overrides``, checking keys, types and ``${...}``
     interpolations only.
 
-    Raises ConfigError listing every problem. ``mtl.config.checks.load_run_config`` adds the semantic checks.
+    Raises ConfigError listing every problem. ``mtl.setup.checks.load_run_config`` adds the semantic checks.
     """
     errors: list[str] = []
     cfg = _read_into(path, overrides, errors)
@@ -232,7 +232,7 @@ def user_set(files: list[tuple[dict, str]], overrides: list[str] | None) -> dict
 
 def config_from_data(data: dict, source: str, overrides: list[str] | None = None) -> DictConfig:
     """A config from a plain mapping that is data, not a config file: a checkpoint's or an export's config.yaml as
-    ``mtl.config.resume.saved_config`` reads it (mtl writes it resolved and whole). Nothing in it is resolved or read: a
+    ``mtl.setup.resume.saved_config`` reads it (mtl writes it resolved and whole). Nothing in it is resolved or read: a
     ``base:`` key, or a ``${...}`` in any value, is refused, never evaluated. ``overrides`` go on top. Keys and
     types are checked as in ``load_config``; raises ConfigError listing every problem (``source`` names the file)."""
     errors = [f"{source}: base: {data['base']!r}: this file is complete and is read as data; 'base:' is not "

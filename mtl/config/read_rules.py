@@ -294,11 +294,11 @@ def _position(setters: dict, key: str) -> int:
 
 def unread_errors(cfg, shape: RunShape, setters: dict, named: set | frozenset = frozenset(),
                   only: tuple[str, ...] | None = None) -> tuple[list[str], list[str]]:
-    """``(errors, unread)``: an error for each group of keys the user set (``setters``: ``schema.user_set``) that the
+    """``(errors, unread)``: an error for each group of keys the user set (``setters``: ``mtl.config.load.user_set``) that the
     run does not read, where a key was set as late as, or later than, the keys that decide it (one set earlier was
     made unread by a later choice: left out, and listed by the start-up summary). ``named``: keys another check
     already refused (not said twice); ``only``: the key prefixes a tool takes (others are not judged). ``unread``:
-    every key the run does not read, for ``schema.mark_unread``."""
+    every key the run does not read, for ``mtl.config.effective.mark_unread``."""
     order = {k: i for i, k in enumerate(setters)}
     errors: dict[tuple, list[str]] = {}
     unread = []
