@@ -13,8 +13,6 @@ import sys
 import pytest
 import torch
 
-from mtl.build import build_optimizer, build_run_inputs, build_scheduler, build_weighting, run_task_types
-from mtl.config.checks import load_run_config
 from mtl.config.schema import config_summary
 from mtl.data.heldout import HeldoutStream
 from mtl.data.loader import build_train_loader, normalizing, to_device
@@ -29,6 +27,8 @@ from mtl.run.run_folder import RunFolder
 from mtl.run.step import StepParts, StepResult
 from mtl.run.step_log import StepLog, flat_metrics
 from mtl.run.trainer import Trainer
+from mtl.setup.build import build_optimizer, build_run_inputs, build_scheduler, build_weighting, run_task_types
+from mtl.setup.checks import load_run_config
 
 from .conftest import ROOT, TINY
 
