@@ -182,7 +182,7 @@ def use_folder_copies(cfg, folder: str, listed) -> dict[str, str]:
     A model folder never imports code from outside itself: a spec is refused unread (one CheckpointError naming each
     key, spec and why) when it is neither a ``.py`` path nor a module name, when its copy is missing, is a symbolic
     link, resolves (realpath) anywhere but ``folder/<key>/``, or is not in ``listed`` (the names in the folder's
-    manifest, whose hashes ``mtl.build.verify_model_files`` has checked)."""
+    manifest, whose hashes ``mtl.setup.build.verify_model_files`` has checked)."""
     used, errors = {}, []
     for key in PLUGIN_KEYS:
         specs = list(map(str, cfg.get(key) or ()))

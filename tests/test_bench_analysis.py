@@ -52,9 +52,8 @@ def test_the_best_validation_evaluation_is_reported_on_test():
 def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
     """data.synthetic.test_size: another stream of images (seed + test_seed_offset), evaluated at every evaluation
     and logged as test_<metric>; without it nothing changes."""
-    from mtl.config.checks import load_run_config
-
     from mtl.data.loader import build_datasets, build_test_dataset
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(TINY, ["data.synthetic.test_size=16"])
     train, val = build_datasets(cfg)
@@ -79,9 +78,8 @@ def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
     (["bench.launcher=pbs"], "bench.launcher: 'pbs' must be one of local, slurm"),
 ])
 def test_bench_keys_are_checked(tmp_path, extra, error):
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.regimes import regime_configs
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", *extra]
     _, errors = regime_configs(load_run_config(TINY, over), TINY, over)
@@ -94,9 +92,9 @@ def test_plots_show_every_baseline_in_the_legend_in_its_own_colour_with_bands(tm
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mtl.config.checks import load_run_config
 
     from mtl.bench.plots import write_plots
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(TINY, [])
     methods = [f"m{i}" for i in range(21)]  # more methods than the palette's 20 colours
@@ -144,10 +142,9 @@ def test_the_bench_section_is_the_tools_own_and_checked_by_it(tmp_path, capsys):
     """The core schema keeps ``bench:`` as a mapping that train.py ignores; the tool checks it against its own
     dataclasses: a mistyped key is one message with the nearest key (exit 2), a wrong type names the key. A config
     built on another (``base:``) and the command line change only the bench keys they name, at every depth."""
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.options import bench_option_errors, bench_options
     from mtl.bench.sweep import main
+    from mtl.setup.checks import load_run_config
 
     assert load_run_config(TINY, ["bench.seedz=[0]"]).bench == {"seedz": [0]}  # train.py's loader lets it pass
     assert main(["--config", TINY, "bench.seedz=[0]", "bench.slurm.partiton=gpu", "--plan"]) == 2

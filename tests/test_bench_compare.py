@@ -27,11 +27,10 @@ PEAK = {"equal": 400.0, "mgda": 600.0, "mgda(source=features)": 440.0}
 
 
 def test_every_task_gets_a_baseline_and_delta_m_is_also_read_against_the_reference(tmp_path):
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.regimes import plan, regime_configs
     from mtl.bench.results import summarize
     from mtl.bench.tables import write_results
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", TASKS, METHODS, "bench.seeds=[0, 1, 2]", REFERENCE]
     cfg = load_run_config(TINY, over)
@@ -88,9 +87,8 @@ def test_every_task_gets_a_baseline_and_delta_m_is_also_read_against_the_referen
 
 
 def test_the_reference_is_checked_against_the_tasks_and_their_metrics():
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.regimes import regime_configs
+    from mtl.setup.checks import load_run_config
 
     bad = [TASKS, "bench.methods=[equal]", "bench.reference.metrics={cls: {accuracy: 0.8}, gen: {bleu4: 0}, "
            "colour: {acc: 1}}"]
@@ -234,9 +232,8 @@ def test_a_single_task_run_of_a_plateau_preset_keeps_only_its_task_s_baseline():
     presets narrows them to its task's, so that its config passes the check."""
     import os
 
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.regimes import plan
+    from mtl.setup.checks import load_run_config
 
     from .conftest import ROOT
 
@@ -259,11 +256,10 @@ def test_the_plateau_rule_reads_the_change_over_the_window_in_the_metrics_units_
     more than an absolute 0.005, less than 0.007; in % of its single-task baseline (0.6) 1.0 % over the window, so
     bench.plateau_relative with 0.8 % calls it still improving and with 1.2 % converged (the seeds agree exactly:
     the lower bound is the mean)."""
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.regimes import plan, regime_configs
     from mtl.bench.results import summarize
     from mtl.bench.tables import write_results
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", TASKS, "bench.methods=[equal]", "bench.seeds=[0, 1, 2]", "bench.last_k=3",
             f"bench.plateau_relative={str(relative).lower()}", f"bench.plateau_tol={tol}"]

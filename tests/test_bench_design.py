@@ -33,10 +33,9 @@ def _settings_rows():
 
 
 def test_the_authors_settings_table_matches_the_qm9_preset():
-    from mtl.build import run_method_types
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.entries import method_spec
+    from mtl.setup.build import run_method_types
+    from mtl.setup.checks import load_run_config
 
     bench = _bench(PRESET)
     entries = {e: method_spec(e) for e in bench["methods"]}
@@ -123,12 +122,11 @@ def test_the_statements_on_the_cpu_runs_convergence():
 def test_comparisons_are_checked_and_tabled_with_holm_across_them_only(tmp_path):
     """bench.comparisons: a pair outside bench.methods is refused naming it; the table measures a - b per seed,
     Holm across the pairs only, and opens with the Holm-level detectable difference."""
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.design import compare_pairs, comparisons_table
     from mtl.bench.options import bench_options
     from mtl.bench.regimes import bench_errors
     from mtl.bench.stats import holm, paired_test
+    from mtl.setup.checks import load_run_config
 
     from .conftest import TINY
 

@@ -24,10 +24,9 @@ def _finished(run, overrides, nproc=1, prov=None):
 
 def _sweep(tmp_path, monkeypatch, overrides, on_change="retrain"):
     """run_all over the plan of ``overrides``; returns the runs it would train (the launcher is not called)."""
-    from mtl.config.checks import load_run_config
-
     from mtl.bench import runs as bench_runs
     from mtl.bench.regimes import plan
+    from mtl.setup.checks import load_run_config
 
     trained = []
     monkeypatch.setattr(bench_runs, "_drive", lambda cfg, cp, bo, pending, *a: trained.extend(pending))
@@ -88,10 +87,9 @@ def test_provenance_is_recorded_and_a_mixed_table_says_so():
 
 
 def test_analyze_trains_nothing_and_marks_what_is_not_finished_with_this_configuration(tmp_path, monkeypatch, capsys):
-    from mtl.config.checks import load_run_config
-
     from mtl.bench import runs as bench_runs
     from mtl.bench.regimes import plan
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", *BASE[:-1], "bench.seeds=[0,1,2]", "trainer.max_steps=4"]
     cfg = load_run_config(TINY, over)

@@ -21,7 +21,7 @@ def doctor(capsys, *args):
 def test_doctor_reports_reach_norms_conflict_costs_and_a_recommendation(capsys, tmp_path):
     code, out, err = doctor(capsys, "--json", f"output_dir={tmp_path / 'never'}")
     assert code == 0, err
-    # it builds through mtl.build.build_run_inputs (the trainer's own builder), read-only: no output_dir made
+    # it builds through mtl.setup.build.build_run_inputs (the trainer's own builder), read-only: no output_dir made
     assert not (tmp_path / "never").exists()
     r = json.loads(out)
     assert r["reach"]["cls"]["heads.cls.fc"] == "non-zero" and r["reach"]["cls"]["heads.gen.decoder"] == "none"

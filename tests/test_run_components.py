@@ -261,7 +261,7 @@ def test_the_start_up_summary_shows_the_data_and_not_the_keys_the_run_does_not_r
     assert lines[0] == "data:" and lines[1] == "  cls: train 40 items, val 64 items; 4 classes"
     assert lines[2].startswith("  gen: train 40 items, val 64 items; vocabulary ") and ", unknown tokens train " in lines[2]
     assert "synthetic.train_size=40" in config_summary(cfg)  # a synthetic run reads them
-    # set before data.source chose a manifest: not read, left out (mtl/config/reads.py; tests/test_unused_keys.py)
+    # set before data.source chose a manifest: not read, left out (mtl/config/read_rules.py; tests/test_unused_keys.py)
     (tmp_path / "synthetic40.yaml").write_text(f"base: {TINY}\ndata: {{synthetic: {{train_size: 40}}}}\n")  # a file:
     manifest = config(tmp_path, "data.source=manifest", "data.train_path=t.jsonl",  # one command line is judged whole
                       "data.val_path=v.jsonl", path=str(tmp_path / "synthetic40.yaml"))

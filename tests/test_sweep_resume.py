@@ -27,10 +27,9 @@ def _sweep(out):
 
 def _planned(out):
     """The run's entry of the sweep's plan, with its identity (what ``run_all`` gives ``begin``)."""
-    from mtl.config.checks import load_run_config
-
     from mtl.bench.record import run_identity
     from mtl.bench.regimes import plan, regime_configs
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={out}", *ARGS]
     loaded, errors = regime_configs(load_run_config(TINY, over), TINY, over)

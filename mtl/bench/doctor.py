@@ -1,5 +1,5 @@
 """The gradient doctor's measurements (``python -m mtl.tools.doctor`` prints them; the sweep reads its F and B): one
-step in one process, built with ``mtl.build.build_run_inputs`` (the trainer's own builder, which creates no
+step in one process, built with ``mtl.setup.build.build_run_inputs`` (the trainer's own builder, which creates no
 output_dir, lock or checkpoint), and never a process group.
 
 - per task, which module groups receive a gradient (non-zero, zero, or none), on the first batch;

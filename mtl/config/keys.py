@@ -193,7 +193,7 @@ class WeightingConfig:
 
 @dataclass
 class PlateauConfig:
-    """``optim.scheduler: plateau``: ReduceLROnPlateau on the validation Δm % against ``baselines`` (mtl/plateau.py)."""
+    """``optim.scheduler: plateau``: ReduceLROnPlateau on the validation Δm % against ``baselines`` (mtl/optim/plateau.py)."""
 
     factor: float = 0.7  # the rate is multiplied by this when Δm has not improved for ``patience`` evaluations
     patience: int = 5
@@ -273,7 +273,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # the benchmark's section (python -m mtl.tools.bench declares and checks its keys: mtl/tools/bench/options.py);
+    # the benchmark's section (python -m mtl.tools.bench declares and checks its keys: mtl/bench/options.py);
     # train.py ignores it. Merged like task_options: a later file or the command line changes only the keys it names
     bench: dict[str, Any] = field(default_factory=dict)
 

@@ -26,7 +26,7 @@ from mtl.setup.build import CLASS_NAMES_FILE, MODEL_FILE
 def export_model(path: str, out: str, trust_plugins: bool = False) -> str:
     """Write a self-contained folder ``out``: model.safetensors, config.yaml, tokenizer/, class_names.json, the
     plug-in files (``<key>/<file>``: task_modules/, backbone_modules/, weighting_modules/), and the parts in other
-    libraries' layouts (``mtl.interop``: hf_decoder/ for transformers, torchvision_backbone/, README.md), with
+    libraries' layouts (``mtl.inference.interop``: hf_decoder/ for transformers, torchvision_backbone/, README.md), with
     manifest.json last.
 
     The model is loaded first (so a broken checkpoint is refused, not copied; its plug-in code, and so the copy of
@@ -91,7 +91,7 @@ EXPORT_MARGIN = 1.05, 1 << 20  # x1.05 + 1 MiB over the known sizes: headers, JS
 
 def export_bytes(predictor: Predictor) -> int:
     """About the bytes ``export_model`` writes, from the sizes known before writing (the files it copies, the tensors
-    of the parts ``mtl.interop`` writes), with ``EXPORT_MARGIN``."""
+    of the parts ``mtl.inference.interop`` writes), with ``EXPORT_MARGIN``."""
     copied = [predictor.files.weights, predictor.files.config]
     if predictor.files.tokenizer:
         copied += [os.path.join(predictor.files.tokenizer, n) for n in os.listdir(predictor.files.tokenizer)]

@@ -120,7 +120,7 @@ class RunFolder:
             self.close()
             raise CheckpointError(error) if kind == "checkpoint" else ConfigError(error)
         if self.dist.is_main:
-            # only the keys the run reads (mtl/config/reads.py)
+            # only the keys the run reads (mtl/config/read_rules.py)
             print(config_summary(self.cfg, os.path.join(self.cfg.output_dir, "config.yaml")), flush=True)
             for note in notes:
                 print(note, flush=True)

@@ -36,7 +36,7 @@ from mtl.optim.layer_groups import min_lrs, split_by_layer
 from mtl.optim.plateau import PlateauOnDeltaM
 from mtl.parallel.dist import DistInfo
 from mtl.parallel.fsdp import shard_model
-from mtl.setup.model_files import (  # noqa: F401  (a trained model's files: here too, as mtl.build offered them)
+from mtl.setup.model_files import (  # noqa: F401  (a trained model's files: here too, as mtl.setup.build offered them)
     CLASS_NAMES_FILE,
     FRESH_CLASS_HEAD,
     INIT_FROM_FIX,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from mtl.config.keys import multi_input
 from mtl.config.load import move_keys, user_set
-from mtl.config.read_rules import (  # noqa: F401  (the rules, plain data: here too, as mtl.config.reads offered them)
+from mtl.config.read_rules import (  # noqa: F401  (the rules, plain data: here too, as mtl.setup.reads offered them)
     DATA,
     IMAGE_FILES,
     MULTI,

@@ -14,7 +14,7 @@ Prints, for the configured model (its initial weights, or a trained model's with
 - a recommendation for this model, with the reason. It suggests a gradient-level method only when
   the conflict is significant (a negative mean cosine whose t-test survives Holm's correction across the task
   pairs; with two tasks, the whole 95% interval below zero), and says what it costs.
-It never starts a process group and writes nothing: it builds the run with ``mtl.build.build_run_inputs``,
+It never starts a process group and writes nothing: it builds the run with ``mtl.setup.build.build_run_inputs``,
 the trainer's own builder, which creates no output_dir, lock or checkpoint. The measurements are
 ``mtl/bench/doctor.py``'s (the benchmark reads its F and B); this file prints them.
 """

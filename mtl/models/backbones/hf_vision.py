@@ -158,7 +158,7 @@ class HFVisionBackbone(Backbone):
     """A transformers vision model (``self.model``) whose features are its ``last_hidden_state`` tokens."""
 
     name = "hf_vision"
-    reads = ("model.backbone.pretrained", "model.backbone.config", "model.backbone.freeze_blocks")  # mtl/config/reads.py
+    reads = ("model.backbone.pretrained", "model.backbone.config", "model.backbone.freeze_blocks")  # mtl/config/read_rules.py
 
     def __init__(self, model: nn.Module, interpolate: bool = False):
         super().__init__()

@@ -39,7 +39,7 @@ class TorchvisionTrunk(Backbone):
     ``stages``."""
 
     reads = ("model.backbone.weights", "model.backbone.norm", "model.backbone.stages",
-             "model.backbone.freeze_blocks")  # mtl/config/reads.py
+             "model.backbone.freeze_blocks")  # mtl/config/read_rules.py
 
     @classmethod
     def build(cls, cfg):
