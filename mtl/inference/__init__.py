@@ -23,16 +23,7 @@ torchvision's own layouts). Every name is offered here too, as it was when this 
 from mtl.inference.evaluate import EVAL_KEYS, eval_config, eval_dataset, eval_task_sets, evaluate_model
 from mtl.inference.export import EXPORT_MARGIN, export_bytes, export_model
 from mtl.inference.interop import interop_bytes, write_interop
-from mtl.inference.model import (
-    LOAD_FIX,
-    Predictor,
-    image_paths,
-    load_model,
-    model_config,
-    read_image,
-    refuse_nonfinite,
-    resolve_device,
-)
+from mtl.inference.model import LOAD_FIX, Predictor, image_paths, load_model, model_config, read_image, refuse_nonfinite, resolve_device
 
 __all__ = [
     "EVAL_KEYS", "EXPORT_MARGIN", "LOAD_FIX", "Predictor", "eval_config", "eval_dataset", "eval_task_sets",
