@@ -14,8 +14,8 @@ from mtl.run.signals import keep_exit_code, start_up_guard
 
 @start_up_guard  # first of all: a stop signal during start-up ends the run cleanly (mtl/run/signals.py)
 def main(argv: list[str] | None = None) -> int:
-    from mtl.config.checks import options_help
     from mtl.config.schema import keys_help
+    from mtl.setup.checks import options_help
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"{keys_help()}\n\n{options_help()}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run():
-        from mtl.config.checks import load_run_config
         from mtl.parallel import dist
         from mtl.run.trainer import Trainer
+        from mtl.setup.checks import load_run_config
 
         cfg = load_run_config(args.config, args.overrides)
         info = dist.init_distributed(cfg)

@@ -99,6 +99,18 @@ def registered(package: str, base: type, extra_modules, key: str, kind: str, att
     return dict(sorted(found.items()))
 
 
+def unknown_name(key: str, kind: str, name: str, names) -> str:
+    """The message for a config ``key`` that names no ``kind`` among ``names`` (the registered ones, listed)."""
+    return f"{key}: unknown {kind} {name!r} (supported: {', '.join(names)})"
+
+
+def chosen(types: dict[str, type], name: str, key: str, kind: str) -> type:
+    """``types[name]``, the class the config's ``key`` names; a ConfigError listing ``types`` where none is ``name``."""
+    if name not in types:
+        raise ConfigError(unknown_name(key, kind, name, types))
+    return types[name]
+
+
 # ------------------------------------------------------------------ plug-in files carried by a model folder
 
 # The config keys that name plug-in files. Every checkpoint and export carries a copy of each file they name
@@ -170,7 +182,7 @@ def use_folder_copies(cfg, folder: str, listed) -> dict[str, str]:
     A model folder never imports code from outside itself: a spec is refused unread (one CheckpointError naming each
     key, spec and why) when it is neither a ``.py`` path nor a module name, when its copy is missing, is a symbolic
     link, resolves (realpath) anywhere but ``folder/<key>/``, or is not in ``listed`` (the names in the folder's
-    manifest, whose hashes ``mtl.build.verify_model_files`` has checked)."""
+    manifest, whose hashes ``mtl.setup.build.verify_model_files`` has checked)."""
     used, errors = {}, []
     for key in PLUGIN_KEYS:
         specs = list(map(str, cfg.get(key) or ()))

@@ -288,7 +288,7 @@ def verdicts(methods: list[str], rows: list[dict], margin: float = MARGIN, alpha
     95% t-interval, and two one-sided paired t-tests on the log ratios (``ratio_test``), Holm-adjusted across the
     methods of each measure: "lower" (ours < LibMTL) and "<= within 5%" (non-inferiority: ours is not more than
     ``margin`` above LibMTL's). Printed as a table; returned as rows."""
-    from mtl.tools.bench.stats import holm, ratio_test  # import here: the children never load scipy
+    from mtl.bench.stats import holm, ratio_test  # import here: the children never load scipy
 
     out = []
     measures = [("memory growth", "memory_ratio"), ("step time (median)", "time_ratio")]

@@ -44,7 +44,7 @@ from scipy import stats
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from mtl.tools.bench.entries import method_spec  # noqa: E402
+from mtl.bench.entries import method_spec  # noqa: E402
 
 TASKS = ["mu", "alpha", "homo", "lumo", "r2", "zpve", "U0", "U", "H", "G", "Cv"]
 METHODS = "equal,cagrad(source=features),nashmtl(source=features),imtlg(source=features)"

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from mtl.build import build_run_inputs
-from mtl.config.checks import load_run_config
+from mtl.setup.build import build_run_inputs
+from mtl.setup.checks import load_run_config
 from mtl.strategies.task_grads import RowWriter
 
 

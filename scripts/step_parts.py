@@ -166,7 +166,7 @@ def measure(method: str, sweeps: int, with_libmtl: bool, out_dir: str) -> dict:
 
 def report(times: dict, reference: str) -> list[dict]:
     """Per variant: the median step time and its ratio to ``reference``'s, read per sweep by ``ratio_test``."""
-    from mtl.tools.bench.stats import ratio_test
+    from mtl.bench.stats import ratio_test
 
     rows = []
     ref = times[reference]

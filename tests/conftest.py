@@ -173,8 +173,8 @@ def make_collate(tok, max_tokens: int = 16, tasks=("cls", "gen", "count")):
     """The loaders' collate for ``tasks`` (each task makes its own batch fields), captions cut at ``max_tokens``."""
     from omegaconf import OmegaConf
 
-    from mtl.build import build_collate
     from mtl.config.schema import Config
+    from mtl.setup.build import build_collate
 
     cfg = OmegaConf.structured(Config)
     cfg.tasks = list(tasks)

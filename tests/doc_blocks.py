@@ -14,7 +14,7 @@ Every fenced block has a kind, from a marker comment on the line(s) just above i
 - ``<!-- doc-test: api PATH -->``: an interface summary of code in PATH: every class, attribute and method it
   declares (``class X``, ``x: ...``, ``x = ...``, ``def x(``) is defined in PATH.
 - ``<!-- doc-test: skip: WHY -->``: not checked, for the reason given (a GPU, a cluster, a template).
-- A block without a language is output or a diagram, not code.
+- A block without a language is output or a diagram, not code; so is a ``mermaid`` block (a picture GitHub draws).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import shlex
 from dataclasses import dataclass
 
 MARKER = re.compile(r"<!--\s*doc-test:\s*(run|commands|config|excerpt|api|skip)\b\s*:?\s*(.*?)\s*-->")
-DEFAULT_KIND = {"python": "run", "bash": "commands", "yaml": "config", "": "text"}
+DEFAULT_KIND = {"python": "run", "bash": "commands", "yaml": "config", "": "text", "mermaid": "text"}
 
 
 @dataclass

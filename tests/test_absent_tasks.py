@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from mtl.config.multi_input import present_only_methods
+from mtl.setup.multi_input import present_only_methods
 from mtl.weighting import weighting_types
 
 from .weighting_cases import make, random_grads

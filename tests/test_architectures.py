@@ -19,9 +19,9 @@ from mtl.architectures.experts import Expert, mix
 from mtl.architectures.mmoe import MMoE
 from mtl.architectures.mtan import MTAN
 from mtl.architectures.ple import PLE
-from mtl.config.checks import load_run_config
 from mtl.config.schema import options_of
 from mtl.errors import ConfigError
+from mtl.setup.checks import load_run_config
 
 from .conftest import TINY, parity_worker, spawn_parity_runs
 
@@ -250,8 +250,8 @@ def test_dselect_k_refuses_an_expert_count_it_cannot_address():
 
 def test_hps_builds_todays_model():
     """No towers, the backbone itself as the trunk: parameter names (and so checkpoints, exports) as before."""
-    from mtl.build import build_model
     from mtl.data.tokenizer import train_tokenizer
+    from mtl.setup.build import build_model
 
     cfg = load_run_config(TINY, [])
     model = build_model(cfg, 4, ["a", "b", "c", "d"], train_tokenizer(["a b c"], 64))
@@ -399,9 +399,9 @@ def test_a_warm_start_from_an_hps_run_loads_its_backbone_into_the_trunk(tmp_path
     from safetensors.torch import load_file
 
     import train
-    from mtl.build import build_model, init_from_weights
     from mtl.data.tokenizer import CaptionTokenizer
     from mtl.errors import CheckpointError
+    from mtl.setup.build import build_model, init_from_weights
 
     run = tmp_path / "hps"
     assert train.main(["--config", TINY, *FAST, "trainer.max_steps=1", "checkpoint.every_steps=1",

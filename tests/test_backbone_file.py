@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mtl.build import build_run_inputs
-from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types
+from mtl.setup.build import build_run_inputs
+from mtl.setup.checks import load_run_config
 
 from .conftest import TINY, example_outside, run_train
 

@@ -189,7 +189,7 @@ def test_two_processes_with_less_than_one_global_batch_fail_fast(tmp_path):
      "task 'gen': a step can ask for 4 of its training items"),  # 3 lines: known only once the data is read
     # each task has its own validation set there; one shared test split would score the wrong data: refused
     ("configs/multi_input.yaml", ["data.synthetic.test_size=8"], 2,
-     "data.synthetic.test_size: set (command line) but not read: multi-input mode"),  # mtl/config/reads.py
+     "data.synthetic.test_size: set (command line) but not read: multi-input mode"),  # mtl/config/read_rules.py
 ])
 def test_a_run_refused_for_its_data_sizes_writes_nothing(tmp_path, capsys, config, overrides, code, needle):
     """What the feeds refuse (a training set under one global batch, a held-out part under one, a task's set under

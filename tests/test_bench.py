@@ -96,8 +96,10 @@ def test_bench_runs_under_torchrun_when_configured(tmp_path):
 def test_a_method_may_appear_with_options_labelled_by_its_values(capsys):
     """bench.methods entries name(key=value, ...): parsed into the method and its weighting.options, checked
     like weighting.options (errors name the entry and the key), one folder and one row label per entry."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import main, method_errors, parse_method, plan
+    from mtl.bench.entries import parse_method
+    from mtl.bench.regimes import method_errors, plan
+    from mtl.bench.sweep import main
+    from mtl.setup.checks import load_run_config
 
     assert parse_method("equal") == ("equal", {})
     assert parse_method(" cagrad( c=0.2 , rescale=false) ") == ("cagrad", {"c": 0.2, "rescale": False})
@@ -137,10 +139,10 @@ def test_loss_scale_multiplies_one_tasks_loss_and_its_gradient():
     exactly 100 x, and leaves cls's as it was; a bad value is a config error naming the key."""
     import torch
 
-    from mtl.build import build_model
-    from mtl.config.checks import load_run_config
     from mtl.data.tokenizer import train_tokenizer
     from mtl.errors import ConfigError
+    from mtl.setup.build import build_model
+    from mtl.setup.checks import load_run_config
 
     from .conftest import make_collate
 
@@ -176,8 +178,8 @@ def test_the_architecture_axis_repeats_every_regime_with_each_architecture():
     """bench.architectures: each regime again as <regime>+<architecture>, its runs built with that architecture, the
     single-task baselines the regime's own (planned once); a name that is not an architecture, or a source it cannot
     serve, is refused naming the regime."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import plan, regime_configs
+    from mtl.bench.regimes import plan, regime_configs
+    from mtl.setup.checks import load_run_config
 
     over = [REGIMES, "bench.methods=[equal, 'mgda(source=features)']", "bench.seeds=[0]",
             "bench.architectures=[mmoe, cross_stitch]"]
@@ -205,8 +207,8 @@ def test_the_architecture_axis_repeats_every_regime_with_each_architecture():
 def test_regimes_and_gradient_sources_plan_the_right_runs():
     """Each regime's overrides reach its runs; a regime with baselines_from plans no baselines of its own; an
     entry's source=features becomes weighting.source with the features strategy; bad entries are refused."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import describe_plan, plan, regime_configs
+    from mtl.bench.regimes import describe_plan, plan, regime_configs
+    from mtl.setup.checks import load_run_config
 
     over = [REGIMES, "bench.methods=[equal, mgda, 'mgda(source=features)', 'cagrad(c=0.2, source=features)']",
             "bench.seeds=[0, 1]"]
@@ -265,8 +267,10 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     """summarize + write_results on hand-made runs with known numbers: Δm and its t-interval, the paired
     bootstrap marks against equal (▲ for a method better on every seed, none for one better on some), the slope
     and plateau columns, peak memory per run (never n/a), and the between-regimes table."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import plan, regime_configs, summarize, write_results
+    from mtl.bench.regimes import plan, regime_configs
+    from mtl.bench.results import summarize
+    from mtl.bench.tables import write_results
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", "bench.methods=[equal, uw, dwa, rlw]", "bench.seeds=[0, 1, 2, 3, 4]", REGIMES,
             "bench.last_k=3"]
@@ -341,7 +345,7 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     with open(tmp_path / "runs.csv") as f:
         assert len(list(csv.DictReader(f))) == len([r for r in runs if r["status"] == "ok"])  # the finished runs
     # the TensorBoard hparams view: one entry per finished run, from the rows summarize read (no run read again)
-    from mtl.tools.bench.sweep import write_hparams
+    from mtl.bench.tables import write_hparams
 
     entries = []
 
@@ -356,7 +360,7 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
             pass
 
     monkeypatch.setattr("torch.utils.tensorboard.SummaryWriter", Writer)
-    monkeypatch.setattr("mtl.tools.bench.sweep.read_run", lambda *a: pytest.fail("write_hparams read a run again"))
+    monkeypatch.setattr("mtl.bench.results.read_run", lambda *a: pytest.fail("write_hparams read a run again"))
     write_hparams(cfg, per_regime, {k: v[0] for k, v in loaded.items()})
     assert sorted((h["regime"], h["method"], h["seed"]) for h, _ in entries) == \
         sorted((r["regime"], r["label"], r["seed"]) for r in runs if r["status"] == "ok")
@@ -379,9 +383,9 @@ def test_a_users_method_in_one_file_joins_the_sweep(tmp_path):
 
     import torch
 
-    from mtl.build import build_weighting
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import method_errors, plan
+    from mtl.bench.regimes import method_errors, plan
+    from mtl.setup.build import build_weighting
+    from mtl.setup.checks import load_run_config
 
     path = tmp_path / "unit_gradients.py"  # a file outside the package, as a user's would be
     shutil.copy(USER_METHOD, path)

@@ -20,7 +20,8 @@ def _run(val: dict, test: dict) -> dict:
 
 
 def test_the_best_validation_evaluation_is_reported_on_test():
-    from mtl.tools.bench.sweep import delta, select
+    from mtl.bench.results import select
+    from mtl.delta_m import delta
 
     ref = {"cls_acc": 0.8, "gen_bleu4": 0.5, "gen_chrf": 0.5}
     # validation peaks at step 200 (cls 0.75, the same gen), the test split peaks elsewhere (step 300): the
@@ -51,8 +52,8 @@ def test_the_best_validation_evaluation_is_reported_on_test():
 def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
     """data.synthetic.test_size: another stream of images (seed + test_seed_offset), evaluated at every evaluation
     and logged as test_<metric>; without it nothing changes."""
-    from mtl.config.checks import load_run_config
     from mtl.data.loader import build_datasets, build_test_dataset
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(TINY, ["data.synthetic.test_size=16"])
     train, val = build_datasets(cfg)
@@ -77,8 +78,8 @@ def test_the_trainer_evaluates_a_test_split_beside_validation(tmp_path):
     (["bench.launcher=pbs"], "bench.launcher: 'pbs' must be one of local, slurm"),
 ])
 def test_bench_keys_are_checked(tmp_path, extra, error):
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import regime_configs
+    from mtl.bench.regimes import regime_configs
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", *extra]
     _, errors = regime_configs(load_run_config(TINY, over), TINY, over)
@@ -92,8 +93,8 @@ def test_plots_show_every_baseline_in_the_legend_in_its_own_colour_with_bands(tm
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.plots import write_plots
+    from mtl.bench.plots import write_plots
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(TINY, [])
     methods = [f"m{i}" for i in range(21)]  # more methods than the palette's 20 colours
@@ -121,7 +122,7 @@ def test_plots_show_every_baseline_in_the_legend_in_its_own_colour_with_bands(tm
 
 
 def test_plan_lists_every_run_and_help_names_overrides_and_outputs(capsys):
-    from mtl.tools.bench.sweep import main
+    from mtl.bench.sweep import main
 
     assert main(["--config", TINY, "bench.methods=[equal,'cagrad(c=0.2)']", "bench.seeds=[0,1]", "--plan"]) == 0
     out = capsys.readouterr().out
@@ -141,9 +142,9 @@ def test_the_bench_section_is_the_tools_own_and_checked_by_it(tmp_path, capsys):
     """The core schema keeps ``bench:`` as a mapping that train.py ignores; the tool checks it against its own
     dataclasses: a mistyped key is one message with the nearest key (exit 2), a wrong type names the key. A config
     built on another (``base:``) and the command line change only the bench keys they name, at every depth."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.options import bench_option_errors, bench_options
-    from mtl.tools.bench.sweep import main
+    from mtl.bench.options import bench_option_errors, bench_options
+    from mtl.bench.sweep import main
+    from mtl.setup.checks import load_run_config
 
     assert load_run_config(TINY, ["bench.seedz=[0]"]).bench == {"seedz": [0]}  # train.py's loader lets it pass
     assert main(["--config", TINY, "bench.seedz=[0]", "bench.slurm.partiton=gpu", "--plan"]) == 2
@@ -170,7 +171,7 @@ def test_the_bench_section_is_the_tools_own_and_checked_by_it(tmp_path, capsys):
 
 def test_a_row_says_which_of_its_runs_failed_and_which_are_only_missing():
     """A run still training (or not yet started) when the tables are read is missing, not failed."""
-    from mtl.tools.bench.sweep import _not_ok_note
+    from mtl.bench.tables import _not_ok_note
 
     assert _not_ok_note({"runs": 3, "runs_ok": 2, "failed": ["seed 2: missing"]}) == " (1 of 3 missing)"
     assert _not_ok_note({"runs": 3, "runs_ok": 0, "failed": ["seed 0: failed", "seed 1: missing",
@@ -186,7 +187,8 @@ def test_between_regimes_marks_only_runs_of_the_same_length():
     the same length is still tested and marked (issue 32.8)."""
     from omegaconf import OmegaConf
 
-    from mtl.tools.bench.sweep import effects_table, regime_effects
+    from mtl.bench.results import regime_effects
+    from mtl.bench.tables import effects_table
 
     def row(method, delta_m, steps, shift):
         seeds = {s: {"delta_m": delta_m + shift * s, "steps": steps} for s in range(3)}

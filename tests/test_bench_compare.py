@@ -27,8 +27,10 @@ PEAK = {"equal": 400.0, "mgda": 600.0, "mgda(source=features)": 440.0}
 
 
 def test_every_task_gets_a_baseline_and_delta_m_is_also_read_against_the_reference(tmp_path):
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import plan, regime_configs, summarize, write_results
+    from mtl.bench.regimes import plan, regime_configs
+    from mtl.bench.results import summarize
+    from mtl.bench.tables import write_results
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", TASKS, METHODS, "bench.seeds=[0, 1, 2]", REFERENCE]
     cfg = load_run_config(TINY, over)
@@ -85,8 +87,8 @@ def test_every_task_gets_a_baseline_and_delta_m_is_also_read_against_the_referen
 
 
 def test_the_reference_is_checked_against_the_tasks_and_their_metrics():
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import regime_configs
+    from mtl.bench.regimes import regime_configs
+    from mtl.setup.checks import load_run_config
 
     bad = [TASKS, "bench.methods=[equal]", "bench.reference.metrics={cls: {accuracy: 0.8}, gen: {bleu4: 0}, "
            "colour: {acc: 1}}"]
@@ -106,7 +108,7 @@ OURS = {"equal": 90.0, "uw": 50.0, "mgda": 70.0, "pcgrad": 60.0, "cagrad": 55.0,
 
 
 def _options(reference=None, **published):
-    from mtl.tools.bench.options import BenchOptions, PublishedOptions, ReferenceOptions
+    from mtl.bench.options import BenchOptions, PublishedOptions, ReferenceOptions
 
     return BenchOptions(published=PublishedOptions(**published),
                         reference=ReferenceOptions(source="the paper's single-task runs", metrics=reference or {}))
@@ -119,7 +121,7 @@ def _rows(values: dict, ref: dict | None = None) -> list[dict]:
 
 
 def test_the_published_table_side_by_side_with_the_rank_correlation_and_its_interval():
-    from mtl.tools.bench.compare import published_table, side_by_side
+    from mtl.bench.compare import published_table, side_by_side
 
     b = _options(source="Nash-MTL, Table 3", dm=PUBLISHED, methods={"ls": "equal", "si": None})
     s = side_by_side(b, _rows(OURS))
@@ -151,7 +153,7 @@ def test_the_published_table_side_by_side_with_the_rank_correlation_and_its_inte
 
 
 def test_published_names_must_map_to_methods_of_mtl():
-    from mtl.tools.bench.compare import published_errors
+    from mtl.bench.compare import published_errors
 
     known = {"equal", "uw", "mgda"}
     errors = published_errors(_options(dm={"ls": 1.0, "si": 2.0, "uw": 3.0}, methods={"ls": "equal", "x": "mgda"}),
@@ -164,7 +166,7 @@ def test_published_names_must_map_to_methods_of_mtl():
 
 
 def test_the_cost_table_pairs_each_method_s_two_sources():
-    from mtl.tools.bench.compare import cost_pairs, cost_table
+    from mtl.bench.compare import cost_pairs, cost_table
 
     def row(method, level, t, m):
         return {"method": method, "level": level, "runs_ok": 2, "step_time_s": t, "peak_mem_mb": m,
@@ -186,7 +188,7 @@ def test_the_cost_table_pairs_each_method_s_two_sources():
 def test_plan_prints_the_protocol_from_the_config(capsys):
     """--plan: the protocol the runs follow, read from the config (tasks and Δm's metrics, data, batch, optimizer,
     steps, selection, seeds, baselines) with the reference and the published table it will be read against."""
-    from mtl.tools.bench.sweep import main
+    from mtl.bench.sweep import main
 
     published = "bench.published={source: 'a paper', dm: {ls: 2.0, si: 1.0}, methods: {ls: equal, si: null}}"
     assert main(["--config", TINY, TASKS, "bench.methods=[equal]", "bench.seeds=[0, 1]", REFERENCE, published,
@@ -206,7 +208,7 @@ def test_every_preset_plans(preset, capsys):
     configs/qm9.yaml and qm9_cpu.yaml (the QM9 data source and its tasks)."""
     import os
 
-    from mtl.tools.bench.sweep import main
+    from mtl.bench.sweep import main
 
     from .conftest import ROOT
 
@@ -230,8 +232,8 @@ def test_a_single_task_run_of_a_plateau_preset_keeps_only_its_task_s_baseline():
     presets narrows them to its task's, so that its config passes the check."""
     import os
 
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import plan
+    from mtl.bench.regimes import plan
+    from mtl.setup.checks import load_run_config
 
     from .conftest import ROOT
 
@@ -254,8 +256,10 @@ def test_the_plateau_rule_reads_the_change_over_the_window_in_the_metrics_units_
     more than an absolute 0.005, less than 0.007; in % of its single-task baseline (0.6) 1.0 % over the window, so
     bench.plateau_relative with 0.8 % calls it still improving and with 1.2 % converged (the seeds agree exactly:
     the lower bound is the mean)."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.sweep import plan, regime_configs, summarize, write_results
+    from mtl.bench.regimes import plan, regime_configs
+    from mtl.bench.results import summarize
+    from mtl.bench.tables import write_results
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", TASKS, "bench.methods=[equal]", "bench.seeds=[0, 1, 2]", "bench.last_k=3",
             f"bench.plateau_relative={str(relative).lower()}", f"bench.plateau_tol={tol}"]

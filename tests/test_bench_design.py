@@ -33,9 +33,9 @@ def _settings_rows():
 
 
 def test_the_authors_settings_table_matches_the_qm9_preset():
-    from mtl.build import run_method_types
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.entries import method_spec
+    from mtl.bench.entries import method_spec
+    from mtl.setup.build import run_method_types
+    from mtl.setup.checks import load_run_config
 
     bench = _bench(PRESET)
     entries = {e: method_spec(e) for e in bench["methods"]}
@@ -83,7 +83,7 @@ def _cpu_delta_m():
 def test_the_design_spread_is_the_cpu_runs_spread_of_the_same_comparisons():
     """bench.design.sd of the qm9 preset: the pooled sd of the per-seed Δm differences of its 8 comparisons, each
     method mapped (through the published names) to its entry in the CPU preset, in results/qm9_cpu/runs.csv."""
-    from mtl.tools.bench.stats import pooled_sd
+    from mtl.bench.stats import pooled_sd
 
     gpu, cpu = _bench(PRESET), _bench(CPU_PRESET)
     to_paper = {v: k for k, v in gpu["published"]["methods"].items() if v}
@@ -98,7 +98,7 @@ def test_the_design_spread_is_the_cpu_runs_spread_of_the_same_comparisons():
 def test_the_statements_on_the_cpu_runs_convergence():
     """docs/benchmark.md: equal's slope intervals exclude 0 for homo, U, H and G only; no single-task baseline's
     does; under the current rule (5% over the window, one-sided) the metrics it lists are still improving."""
-    from mtl.tools.bench.stats import mean_ci, still_improving
+    from mtl.bench.stats import mean_ci, still_improving
 
     slopes = {}
     with open(CPU_RUNS) as f:
@@ -122,11 +122,11 @@ def test_the_statements_on_the_cpu_runs_convergence():
 def test_comparisons_are_checked_and_tabled_with_holm_across_them_only(tmp_path):
     """bench.comparisons: a pair outside bench.methods is refused naming it; the table measures a - b per seed,
     Holm across the pairs only, and opens with the Holm-level detectable difference."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.design import compare_pairs, comparisons_table
-    from mtl.tools.bench.options import bench_options
-    from mtl.tools.bench.stats import holm, paired_test
-    from mtl.tools.bench.sweep import bench_errors
+    from mtl.bench.design import compare_pairs, comparisons_table
+    from mtl.bench.options import bench_options
+    from mtl.bench.regimes import bench_errors
+    from mtl.bench.stats import holm, paired_test
+    from mtl.setup.checks import load_run_config
 
     from .conftest import TINY
 
@@ -152,7 +152,7 @@ def test_comparisons_are_checked_and_tabled_with_holm_across_them_only(tmp_path)
 def test_qm9_plan_prints_the_design(capsys):
     """--preset qm9 --plan: the seeds, the 8 pre-registered comparisons with their published gaps, the Holm-level
     detectable difference, and the places for the jobs' time limit and the GPU-hours."""
-    from mtl.tools.bench.sweep import main
+    from mtl.bench.sweep import main
 
     cwd = os.getcwd()
     os.chdir(ROOT)

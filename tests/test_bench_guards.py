@@ -27,15 +27,15 @@ class Mine(LossWeighting):
 def _main(monkeypatch, sweeps, *overrides, flags=()):
     """``python -m mtl.tools.bench`` in-process, with the sweep's work (training and tables) replaced by
     ``sweeps.append``; returns the exit code."""
-    from mtl.tools.bench import sweep as bench
+    from mtl.bench import sweep as bench
 
     monkeypatch.setattr(bench, "sweep", lambda cfg, *a, **k: sweeps.append(cfg.output_dir))
     return bench.main([*flags, "--config", TINY, *BASE, "bench.methods=[equal]", *overrides])
 
 
 def test_a_second_sweep_on_an_output_dir_in_use_is_refused_naming_the_first(tmp_path, monkeypatch, capsys):
+    from mtl.bench import sweep as bench
     from mtl.run.runlock import LOCK_NAME
-    from mtl.tools.bench import sweep as bench
 
     lock, seen = tmp_path / LOCK_NAME, {"calls": 0}
 
@@ -94,7 +94,7 @@ def _plugin(tmp_path, scale):
 
 def _finish(run, commit="0123456789"):
     """Make ``run`` look finished as the sweep leaves it: final_metrics.json and its record (code hashes included)."""
-    from mtl.tools.bench.record import write_record
+    from mtl.bench.record import write_record
 
     os.makedirs(run["dir"], exist_ok=True)
     with open(os.path.join(run["dir"], "final_metrics.json"), "w") as f:
@@ -104,8 +104,8 @@ def _finish(run, commit="0123456789"):
 
 
 def test_a_run_whose_plugin_method_file_changed_is_trained_again(tmp_path, monkeypatch, capsys):
+    from mtl.bench.record import provenance
     from mtl.errors import ConfigError
-    from mtl.tools.bench.record import provenance
 
     out = tmp_path / "sweep"
     path = _plugin(tmp_path, 1.0)
@@ -133,9 +133,10 @@ def test_a_run_whose_plugin_method_file_changed_is_trained_again(tmp_path, monke
     message = "\n".join(e.value.errors)
     assert "mine seed 0" in message and f"{path} changed" in message and "--on-change retrain" in message
     # ... which the command line turns into exit code 2, the message said once, no traceback
-    from mtl.tools.bench import sweep as bench
+    from mtl.bench import runs
+    from mtl.bench import sweep as bench
 
-    monkeypatch.setattr(bench, "_drive", lambda *a: pytest.fail("--on-change refuse trained a run"))
+    monkeypatch.setattr(runs, "_drive", lambda *a: pytest.fail("--on-change refuse trained a run"))
     assert bench.main(["--on-change", "refuse", "--config", TINY, f"output_dir={out}", *over]) == 2
     err = capsys.readouterr().err
     assert err.count("--on-change refuse: 1 finished run(s)") == 1 and f"{path} changed" in err, err
@@ -157,7 +158,7 @@ def test_a_record_without_code_hashes_is_not_reused_and_says_why(tmp_path, monke
 
 
 def test_a_built_in_file_of_the_run_counts_and_a_file_it_does_not_load_does_not(tmp_path, monkeypatch):
-    from mtl.tools.bench.record import reuse_problem
+    from mtl.bench.record import reuse_problem
 
     runs, _ = _sweep(tmp_path, monkeypatch, [*BASE, "bench.methods=[equal]"])
     _finish(runs[0])
@@ -171,7 +172,7 @@ def test_a_built_in_file_of_the_run_counts_and_a_file_it_does_not_load_does_not(
 
 
 def test_provenance_without_git_says_unknown(monkeypatch):
-    from mtl.tools.bench import record
+    from mtl.bench import record
 
     def no_git(*a, **k):
         raise FileNotFoundError("git")

@@ -5,8 +5,8 @@ import json
 
 from omegaconf import OmegaConf
 
-from mtl.tools.bench import progress, sweep
-from mtl.tools.bench.progress import Progress, progress_lines, run_progress
+from mtl.bench import progress, runs
+from mtl.bench.progress import Progress, progress_lines, run_progress
 
 
 def _run(tmp_path, label="uw", max_steps=130, records=((10, 100.0), (20, 120.0), (30, 140.0)), partial=False):
@@ -43,7 +43,7 @@ def test_progress_says_when_it_has_no_estimate(tmp_path):
 
 
 def test_the_sweep_prints_progress_while_a_run_trains(tmp_path, monkeypatch, capsys):
-    """sweep._drive hands drive a Progress that reads the run in flight's metrics.jsonl (a fake launcher writes it
+    """mtl.bench.runs._drive hands drive a Progress that reads the run in flight's metrics.jsonl (a fake launcher writes it
     and reports the run still running for a few polls); with the period at 0 it prints at each poll."""
     polls = []
 
@@ -64,13 +64,13 @@ def test_the_sweep_prints_progress_while_a_run_trains(tmp_path, monkeypatch, cap
         def stop(self, handle):
             pass
 
-    monkeypatch.setattr(sweep, "make_launcher", lambda cfg, env, threads: Fake())
+    monkeypatch.setattr(runs, "make_launcher", lambda cfg, env, threads: Fake())
     monkeypatch.setattr(progress, "PERIOD_S", 0.0)
     out = tmp_path / "bench"
     cfg = OmegaConf.create({"output_dir": str(out), "bench": {"parallel": 1, "threads": 1}})
     run = {"index": 1, "regime": "natural", "label": "equal", "seed": 0, "dir": str(out / "runs" / "equal"),
            "overrides": [], "config": {"trainer": {"max_steps": 105}}, "code": None}
-    sweep._drive(cfg, "configs/tiny.yaml", [], [run], 1, str(out / "runs.jsonl"))
+    runs._drive(cfg, "configs/tiny.yaml", [], [run], 1, str(out / "runs.jsonl"))
     printed = capsys.readouterr().out
     # 20 steps in 10 s: the 80 left take 40 s
     assert "  natural equal seed 0: step 25/105 (24%)" in printed and "about 40 s left" in printed, printed

@@ -13,7 +13,7 @@ BASE = ["bench.methods=[equal]", "bench.seeds=[0]", "bench.baselines=false", "tr
 
 def _finished(run, overrides, nproc=1, prov=None):
     """A run folder as a finished run leaves it: final_metrics.json and the record of what it trained with."""
-    from mtl.tools.bench.record import run_identity, write_record
+    from mtl.bench.record import run_identity, write_record
 
     os.makedirs(run["dir"], exist_ok=True)
     with open(os.path.join(run["dir"], "final_metrics.json"), "w") as f:
@@ -24,15 +24,16 @@ def _finished(run, overrides, nproc=1, prov=None):
 
 def _sweep(tmp_path, monkeypatch, overrides, on_change="retrain"):
     """run_all over the plan of ``overrides``; returns the runs it would train (the launcher is not called)."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench import sweep as bench
+    from mtl.bench import runs as bench_runs
+    from mtl.bench.regimes import plan
+    from mtl.setup.checks import load_run_config
 
     trained = []
-    monkeypatch.setattr(bench, "_drive", lambda cfg, cp, bo, pending, *a: trained.extend(pending))
+    monkeypatch.setattr(bench_runs, "_drive", lambda cfg, cp, bo, pending, *a: trained.extend(pending))
     over = [f"output_dir={tmp_path}", *overrides]
     cfg = load_run_config(TINY, over)
-    runs = bench.plan(cfg)
-    bench.run_all(cfg, TINY, over, runs, on_change)
+    runs = plan(cfg)
+    bench_runs.run_all(cfg, TINY, over, runs, on_change)
     return runs, trained
 
 
@@ -72,7 +73,7 @@ def test_a_finished_run_without_a_record_is_trained_again(tmp_path, monkeypatch,
 
 
 def test_provenance_is_recorded_and_a_mixed_table_says_so():
-    from mtl.tools.bench.record import provenance, provenance_lines
+    from mtl.bench.record import provenance, provenance_lines
 
     p = provenance(1)
     assert p["commit"] != "" and "torch" in p["versions"] and "CPUs" in p["hardware"] and p["threads"] == 1
@@ -86,16 +87,17 @@ def test_provenance_is_recorded_and_a_mixed_table_says_so():
 
 
 def test_analyze_trains_nothing_and_marks_what_is_not_finished_with_this_configuration(tmp_path, monkeypatch, capsys):
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench import sweep as bench
+    from mtl.bench import runs as bench_runs
+    from mtl.bench.regimes import plan
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={tmp_path}", *BASE[:-1], "bench.seeds=[0,1,2]", "trainer.max_steps=4"]
     cfg = load_run_config(TINY, over)
-    runs = bench.plan(cfg)
+    runs = plan(cfg)
     _finished(runs[0], over)
     _finished(runs[1], [*over, "optim.lr=0.5"])  # finished, but with another configuration
-    monkeypatch.setattr(bench, "_drive", lambda *a: pytest.fail("--analyze trained a run"))
-    bench.run_all(cfg, TINY, over, runs, train=False)
+    monkeypatch.setattr(bench_runs, "_drive", lambda *a: pytest.fail("--analyze trained a run"))
+    bench_runs.run_all(cfg, TINY, over, runs, train=False)
     assert [r["status"] for r in runs] == ["ok", "missing", "missing"]
     out = capsys.readouterr().out
     assert "seed 1: not analysed: its configuration changed: optim.lr: 0.5 -> 0.003" in out

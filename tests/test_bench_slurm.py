@@ -66,7 +66,7 @@ def test_sigterm_to_the_sweep_stops_every_run_in_flight():
     import signal
     import threading
 
-    from mtl.tools.bench.launch import drive
+    from mtl.bench.launch import drive
 
     stopped, started = [], []
 
@@ -102,7 +102,7 @@ def test_the_local_executor_leaves_no_folder_named_after_the_job_id_pattern(tmp_
 
     from omegaconf import OmegaConf
 
-    from mtl.tools.bench.launch import SlurmLauncher, job_folder
+    from mtl.bench.launch import SlurmLauncher, job_folder
 
     assert job_folder("o", "slurm") == os.path.join("o", "slurm", "%j")
     out = tmp_path / "bench"
@@ -126,8 +126,8 @@ def _reference_and_job(tmp_path, steps: int, time_min: int):
     run, the job)."""
     from omegaconf import OmegaConf
 
-    from mtl.tools.bench.launch import SlurmLauncher
-    from mtl.tools.bench.sweep import run_command
+    from mtl.bench.launch import SlurmLauncher
+    from mtl.bench.runs import run_command
 
     over = [f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", "trainer.log_every=1",
             "checkpoint.every_steps=4", "trainer.num_samples=0", "trainer.progress=false"]
@@ -156,7 +156,7 @@ def test_a_job_stopped_at_its_time_limit_is_requeued_and_ends_with_the_uninterru
     import signal
     import time
 
-    from mtl.tools.bench.launch import REQUEUED
+    from mtl.bench.launch import REQUEUED
 
     from .proctree import children
     from .resume_check import metrics_records
@@ -211,7 +211,7 @@ def test_stop_signals_that_reach_the_run_itself_requeue_its_job_and_end_with_the
     import signal
     import time
 
-    from mtl.tools.bench.launch import REQUEUED
+    from mtl.bench.launch import REQUEUED
 
     from .proctree import children
     from .resume_check import metrics_records
@@ -268,7 +268,7 @@ def test_a_run_stopped_after_the_sweep_cancelled_its_job_is_not_requeued(tmp_pat
     import signal
     import sys
 
-    from mtl.tools.bench.launch import CANCELLED, RunJob, warning_signal
+    from mtl.bench.launch import CANCELLED, RunJob, warning_signal
 
     calls = []
 
@@ -307,7 +307,7 @@ def test_the_sweeps_cancel_marks_the_run_folder_before_it_cancels_the_job(tmp_pa
     pytest.importorskip("submitit")
     from omegaconf import OmegaConf
 
-    from mtl.tools.bench.launch import CANCELLED, SlurmLauncher
+    from mtl.bench.launch import CANCELLED, SlurmLauncher
 
     cfg = OmegaConf.create({"output_dir": str(tmp_path / "bench"), "bench": {"launcher": "slurm",
                                                                               "slurm": {"cluster": "local"}}})

@@ -1,4 +1,4 @@
-"""The benchmark's statistics (mtl/tools/bench/stats.py): known values, and by simulation the size and power of the
+"""The benchmark's statistics (mtl/bench/stats.py): known values, and by simulation the size and power of the
 marks against equal (paired t-test, Holm across a table's methods) at the seed counts the presets use."""
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mtl.tools.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, power, slope_per_100
+from mtl.bench.stats import holm, mark, mean_ci, min_detectable, paired_test, pooled_sd, power, slope_per_100
 
 REPS = 4000  # simulated tables per case: the Monte-Carlo error of a 5% rate is sqrt(.05 * .95 / 4000) = 0.0034
 
@@ -106,7 +106,7 @@ def test_ratio_test_on_known_inputs_and_by_simulation():
     paired t-tests. Known inputs, then simulated rounds: at a true ratio of exactly 1 + margin the non-inferiority
     claim is made at most 5% of the time (its size, within 3 Monte-Carlo errors), and at a true 0.9 with 8 rounds of
     5% noise almost always (its power)."""
-    from mtl.tools.bench.stats import ratio_test
+    from mtl.bench.stats import ratio_test
 
     r = ratio_test([0.5, 2.0, 1.0])
     assert r["ratio"] == pytest.approx(1.0) and r["lo"] < 1 < r["hi"] and r["p_lower"] == pytest.approx(0.5)
@@ -143,7 +143,7 @@ def test_the_five_percent_needs_about_normal_differences():
     table of 8 such methods under Holm more than 5%: the "at most 5%" holds for about normal differences only. The
     sign-flip test (bench.test: signflip) is exact when the differences are symmetric (a heavy-tailed symmetric
     null: <= 5%, where it can reject at all), but not for this skewed one, and it never marks at 5 seeds."""
-    from mtl.tools.bench.stats import signflip_p
+    from mtl.bench.stats import signflip_p
 
     rng = np.random.default_rng(11)
     rates = {}
@@ -169,7 +169,7 @@ def test_power_at_holms_level_against_a_simulation():
     """``power_holm`` (the noncentral t at alpha / m) against simulated tables: 8 comparisons at 10 seeds, one true
     difference of the Holm-level detectable size and 7 nulls; the true one is marked by Holm at least 80% of the
     time (the formula is a lower bound) and a single test at alpha / m marks it 80% (75-85%) of the time."""
-    from mtl.tools.bench.stats import min_detectable_holm, power_holm, seeds_needed
+    from mtl.bench.stats import min_detectable_holm, power_holm, seeds_needed
 
     n, m, sd = 10, 8, 4.75
     e = min_detectable_holm(sd, n, 0.05, m)
@@ -192,7 +192,7 @@ def _improving_share(spacing: int, slope_per_100: float, seeds: int, tol: float,
     """How often ``still_improving`` calls a simulated metric still improving: each seed's curve at ``last_k``
     evaluations ``spacing`` steps apart, at level 100 (% of its baseline), falling ``slope_per_100`` % per 100
     steps, with ``noise`` relative evaluation noise."""
-    from mtl.tools.bench.stats import still_improving, window_change
+    from mtl.bench.stats import still_improving, window_change
 
     rng = np.random.default_rng(seed)
     steps = [spacing * (i + 1) for i in range(last_k)]

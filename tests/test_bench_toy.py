@@ -1,4 +1,4 @@
-"""The toy problem (mtl/tools/bench/toy_problem.py) and its benchmark (mtl/tools/bench/toy.py): the function's Pareto set, its
+"""The toy problem (mtl/bench/toy_problem.py) and its benchmark (mtl/tools/bench/toy.py): the function's Pareto set, its
 hand-derived Jacobian and the float Adam against torch, Nash-MTL's variant (its scale, starts and shifted losses),
 the judgement of a run, the papers' setting as the default and the quick setting end to end."""
 
@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import mtl.tools.bench.toy as bench_toy
-from mtl.tools.bench.toy import EXTRA_ENTRIES, Adam2, grad_methods, judge, main, run_one, setting_label
-from mtl.tools.bench.toy_problem import (
+from mtl.bench.toy_problem import (
     NASH_STARTS,
     STARTS,
     VARIANTS,
@@ -24,6 +23,7 @@ from mtl.tools.bench.toy_problem import (
     toy_losses,
     toy_losses_and_jacobian,
 )
+from mtl.tools.bench.toy import EXTRA_ENTRIES, Adam2, grad_methods, judge, main, run_one, setting_label
 
 
 @pytest.fixture(scope="module")

@@ -423,7 +423,7 @@ def test_the_benchmark_gives_a_bilevel_method_its_held_out_items_and_states_its_
     """bench.methods accepts a bilevel method: the tool sets data.heldout on its runs (a tenth of the synthetic
     training set in whole global batches, or bench.heldout), the run's own config check accepts them, the method's
     refusals reach the sweep's config check, and the cost note names its extra passes."""
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
     from mtl.tools.bench.sweep import meta_cost_note, method_errors, plan
 
     cfg = load_run_config(TINY, ["bench.methods=[equal, autolambda, 'autolambda(update_every=2)']", "bench.seeds=[0]",

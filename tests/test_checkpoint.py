@@ -21,15 +21,15 @@ import pytest
 import torch
 
 from mtl import files as files_module
-from mtl.config.checks import load_run_config
+from mtl.checkpoint import folder as ckpt
 from mtl.config.schema import to_yaml
 from mtl.errors import CheckpointError, ConfigError
 from mtl.parallel.dist import DistInfo
-from mtl.run import checkpoint as ckpt
 from mtl.run import logger as logger_module
 from mtl.run import runlock
 from mtl.run.run_folder import RunFolder
 from mtl.run.trainer import Trainer
+from mtl.setup.checks import load_run_config
 
 from .conftest import ROOT, TINY
 
@@ -501,7 +501,7 @@ def test_stale_locks_a_reused_pid_and_an_earlier_attempt_of_the_same_job(tmp_pat
 
 
 def test_a_checkpoint_config_resolves_no_interpolation(tmp_path, monkeypatch):
-    from mtl.config.resume import verify_resume_config
+    from mtl.setup.resume import verify_resume_config
 
     monkeypatch.setenv("MY_API_TOKEN", "s3cret-token-value")
     path = save(tmp_path, 2)
@@ -524,7 +524,7 @@ def test_a_key_added_to_the_schema_since_the_checkpoint_counts_as_its_default(tm
     defaults the resume goes on (the run is the same run); set otherwise, it is refused naming the key."""
     import yaml
 
-    from mtl.config.resume import verify_resume_config
+    from mtl.setup.resume import verify_resume_config
 
     path = save(tmp_path, 2)
     with open(os.path.join(path, "config.yaml")) as f:
@@ -557,7 +557,7 @@ def test_a_re_run_is_refused_with_a_way_to_start_over(tmp_path, capsys):
         config(tmp_path, "overwrite=true", "resume=auto")
     with pytest.raises(ConfigError, match="overwrite"):
         config(tmp_path, "overwrite=maybe")
-    from mtl.config.resume import differing_keys
+    from mtl.setup.resume import differing_keys
 
     assert differing_keys({"overwrite": True, "seed": 0}, {"overwrite": False, "seed": 0}) == []
 

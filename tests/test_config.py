@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from mtl.config.checks import load_run_config
 from mtl.config.schema import load_config, parse_overrides
 from mtl.errors import ConfigError
+from mtl.setup.checks import load_run_config
 
 from .conftest import TINY
 
@@ -92,10 +92,10 @@ def test_the_engine_under_its_old_name_still_reads_with_a_note(tmp_path, capsys,
     resumes); the two names at odds are an error."""
     import yaml
 
-    from mtl.config import schema
-    from mtl.config.resume import verify_resume_config
+    from mtl.config import load, schema
+    from mtl.setup.resume import verify_resume_config
 
-    monkeypatch.setattr(schema, "_NOTED", set())
+    monkeypatch.setattr(load, "_NOTED", set())  # the notes said so far in this process (mtl/config/load.py)
     monkeypatch.delenv("RANK", raising=False)
     old = write(tmp_path, f"base: {TINY}\nddp:\n  engine: fsdp2\n  strategy: combined\n")
     cfg = load_config(old)
@@ -216,8 +216,8 @@ def test_config_summary_shows_only_what_differs(tmp_path):
 
 def test_a_method_s_options_are_checked_filled_and_used(tmp_path):
     """weighting.options is the method's own Options dataclass: defaults filled in, values typed, names checked."""
-    from mtl.build import build_weighting
     from mtl.config.schema import to_yaml
+    from mtl.setup.build import build_weighting
 
     cfg = load_run_config(TINY, ["ddp.strategy=task_grads", "weighting.method=cagrad"])
     assert dict(cfg.weighting.options) == {"c": 0.4, "rescale": True}  # the paper's defaults, saved in config.yaml

@@ -19,8 +19,8 @@ import pytest
 from PIL import Image
 
 import train
-from mtl.config.checks import load_run_config
 from mtl.config.schema import load_config, unread_keys
+from mtl.setup.checks import load_run_config
 
 from .conftest import ROOT
 from .pretrained_folders import local_pretrained

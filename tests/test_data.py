@@ -607,7 +607,7 @@ def test_build_datasets_user_data(images):
 
 
 def test_resolve_tokenizer_trains_or_loads_and_writes_nothing(tmp_path):
-    from mtl.build import resolve_tokenizer
+    from mtl.setup.build import resolve_tokenizer
 
     cfg = _cfg(image_size=32, **{"synthetic.train_size": 50})
     cfg.output_dir = str(tmp_path / "run1")
@@ -786,7 +786,7 @@ def test_augmentation_is_off_by_default_and_reproducible_when_on(tmp_path):
 
 
 def test_augmentation_is_set_in_yaml_and_refused_for_synthetic_data(images):
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
 
     from .conftest import TINY
 

@@ -482,7 +482,7 @@ def _patterns():
         "static_nosync_after_sync": lambda c, r: p_static_nosync(c, r, True),
         "norm_bn": lambda c, r: p_norm(c, r, "bn"),
         "norm_gn": lambda c, r: p_norm(c, r, "gn"),
-        # multi-input: a task absent from a step (mtl/config/multi_input.py, docs/multi-input.md)
+        # multi-input: a task absent from a step (mtl/setup/multi_input.py, docs/multi-input.md)
         "absent_all_nofind": lambda c, r: p_absent(c, r, "all", find_unused_parameters=False),
         "absent_all_find": lambda c, r: p_absent(c, r, "all", find_unused_parameters=True),
         "absent_one_find": lambda c, r: p_absent(c, r, "one", find_unused_parameters=True),

@@ -14,8 +14,8 @@ import sys
 import pytest
 import yaml
 
-from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
+from mtl.setup.checks import load_run_config
 
 from .conftest import PY, ROOT
 from .doc_blocks import blocks, checkpoint_steps, commands, missing_excerpt_lines, model_paths_read, paths_made, target, undefined_names
@@ -66,7 +66,7 @@ def test_a_yaml_block_loads_as_config(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_run_config(str(config))
     if bench is not None:  # the benchmark's own section, checked by the benchmark's options
-        from mtl.tools.bench.options import bench_options
+        from mtl.bench.options import bench_options
 
         cfg.bench = bench
         bench_options(cfg)
@@ -284,7 +284,7 @@ def test_the_export_readme_runs_without_mtl_and_agrees_with_mtl(workspace, tmp_p
     import torch
 
     from mtl.inference import load_model
-    from mtl.interop import README_TITLE
+    from mtl.inference.interop import README_TITLE
 
     export = tmp_path / "export"
     subprocess.run([PY, "-m", "mtl.tools.export", "--checkpoint", "runs/default", "--out", str(export)],

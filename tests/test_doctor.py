@@ -21,7 +21,7 @@ def doctor(capsys, *args):
 def test_doctor_reports_reach_norms_conflict_costs_and_a_recommendation(capsys, tmp_path):
     code, out, err = doctor(capsys, "--json", f"output_dir={tmp_path / 'never'}")
     assert code == 0, err
-    # it builds through mtl.build.build_run_inputs (the trainer's own builder), read-only: no output_dir made
+    # it builds through mtl.setup.build.build_run_inputs (the trainer's own builder), read-only: no output_dir made
     assert not (tmp_path / "never").exists()
     r = json.loads(out)
     assert r["reach"]["cls"]["heads.cls.fc"] == "non-zero" and r["reach"]["cls"]["heads.gen.decoder"] == "none"
@@ -60,7 +60,7 @@ def test_doctor_bad_config_is_one_message(capsys):
 
 
 def test_mean_ci95_follows_students_t():
-    from mtl.tools.doctor import mean_ci95
+    from mtl.bench.doctor import mean_ci95
 
     mean, half = mean_ci95([1.0, 2.0, 3.0])  # sd 1, n 3, t(0.975, 2) = 4.303
     assert mean == 2.0 and half == pytest.approx(stats.t.ppf(0.975, 2) / 3**0.5) == pytest.approx(4.303 / 3**0.5, 1e-4)
@@ -73,7 +73,7 @@ def test_mean_ci95_follows_students_t():
 def test_a_conflict_among_many_pairs_must_survive_holms_correction():
     """55 pairs at K = 11: the most negative mean alone is no evidence. A pair whose uncorrected p is 0.01 is not a
     conflict among 55 (Holm: 0.55); one whose p is 1e-6 is; a negative mean with a large p never is."""
-    from mtl.tools.doctor import conflict_tests
+    from mtl.bench.doctor import conflict_tests
 
     rng = np.random.default_rng(0)
 

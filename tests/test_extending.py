@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from mtl.config.checks import validate
 from mtl.config.schema import Config
+from mtl.setup.checks import validate
 from mtl.tasks import BuildInfo, task_types
 from mtl.tasks.counting import CountingHead
 

@@ -19,14 +19,14 @@ from PIL import Image
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from mtl.build import ModelFiles, build_run_inputs, match_class_rows
-from mtl.config.checks import load_run_config
+from mtl.checkpoint.folder import write_manifest
 from mtl.data.tokenizer import CaptionTokenizer, extend_to_texts, train_tokenizer, unknown_share_text
 from mtl.errors import CheckpointError, DataError
 from mtl.inference import evaluate_model, export_model, load_model
 from mtl.parallel.dist import DistInfo
-from mtl.run.checkpoint import write_manifest
 from mtl.run.trainer import Trainer
+from mtl.setup.build import ModelFiles, build_run_inputs, match_class_rows
+from mtl.setup.checks import load_run_config
 
 from .conftest import ROOT, TINY
 

@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
+from mtl.checkpoint import folder as ckpt
+from mtl.checkpoint import train_state as ts
+from mtl.checkpoint.finite import first_blown_up, first_nonfinite, nonfinite_eval, params_finite
 from mtl.errors import TrainingError
-from mtl.run import checkpoint as ckpt
-from mtl.run import train_state as ts
-from mtl.run.finite import first_blown_up, first_nonfinite, nonfinite_eval, params_finite
 
 from .conftest import TINY
 from .test_trust import _parts, config, to_yaml

@@ -311,9 +311,9 @@ def _sweep_args(out_dir, batch, engine, strategy, method):
 
 def _fresh_parts(trainer, args):
     """New StepParts for the run ``args`` around ``trainer``'s model, from the trainer's own builders."""
-    from mtl.build import build_optimizer, build_scheduler, build_strategy, build_weighting
-    from mtl.config.checks import load_run_config
     from mtl.run.step import StepParts
+    from mtl.setup.build import build_optimizer, build_scheduler, build_strategy, build_weighting
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(TINY, args)
     weighting = build_weighting(cfg).to(trainer.device)
@@ -422,9 +422,9 @@ def test_per_block_settings_two_processes_equal_one_process(runs, engine):
 
 
 def _tiny_model(*overrides):
-    from mtl.build import build_model
-    from mtl.config.checks import load_run_config
     from mtl.data.tokenizer import train_tokenizer
+    from mtl.setup.build import build_model
+    from mtl.setup.checks import load_run_config
 
     return build_model(load_run_config(TINY, list(overrides)), 4, list("abcd"), train_tokenizer(["a b c"], 64))
 
@@ -528,8 +528,8 @@ def test_the_model_file_gathered_on_rank_0_round_trips_with_the_tied_weight(runs
     """model.safetensors of the per-block-sharded run is the full state gathered at the save, bitwise, with the tied
     weight under both keys, and loads into a fresh unsharded model (as mtl.inference and init_from do), where the
     weight is tied again."""
-    from mtl.build import read_model_weights
     from mtl.inference import load_model
+    from mtl.setup.build import read_model_weights
 
     r = runs["rank0"]["resume"]
     state = read_model_weights(r["file"], "test")
@@ -664,7 +664,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("extra, says", REFUSED)
 def test_refused_combinations_are_one_config_error_naming_the_key(tmp_path, extra, says):
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
 
     with pytest.raises(ConfigError) as e:
         load_run_config(TINY, [f"output_dir={tmp_path}", "parallel.engine=fsdp2", *extra])
@@ -685,7 +685,7 @@ def test_graddrop_per_shard_is_graddrop_of_the_whole_matrix():
     """What makes GradDrop run under FSDP2: its update on any set of columns (a rank's shard, here two uneven,
     interleaved parts) is GradDrop of those columns with U's entries at the same coordinates; the kept fractions
     from the summed partial sums and the Gram diagonal equal the whole matrix's."""
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
     from mtl.weighting import weighting_types
 
     cfg = load_run_config(TINY, ["weighting.method=graddrop", "ddp.strategy=task_grads"])
@@ -752,7 +752,7 @@ def test_task_grads_builds_the_shard_index_once_per_set_of_parameters(monkeypatc
     """The FSDP2 path's coordinates of this rank's shards (``shard_index``) are built the first step and kept; other
     parameters get their own."""
     import mtl.strategies.task_grads as tg
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
 
     calls = []
     monkeypatch.setattr(tg, "shard_index", lambda params: calls.append(1) or torch.arange(sum(p.numel() for p in params)))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
+from mtl.setup.checks import load_run_config
 from mtl.weighting import weighting_types
 from mtl.weighting.base import GramWeighting, gram_matrix
 
@@ -66,7 +66,7 @@ def test_a_method_that_needs_the_rows_is_refused_with_features(monkeypatch):
             return grads.sign().sum(0)
 
     assert not Rows.gram_only()
-    monkeypatch.setattr("mtl.config.checks.run_method_types", lambda cfg: {**weighting_types(), "rows": Rows})
+    monkeypatch.setattr("mtl.setup.checks.run_method_types", lambda cfg: {**weighting_types(), "rows": Rows})
     msg = errors_of("weighting.method=rows", "weighting.source=features")
     assert "needs the rows of G themselves" in msg and "weighting.source=parameters" in msg
     load_run_config(TINY, ["weighting.method=rows", "ddp.strategy=task_grads"])

@@ -173,8 +173,8 @@ def test_the_caption_memory_is_the_tokens_projected_only_where_the_widths_differ
     from mtl.tasks.captioning import CaptioningHead
 
     root, overrides = folders
-    from mtl.config.checks import load_run_config
     from mtl.data.tokenizer import CaptionTokenizer
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(VIT_GPT2, overrides)
     tok = CaptionTokenizer.load(os.path.join(root, "gpt2"))
@@ -257,7 +257,7 @@ def test_the_features_source_on_tokens_is_the_weighted_sum_of_the_token_gradient
 
 
 def test_the_doctor_reads_token_features(folders):
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
     from mtl.tools.doctor import examine
 
     _, overrides = folders

@@ -174,7 +174,7 @@ def test_the_reshard_rule_on_a_vit_a_convnext_and_a_timm_batchnorm_resnet(kind, 
     do not, and resume with a note; a timm ResNet with BatchNorm does, and is refused naming its layers and the key.
     The rule's input is checked against the model itself: in training mode, each sample's features on the first half
     of the batch equal its features on the whole batch exactly where the rule finds nothing."""
-    from mtl.config.resume import batch_statistics_layers, random_layers, reshard_problems
+    from mtl.setup.resume import batch_statistics_layers, random_layers, reshard_problems
 
     from .test_reshard import V2_STATE, _checkpoint_dir, _now
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
+from mtl.setup.checks import load_run_config
 
 from .conftest import TINY
 from .pretrained_folders import tiny_pretrained

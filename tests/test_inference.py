@@ -190,7 +190,7 @@ def test_predict_a_folder_as_training_and_eval_see_it(run, tmp_path, beams):
 
 
 def _collate(predictor):
-    from mtl.build import build_collate
+    from mtl.setup.build import build_collate
 
     return build_collate(predictor.cfg, len(predictor.class_names), predictor.class_names, predictor.tokenizer)
 
@@ -241,8 +241,8 @@ def test_imagefolder_runs_keep_their_class_names(tmp_path):
 
 
 def _trainer(cfg_overrides):
-    from mtl.config.checks import load_run_config
     from mtl.run.trainer import Trainer
+    from mtl.setup.checks import load_run_config
 
     return Trainer(load_run_config(TINY, cfg_overrides), DistInfo())
 

@@ -18,7 +18,7 @@ import torch
 
 from mtl.data.images import normalize_images
 from mtl.inference import Predictor, load_model
-from mtl.interop import write_hf_captioner
+from mtl.inference.interop import write_hf_captioner
 from mtl.run.trainer import Trainer
 from mtl.tools import export as export_tool
 

@@ -15,13 +15,14 @@ from .conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "mtl")
 
-# The layers, bottom first. A module imports from its own group and from the layers below its own; groups that share
-# a layer are independent of each other. A group is a module or a package (every module under it); a module belongs
-# to the longest group that names it, so mtl.config.schema is not in mtl.config ("mtl" is the package's __init__ alone).
+# The layers, bottom first: each a folder of mtl/ or a flat module (docs/architecture.md draws them, from this list and
+# the code's imports). A module imports from its own folder and from the layers below its own; groups that share a
+# layer are independent of each other. A module belongs to the longest group that names it ("mtl" is the package's
+# __init__ alone).
 LAYERS: list[tuple[str, ...]] = [
-    ("mtl", "mtl.errors", "mtl.files", "mtl.plots"),  # nothing of mtl
+    ("mtl", "mtl.errors", "mtl.files"),  # nothing of mtl
     ("mtl.registry",),  # the one-file plug-in mechanism
-    ("mtl.config.schema",),  # the keys and their types
+    ("mtl.config",),  # the keys, their types and documentation, YAML and overrides: plain data
     ("mtl.parallel",),  # processes, DDP/FSDP2, AMP
     ("mtl.data",),  # raw records (a data set built once, by rank 0 first, waits on the ranks: parallel.dist)
     ("mtl.models",),  # backbones (plug-ins), the decoder, backbone + heads
@@ -29,16 +30,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("mtl.tasks", "mtl.weighting"),  # task heads; weighting methods
     ("mtl.strategies",),  # how the per-task backward passes meet DDP (they call a weighting method)
     ("mtl.delta_m",),  # the tasks' metrics against baselines, in the papers' sign
-    ("mtl.plateau", "mtl.optim_groups"),  # the learning rate that follows the validation delta-m; per-layer lr groups
-    ("mtl.run.checkpoint mtl.run.train_state mtl.run.finite mtl.run.faults mtl.run.runlock "
-     "mtl.run.signals mtl.run.heartbeat mtl.run.logger mtl.run.error_report mtl.run.console",),  # what a run writes
-    # and survives
-    ("mtl.build",),  # config -> the run's pieces
-    ("mtl.config",),  # checks.py, multi_input.py, resume.py: a config checked against the plug-ins and the build
-    ("mtl.run",),  # step, evaluate, trainer: the run itself
-    ("mtl.interop",),  # an export's parts in transformers' and torchvision's layouts
-    ("mtl.inference",),  # a trained model's use
-    ("mtl.tools",),  # the tools (bench/ among them): nothing below imports them
+    ("mtl.optim",),  # the learning rate that follows the validation delta-m; per-layer lr groups
+    ("mtl.checkpoint",),  # what a run writes and reads back: checkpoint folders, the sharded state
+    ("mtl.setup",),  # a config checked against the plug-ins; the run's pieces built from it
+    ("mtl.run",),  # the run: step, loop, logs, signals, evaluation
+    ("mtl.inference",),  # a trained model's use: load, predict, evaluate, export (and other libraries' layouts)
+    ("mtl.bench",),  # the task-weighting benchmark: design, statistics, records, sweeps, launchers
+    ("mtl.tools",),  # the command lines: nothing below imports them
 ]
 
 # Imports that go against the layers, each with its reason (none today). Nothing else may.
@@ -200,7 +198,7 @@ def test_the_data_code_names_no_task():
     task_made = {"input_ids", "attention_mask", "target_ids", "references", "colour_label"}
     bad = []
     for path, found in modules(os.path.join(PACKAGE, "data")):
-        bad += [(path, mod) for mod, *_ in found if mod.startswith(("mtl.tasks", "mtl.models", "mtl.build"))]
+        bad += [(path, mod) for mod, *_ in found if mod.startswith(("mtl.tasks", "mtl.models", "mtl.setup.build"))]
         bad += [(path, n.value) for n in ast.walk(parsed(path)[0]) if isinstance(n, ast.Constant) and n.value in task_made]
     assert not bad, bad
 
@@ -298,7 +296,7 @@ def test_the_thin_tools_answer_help_without_loading_torch():
 
 def test_the_in_function_checker_sees_them(tmp_path):
     found = in_function_imports()
-    assert len(found["mtl/run/trainer.py"]) >= 1  # the tree's own (curves_png: matplotlib at the end of a run only)
+    assert len(found["mtl/run/step_log.py"]) >= 1  # the tree's own (curves_png: matplotlib at the end of a run only)
     pkg = tmp_path / "mtl"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -348,3 +346,179 @@ def test_the_check_convention_checker_sees_a_raise(tmp_path):
                               "def checkpoint():\n    raise OSError\n")
     assert raising_checks(str(pkg), str(tmp_path)) == {("mtl/a.py", "_check_x")}
     assert set(CHECKS_THAT_RAISE) <= raising_checks()  # each allowed one still raises: remove it once it does not
+
+
+# ------------------------------------------------------------------ the house's size and shape (docs/architecture.md)
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_FLAT_MODULES, MAX_TRAINER_LINES = 600, 80, 6, 200
+
+
+def test_no_module_over_600_lines_and_no_function_over_80():
+    long_modules, long_functions = [], []
+    for path, _ in modules():
+        tree, lines = parsed(path)
+        rel = os.path.relpath(path, ROOT)
+        if len(lines) > MAX_MODULE_LINES:
+            long_modules.append(f"{rel}: {len(lines)} lines")
+        long_functions += [f"{rel}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
+                           if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                           and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long_modules + long_functions, "split by responsibility:\n" + "\n".join(long_modules + long_functions)
+
+
+def test_at_most_six_modules_sit_flat_in_mtl_and_the_trainer_reads_as_the_loop():
+    flat = sorted(n for n in os.listdir(PACKAGE) if n.endswith(".py") and n != "__init__.py")
+    assert len(flat) <= MAX_FLAT_MODULES, flat
+    tree = parsed(os.path.join(PACKAGE, "run", "trainer.py"))[0]
+    (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
+    assert trainer.end_lineno - trainer.lineno + 1 <= MAX_TRAINER_LINES
+
+
+def module_graph(folder: str = PACKAGE, root: str = ROOT) -> dict[str, set[str]]:
+    """{module: the mtl modules it imports when it is imported} (imports at module level; one inside a function runs
+    later and says why: test_an_import_inside_a_function_says_why)."""
+    known = {module_name(path, root) for path, _ in modules(folder, root)}
+    graph: dict[str, set[str]] = {}
+    for path, found in modules(folder, root):
+        me = module_name(path, root)
+        graph[me] = {mod for mod, _, _, in_function in found if not in_function and mod in known and mod != me}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other in a loop (the strongly connected components of more than one
+    module, or one that imports itself), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    assert not circles(module_graph()), circles(module_graph())
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    assert len(module_graph()) > 100 and any(module_graph().values())  # it reads this tree's imports
+
+
+def test_every_moved_module_still_imports_by_its_old_name_with_a_warning():
+    """A module that moved (mtl.MOVED) imports by its old name for one release: the very module of its new name, and
+    a DeprecationWarning naming where it went (in a fresh interpreter: a warning is said once per module)."""
+    import mtl
+
+    assert mtl.MOVED, "nothing has moved: this test would check nothing"
+    code = ("import importlib, json, sys, warnings\nimport mtl\nout = {}\n"
+            "for old, new in mtl.MOVED.items():\n"
+            "    with warnings.catch_warnings(record=True) as said:\n"
+            "        warnings.simplefilter('always')\n"
+            "        module = importlib.import_module(old)\n"
+            "    out[old] = [module is importlib.import_module(new), [str(w.message) for w in said\n"
+            "               if issubclass(w.category, DeprecationWarning) and old in str(w.message)]]\n"
+            "print(json.dumps(out))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    bad = {old: got for old, got in found.items() if not (got[0] and any(mtl.MOVED[old] in m for m in got[1]))}
+    assert not bad, bad
+    stale = [old for old in mtl.MOVED if os.path.exists(os.path.join(ROOT, *old.split("."))) or
+             os.path.exists(os.path.join(ROOT, *old.split(".")) + ".py")]
+    assert not stale, f"old names that are files again (they would hide the move): {stale}"
+
+
+# ------------------------------------------------------------------ the picture in docs/architecture.md
+
+PICTURE_BEGIN, PICTURE_END = "<!-- imports:begin -->", "<!-- imports:end -->"
+ARCHITECTURE_MD = os.path.join(ROOT, "docs", "architecture.md")
+
+
+def folder_arrows(folder: str = PACKAGE, root: str = ROOT) -> dict[str, set[str]]:
+    """{group of LAYERS: the groups its modules import}, from the code's imports (inside functions too)."""
+    arrows: dict[str, set[str]] = {g: set() for layer in LAYERS for g in layer}
+    for path, found in modules(folder, root):
+        mine = group_of(module_name(path, root))
+        for mod, *_ in found:
+            theirs = group_of(mod) if mod == "mtl" or mod.startswith("mtl.") else None
+            if mine and theirs and theirs != mine:
+                arrows[mine].add(theirs)
+    return arrows
+
+
+def picture() -> str:
+    """The layers and the imports between them as a Mermaid flowchart (GitHub draws it): the top layer first, an
+    arrow from each group to each group it imports."""
+    ids = {g: g.replace("mtl.", "").replace("mtl", "init") for layer in LAYERS for g in layer}
+    label = {g: "mtl/__init__.py" if g == "mtl" else "mtl/" + g[4:].replace(".", "/") +
+             (".py" if os.path.isfile(os.path.join(ROOT, *g.split(".")) + ".py") else "/") for g in ids}
+    lines = ["```mermaid", "flowchart TD"]
+    for i, layer in reversed(list(enumerate(LAYERS))):
+        lines.append(f"  subgraph L{i + 1}[\"layer {i + 1}\"]")
+        lines += [f"    {ids[g]}[\"{label[g]}\"]" for g in layer]
+        lines.append("  end")
+    arrows, ground = folder_arrows(), set(LAYERS[0])  # every folder may import layer 1: those arrows are not drawn
+    for g in (g for layer in reversed(LAYERS) for g in layer):
+        lines += [f"  {ids[g]} --> {ids[t]}" for t in sorted(arrows[g] - ground, key=lambda t: (-_groups()[t], t))]
+    return "\n".join(lines + ["```"])
+
+
+def _doc_picture() -> str:
+    with open(ARCHITECTURE_MD, encoding="utf-8") as f:
+        text = f.read()
+    return text.split(PICTURE_BEGIN, 1)[1].split(PICTURE_END, 1)[0].strip() if PICTURE_BEGIN in text else ""
+
+
+def write_picture() -> None:
+    with open(ARCHITECTURE_MD, encoding="utf-8") as f:
+        text = f.read()
+    head, rest = text.split(PICTURE_BEGIN, 1)
+    tail = rest.split(PICTURE_END, 1)[1]
+    with open(ARCHITECTURE_MD, "w", encoding="utf-8") as f:
+        f.write(f"{head}{PICTURE_BEGIN}\n{picture()}\n{PICTURE_END}{tail}")
+
+
+def test_the_architecture_picture_is_the_code_s_imports():
+    """docs/architecture.md's picture is drawn from the code: a new import between folders, or a new folder, changes
+    it, and this test says how to redraw it."""
+    assert _doc_picture() == picture(), ("docs/architecture.md's picture differs from the code's imports: redraw it "
+                                         "with `.venv/bin/python -m tests.test_layout --draw`")
+    assert picture().count("-->") >= 20  # drawn from real imports
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--draw"]:
+        write_picture()
+        print(f"drew {ARCHITECTURE_MD}'s picture from the code's imports")
+    else:
+        sys.exit("usage: python -m tests.test_layout --draw")

@@ -4,9 +4,9 @@ optimizer param group (Nash-MTL's QM9 code: UW's log-variances at 0.025, the mod
 
 import torch
 
-from mtl.build import build_optimizer, build_scheduler, build_weighting
-from mtl.config.checks import load_run_config
 from mtl.errors import ConfigError
+from mtl.setup.build import build_optimizer, build_scheduler, build_weighting
+from mtl.setup.checks import load_run_config
 
 from .conftest import TINY
 

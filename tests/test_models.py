@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from mtl.build import build_model
-from mtl.config.checks import load_run_config
 from mtl.data.tokenizer import train_tokenizer
 from mtl.errors import ConfigError
 from mtl.models.backbones.torchvision_cnn import build_torchvision_backbone as build_backbone
 from mtl.models.decoder import CaptionDecoder
+from mtl.setup.build import build_model
+from mtl.setup.checks import load_run_config
 
 from .conftest import TINY
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from mtl.config.checks import load_run_config
 from mtl.config.schema import parse_overrides
 from mtl.data.multi_input import MultiInputStream, SamplingPlan, TaskSampler, build_task_datasets, step_tasks
 from mtl.errors import ConfigError, DataError
+from mtl.setup.checks import load_run_config
 from mtl.tasks import task_types
 
 from .conftest import ROOT
@@ -85,7 +85,7 @@ def test_sampling_without_per_task_data_is_refused():
 
 def test_the_combinations_that_cope_with_absent_tasks_are_accepted():
     cfg = load_run_config(MI, ["data.sampling.policy=round_robin", "ddp.strategy=find_unused"])
-    from mtl.config.multi_input import check
+    from mtl.setup.multi_input import check
     from mtl.strategies import strategy_types
     from mtl.weighting import weighting_types
 
@@ -149,7 +149,7 @@ def test_a_labelled_tasks_manifest_is_read_with_strict_labels(tmp_path):
 def test_the_skipped_lines_of_every_tasks_data_are_counted(tmp_path):
     """on_error=skip on the caption task's own manifest: its bad line is in the run's report (``data_skipped``),
     not only the labelled task's set's."""
-    from mtl.build import build_run_inputs
+    from mtl.setup.build import build_run_inputs
 
     path = _manifest(tmp_path, "cap", [{}, {}, {}])
     with open(path, "a") as f:
@@ -281,7 +281,7 @@ def test_dwa_moves_each_tasks_history_on_only_in_the_steps_that_hold_it():
     from .conftest import TINY
 
     cfg = load_run_config(TINY, ["weighting.method=dwa"])
-    from mtl.build import build_weighting
+    from mtl.setup.build import build_weighting
 
     w = build_weighting(cfg)
     for losses in ({"cls": 1.0}, {"gen": 2.0}, {"cls": 0.5}):

@@ -126,7 +126,7 @@ def _worker(index, port, out_dir):
             # the seed articles' failure: refused at config time, reproduced with ddp.unsafe=true, explained
             args = overrides("round_robin", "combined", [], os.path.join(out_dir, "seed_error"), world)
             try:
-                from mtl.config.checks import load_run_config
+                from mtl.setup.checks import load_run_config
 
                 load_run_config(MI, args)
                 results["refusal"] = None

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from mtl.config.checks import load_run_config
+from mtl.checkpoint.folder import write_manifest
 from mtl.errors import CheckpointError, ConfigError
 from mtl.inference import load_model
 from mtl.registry import copy_names, plugin_files
-from mtl.run.checkpoint import write_manifest
+from mtl.setup.checks import load_run_config
 from mtl.tools import evaluate as evaluate_tool
 from mtl.tools import export as export_tool
 from mtl.tools import predict as predict_tool

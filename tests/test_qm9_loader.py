@@ -74,8 +74,8 @@ def test_the_batched_graphs_equal_the_per_item_ones_bit_for_bit(graphs, graph):
 
 def test_the_runs_collate_gives_the_same_batch_on_both_paths(graphs):
     """Through the run's own collate (the 11 tasks' targets and the graph), as the loader calls it."""
-    from mtl.build import build_collate
-    from mtl.config.checks import load_run_config
+    from mtl.setup.build import build_collate
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(os.path.join(ROOT, "configs", "qm9.yaml"), ["data.qm9.molecules=20", "data.qm9.test_size=2",
                                                                       "data.qm9.val_size=2"])
@@ -105,9 +105,9 @@ def test_a_batch_without_positions_is_left_as_the_bond_graph(graphs):
 def test_loader_workers_give_the_same_batches(graphs):
     """data.num_workers=2 (the collate, complete graph included, in the workers; each batch sent packed as one buffer,
     mtl/data/packing.py): the batches of 0 workers, in order, and every tensor of a batch a view of one storage."""
-    from mtl.build import build_collate
-    from mtl.config.checks import load_run_config
     from mtl.data.loader import build_train_loader
+    from mtl.setup.build import build_collate
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(os.path.join(ROOT, "configs", "qm9.yaml"), ["data.qm9.molecules=20", "data.qm9.test_size=2",
                                                                       "data.qm9.val_size=2"])

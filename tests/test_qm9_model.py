@@ -127,7 +127,7 @@ def test_discovering_the_backbones_does_not_import_pyg():
 
     from .conftest import ROOT
 
-    code = ("import sys; from mtl.models.backbones import backbone_types; import mtl.config.checks; "
+    code = ("import sys; from mtl.models.backbones import backbone_types; import mtl.setup.checks; "
             "assert 'mpnn' in backbone_types(); print('torch_geometric' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -35,10 +35,10 @@ def small(cache_dir, tmp_path, *more):
 
 
 def test_the_papers_split_records_and_graph_batches(cache_dir, tmp_path):
-    from mtl.build import build_run_inputs
-    from mtl.config.checks import load_run_config
     from mtl.data import qm9
     from mtl.data.loader import build_test_dataset
+    from mtl.setup.build import build_run_inputs
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(QM9_YAML, small(cache_dir, tmp_path, "seed=3"))
     inputs = build_run_inputs(cfg)
@@ -74,9 +74,9 @@ def test_the_papers_split_records_and_graph_batches(cache_dir, tmp_path):
 
 
 def test_sizes_that_do_not_fit_are_named(cache_dir, tmp_path):
-    from mtl.build import build_run_inputs
-    from mtl.config.checks import load_run_config
     from mtl.errors import ConfigError, DataError
+    from mtl.setup.build import build_run_inputs
+    from mtl.setup.checks import load_run_config
 
     with pytest.raises(ConfigError, match=r"data.qm9.molecules=240: must exceed data.qm9.test_size \+ val_size"):
         load_run_config(QM9_YAML, small(cache_dir, tmp_path, "data.qm9.test_size=200"))

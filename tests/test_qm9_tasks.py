@@ -120,7 +120,7 @@ TINY_OVERRIDES = ["trainer.progress=false", "data.synthetic.train_size=64", "dat
 
 
 def tiny_config(tmp_path, *overrides):
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
 
     return load_run_config(TINY, [f"output_dir={tmp_path / 'run'}", *TINY_OVERRIDES, *overrides])
 
@@ -128,8 +128,8 @@ def tiny_config(tmp_path, *overrides):
 def test_a_config_declares_named_tasks_of_one_type_and_the_build_standardises_them(tmp_path):
     """Two regression tasks on the synthetic records' ``radius`` and ``background[1]``, beside a built-in task: the
     builder makes them, fits each head's mean and std on the training split, and a step trains them."""
-    from mtl.build import build_run_inputs
     from mtl.run.trainer import Trainer
+    from mtl.setup.build import build_run_inputs
 
     over = ["tasks=[cls, radius, green]", "task_instances.radius={type: regression, field: radius}",
             "task_instances.green={type: regression, field: background, column: 1}",
@@ -177,8 +177,8 @@ def test_a_task_name_that_is_not_declared_gets_a_did_you_mean(tmp_path):
 
 
 def test_a_missing_field_is_refused_before_training(tmp_path):
-    from mtl.build import build_run_inputs
     from mtl.errors import DataError
+    from mtl.setup.build import build_run_inputs
 
     cfg = tiny_config(tmp_path, "tasks=[cls, mass]", "task_instances.mass={type: regression, field: mass}")
     with pytest.raises(DataError, match="task 'mass' needs the field 'mass'"):
@@ -252,7 +252,7 @@ def test_many_binary_attributes_are_one_task_file_and_one_config_section(tmp_pat
 def test_the_plateau_scheduler_follows_the_validation_delta_m():
     """Δm % against the baselines (lower is better), and ReduceLROnPlateau on it: the rate drops by ``factor`` after
     ``patience`` evaluations without improvement, never below ``min_lr``, and its state round-trips."""
-    from mtl.plateau import PlateauOnDeltaM
+    from mtl.optim.plateau import PlateauOnDeltaM
 
     specs = [("mu_mae", "mu", False), ("U0_mae", "U0", False)]
     base = {"mu_mae": 0.0671, "U0_mae": 58.838}
@@ -284,7 +284,7 @@ def test_the_plateau_needs_a_baseline_for_every_metric(tmp_path):
     assert "optim.plateau.baselines.radius_mae: needs the single-task value of radius_mae" in text
     assert "optim.plateau.baselines.radios_mae: not a metric of the run's tasks — did you mean 'radius_mae'?" in text
     cfg = tiny_config(tmp_path, *over[:-1], "optim.plateau.baselines={cls_acc: 0.9, radius_mae: 1.5}")
-    from mtl.build import build_scheduler
+    from mtl.setup.build import build_scheduler
 
     sched = build_scheduler(cfg, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
     # accuracy: higher is better, so Δm counts its drop as a loss; the MAE's rise likewise

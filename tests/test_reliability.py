@@ -258,7 +258,7 @@ def optimizer_state(run_dir, step, tmp_path) -> dict:
     read back whole in this process (no process group), flattened to name -> tensor."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from mtl.run.train_state import OPTIM
+    from mtl.checkpoint.train_state import OPTIM
 
     whole = str(tmp_path / f"state_{step}.pt")
     dcp_to_torch_save(os.path.join(run_dir, "checkpoints", f"step_{step}", "state"), whole)
@@ -415,8 +415,8 @@ def test_resume_with_a_changed_config_lists_each_differing_key(tmp_path, capsys)
 
 
 def test_a_checkpoint_that_is_not_ours_is_a_clear_error(tmp_path, capsys):
+    from mtl.checkpoint.folder import load_checkpoint
     from mtl.errors import CheckpointError
-    from mtl.run.checkpoint import load_checkpoint
 
     bad = tmp_path / "step_5"
     bad.mkdir()
@@ -440,7 +440,7 @@ def _train_in_process(args):
 
 @pytest.mark.slow  # in-process, but seconds long: kept out of the fast tier
 def test_evaluation_and_the_nan_monitor_draw_no_training_randomness(tmp_path, capsys):
-    # both keys may change on resume (mtl/config/resume.py), so neither may move the dropout stream
+    # both keys may change on resume (mtl/setup/resume.py), so neither may move the dropout stream
     base = ["--config", TINY, "trainer.max_steps=4", "model.decoder.dropout=0.1", "trainer.max_bad_steps=5"]
     runs = {
         "rare_eval": ["trainer.eval_every=1000"],

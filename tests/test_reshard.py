@@ -52,10 +52,10 @@ def _wait_for(path: str) -> str:
 
 def _worker(index, port, out):
     world = spawn_env(index, port)
+    from mtl.checkpoint import folder as ckpt
     from mtl.config.schema import to_yaml
     from mtl.parallel import dist
     from mtl.parallel.fsdp import full_model_state, full_optimizer_state
-    from mtl.run import checkpoint as ckpt
     from mtl.run.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -192,7 +192,7 @@ V2_STATE = {"format": "mtl-checkpoint-v2", "state": "state", "world_size": 2, "e
 
 
 def test_the_same_global_batch_on_another_world_size_or_engine_is_exact_up_to_rounding(tmp_path):
-    from mtl.config.resume import reshard_problems
+    from mtl.setup.resume import reshard_problems
 
     folder = _checkpoint_dir(tmp_path, 4)  # 2 x 4
     assert reshard_problems(folder, V2_STATE, _now(4), 2, "ddp", []) == ([], "")
@@ -203,7 +203,7 @@ def test_the_same_global_batch_on_another_world_size_or_engine_is_exact_up_to_ro
 
 
 def test_where_the_resume_cannot_be_exact_it_says_why_and_how_to_keep_it(tmp_path):
-    from mtl.config.resume import reshard_problems
+    from mtl.setup.resume import reshard_problems
 
     folder = _checkpoint_dir(tmp_path, 4)
     (why,), _ = reshard_problems(folder, V2_STATE, _now(4), 1, "ddp", [])
@@ -218,7 +218,7 @@ def test_where_the_resume_cannot_be_exact_it_says_why_and_how_to_keep_it(tmp_pat
 def test_multi_input_mode_on_another_world_size_asks_for_the_key(tmp_path):
     """Per-task rows are set per process in multi-input mode: another world size draws other global batches.
     data.batch_size is the global batch of the mixed policy only: the others do not read it."""
-    from mtl.config.resume import reshard_problems
+    from mtl.setup.resume import reshard_problems
 
     folder = _checkpoint_dir(tmp_path, 4)
     per_task = {"cls": {}, "gen": {}}
@@ -234,8 +234,8 @@ def test_multi_input_mode_on_another_world_size_asks_for_the_key(tmp_path):
 
 
 def test_an_old_format_checkpoint_on_another_world_size_is_one_message_naming_the_file_and_the_fix(tmp_path):
-    from mtl.config.resume import reshard_problems
     from mtl.errors import CheckpointError
+    from mtl.setup.resume import reshard_problems
 
     folder = _checkpoint_dir(tmp_path, 4)
     old = {"format": "mtl-checkpoint-v1", "world_size": 2, "engine": "fsdp2"}
@@ -248,7 +248,7 @@ def test_an_old_format_checkpoint_on_another_world_size_is_one_message_naming_th
 
 
 def test_random_layers_are_dropout_above_zero():
-    from mtl.config.resume import random_layers
+    from mtl.setup.resume import random_layers
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1), torch.nn.Dropout(0.0))
     assert random_layers(net) == ["1"]
@@ -268,8 +268,8 @@ def _stepped(seed):
 
 
 def test_the_sharded_state_round_trips_and_a_parameter_that_never_stepped_stays_without_state(tmp_path):
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
 
     net, weighting, opt = _stepped(0)
     path = ckpt.save_checkpoint(str(tmp_path), 2, net, {"step": 2, "world_size": 1}, "seed: 0\n", 0,
@@ -287,9 +287,9 @@ def test_the_sharded_state_round_trips_and_a_parameter_that_never_stepped_stays_
 
 
 def test_a_missing_sharded_index_is_refused_naming_it(tmp_path):
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
     from mtl.errors import CheckpointError
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
 
     net, weighting, opt = _stepped(0)
     path = ckpt.save_checkpoint(str(tmp_path), 2, net, {"step": 2, "world_size": 1}, "seed: 0\n", 0,
@@ -305,9 +305,9 @@ def test_a_full_disk_while_the_sharded_state_is_written_leaves_the_previous_chec
 
     from torch.distributed.checkpoint.filesystem import FileSystem
 
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
     from mtl.errors import CheckpointError
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
 
     from .test_checkpoint import FullDisk, _Filling
 
@@ -344,9 +344,9 @@ def test_torch_s_short_write_error_is_named_as_a_full_disk_in_its_own_words(tmp_
 
     import torch.distributed.checkpoint.filesystem as fs
 
+    from mtl.checkpoint import folder as ckpt
+    from mtl.checkpoint.train_state import sharded_state
     from mtl.errors import CheckpointError
-    from mtl.run import checkpoint as ckpt
-    from mtl.run.train_state import sharded_state
 
     net, weighting, opt = _stepped(0)
     previous = ckpt.save_checkpoint(str(tmp_path), 2, net, {"step": 2, "world_size": 1}, "seed: 0\n", 0,
@@ -377,7 +377,7 @@ def test_torch_s_short_write_error_is_named_as_a_full_disk_in_its_own_words(tmp_
 
 def test_batchnorm_on_another_world_size_asks_for_the_key(tmp_path):
     """BatchNorm normalises over each process's own batch: another world size is another run."""
-    from mtl.config.resume import reshard_problems
+    from mtl.setup.resume import reshard_problems
 
     folder = _checkpoint_dir(tmp_path, 4)
     bn = ["backbone.layers.0.1.bn1", "backbone.stem.1"]
@@ -388,9 +388,9 @@ def test_batchnorm_on_another_world_size_asks_for_the_key(tmp_path):
 
 
 def _tiny_model(norm):
-    from mtl.build import build_model
-    from mtl.config.checks import load_run_config
     from mtl.data.tokenizer import train_tokenizer
+    from mtl.setup.build import build_model
+    from mtl.setup.checks import load_run_config
 
     # SyncBatchNorm needs CUDA in a run, and frozen norms pretrained weights (the config refuses them without):
     # both are converted here as model.backbone.norm=sync / frozen does
@@ -426,7 +426,7 @@ def test_every_module_that_mixes_the_samples_of_a_batch_is_refused_on_another_wo
     module whose output rows then differ mixes the samples of its process's batch, and must be (or hold) a module
     ``batch_statistics_layers`` or ``random_layers`` names. SyncBatchNorm is the one exemption: its statistics are
     over the global batch (here, without a process group, it falls back to the local one)."""
-    from mtl.config.resume import batch_statistics_layers, random_layers
+    from mtl.setup.resume import batch_statistics_layers, random_layers
 
     from .conftest import make_collate
 

@@ -13,8 +13,6 @@ import sys
 import pytest
 import torch
 
-from mtl.build import build_optimizer, build_run_inputs, build_scheduler, build_weighting, run_task_types
-from mtl.config.checks import load_run_config
 from mtl.config.schema import config_summary
 from mtl.data.heldout import HeldoutStream
 from mtl.data.loader import build_train_loader, normalizing, to_device
@@ -29,6 +27,8 @@ from mtl.run.run_folder import RunFolder
 from mtl.run.step import StepParts, StepResult
 from mtl.run.step_log import StepLog, flat_metrics
 from mtl.run.trainer import Trainer
+from mtl.setup.build import build_optimizer, build_run_inputs, build_scheduler, build_weighting, run_task_types
+from mtl.setup.checks import load_run_config
 
 from .conftest import ROOT, TINY
 
@@ -261,7 +261,7 @@ def test_the_start_up_summary_shows_the_data_and_not_the_keys_the_run_does_not_r
     assert lines[0] == "data:" and lines[1] == "  cls: train 40 items, val 64 items; 4 classes"
     assert lines[2].startswith("  gen: train 40 items, val 64 items; vocabulary ") and ", unknown tokens train " in lines[2]
     assert "synthetic.train_size=40" in config_summary(cfg)  # a synthetic run reads them
-    # set before data.source chose a manifest: not read, left out (mtl/config/reads.py; tests/test_unused_keys.py)
+    # set before data.source chose a manifest: not read, left out (mtl/config/read_rules.py; tests/test_unused_keys.py)
     (tmp_path / "synthetic40.yaml").write_text(f"base: {TINY}\ndata: {{synthetic: {{train_size: 40}}}}\n")  # a file:
     manifest = config(tmp_path, "data.source=manifest", "data.train_path=t.jsonl",  # one command line is judged whole
                       "data.val_path=v.jsonl", path=str(tmp_path / "synthetic40.yaml"))

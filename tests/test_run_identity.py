@@ -14,13 +14,13 @@ import shutil
 import pytest
 import torch
 
-from mtl.config.checks import load_run_config
+from mtl.checkpoint import folder as ckpt
 from mtl.config.schema import to_yaml
 from mtl.errors import CheckpointError, ConfigError, TrainingError
 from mtl.parallel.dist import DistInfo
-from mtl.run import checkpoint as ckpt
 from mtl.run.run_folder import RUN_ID_FILE, RunFolder
 from mtl.run.trainer import Trainer
+from mtl.setup.checks import load_run_config
 
 from .conftest import TINY
 from .test_inference import train_script

@@ -12,9 +12,9 @@ import os
 import pytest
 from PIL import Image
 
-from mtl.config.resume import saved_config
+from mtl.checkpoint import folder as ckpt
 from mtl.errors import CheckpointError
-from mtl.run import checkpoint as ckpt
+from mtl.setup.resume import saved_config
 from mtl.tools import predict as predict_tool
 
 from .test_checkpoint import decide, file_bytes, save

@@ -25,15 +25,15 @@ def _vit_backbone(layers: int = 3):
 
 
 def _tiny_model(*overrides, backbone=None):
-    from mtl.build import build_model
-    from mtl.config.checks import load_run_config
     from mtl.data.tokenizer import train_tokenizer
+    from mtl.setup.build import build_model
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(TINY, list(overrides), announce=False)
     torch.manual_seed(0)
     model = build_model(cfg, 4, list("abcd"), train_tokenizer(["a b c"], 64))
     if backbone is not None:  # a ViT in place of the ResNet (the heads read its tokens: rebuilt for them)
-        import mtl.build as b
+        import mtl.setup.build as b
 
         orig = b.build_backbone
         b.build_backbone = lambda cfg: backbone
@@ -70,7 +70,7 @@ def test_fsdp2_shards_each_vit_block_then_what_is_left():
 def test_layer_decay_follows_maes_rule_and_freeze_takes_the_first_blocks_and_what_runs_before():
     """MAE's param_groups_lrd / BEiT: embeddings decay**(L+1), block i decay**(L-i), after the last block and the
     heads decay**0. freeze_blocks=1: the embeddings and block 0 get no gradient and are in no group."""
-    from mtl.build import build_optimizer
+    from mtl.setup.build import build_optimizer
     from mtl.weighting import weighting_types
 
     decay = 0.5
@@ -97,7 +97,7 @@ def test_layer_decay_follows_maes_rule_and_freeze_takes_the_first_blocks_and_wha
 def test_the_schedulers_keep_each_groups_ratio(scheduler):
     """transformers' schedules multiply each group's own initial lr; the plateau floor is scaled per group, so a
     group reaching it keeps its ratio too."""
-    from mtl.build import build_optimizer, build_scheduler
+    from mtl.setup.build import build_optimizer, build_scheduler
     from mtl.weighting import weighting_types
 
     over = ["optim.layer_decay=0.5", f"optim.scheduler={scheduler}", "optim.warmup_steps=2"]
@@ -188,7 +188,7 @@ def test_activation_checkpointing_gives_the_same_losses_and_weights_for_every_st
 
 
 def test_the_per_block_keys_are_refused_where_they_cannot_apply(monkeypatch):
-    from mtl.config.checks import load_run_config
+    from mtl.setup.checks import load_run_config
 
     qm9 = ["data.source=qm9", "model.backbone.name=mpnn", "tasks=[mu]"]
     for extra, says in ((["optim.layer_decay=0"], "optim.layer_decay: 0"),

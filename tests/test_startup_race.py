@@ -29,9 +29,9 @@ def _worker(rank, port, out_dir, results):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     import torch.distributed as tdist
 
-    from mtl.config.checks import load_run_config
     from mtl.parallel.dist import DistInfo, all_reduce_sum
     from mtl.run.run_folder import RunFolder
+    from mtl.setup.checks import load_run_config
 
     torch.set_num_threads(1)
     damaged = os.path.isfile(os.path.join(out_dir, "tokenizer", "tokenizer.json"))

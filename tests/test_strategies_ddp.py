@@ -126,10 +126,10 @@ def test_feature_leaf_step_matches_an_independently_computed_gradient(tmp_path):
 
     import torch.nn.functional as F
 
-    from mtl.build import build_collate, build_model, seed_everything
-    from mtl.config.checks import load_run_config
     from mtl.data.loader import build_datasets, build_train_loader, set_epoch
     from mtl.data.tokenizer import CaptionTokenizer
+    from mtl.setup.build import build_collate, build_model, seed_everything
+    from mtl.setup.checks import load_run_config
 
     cfg = load_run_config(TINY, [f"output_dir={tmp_path}", f"data.batch_size={2 * B}"])
     seed_everything(cfg.seed)

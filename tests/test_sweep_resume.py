@@ -27,9 +27,9 @@ def _sweep(out):
 
 def _planned(out):
     """The run's entry of the sweep's plan, with its identity (what ``run_all`` gives ``begin``)."""
-    from mtl.config.checks import load_run_config
-    from mtl.tools.bench.record import run_identity
-    from mtl.tools.bench.sweep import plan, regime_configs
+    from mtl.bench.record import run_identity
+    from mtl.bench.regimes import plan, regime_configs
+    from mtl.setup.checks import load_run_config
 
     over = [f"output_dir={out}", *ARGS]
     loaded, errors = regime_configs(load_run_config(TINY, over), TINY, over)
@@ -41,7 +41,7 @@ def _planned(out):
 
 @pytest.mark.slow
 def test_a_sweep_launched_again_resumes_an_unfinished_run_from_its_checkpoint(tmp_path):
-    from mtl.tools.bench.sweep import earlier_attempt
+    from mtl.bench.runs import earlier_attempt
 
     out = tmp_path / "bench"
     run = out / "runs" / "natural" / "equal" / "seed0"

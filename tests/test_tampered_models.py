@@ -1,5 +1,5 @@
 """Every path that loads a trained model (predict, evaluate, export, ``train.py init_from=``) verifies the folder's
-manifest as a resume does (``mtl.build.verify_model_files`` -> ``mtl.run.checkpoint.verify_checkpoint``), and reads its
+manifest as a resume does (``mtl.setup.build.verify_model_files`` -> ``mtl.checkpoint.folder.verify_checkpoint``), and reads its
 config.yaml as data: no ``${...}`` resolved, no ``base:`` followed."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mtl.checkpoint.folder import write_manifest
 from mtl.errors import TrainingError
 from mtl.inference import load_model
-from mtl.run.checkpoint import write_manifest
 from mtl.tools import evaluate as evaluate_tool
 from mtl.tools import export as export_tool
 from mtl.tools import predict as predict_tool

@@ -9,10 +9,10 @@ import subprocess
 import pytest
 import torch
 
-from mtl.build import build_run_inputs
-from mtl.config.checks import load_run_config
 from mtl.data.synthetic import COLOUR_NAMES
 from mtl.errors import ConfigError, DataError
+from mtl.setup.build import build_run_inputs
+from mtl.setup.checks import load_run_config
 
 from .conftest import PY, ROOT, TINY, example_outside, run_train
 
@@ -111,9 +111,9 @@ def test_old_caption_keys_still_read_and_resume(tmp_path):
     checkpoints written before the move are read as the new keys, so those checkpoints still resume."""
     import yaml
 
-    from mtl.config.resume import verify_resume_config
     from mtl.config.schema import to_yaml
     from mtl.errors import CheckpointError
+    from mtl.setup.resume import verify_resume_config
 
     cfg = load_run_config(TINY, [f"output_dir={tmp_path}"])
     assert cfg.task_options.gen == {"max_tokens": 10, "num_beams": 1}  # tiny.yaml: task_options.gen.max_tokens 10

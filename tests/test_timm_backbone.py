@@ -60,9 +60,9 @@ def test_features_are_timms_forward_features_and_blocks_cover_the_parameters(tmp
 
 
 def test_norm_group_frozen_and_sync_leave_no_per_rank_batch_statistics_and_batch_is_refused_on_reshard():
-    """A timm ResNet's BatchNorm follows model.backbone.norm; the reshard rule (mtl/config/resume.py) refuses a
+    """A timm ResNet's BatchNorm follows model.backbone.norm; the reshard rule (mtl/setup/resume.py) refuses a
     resume on another world size exactly when batch_statistics_layers finds a layer."""
-    from mtl.config.resume import batch_statistics_layers
+    from mtl.setup.resume import batch_statistics_layers
 
     assert batch_statistics_layers(TimmBackbone.build(cfg_for("resnet18", norm="batch")))
     for norm in ("group", "frozen", "sync"):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mtl import inference
+from mtl.checkpoint import folder as ckpt
 from mtl.errors import CheckpointError
-from mtl.run import checkpoint as ckpt
 from mtl.tools import evaluate as evaluate_tool
 from mtl.tools import export as export_tool
 from mtl.tools import predict as predict_tool
@@ -166,8 +166,7 @@ def test_an_export_that_fails_while_writing_is_one_message_and_leaves_nothing(ru
     from safetensors import SafetensorError
     from transformers import modeling_utils
 
-    from mtl import interop
-
+    from mtl.inference import interop
     fired = []
     if fault == "python write":
         disk = FullDisk("image_program.pt2", room=4096)
@@ -191,7 +190,7 @@ def test_an_export_that_fails_while_writing_is_one_message_and_leaves_nothing(ru
 
 
 def test_an_export_removes_what_a_killed_export_left(run, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(inference, "write_interop", lambda folder, predictor: [])  # the parts: not needed here
+    monkeypatch.setattr(inference.export, "write_interop", lambda folder, predictor: [])  # the parts: not needed here
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # its PID is gone: what a SIGKILLed export leaves is named after a dead process
     stale, alive = tmp_path / f"exp.{child.pid}.tmp", tmp_path / "exp.1.tmp"  # PID 1 never dies
@@ -247,7 +246,7 @@ def test_a_crafted_index_message_says_its_fix_once(tmp_path):
 def test_init_from_parses_no_config_yaml_as_the_trust_table_says(run, tmp_path):
     """docs/reliability.md's table of load paths: init_from reads the weights, the tokenizer and the class names, not
     config.yaml. A config.yaml the tools refuse (a ``${...}``; the manifest refreshed) does not stop a warm start."""
-    from mtl.build import init_from_weights
+    from mtl.setup.build import init_from_weights
 
     folder = tmp_path / "m"
     shutil.copytree(checkpoint(run, 1), folder)

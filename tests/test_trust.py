@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
+from mtl.checkpoint import folder as ckpt
+from mtl.checkpoint import train_state as ts
 from mtl.errors import CheckpointError
-from mtl.run import checkpoint as ckpt
-from mtl.run import train_state as ts
 
 from .test_checkpoint import config, decide, to_yaml
 
@@ -29,7 +29,7 @@ def _parts(seed=0):
 
 
 def save_sharded(out, step, tamper_state=None):
-    """A checkpoint with ``state/`` (``mtl.run.train_state``); ``tamper_state(state)`` may edit the sharded state first."""
+    """A checkpoint with ``state/`` (``mtl.checkpoint.train_state``); ``tamper_state(state)`` may edit the sharded state first."""
     net, weighting, opt = _parts(step)
     state = ts.sharded_state(net, weighting, opt)
     if tamper_state:

@@ -1,4 +1,4 @@
-"""A key the user set that the run does not read is an error (exit 2), never silently ignored (mtl/config/reads.py).
+"""A key the user set that the run does not read is an error (exit 2), never silently ignored (mtl/config/read_rules.py).
 
 Every key of the schema (``config_keys``, and a multi-input task's section, ``TaskDataConfig``) is driven through
 "set but not read" in each set-up where it does not apply, and must be accepted in each where it does. The
@@ -18,9 +18,6 @@ import yaml
 from omegaconf import OmegaConf
 
 import train
-from mtl.config.checks import load_run_config
-from mtl.config.reads import run_shape, unread_errors
-from mtl.config.resume import verify_resume_config
 from mtl.config.schema import (
     TaskDataConfig,
     config_keys,
@@ -30,6 +27,9 @@ from mtl.config.schema import (
     to_yaml,
 )
 from mtl.errors import ConfigError
+from mtl.setup.checks import load_run_config
+from mtl.setup.reads import run_shape, unread_errors
+from mtl.setup.resume import verify_resume_config
 
 from .conftest import ROOT, TINY, example_outside
 
@@ -322,7 +322,7 @@ def test_a_seed_numpy_cannot_take_is_a_config_error(seed):
 
 
 def test_the_largest_seed_trains(tmp_path):
-    from mtl.build import seed_everything
+    from mtl.setup.build import seed_everything
 
     cfg = load_run_config(TINY, [f"seed={2**32 - 1}"])
     seed_everything(cfg.seed)  # what raised before the check

@@ -3,8 +3,7 @@
 
 from mtl.architectures.base import Architecture, Trunk
 from mtl.config.schema import options_of
-from mtl.errors import ConfigError
-from mtl.registry import registered
+from mtl.registry import chosen, registered, unknown_name
 
 __all__ = ["Architecture", "Trunk", "adopt_plain_weights", "architecture_of", "architecture_options",
            "architecture_types"]
@@ -18,14 +17,11 @@ def architecture_types(extra_modules=()) -> dict[str, type]:
 def architecture_of(cfg) -> type:
     """The class of ``model.architecture.name``."""
     types = architecture_types(cfg.get("architecture_modules") or ())
-    name = cfg.model.architecture.name
-    if name not in types:
-        raise ConfigError(unknown_architecture(name, types))
-    return types[name]
+    return chosen(types, cfg.model.architecture.name, "model.architecture.name", "architecture")
 
 
 def unknown_architecture(name: str, types: dict) -> str:
-    return f"model.architecture.name: unknown architecture {name!r} (supported: {', '.join(types)})"
+    return unknown_name("model.architecture.name", "architecture", name, types)
 
 
 def architecture_options(cfg):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mtl.config.schema import NoOptions
+from mtl.config.keys import NoOptions
 
 
 class Architecture:

@@ -29,7 +29,7 @@ MIN_CLASSES = 2  # one class would leave nothing to classify
 
 def num_classes_problem(num_classes: int) -> str | None:
     """Why ``data.synthetic.num_classes`` is unusable, or None. The one place that knows the range:
-    ``mtl.config.checks`` (the launcher's up-front check) asks this too."""
+    ``mtl.setup.checks`` (the launcher's up-front check) asks this too."""
     if not MIN_CLASSES <= num_classes <= len(SHAPES):
         return (f"data.synthetic.num_classes={num_classes}: must be in {MIN_CLASSES}..{len(SHAPES)}, "
                 f"the number of shape kinds ({', '.join(SHAPES)})")

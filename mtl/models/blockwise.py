@@ -20,8 +20,8 @@
   recompiles stay few; the module, its names and its state dict stay as they are).
 
 ``prepare(cfg, model)`` applies checkpointing then compilation, the order torchtitan uses (activation checkpointing,
-``torch.compile`` per block, then ``fully_shard`` per block and the root): ``mtl.build.wrap_model`` calls it before
-the engine. ``freeze`` runs when the model is built (``mtl.build.build_model``), so that every tool sees what trains.
+``torch.compile`` per block, then ``fully_shard`` per block and the root): ``mtl.setup.build.wrap_model`` calls it before
+the engine. ``freeze`` runs when the model is built (``mtl.setup.build.build_model``), so that every tool sees what trains.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A captioner in transformers' own layout, a ``VisionEncoderDecoderModel`` folder (a ViT-GPT2), in and out.
 
-In (``init_from: DIR``, ``mtl.build.init_from_weights``): the folder's encoder is the backbone (``hf_vision``), its
+In (``init_from: DIR``, ``mtl.setup.build.init_from_weights``): the folder's encoder is the backbone (``hf_vision``), its
 GPT-2 decoder the caption head's decoder and its tokenizer the run's. The map is one to one:
 
     encoder.*          -> backbone.model.*
@@ -12,7 +12,7 @@ as configs/vit_gpt2.yaml does) and ``ved_state`` checks the built model against 
 weight is read: a key that disagrees is named with the value to set. The other heads (a classification head) start
 fresh, and the folder's tensors no mtl module holds (ViT's pooler, which a captioner never reads) are named.
 
-Out (``to_vision_encoder_decoder``, for ``mtl.interop``): the same map backwards, into a
+Out (``to_vision_encoder_decoder``, for ``mtl.inference.interop``): the same map backwards, into a
 ``VisionEncoderDecoderModel`` whose ``generate`` gives mtl's captions.
 """
 

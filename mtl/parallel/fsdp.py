@@ -23,7 +23,7 @@ What that changes for a step (docs/fsdp.md):
   combines per shard); a weighting method that cannot run on shards is refused (``check_method``).
 - fp16 uses torch's ``ShardedGradScaler`` (mtl/parallel/amp.py), which agrees on an overflow over the ranks.
 - The gradient norm (finite check, clipping) is the global norm over the shards (``grad_norm``).
-- Checkpoints hold the sharded model and optimizer state (``mtl/run/train_state.py``) and the full model
+- Checkpoints hold the sharded model and optimizer state (``mtl/checkpoint/train_state.py``) and the full model
   gathered to rank 0 for ``model.safetensors`` (``full_model_state``); the full optimizer state
   (``full_optimizer_state``) is what mtl-checkpoint-v1 checkpoints held, still read on resume.
 

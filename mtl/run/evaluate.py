@@ -55,7 +55,7 @@ def _evaluate(model, loader, tasks: list[str], device: torch.device, max_batches
 
 def evaluate_run(model, loaders: dict, device: torch.device, max_batches: int = 0, stop=None) -> dict:
     """A run's evaluation (the trainer's, and ``mtl.inference``'s): {task: {metric: value}}. ``loaders`` maps each
-    task to its validation loader (``mtl.build.build_eval_loaders``): the tasks that share one loader (one data set
+    task to its validation loader (``mtl.setup.build.build_eval_loaders``): the tasks that share one loader (one data set
     for every task) are evaluated in one pass over it, a task with its own (multi-input mode) on its own set.
     ``stop``: as ``evaluate``'s (EvaluationStopped)."""
     groups: dict[int, tuple] = {}

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from mtl.build import build_eval_loaders
 from mtl.data.heldout import HeldoutStream, verify_heldout_size
 from mtl.data.images import normalization_text, processor_folder
 from mtl.data.loader import (
@@ -39,6 +38,7 @@ from mtl.data.loader import (
 from mtl.data.multi_input import MultiInputStream, verify_task_sizes
 from mtl.data.tokenizer import unknown_share_text
 from mtl.errors import ConfigError
+from mtl.setup.build import build_eval_loaders
 
 
 class LoaderFeed:
@@ -151,7 +151,7 @@ class Feed:
 
 
 def build_feed(cfg, inputs, dist, weighting) -> Feed:
-    """The run's Feed from its inputs (``mtl.build.build_run_inputs``); every size check runs here, before a step."""
+    """The run's Feed from its inputs (``mtl.setup.build.build_run_inputs``); every size check runs here, before a step."""
     d = cfg.data
     if inputs.task_sets is not None:
         stream = MultiInputStream(cfg, {t: tr for t, (tr, _) in inputs.task_sets.items()}, inputs.task_collates,

@@ -12,10 +12,10 @@ import os
 import sys
 import time
 
+from mtl.checkpoint.folder import describe_os_error
 from mtl.errors import TrainingError
 from mtl.files import write_atomic
 from mtl.run import console
-from mtl.run.checkpoint import describe_os_error
 
 
 class RunLogger:

@@ -38,8 +38,8 @@ import uuid
 
 from omegaconf import OmegaConf
 
-from mtl.build import resolve_tokenizer, tokenizer_source
-from mtl.config.resume import batch_statistics_layers, random_layers, reshard_problems, saved_config, verify_resume_config
+from mtl.checkpoint import folder as ckpt
+from mtl.checkpoint.train_state import sharded_state
 from mtl.config.schema import config_summary, to_yaml
 from mtl.data.loader import data_position
 from mtl.data.tokenizer import FILE_NAME as TOKENIZER_FILE
@@ -50,11 +50,11 @@ from mtl.models.backbones.hf_vision import carried_files
 from mtl.parallel.dist import DistInfo, barrier, broadcast_object
 from mtl.parallel.fsdp import full_model_state, is_sharded
 from mtl.registry import plugin_files
-from mtl.run import checkpoint as ckpt
 from mtl.run.logger import trim_metrics
 from mtl.run.runlock import LockHeld, RunLock
 from mtl.run.step import StepParts
-from mtl.run.train_state import sharded_state
+from mtl.setup.build import resolve_tokenizer, tokenizer_source
+from mtl.setup.resume import batch_statistics_layers, random_layers, reshard_problems, saved_config, verify_resume_config
 
 RUN_ID_FILE = "run.json"  # the run's identity: {"run_id": ..., "resumed_from": the checkpoint it started from or null}
 # what a run writes in output_dir; overwrite=true deletes these (and nothing else) before it starts
@@ -120,7 +120,7 @@ class RunFolder:
             self.close()
             raise CheckpointError(error) if kind == "checkpoint" else ConfigError(error)
         if self.dist.is_main:
-            # only the keys the run reads (mtl/config/reads.py)
+            # only the keys the run reads (mtl/config/read_rules.py)
             print(config_summary(self.cfg, os.path.join(self.cfg.output_dir, "config.yaml")), flush=True)
             for note in notes:
                 print(note, flush=True)
@@ -220,7 +220,7 @@ class RunFolder:
     def tokenizer(self, captions) -> CaptionTokenizer:
         """Every rank, after ``prepare``: the run's tokenizer, written nowhere yet (``commit`` writes the run's copy,
         ``output_dir/tokenizer/``). On a resume the checkpoint's own (so a damaged run's copy does not block it);
-        else the run's copy (not with overwrite=true, which deletes it); else ``mtl.build.resolve_tokenizer``'s
+        else the run's copy (not with overwrite=true, which deletes it); else ``mtl.setup.build.resolve_tokenizer``'s
         (``tokenizer.path``'s, ``init_from``'s or one trained on ``captions()``). Rank 0 finds it; every rank
         loads those same bytes, or raises the same error."""
         found = None
@@ -313,7 +313,7 @@ class RunFolder:
     # ------------------------------------------------------------------ save and load
 
     def trainer_state(self, step: int, parts: StepParts, feed, bad_steps: int = 0) -> dict:
-        """What ``trainer_state.pt`` holds (mtl/run/checkpoint.py); ``bad_steps``: the non-finite streak at ``step``."""
+        """What ``trainer_state.pt`` holds (mtl/checkpoint/folder.py); ``bad_steps``: the non-finite streak at ``step``."""
         return {"step": step, "world_size": self.dist.world_size,
                 "engine": "fsdp2" if is_sharded(parts.bare) else "ddp", **feed.state_dict(),
                 "scheduler": parts.scheduler.state_dict(), "scaler": parts.amp.state_dict(),

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from mtl.checkpoint.finite import params_finite
 from mtl.data.multi_input import task_rows
 from mtl.parallel.amp import Amp
 from mtl.parallel.dist import Comm, all_reduce_mean, all_reduce_sum, average_grads
 from mtl.parallel.fsdp import clip_ as clip_grads_
 from mtl.parallel.fsdp import grad_norm as total_grad_norm
 from mtl.parallel.fsdp import is_sharded
-from mtl.run.finite import params_finite
 from mtl.strategies import StepInputs, Strategy
 from mtl.weighting.bilevel import MetaInputs, add_to_grads_
 

@@ -1,19 +1,25 @@
-"""What the run says about each step and each evaluation: metrics.jsonl and TensorBoard (``RunLogger``), the
-console, the progress bar; and the two ends a step's result can force (too many non-finite steps, weights that
-blew up: a TrainingError naming the checkpoint that is kept)."""
+"""What the run says at its start, about each step and each evaluation: metrics.jsonl and TensorBoard
+(``RunLogger``), the console, the progress bar; the two ends a step's result can force (too many non-finite steps,
+weights that blew up: a TrainingError naming the checkpoint that is kept); and the run's end: a final evaluation that
+is non-finite refused, final_metrics.json, the curves and the summary line (``finish``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import resource
 
 import numpy as np
 import torch
 
+from mtl.checkpoint import folder as ckpt
+from mtl.checkpoint.finite import first_blown_up, nonfinite_eval
 from mtl.data.multi_input import task_rows
-from mtl.errors import TrainingError
-from mtl.run import checkpoint as ckpt
+from mtl.errors import CheckpointError, TrainingError
+from mtl.files import write_atomic
+from mtl.models.blockwise import frozen_note as blocks_frozen
+from mtl.optim.layer_groups import describe as describe_groups
 from mtl.run import heartbeat
-from mtl.run.finite import first_blown_up
 from mtl.run.logger import RunLogger
 from mtl.run.runtime_checks import locate_nonfinite
 from mtl.run.step import StepParts, StepResult
@@ -33,7 +39,8 @@ def flat_metrics(metrics: dict, test: dict) -> dict:
 
 
 class StepLog:
-    """Formats and writes a run's step and evaluation records; counts bad steps and fp16 overflows."""
+    """Formats and writes a run's first lines, its step and evaluation records and its end; counts bad steps and fp16
+    overflows."""
 
     def __init__(self, cfg, parts: StepParts, log: RunLogger, device: torch.device, world_size: int, is_main: bool,
                  bad_steps: int = 0):
@@ -42,6 +49,19 @@ class StepLog:
         self.bad_steps = bad_steps  # the current streak of non-finite steps (a resumed run's goes on)
         self.overflows = 0
         self.log_every = cfg.trainer.log_every
+
+    def announce(self, resume_notes: list[str], backend: str | None, feed: str, data: str) -> None:
+        """The run's first lines: the resume's notes, the processes and the run's choices (``feed``: the feed's own
+        description), the per-block settings and the optimizer's groups, the data (``data``: its summary)."""
+        cfg, bare = self.cfg, self.parts.bare
+        for note in resume_notes:
+            self.log.info(note)
+        self.log.info(f"mtl: {self.world_size} process(es) on {self.device} ({backend or 'no process group'}), "
+                      f"strategy={cfg.ddp.strategy}, weighting={cfg.weighting.method}, precision={cfg.precision}, "
+                      f"{feed}, {sum(p.numel() for p in self.parts.params):,} parameters")
+        for line in [*bare.block_notes, *blocks_frozen(bare), describe_groups(self.parts.optimizer)]:
+            self.log.info(line)  # per-block settings and the optimizer's groups (mtl/optim/layer_groups.py)
+        self.log.info(data)
 
     def writes(self, step: int) -> bool:
         """Whether step ``step`` (1-based) gets a record: the first, and every ``trainer.log_every``."""
@@ -112,7 +132,7 @@ class StepLog:
         lines = [f"  [{idx}] pred: {hyp!r}  ref: {ref!r}" for idx, hyp, ref in samples]
         self.log.info("samples:\n" + "\n".join(lines))
         self.log.text("samples", "\n\n".join(f"**{i}** pred: `{h}` — ref: `{r}`" for i, h, r in samples), step)
-        from mtl.plots import sample_figure  # import here: matplotlib, only when there are samples to draw
+        from mtl.run.plots import sample_figure  # import here: matplotlib, only when there are samples to draw
 
         images = [val_sets[task][idx]["image"] for idx, _, _ in samples]
         self.log.figure("samples", sample_figure(images, samples), step)
@@ -128,3 +148,56 @@ class StepLog:
         raise TrainingError(f"step {step}: the optimizer step made the weights non-finite or blew them up past "
                             f"what float32 holds (on this rank first in {bad}); they cannot be restored, so the run "
                             f"stops and saves nothing. Lower optim.lr or set optim.grad_clip; {self.kept_checkpoint()}")
+
+    # ------------------------------------------------------------------ the run's end
+
+    def refuse_nonfinite_final(self, step: int, final: dict) -> None:
+        """A run whose final evaluation is NaN/inf diverged: a TrainingError (exit 5), before its final checkpoint."""
+        bad = nonfinite_eval(final, self.parts.tasks)
+        if bad:
+            raise TrainingError(f"the final evaluation at step {step} is non-finite ("
+                                + ", ".join(f"{k}={final[k]}" for k in bad) + "): the model diverged, so its final "
+                                f"checkpoint was not written. Lower optim.lr or set optim.grad_clip; "
+                                f"{self.kept_checkpoint()}")
+
+    def finish(self, step: int, final: dict, wall: float, first: int = 0, data_skipped: int = 0) -> None:
+        """The run's end at ``step`` (``first``: the step it started from; ``data_skipped``: the bad data lines
+        skipped): final_metrics.json, the curves, the hyperparameters, the summary line."""
+        cfg, out = self.cfg, self.cfg.output_dir
+        if self.is_main:
+            summary = {"step": step, "wall_time_s": round(wall, 1), "world_size": self.world_size,
+                       "fp16_overflows": self.overflows, "data_skipped": data_skipped, **final}
+            self._write_final_metrics(os.path.join(out, "final_metrics.json"), summary)
+            self._write_curves(os.path.join(out, "metrics.jsonl"), os.path.join(out, "curves.png"))
+            hp = {"strategy": cfg.ddp.strategy, "weighting": cfg.weighting.method, "precision": cfg.precision,
+                  "lr": cfg.optim.lr, "global_batch": cfg.data.batch_size * self.world_size}
+            self.log.hparams(hp, {f"hparam/{k}": v for k, v in final.items()})
+        taken = step - first
+        what = (f"nothing to do (step {step}, trainer.max_steps {cfg.trainer.max_steps})" if not taken else
+                f"{taken} steps ({first + 1}-{step}) in {wall:.0f} s" if first else f"{taken} steps in {wall:.0f} s")
+        self.log.info(f"done: {what}; " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
+
+    def _write_final_metrics(self, target: str, summary: dict) -> None:
+        """``final_metrics.json``, whole or not at all. When it cannot be written (a full disk), its content goes to
+        the console instead and the run ends with one message (exit 4): the final checkpoint is saved already."""
+        text = json.dumps(summary, indent=2)
+        try:
+            write_atomic(target, text.encode("utf-8"))
+        except OSError as e:
+            self.log.info(f"final metrics (not saved): {json.dumps(summary)}")
+            raise CheckpointError(f"cannot write {target}: {ckpt.describe_os_error(e)}. The run finished and its final "
+                                  "checkpoint is saved; its final metrics are printed above (or run mtl.tools.evaluate "
+                                  "on the checkpoint once there is space)") from None
+
+    def _write_curves(self, metrics: str, target: str) -> None:
+        """``curves.png``, a convenience: a failure to draw or write it (a full disk) is one warning line, and the
+        run, whose checkpoint and final_metrics.json are written, still ends well."""
+        from mtl.run.plots import curves_png  # import here: matplotlib, at the end of a run only
+
+        try:
+            write_atomic(target, curves_png(metrics, [key for head in self.parts.bare.heads.values()
+                                                      for key, _ in head.metric_keys()]))
+        except (OSError, ValueError) as e:  # ValueError: a metrics.jsonl line it cannot read or draw
+            cause = ckpt.describe_os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            self.log.info(f"warning: could not write {target}: {cause}; the loss curves are left out, the run's "
+                          f"results (checkpoints, final_metrics.json, metrics.jsonl) are intact")

@@ -2,20 +2,32 @@
 
 A thin loop over three components, each testable alone: the ``RunFolder`` (mtl/run/run_folder.py: the lock, the
 resume decision, save and load, when to save), the ``Feed`` (mtl/run/feed.py: the training batches, multi-input
-plans and held-out batches, on the device) and the ``StepLog`` (mtl/run/step_log.py: what a step and an
-evaluation write). The step itself is ``mtl.run.step.train_step``.
+plans and held-out batches, on the device) and the ``StepLog`` (mtl/run/step_log.py: what a step, an
+evaluation and the run's end write). The step itself is ``mtl.run.step.train_step``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 
 import torch
 
-from mtl.build import (
+from mtl.parallel.amp import Amp
+from mtl.parallel.dist import DistInfo, all_gather_objects, init_distributed
+from mtl.parallel.fsdp import gathered, is_sharded
+from mtl.run import heartbeat
+from mtl.run.evaluate import EvaluationStopped, evaluate_run
+from mtl.run.faults import poison
+from mtl.run.feed import build_eval_feeds, build_feed, check_feed_data, data_summary
+from mtl.run.logger import RunLogger
+from mtl.run.run_folder import RunFolder
+from mtl.run.runtime_checks import explain_ddp_error, verify_replicas
+from mtl.run.signals import StopSignals, enter_phase
+from mtl.run.step import StepParts, StepResult, train_step
+from mtl.run.step_log import StepLog, flat_metrics
+from mtl.setup.build import (
     build_optimizer,
     build_run_inputs,
     build_scheduler,
@@ -26,26 +38,7 @@ from mtl.build import (
     run_task_types,
     wrap_model,
 )
-from mtl.config.checks import load_run_config
-from mtl.errors import CheckpointError, TrainingError
-from mtl.files import write_atomic
-from mtl.models.blockwise import frozen_note as blocks_frozen
-from mtl.optim_groups import describe as describe_groups
-from mtl.parallel.amp import Amp
-from mtl.parallel.dist import DistInfo, all_gather_objects, init_distributed
-from mtl.parallel.fsdp import gathered, is_sharded
-from mtl.run import checkpoint as ckpt
-from mtl.run import heartbeat
-from mtl.run.evaluate import EvaluationStopped, evaluate_run
-from mtl.run.faults import poison
-from mtl.run.feed import build_eval_feeds, build_feed, check_feed_data, data_summary
-from mtl.run.finite import nonfinite_eval
-from mtl.run.logger import RunLogger
-from mtl.run.run_folder import RunFolder
-from mtl.run.runtime_checks import explain_ddp_error, verify_replicas
-from mtl.run.signals import StopSignals, enter_phase
-from mtl.run.step import StepParts, StepResult, train_step
-from mtl.run.step_log import StepLog, flat_metrics
+from mtl.setup.checks import load_run_config
 
 
 class Trainer:
@@ -109,14 +102,8 @@ class Trainer:
                              every=cfg.trainer.log_every)  # without a terminal: a progress line every log_every steps
         self.steplog = StepLog(cfg, self.parts, self.log, self.device, dist.world_size, dist.is_main,
                                bad_steps=self.folder.resumed_bad_steps)  # a streak goes on where it stopped
-        for note in self.resume_notes:
-            self.log.info(note)
-        self.log.info(f"mtl: {dist.world_size} process(es) on {self.device} ({dist.backend or 'no process group'}), "
-                      f"strategy={cfg.ddp.strategy}, weighting={cfg.weighting.method}, precision={cfg.precision}, "
-                      f"{self.feed.describe(cfg, dist.world_size)}, {sum(p.numel() for p in self.params):,} parameters")
-        for line in [*self.bare.block_notes, *blocks_frozen(self.bare), describe_groups(self.optimizer)]:
-            self.log.info(line)  # per-block settings and the optimizer's groups (mtl/optim_groups.py)
-        self.log.info(data_summary(cfg, inputs, run_task_types(cfg)))
+        self.steplog.announce(self.resume_notes, dist.backend, self.feed.describe(cfg, dist.world_size),
+                              data_summary(cfg, inputs, run_task_types(cfg)))  # the run's first lines
 
     @classmethod
     def from_config(cls, config: str, overrides: list[str] | tuple = ()) -> Trainer:
@@ -207,14 +194,9 @@ class Trainer:
                     raise KeyboardInterrupt
                 return self.last_eval
         final = self.run_eval()
-        bad = nonfinite_eval(final, self.tasks)  # a run whose final evaluation is NaN/inf diverged: exit 5
-        if bad:
-            raise TrainingError(f"the final evaluation at step {self.step} is non-finite ("
-                                + ", ".join(f"{k}={final[k]}" for k in bad) + "): the model diverged, so its final "
-                                f"checkpoint was not written. Lower optim.lr or set optim.grad_clip; "
-                                f"{self.steplog.kept_checkpoint()}")
+        self.steplog.refuse_nonfinite_final(self.step, final)  # a final evaluation that is NaN/inf: exit 5
         self.save()
-        self._finish(final, time.perf_counter() - start, first)
+        self.steplog.finish(self.step, final, time.perf_counter() - start, first, self.skipped_lines[0])
         return final
 
     def run_eval(self, stoppable: bool = False) -> dict:
@@ -250,47 +232,6 @@ class Trainer:
             heartbeat.progress(self.step, saved=self.step)
             self.log.info(f"step {self.step}: checkpoint {path}")
         return path
-
-    def _finish(self, final: dict, wall: float, first: int = 0) -> None:
-        """The run's end (``first``: the step it started from): final_metrics.json, the curves, the summary line."""
-        cfg, out = self.cfg, self.cfg.output_dir
-        if self.dist.is_main:
-            summary = {"step": self.step, "wall_time_s": round(wall, 1), "world_size": self.dist.world_size,
-                       "fp16_overflows": self.steplog.overflows, "data_skipped": self.skipped_lines[0], **final}
-            self._write_final_metrics(os.path.join(out, "final_metrics.json"), summary)
-            self._write_curves(os.path.join(out, "metrics.jsonl"), os.path.join(out, "curves.png"))
-            hp = {"strategy": cfg.ddp.strategy, "weighting": cfg.weighting.method, "precision": cfg.precision,
-                  "lr": cfg.optim.lr, "global_batch": cfg.data.batch_size * self.dist.world_size}
-            self.log.hparams(hp, {f"hparam/{k}": v for k, v in final.items()})
-        taken = self.step - first
-        what = (f"nothing to do (step {self.step}, trainer.max_steps {cfg.trainer.max_steps})" if not taken else
-                f"{taken} steps ({first + 1}-{self.step}) in {wall:.0f} s" if first else f"{taken} steps in {wall:.0f} s")
-        self.log.info(f"done: {what}; " + ", ".join(f"{k}={v:.4f}" for k, v in final.items()))
-
-    def _write_final_metrics(self, target: str, summary: dict) -> None:
-        """``final_metrics.json``, whole or not at all. When it cannot be written (a full disk), its content goes to
-        the console instead and the run ends with one message (exit 4): the final checkpoint is saved already."""
-        text = json.dumps(summary, indent=2)
-        try:
-            write_atomic(target, text.encode("utf-8"))
-        except OSError as e:
-            self.log.info(f"final metrics (not saved): {json.dumps(summary)}")
-            raise CheckpointError(f"cannot write {target}: {ckpt.describe_os_error(e)}. The run finished and its final "
-                                  "checkpoint is saved; its final metrics are printed above (or run mtl.tools.evaluate "
-                                  "on the checkpoint once there is space)") from None
-
-    def _write_curves(self, metrics: str, target: str) -> None:
-        """``curves.png``, a convenience: a failure to draw or write it (a full disk) is one warning line, and the
-        run, whose checkpoint and final_metrics.json are written, still ends well."""
-        from mtl.plots import curves_png  # import here: matplotlib, at the end of a run only
-
-        try:
-            write_atomic(target, curves_png(metrics, [key for head in self.heads.values()
-                                                      for key, _ in head.metric_keys()]))
-        except (OSError, ValueError) as e:  # ValueError: a metrics.jsonl line it cannot read or draw
-            cause = ckpt.describe_os_error(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
-            self.log.info(f"warning: could not write {target}: {cause}; the loss curves are left out, the run's "
-                          f"results (checkpoints, final_metrics.json, metrics.jsonl) are intact")
 
     def close(self) -> None:
         if hasattr(self, "log"):

@@ -55,7 +55,7 @@ class Strategy:
     supports_static_graph: bool = False  # ddp.static_graph=true: only with one backward pass per forward
     unsafe: bool = False  # kept to reproduce a failure; never recommended or benchmarked
     # every parameter gets a gradient in every step (a zero term over the unused ones), so DDP needs no
-    # find_unused_parameters when a head is unused in a step (multi-input mode, mtl/config/multi_input.py)
+    # find_unused_parameters when a head is unused in a step (multi-input mode, mtl/setup/multi_input.py)
     covers_unused_parameters: bool = False
     # per-step costs: an int, or "K" for one per task
     forwards: int | str = 1  # backbone forwards

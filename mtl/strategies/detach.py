@@ -12,7 +12,7 @@ from mtl.strategies.base import Strategy, detached
 
 class Detach(Strategy):
     name = "detach"
-    reads = ("ddp.detach_owner",)  # shared keys it reads (mtl/config/reads.py)
+    reads = ("ddp.detach_owner",)  # shared keys it reads (mtl/config/read_rules.py)
     summary = "one forward; non-owner heads read detached features (changes the objective)"
     changes_objective = True
 

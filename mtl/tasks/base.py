@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mtl.config.schema import NoOptions, options_of
+from mtl.config.keys import NoOptions, options_of
 from mtl.models.backbones.base import feature_kind
 
 

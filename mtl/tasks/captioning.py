@@ -57,7 +57,7 @@ class CaptioningHead(TaskHead):
     metrics = {"bleu4": True, "chrf": True}
     requires = ("captions",)
     Options = CaptionOptions
-    reads = ("model.decoder.", "tokenizer.", "trainer.num_samples")  # shared keys it reads (mtl/config/reads.py)
+    reads = ("model.decoder.", "tokenizer.", "trainer.num_samples")  # shared keys it reads (mtl/config/read_rules.py)
     resume_safe = ("num_beams",)
     loss_is_global_mean = True  # prepare() all-reduces the token count
 

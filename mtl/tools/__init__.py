@@ -61,7 +61,7 @@ def write_out(path: str, text: str, option: str = "--out", free: int | None = No
         write_atomic(path, data)
     except OSError as e:
         # import here: torch (under mtl.run) loads only when a write has failed, so --help answers at once
-        from mtl.run.checkpoint import describe_os_error
+        from mtl.checkpoint.folder import describe_os_error
 
         room = f" ({len(data):,} bytes to write, {free:,} free before the work began)" if free is not None else ""
         raise DataError(f"cannot write {option} {path!r}: {describe_os_error(e)}{room}; it was left as it "

@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 import sys
 
-from mtl.config.checks import load_run_config
+from mtl.checkpoint.folder import latest_checkpoint
 from mtl.errors import ConfigError, MTLError
-from mtl.run.checkpoint import latest_checkpoint
 from mtl.run.error_report import run_guarded
+from mtl.setup.checks import load_run_config
 
 # the exit codes of mtl's own errors (2-5): a rank that exits with one of these failed for a reason of its own
 EXIT_CODES = {cls.exit_code for cls in MTLError.__subclasses__()}

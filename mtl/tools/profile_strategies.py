@@ -24,12 +24,12 @@ import time
 
 import torch.multiprocessing as mp
 
-from mtl.config.checks import load_run_config
 from mtl.data.loader import to_device
 from mtl.errors import ConfigError
 from mtl.parallel import dist
 from mtl.parallel.dist import free_port
 from mtl.run.error_report import run_guarded
+from mtl.setup.checks import load_run_config
 from mtl.strategies import strategy_types
 from mtl.tools import tool_parser
 from mtl.tools.bench.strategies import VARIANTS, _setup, _trainer

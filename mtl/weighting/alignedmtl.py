@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
-from mtl.weighting.qp import small_eigh
+from mtl.weighting.qp import kept_eigh
 
 
 def default_rtol(k: int, dtype: torch.dtype) -> float:
@@ -45,11 +45,9 @@ def alignedmtl_balance(gram: Tensor, rtol: float | None = None) -> Tensor:
     if m is None:
         return like_gram(np.eye(k), gram)
     rtol = default_rtol(k, torch.float64) if rtol is None else rtol
-    lam, vec = small_eigh((m + m.T) / 2)
-    keep = lam > rtol * max(float(lam.max()), 0.0)
-    if not keep.any() or lam.max() <= 0:
+    lam, vec = kept_eigh((m + m.T) / 2, rtol)
+    if not len(lam):  # no eigenvalue above 0
         return torch.zeros(k, k, dtype=gram.dtype, device=gram.device)
-    lam, vec = lam[keep], vec[:, keep]
     b = np.sqrt(lam.min()) * (vec / np.sqrt(lam)[None, :]) @ vec.T
     return like_gram(b, gram)
 

@@ -41,7 +41,7 @@ does not filter: it reports every task the method has a weight for (a method wit
 every task, an absent one at its current value; a weight made for one step, a combination's coefficients or RLW's
 draw: the step's tasks). ``step_weights()``, what the trainer logs, is the one filter to the present tasks: an
 absent task has no weight in that step, and is left out rather than reported as 0. A method is allowed with policies
-that leave tasks out (mtl/config/multi_input.py, ``allows_absent_tasks()``) when its update reads the present tasks
+that leave tasks out (mtl/setup/multi_input.py, ``allows_absent_tasks()``) when its update reads the present tasks
 only: loss-level methods whose ``end_step`` keeps nothing, and every method that sets
 ``updates_from_present_tasks = True``, which says that its state moves only from the present tasks (DWA, FAMO,
 GradNorm) or that it keeps none (the stateless Gram methods). A method that does not says why in
@@ -61,7 +61,7 @@ import torch
 from scipy.special import softmax
 from torch import Tensor, nn
 
-from mtl.config.schema import NoOptions, options_of
+from mtl.config.keys import NoOptions, options_of
 from mtl.weighting.checks import option_errors
 
 
@@ -151,7 +151,7 @@ class Weighting(nn.Module):
     def allows_absent_tasks(cls) -> bool:
         """Whether the method is correct on steps that hold only some tasks (module docstring): a loss-level method
         whose ``end_step`` keeps nothing, or one that sets ``updates_from_present_tasks``. The config check
-        (mtl/config/multi_input.py) refuses any other with a policy that leaves tasks out, quoting
+        (mtl/setup/multi_input.py) refuses any other with a policy that leaves tasks out, quoting
         ``absent_task_refusal``."""
         return (cls.level == "loss" and cls.end_step is Weighting.end_step) or cls.updates_from_present_tasks
 

@@ -160,7 +160,7 @@ class BilevelWeighting(LossWeighting):
     def check(cls, cfg) -> list[str]:
         errors = []
         n = cls.name
-        if int(cfg.data.get("heldout") or 0) == 0:  # a negative value is refused by mtl/config/checks.py
+        if int(cfg.data.get("heldout") or 0) == 0:  # a negative value is refused by mtl/setup/checks.py
             errors.append(f"data.heldout: weighting.method={n} evaluates its meta-objective on training items the "
                           "model does not train on; set data.heldout to how many of them to hold out (at least one "
                           "global batch, data.batch_size x the number of processes; e.g. data.heldout="

@@ -6,7 +6,7 @@ e.g. ``"must be in [0, 1)"``), its shorthands ``at_least(default, low)`` and ``a
 ``one_of(default, allowed)`` for a name. ``Weighting.check`` reports every option the
 user gave outside them (``option_errors``); a method's own ``check`` adds only what one option cannot say alone.
 
-``check(cfg)`` runs before the options are type-checked and filled in (``mtl/config/checks.py``), so it sees
+``check(cfg)`` runs before the options are type-checked and filled in (``mtl/setup/checks.py``), so it sees
 only what the user gave: a value of the wrong type is left to the type check, which names it already.
 """
 

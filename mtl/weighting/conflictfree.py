@@ -33,7 +33,7 @@ from torch import Tensor
 
 from mtl.weighting.alignedmtl import default_rtol
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
-from mtl.weighting.qp import small_eigh
+from mtl.weighting.qp import kept_eigh
 
 
 @torch.no_grad()
@@ -52,9 +52,8 @@ def config_weights(gram: Tensor, rtol: float | None = None) -> Tensor:
         sub = m[np.ix_(active, active)]
         n = np.sqrt(np.diag(sub))
         c = sub / np.outer(n, n)
-        lam, vec = small_eigh(c)
-        keep = lam > rtol * max(float(lam.max()), 0.0)
-        a = (vec[:, keep] / lam[keep]) @ (vec[:, keep].T @ np.ones(len(active)))  # C^+ 1
+        lam, vec = kept_eigh(c, rtol)
+        a = (vec / lam) @ (vec.T @ np.ones(len(active)))  # C^+ 1
         x_sq = float(a @ c @ a)
         if x_sq > 0:
             b = a / n

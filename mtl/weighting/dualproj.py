@@ -27,18 +27,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
-from mtl.weighting.upgrad import box_qp
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix
+from mtl.weighting.upgrad import dual_cone_weights
 
 
 @torch.no_grad()
 def dualproj_weights(gram: Tensor) -> Tensor:
     """(K,) v with ``dualproj(grads) == v @ grads`` for the Gram matrix ``grads @ grads.T``."""
     k = gram.shape[0]
-    m = gram_numpy(gram)
-    if m is None:
-        return like_gram(np.full(k, 1.0 / k), gram)
-    return like_gram(box_qp((m + m.T) / 2, np.full(k, 1.0 / k)), gram)
+    return dual_cone_weights(gram, np.full(k, 1.0 / k))
 
 
 @torch.no_grad()

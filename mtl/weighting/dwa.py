@@ -42,7 +42,7 @@ class DWAOptions:
 class DWA(LossWeighting):
     name = "dwa"
     Options = DWAOptions
-    updates_from_present_tasks = True  # end_step may get a subset of the tasks (multi-input, mtl/config/multi_input.py)
+    updates_from_present_tasks = True  # end_step may get a subset of the tasks (multi-input, mtl/setup/multi_input.py)
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

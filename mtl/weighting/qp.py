@@ -15,6 +15,15 @@ def small_eigh(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return eigh(m, driver="evd", check_finite=False)
 
 
+def kept_eigh(m: np.ndarray, rtol: float) -> tuple[np.ndarray, np.ndarray]:
+    """The eigenpairs of a symmetric float64 K x K matrix that a pseudo-inverse keeps (``small_eigh``'s, ascending):
+    those whose eigenvalue exceeds ``rtol`` times the largest (0 where that is negative). Aligned-MTL's and ConFIG's
+    rank rule."""
+    lam, vec = small_eigh(m)
+    keep = lam > rtol * max(float(lam.max()), 0.0)
+    return lam[keep], vec[:, keep]
+
+
 def qp_limit(q: np.ndarray, b: np.ndarray, u: np.ndarray, tol: float) -> float:
     """The round-off bar of ``nonneg_qp``'s optimality conditions at u: tol times the scale of q u + b."""
     scale = max(float(np.max(np.abs(np.diag(q)))), 1e-300)

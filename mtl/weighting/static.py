@@ -5,7 +5,7 @@ from mtl.weighting.base import LossWeighting
 
 class Static(LossWeighting):
     name = "static"
-    reads = ("weighting.weights",)  # shared keys it reads (mtl/config/reads.py)
+    reads = ("weighting.weights",)  # shared keys it reads (mtl/config/read_rules.py)
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)

@@ -48,6 +48,19 @@ def box_qp(q: np.ndarray, lower: np.ndarray, tol: float = UPGRAD_TOL) -> np.ndar
 
 
 @torch.no_grad()
+def dual_cone_weights(gram: Tensor, lower: np.ndarray) -> Tensor:
+    """The v >= ``lower`` with the least ``v^T M v`` (M: the Gram matrix ``grads @ grads.T``, symmetrised), for a (K,)
+    ``lower`` or for each row of an (R, K) one: ``v @ grads`` is the projection of ``lower @ grads`` onto the dual cone
+    of the rows (UPGrad's rows e_i, DualProj's mean 1/K). ``lower`` itself where the Gram matrix is not finite."""
+    m = gram_numpy(gram)
+    if m is None:
+        return like_gram(lower, gram)
+    m = (m + m.T) / 2
+    v = np.stack([box_qp(m, row) for row in lower]) if lower.ndim == 2 else box_qp(m, lower)
+    return like_gram(v, gram)
+
+
+@torch.no_grad()
 def upgrad_projections(gram: Tensor) -> Tensor:
     """(K, K) V with the projections of the rows onto the dual cone given by ``V @ grads``."""
     k = gram.shape[0]
@@ -57,12 +70,7 @@ def upgrad_projections(gram: Tensor) -> Tensor:
         v21 = torch.where((c < 0) & (a > 0), -c / torch.where(a > 0, a, 1.0), 0.0)
         one = torch.ones((), dtype=gram.dtype, device=gram.device)
         return torch.stack([torch.stack([one, v12]), torch.stack([v21, one])])
-    m = gram_numpy(gram)
-    if m is None:
-        return like_gram(np.eye(k), gram)
-    m = (m + m.T) / 2
-    rows = [box_qp(m, np.eye(k)[i]) for i in range(k)]
-    return like_gram(np.stack(rows), gram)
+    return dual_cone_weights(gram, np.eye(k))
 
 
 def upgrad_weights(gram: Tensor) -> Tensor:

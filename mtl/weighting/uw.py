@@ -40,7 +40,7 @@ class UW(LossWeighting):
 
     def __init__(self, cfg, tasks):
         super().__init__(cfg, tasks)
-        self.params_lr = float(self.options.lr)  # read by mtl.build.build_optimizer (0: the model's group)
+        self.params_lr = float(self.options.lr)  # read by mtl.setup.build.build_optimizer (0: the model's group)
         self.log_vars = nn.Parameter(torch.zeros(len(self.tasks)))
         self._index = {t: i for i, t in enumerate(self.tasks)}
 

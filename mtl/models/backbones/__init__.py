@@ -2,9 +2,8 @@
 listing its ``variants``), and the modules a config names in ``backbone_modules`` (a backbone file outside this
 package). ``base`` holds the interface."""
 
-from mtl.errors import ConfigError
 from mtl.models.backbones.base import Backbone
-from mtl.registry import registered
+from mtl.registry import chosen, registered, unknown_name
 
 __all__ = ["Backbone", "backbone_types", "build_backbone"]
 
@@ -19,11 +18,8 @@ def backbone_types(extra_modules=()) -> dict[str, type]:
 def build_backbone(cfg) -> Backbone:
     """The run's backbone: ``model.backbone.name`` among mtl/models/backbones/ and the config's ``backbone_modules``."""
     types = backbone_types(cfg.get("backbone_modules") or ())
-    name = cfg.model.backbone.name
-    if name not in types:
-        raise ConfigError(unknown_backbone(name, types))
-    return types[name].build(cfg)
+    return chosen(types, cfg.model.backbone.name, "model.backbone.name", "backbone").build(cfg)
 
 
 def unknown_backbone(name: str, types: dict) -> str:
-    return f"model.backbone.name: unknown backbone {name!r} (supported: {', '.join(types)})"
+    return unknown_name("model.backbone.name", "backbone", name, types)

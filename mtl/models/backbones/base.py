@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtl.config.schema import NoOptions, options_of
+from mtl.config.keys import NoOptions, options_of
+from mtl.errors import ConfigError
 
 FEATURE_KINDS = {3: "map", 2: "tokens", 1: "vector"}  # len(feature_shape) -> kind
 POOLS = ("cls", "mean")
@@ -76,6 +77,14 @@ class Backbone(nn.Module):
     def check(cls, cfg) -> list[str]:
         """Config errors specific to this backbone (each one names the key and the fix)."""
         return []
+
+    @classmethod
+    def refuse_unchecked(cls, cfg) -> None:
+        """Raise one ConfigError with ``check(cfg)``'s messages, if any: what ``build`` calls first, so that building
+        straight from a config (no config checks before it) refuses what the checks refuse."""
+        errors = cls.check(cfg)
+        if errors:
+            raise ConfigError(errors)
 
     @classmethod
     def options_from(cls, cfg):

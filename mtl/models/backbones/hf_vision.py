@@ -158,7 +158,7 @@ class HFVisionBackbone(Backbone):
     """A transformers vision model (``self.model``) whose features are its ``last_hidden_state`` tokens."""
 
     name = "hf_vision"
-    reads = ("model.backbone.pretrained", "model.backbone.config", "model.backbone.freeze_blocks")  # mtl/config/reads.py
+    reads = ("model.backbone.pretrained", "model.backbone.config", "model.backbone.freeze_blocks")  # mtl/config/read_rules.py
 
     def __init__(self, model: nn.Module, interpolate: bool = False):
         super().__init__()
@@ -182,9 +182,7 @@ class HFVisionBackbone(Backbone):
 
     @classmethod
     def build(cls, cfg):
-        errors = cls.check(cfg)
-        if errors:
-            raise ConfigError(errors)
+        cls.refuse_unchecked(cfg)
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()

@@ -99,9 +99,7 @@ class TimmBackbone(Backbone):
 
     @classmethod
     def build(cls, cfg):
-        errors = cls.check(cfg)
-        if errors:
-            raise ConfigError(errors)
+        cls.refuse_unchecked(cfg)
         timm = import_timm()
         opts = cls.options_from(cfg)
         if opts.model not in timm.list_models():

@@ -22,6 +22,7 @@ from torchvision.ops import FrozenBatchNorm2d
 
 from mtl.errors import ConfigError
 from mtl.models.backbones.base import Backbone
+from mtl.registry import unknown_name
 
 RESNETS = {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
            "resnext101_32x8d", "resnext101_64x4d", "wide_resnet50_2", "wide_resnet101_2"}
@@ -38,7 +39,7 @@ class TorchvisionTrunk(Backbone):
     ``stages``."""
 
     reads = ("model.backbone.weights", "model.backbone.norm", "model.backbone.stages",
-             "model.backbone.freeze_blocks")  # mtl/config/reads.py
+             "model.backbone.freeze_blocks")  # mtl/config/read_rules.py
 
     @classmethod
     def build(cls, cfg):
@@ -191,7 +192,7 @@ def convert_norm(module: nn.Module, norm: str) -> nn.Module:
 def build_torchvision_backbone(name: str, weights: str | None = None, norm: str = "batch",
                                stages: int = 4) -> Backbone:
     if name not in SUPPORTED:
-        raise ConfigError(f"model.backbone.name: unknown backbone {name!r} (supported: {', '.join(SUPPORTED)})")
+        raise ConfigError(unknown_name("model.backbone.name", "backbone", name, SUPPORTED))
     if norm not in NORMS:
         raise ConfigError(f"model.backbone.norm: {norm!r} is not one of {', '.join(NORMS)}")
     net = _load_weights(name, weights)

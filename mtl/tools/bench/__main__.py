@@ -1,8 +1,8 @@
-"""``python -m mtl.tools.bench``: the weighting benchmark's command line (mtl/tools/bench/sweep.py)."""
+"""``python -m mtl.tools.bench``: the weighting benchmark's command line (mtl/bench/sweep.py)."""
 
 import sys
 
-from mtl.tools.bench.sweep import main
+from mtl.bench.sweep import main
 
 if __name__ == "__main__":
     sys.exit(main())  # main's exit code: 2 on a config error or an --on-change refuse

@@ -26,10 +26,10 @@ import time
 import torch
 
 from mtl.architectures import architecture_types
+from mtl.bench.step_memory import held_bytes, step_peak_bytes
 from mtl.errors import ConfigError
 from mtl.run.trainer import Trainer
 from mtl.tools import tool_parser
-from mtl.tools.bench.ved_step import held_bytes, step_peak_bytes
 
 VARIANTS = {
     "equal": ["ddp.strategy=feature_leaf", "weighting.method=equal"],

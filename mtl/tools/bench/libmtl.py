@@ -38,11 +38,11 @@ from torch import nn
 
 from mtl.architectures import architecture_types
 from mtl.architectures.experts import Expert
+from mtl.bench.step_memory import held_bytes, step_peak_bytes
 from mtl.errors import ConfigError
 from mtl.models.backbones.torchvision_cnn import build_torchvision_backbone
 from mtl.run.error_report import run_guarded
 from mtl.tools import tool_parser
-from mtl.tools.bench.ved_step import held_bytes, step_peak_bytes
 
 # name: (our options, LibMTL's class, its kwargs from the task count)
 DESIGNS = {

@@ -30,12 +30,12 @@ import sys
 import tempfile
 import time
 
-from mtl.build import build_collate
-from mtl.config.checks import load_run_config
 from mtl.data.loader import build_train_loader
 from mtl.data.qm9_source import QM9Split, qm9_splits
 from mtl.run.error_report import run_guarded
 from mtl.run.trainer import Trainer
+from mtl.setup.build import build_collate
+from mtl.setup.checks import load_run_config
 from mtl.tools import tool_parser
 
 PATHS = ("per_item", "batched")

@@ -37,7 +37,6 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mtl.config.checks import load_run_config
 from mtl.data.loader import to_device
 from mtl.errors import ConfigError
 from mtl.parallel import dist
@@ -45,6 +44,7 @@ from mtl.parallel.dist import CountingComm, free_port
 from mtl.run.error_report import run_guarded
 from mtl.run.runtime_checks import verify_replicas
 from mtl.run.trainer import Trainer
+from mtl.setup.checks import load_run_config
 from mtl.strategies import strategy_types
 from mtl.tools import tool_parser
 

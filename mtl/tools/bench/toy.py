@@ -2,14 +2,14 @@
 
     python -m mtl.tools.bench.toy [--variant cagrad|nashmtl] [--quick] [--methods 'a;b(c=1)'] [--jobs N] [--out DIR]
 
-The problem is ``mtl/tools/bench/toy_problem.py``: two losses of a point x in the plane (CAGrad's Fig. 1), whose Pareto set is the curve
+The problem is ``mtl/bench/toy_problem.py``: two losses of a point x in the plane (CAGrad's Fig. 1), whose Pareto set is the curve
 from (-7, -8.43) to (7, -8.43) through (0, -8.3551). Each method is the ``Weighting`` class a training run builds
 (``weighting_types()[name](cfg, tasks)``, K = 2 tasks, its options from the entry, e.g. ``cagrad(c=0.5)``),
 stepped as the trainer steps it: ``begin_step``, ``combine(J, losses)`` on the 2 x 2 Jacobian (each loss's gradient
 w.r.t. the 2-D parameter x), then Adam on x with the combined gradient, then ``end_step(losses)``. Every registered
 gradient-level method runs unless ``--methods`` names some, plus the variant's extra entries (``EXTRA_ENTRIES``).
 
-Two variants (``--variant``, ``mtl.tools.bench.toy_problem.VARIANTS``), each by default at its paper's setting (``PAPER_SETTING``):
+Two variants (``--variant``, ``mtl.bench.toy_problem.VARIANTS``), each by default at its paper's setting (``PAPER_SETTING``):
 ``cagrad`` is CAGrad's toy (f1 as is, its three starts, Adam lr 1e-3 for 100,000 steps); ``nashmtl`` is Nash-MTL's
 (f1 scaled by 0.1, its five starts, lr 1e-3 for 35,000 steps), with the losses shifted by their minimum so that
 methods that use loss values as positive numbers can run. ``--quick`` runs lr 1e-2 for 3,000 steps instead, a
@@ -45,10 +45,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from mtl.build import build_weighting
+from mtl.bench.entries import parse_method
+from mtl.bench.toy_problem import VARIANTS, distance_to_curve, loss_offsets, pareto_curve, toy_losses, toy_losses_and_jacobian
 from mtl.config.schema import Config, check_options
-from mtl.tools.bench.entries import parse_method
-from mtl.tools.bench.toy_problem import VARIANTS, distance_to_curve, loss_offsets, pareto_curve, toy_losses, toy_losses_and_jacobian
+from mtl.setup.build import build_weighting
 from mtl.weighting import weighting_types
 
 # The papers' settings: (Adam's lr, steps). CAGrad's toy.py: lr 1e-3, n_iter = 100,000; Nash-MTL's
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     cpu = sum(r["cpu_s"] for r in results)
     shift = ", losses shifted by their minimum" if variant.shifted else ""
-    header = (f"Toy problem (mtl/tools/bench/toy_problem.py), {a.variant}'s variant (f1 x {variant.scale:g}{shift}), {label}.\n"
+    header = (f"Toy problem (mtl/bench/toy_problem.py), {a.variant}'s variant (f1 x {variant.scale:g}{shift}), {label}.\n"
               f"{len(methods)} methods x {len(starts)} starts in {a.jobs} process(es): {wall:.0f} s of wall time, "
               f"{cpu:.0f} s of CPU in the runs ({cpu / len(results):.1f} s a run on average).\n\n")
     md = header + summary(results) + "\n\n" + table(results, a.near) + "\n"

@@ -37,6 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mtl.bench.step_memory import held_bytes, step_peak_bytes
 from mtl.models.vision_encoder_decoder import to_vision_encoder_decoder
 from mtl.run.trainer import Trainer
 
@@ -103,34 +104,6 @@ def build(args, variant: str, vit: str, out: str):
         plain = Plain(trainer)
         return plain.step, batch, lambda: held_bytes([plain.ved, plain.cls], plain.opt)
     return (lambda b: trainer.step_once(dict(b))), batch, lambda: held_bytes([trainer.bare], trainer.optimizer)
-
-
-def held_bytes(modules, optimizer) -> int:
-    """Bytes of the parameters, their gradients and the optimizer state (each storage once)."""
-    seen, total = set(), 0
-    tensors = [t for m in modules for p in m.parameters() for t in (p, p.grad) if t is not None]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def step_peak_bytes(step, batch, held) -> int:
-    """``held()`` at the step's start plus the peak of the step's allocations net of frees (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    start = held()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(batch)
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.profiler.function_events)
-    now = peak = 0
-    for _, delta in events:
-        now += delta
-        peak = max(peak, now)
-    return start + peak
 
 
 def measure(args, variants) -> tuple[dict, dict, dict]:

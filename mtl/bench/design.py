@@ -8,9 +8,9 @@ Power is read at Holm's strictest level alpha / m (``stats.power_holm``): a lowe
 
 from __future__ import annotations
 
-from mtl.tools.bench.compare import published_entries
-from mtl.tools.bench.options import BenchOptions, bench_options
-from mtl.tools.bench.stats import (
+from mtl.bench.compare import published_entries
+from mtl.bench.options import BenchOptions, bench_options
+from mtl.bench.stats import (
     holm,
     mark,
     min_detectable,

@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 
+from mtl.bench.options import bench_options
+from mtl.bench.record import provenance, write_record
 from mtl.errors import ConfigError
-from mtl.tools.bench.options import bench_options
-from mtl.tools.bench.record import provenance, write_record
 
 
 def _die_with_parent() -> None:

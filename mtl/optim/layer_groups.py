@@ -11,8 +11,8 @@ parameter gets a layer id, and its lr is ``optim.lr * layer_decay ** (L + 1 - id
 - id L + 1 for everything else: the backbone's parameters after its last block (a ViT's final norm), the heads
   (their decoder blocks included) and the weighting's: ``decay ** 0``, the full lr.
 
-Each group of ``mtl.build.build_optimizer`` (weight decay or not, a weighting's own lr) is split by that scale; each
-new group carries ``lr_scale`` beside its ``lr``. The schedulers keep the ratios: transformers' warmup/cosine/linear
+Each group of ``mtl.setup.build.build_optimizer`` (weight decay or not, a weighting's own lr) is split by that scale;
+each new group carries ``lr_scale`` beside its ``lr``. The schedulers keep the ratios: transformers' warmup/cosine/linear
 schedules multiply each group's own initial lr by one factor (``LambdaLR``), and the plateau schedule's floor
 (``optim.plateau.min_lr``) is scaled per group (``min_lrs``). ``layer_decay: 1`` leaves the groups as they were.
 """

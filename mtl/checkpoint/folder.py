@@ -1,7 +1,7 @@
 """Checkpoints: ``output_dir/checkpoints/step_<N>/``.
 
 - ``state/``: the model and optimizer state, sharded (``torch.distributed.checkpoint``: one file per
-  rank and an index, ``mtl/run/train_state.py``); what a resume loads, on any world size and either engine;
+  rank and an index, ``mtl/checkpoint/train_state.py``); what a resume loads, on any world size and either engine;
 - ``model.safetensors``: the full, unsharded model (gathered on rank 0 under FSDP2; no DDP prefix),
   for inference and export, readable with ``safetensors.torch.load_file``;
 - ``trainer_state.pt``: scheduler, GradScaler, weighting method, step, the position in the data (in
@@ -40,13 +40,13 @@ import yaml
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from mtl.config.schema import SAVED_YAML_FIX, YamlRefusal, load_saved_yaml
+from mtl.checkpoint.finite import first_nonfinite
+from mtl.checkpoint.train_state import load_failure, load_sharded, read_metadata, write_sharded
+from mtl.config.yaml_read import SAVED_YAML_FIX, YamlRefusal, load_saved_yaml
 from mtl.errors import CheckpointError, TrainingError
 from mtl.files import sha256_file
 from mtl.parallel.dist import all_gather_objects
 from mtl.parallel.fsdp import is_sharded, load_full_model_state, load_full_optimizer_state
-from mtl.run.finite import first_nonfinite
-from mtl.run.train_state import load_failure, load_sharded, read_metadata, write_sharded
 
 FORMAT = "mtl-checkpoint-v2"
 # before sharded state: the optimizer in trainer_state.pt, the model only in model.safetensors (``load_checkpoint``)
@@ -245,7 +245,7 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
 
     ``model``: the bare model, or its state dict already gathered (FSDP2; only rank 0's is written), for
     ``model.safetensors``. ``sharded``: this rank's part of the model and optimizer state
-    (``mtl.run.train_state.sharded_state``), written by every rank into ``state/``; without it the checkpoint
+    (``mtl.checkpoint.train_state.sharded_state``), written by every rank into ``state/``; without it the checkpoint
     has no ``state/`` (the trainer always passes it).
     ``extra_files`` (rank 0's are used): small files to store too, ``{relative name: bytes}``, e.g.
     ``{"class_names.json": b"[...]"}``; sub-folders are allowed (``tokenizer/tokenizer.json``).
@@ -438,7 +438,7 @@ def verify_checkpoint(path: str) -> dict:
 
 
 def _verify_config(path: str, name: str) -> None:
-    """The checkpoint's config.yaml reads as data mtl wrote (``mtl.config.schema.load_saved_yaml``: no anchor, alias or
+    """The checkpoint's config.yaml reads as data mtl wrote (``mtl.config.yaml_read.load_saved_yaml``: no anchor, alias or
     repeated key), so no later reader of it can be made to expand a bomb: resume=auto passes over it."""
     try:
         with open(os.path.join(path, "config.yaml"), encoding="utf-8") as f:
@@ -450,7 +450,7 @@ def _verify_config(path: str, name: str) -> None:
 
 
 def _verify_index(path: str, name: str, listed: dict) -> None:
-    """The sharded state's index reads as data (``mtl.run.train_state.read_metadata``: a crafted one is refused unrun),
+    """The sharded state's index reads as data (``mtl.checkpoint.train_state.read_metadata``: a crafted one is refused unrun),
     and every file it refers to is in the manifest (so present and checked): a shard removed from both the folder
     and the manifest is caught here, not when the resume loads it."""
     try:
@@ -541,7 +541,7 @@ def load_model_and_optimizer(path: str, trainer_state: dict, model: torch.nn.Mod
     """Collective: the model and optimizer state into this run's layout; returns the RNG state this rank
     continues with (its own rank's; on a larger world size than the checkpoint's, rank 0's for the new
     ranks: a fresh run seeds every rank alike). An mtl-checkpoint-v1 checkpoint loads as it was written (the
-    same world size and engine: ``mtl.config.resume.reshard_problems`` refuses others)."""
+    same world size and engine: ``mtl.setup.resume.reshard_problems`` refuses others)."""
     saved_world = int(trainer_state.get("world_size") or 1)
     if trainer_state.get("state"):
         load_state(path, model, weighting, optimizer)
@@ -570,6 +570,6 @@ def load_state(path: str, model: torch.nn.Module, weighting: torch.nn.Module, op
         raise
     except (Exception, DcpError) as e:  # DCP names the missing or misfitting key
         refused = [x for x, _ in getattr(e, "failures", {}).values() if isinstance(x, CheckpointError)]
-        if refused:  # mtl.run.train_state refused a value that is not plain data
+        if refused:  # mtl.checkpoint.train_state refused a value that is not plain data
             raise CheckpointError(refused[0].message) from None
         raise CheckpointError(load_failure(folder, e)) from None  # one line: DCP's message holds tracebacks

@@ -24,10 +24,10 @@ import torch
 from omegaconf import OmegaConf
 
 import mtl
-from mtl.build import run_method_types, run_task_types
 from mtl.config.schema import load_config_collecting
 from mtl.files import sha256_file
 from mtl.models.backbones import backbone_types
+from mtl.setup.build import run_method_types, run_task_types
 from mtl.strategies import strategy_types
 
 RECORD = "bench_run.json"

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from mtl.tools.bench.entries import method_spec, without_source
-from mtl.tools.bench.options import BenchOptions
-from mtl.tools.bench.stats import rank_correlation
+from mtl.bench.entries import method_spec, without_source
+from mtl.bench.options import BenchOptions
+from mtl.bench.stats import rank_correlation
 
 
 def reference_values(b: BenchOptions, specs: list) -> tuple[dict[str, float], list[str]]:

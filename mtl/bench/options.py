@@ -170,7 +170,7 @@ def keys_help() -> str:
     width = max(len(k) for k, _, _ in rows)
     tw = max(len(t) for _, t, _ in rows if len(t) < 40)
     return ("bench keys (the config's bench: section, or bench.<key>=value; train.py ignores them; "
-            "mtl/tools/bench/options.py):\n" + "\n".join(
+            "mtl/bench/options.py):\n" + "\n".join(
                 f"  {k:<{width}}  {t:<{tw}}".rstrip() + (f"  # {c}" if c else "") for k, t, c in rows))
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import os
 
-from mtl.config.schema import TaskDataConfig, check_options
+from mtl.config.keys import TaskDataConfig, check_options
 from mtl.data.multi_input import ABSENT_POLICIES, POLICIES, SOURCES
 from mtl.weighting import weighting_types
 
@@ -41,7 +41,7 @@ def _near(value: str, allowed) -> str:
 
 def check(cfg, strategy, method, methods: dict[str, type] | None = None) -> list[str]:
     """Errors of ``data.per_task`` / ``data.sampling``; fills each task's section with its defaults. ``methods``: the
-    weighting methods the run can name (``build.run_method_types``; default: the shipped ones), for the refusal's
+    weighting methods the run can name (``mtl.setup.build.run_method_types``; default: the shipped ones), for the refusal's
     list of allowed methods."""
     errors: list[str] = []
     per_task, sp = cfg.data.get("per_task") or {}, cfg.data.sampling

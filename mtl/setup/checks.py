@@ -14,16 +14,10 @@ import torch
 from omegaconf import OmegaConf
 
 from mtl.architectures import architecture_types, unknown_architecture
-from mtl.build import run_method_types
-from mtl.config.multi_input import check as multi_input_check
-from mtl.config.reads import run_shape, unread_errors
-from mtl.config.schema import (
-    check_options,
-    config_keys,
-    interpolation_errors,
-    load_config_collecting,
-    mark_unread,
-)
+from mtl.config.effective import mark_unread
+from mtl.config.keys import check_options, config_keys
+from mtl.config.load import interpolation_errors, load_config_collecting
+from mtl.config.read_rules import unread_errors
 from mtl.data.images import NORMALIZE, resolve_image_size
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
@@ -32,6 +26,9 @@ from mtl.models.backbones.base import Backbone
 from mtl.parallel.fsdp import ENGINES
 from mtl.parallel.fsdp import check as fsdp_check
 from mtl.parallel.fsdp import check_method as fsdp_method_check
+from mtl.setup.build import run_method_types
+from mtl.setup.multi_input import check as multi_input_check
+from mtl.setup.reads import run_shape
 from mtl.strategies import strategy_types
 from mtl.tasks import config_task_types, instance_types, task_kinds, task_types
 from mtl.weighting import weighting_types
@@ -48,7 +45,7 @@ def did_you_mean(value, allowed) -> str:
     return f" — did you mean {close[0]!r}?" if close else ""
 
 
-SEED_RANGE = (0, 2**32 - 1)  # numpy's seed (np.random.seed, mtl/build.py) takes exactly these
+SEED_RANGE = (0, 2**32 - 1)  # numpy's seed (np.random.seed, mtl/setup/build.py) takes exactly these
 
 
 def _positive(errors, cfg, *keys, allow_zero=False):
@@ -73,7 +70,31 @@ def _augment(errors, cfg):
 
 
 def validate(cfg) -> list[str]:
+    """Every problem of a loaded config that the schema alone cannot see, one message each (naming the key and the
+    fix), in the order the parts below check them: the named choices, the start of the run, sizes and ranges, the
+    tasks, the strategy, the weighting method, multi-input mode, the plug-ins' options, the architecture."""
     errors: list[str] = []
+    _choices(errors, cfg)
+    backbone = _backbone(errors, cfg)
+    errors += blockwise_errors(cfg, backbone)
+    _start_errors(errors, cfg)
+    _size_errors(errors, cfg, backbone)
+    tasks = _tasks(errors, cfg)
+    _task_names(errors, cfg, tasks)
+    strategies, strategy = _strategy(errors, cfg)
+    methods, method = _method(errors, cfg, strategy, strategies)
+    errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/setup/multi_input.py)
+    _options(errors, cfg, tasks, method, backbone)
+    errors += architecture_errors(cfg, method)
+    _loss_scale(errors, cfg, tasks)
+    errors += plateau_errors(cfg, tasks)
+    named = {e.split(":")[0] for e in errors}
+    _finite(errors, OmegaConf.to_container(cfg, resolve=True), named)
+    return errors
+
+
+def _choices(errors, cfg) -> None:
+    """The keys that name one of a fixed set of values (and data.augment's ranges), and the seed's range."""
     _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
     _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9"))
@@ -87,8 +108,11 @@ def validate(cfg) -> list[str]:
     if not SEED_RANGE[0] <= cfg.seed <= SEED_RANGE[1]:
         errors.append(f"seed: {cfg.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]} (2**32 - 1), the seeds numpy "
                       "takes; choose a seed in that range")
-    backbone = _backbone(errors, cfg)
-    errors += blockwise_errors(cfg, backbone)
+
+
+def _start_errors(errors, cfg) -> None:
+    """How the run starts: the norms the device and weights allow; resume, init_from, resume_reshard and overwrite
+    against each other."""
     on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
     if cfg.model.backbone.norm == "sync" and on_cpu:
         errors.append("model.backbone.norm: sync (SyncBatchNorm) needs CUDA devices, and this run is on the CPU "
@@ -113,6 +137,11 @@ def validate(cfg) -> list[str]:
     if cfg.overwrite and cfg.resume is not None:
         errors.append(f"overwrite: true starts over, resume={cfg.resume} continues a run; set one of them "
                       "(overwrite=false to resume, resume=null to start over)")
+
+
+def _size_errors(errors, cfg, backbone) -> None:
+    """Sizes and ranges: the positive keys, the data source's own (synthetic, qm9, the files), the decoder's shape,
+    trainer.poison's form and Adam's betas."""
     _positive(errors, cfg, "trainer.max_steps", "data.batch_size", "data.eval_batch_size", "data.image_size",
               "trainer.log_every", "trainer.eval_every", "optim.lr", "ddp.bucket_cap_mb", "ddp.timeout_s",
               "tokenizer.vocab_size", "trainer.max_bad_steps")
@@ -145,7 +174,9 @@ def validate(cfg) -> list[str]:
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         errors.append(f"optim.betas: needs two values in [0, 1), Adam's moment decay rates (got {list(cfg.optim.betas)})")
 
-    tasks = _tasks(errors, cfg)
+
+def _task_names(errors, cfg, tasks: dict) -> None:
+    """``tasks``: known names, at least one, no repeats."""
     unknown = [t for t in cfg.tasks if t not in tasks]
     if unknown:
         close = {t: difflib.get_close_matches(str(t), list(tasks), n=1, cutoff=0.6) for t in unknown}
@@ -155,6 +186,10 @@ def validate(cfg) -> list[str]:
     if len(set(cfg.tasks)) != len(cfg.tasks) or not cfg.tasks:
         errors.append(f"tasks: needs at least one task and no repeats (got {list(cfg.tasks)})")
 
+
+def _strategy(errors, cfg) -> tuple[dict, type | None]:
+    """``ddp.strategy``: a known name and its own checks (unless ``ddp.unsafe``), and the engine's checks of it.
+    Returns (every strategy, the run's or None)."""
     strategies = strategy_types()
     strategy = strategies.get(cfg.ddp.strategy)
     if strategy is None:
@@ -164,7 +199,13 @@ def validate(cfg) -> list[str]:
         if not cfg.ddp.unsafe:  # unsafe: the user asked to reproduce a known failure
             errors += strategy.check(cfg)
     errors += fsdp_check(cfg, strategy)
+    return strategies, strategy
 
+
+def _method(errors, cfg, strategy, strategies: dict) -> tuple[dict, type | None]:
+    """``weighting.method``: a known name (mtl/weighting/ and ``weighting_modules``), its own checks, its held-out
+    batch, its gradient source against the strategy, and the engine's checks of it. Returns (every method, the
+    run's or None)."""
     try:
         methods = run_method_types(cfg)
     except ConfigError as e:
@@ -180,14 +221,7 @@ def validate(cfg) -> list[str]:
         errors += heldout_errors(cfg, method)
         errors += gradient_source_errors(cfg, strategy, method, strategies)
         errors += fsdp_method_check(cfg, method)
-    errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/config/multi_input.py)
-    _options(errors, cfg, tasks, method, backbone)
-    errors += architecture_errors(cfg, method)
-    _loss_scale(errors, cfg, tasks)
-    errors += plateau_errors(cfg, tasks)
-    named = {e.split(":")[0] for e in errors}
-    _finite(errors, OmegaConf.to_container(cfg, resolve=True), named)
-    return errors
+    return methods, method
 
 
 def _finite(errors, node, named: set, prefix: str = "") -> None:
@@ -454,7 +488,7 @@ def load_run_config(path: str, overrides: list[str] | None = None, announce: boo
     note = auto_strategy(cfg, explicit="ddp.strategy" in setters)
     errors += resolve_image_size(cfg)  # data.image_size: auto -> the model folder's size (an int from here on)
     errors += validate(cfg)
-    # a key the user set that the run does not read (mtl/config/reads.py), unless a check above refused it already
+    # a key the user set that the run does not read (mtl/config/read_rules.py), unless a check above refused it already
     unread, keys = unread_errors(cfg, run_shape(cfg), setters, named={e.split(":")[0] for e in errors})
     errors += unread
     if errors:

@@ -1,24 +1,8 @@
-"""Which config keys a run reads, and the rule that a key the user set is read (docs/config.md).
-
-``READS`` below declares, next to the schema, every key that some runs do not read and the condition under which
-it is read: the data source(s), multi-input mode and its sampling policy, the scheduler, the optimizer, the run's
-tasks, and what the run's plug-ins declare they read. A plug-in (backbone, task, weighting method, strategy) that
-reads a key of the shared config beyond its own options lists it in its class attribute ``reads`` (e.g. the
-torchvision backbones: ``model.backbone.weights``, ``norm``, ``stages``; the caption task: ``model.decoder.`` and
-``tokenizer.``; a trailing dot: the whole section). A key no rule names is read by every run.
-
-The rule (``unread_errors``): a key the user set (a config file of the chain or the command line; not a default)
-that the run will not read is an error, one message per reason naming the keys, what makes them unread and the fix,
-collected with the other config errors (exit 2) before anything starts. One exception keeps a base file usable: a key
-set *earlier* in the precedence order than the choice that made it unread (``base: tiny.yaml`` sets
-``data.synthetic.*``, the command line sets ``data.source=imagefolder``) is not an error; the later setting chose.
-Either way the run's saved config leaves out every key it does not read (``mtl.config.schema.mark_unread``), and its
-start-up summary lists those it left out that hold other than their defaults. A rule may name values that ask for
-nothing (``off``: ``trainer.num_samples: 0``, no sample captions): a key set to one is left out where unread, not refused.
-The keys of one command line share one place in that order: they are judged together, whatever their order.
-
-A tool that applies overrides to a saved config (``python -m mtl.tools.evaluate``) takes the same rule with
-``tool="evaluate"``: a key only training reads (``data.train_path``, ``data.augment.*`` ...) is not read there.
+"""Which config keys a run reads, as rules on plain data (docs/config.md): ``READS``, next to the schema, declares every
+key that some runs do not read and the condition under which it is read; ``not_read`` and ``unread_errors`` judge a
+config against a ``RunShape`` (its sources, mode, scheduler, optimizer, tasks and the keys its plug-ins declare in
+their ``reads``). The shape of a run is read from its plug-ins by ``mtl.setup.reads.run_shape``, above them; the rule,
+the exceptions and the tools' use of it are told there.
 """
 
 from __future__ import annotations
@@ -27,13 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from omegaconf import OmegaConf
-
-from mtl.build import run_method_types
-from mtl.config.schema import move_keys, multi_input, read_config_chain, user_set
-from mtl.errors import ConfigError
-from mtl.models.backbones import backbone_types
-from mtl.strategies import strategy_types
-from mtl.tasks import config_task_types
 
 IMAGE_FILES = ("manifest", "imagefolder")
 
@@ -273,43 +250,6 @@ READS: tuple[Reads, ...] = (
     Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
     Reads(("init_from_fresh_class_head",), warm_start, ("init_from",), training_only=True),
 )
-def run_shape(cfg, tool: str = "train") -> RunShape:
-    """The shape of a loaded config: its sources, mode and plug-ins (a plug-in that cannot be found is None: its
-    own error is reported by the checks, and the keys it would decide are not judged)."""
-    plugins: dict = {}
-    heldout = None
-    if tool == "train":
-        plugins["backbone"] = _plugin(lambda: backbone_types(cfg.get("backbone_modules") or ()),
-                                      cfg.model.backbone.name)
-        plugins["method"] = _plugin(lambda: run_method_types(cfg), cfg.weighting.method)
-        plugins["strategy"] = _plugin(strategy_types, cfg.ddp.strategy)
-        try:
-            types = config_task_types(cfg)
-        except ConfigError:
-            types = {}
-        plugins["task"] = (",".join(cfg.tasks), tuple(r for t in cfg.tasks for r in getattr(types[t], "reads", ())),
-                           {n: getattr(c, "reads", ()) for n, c in types.items()}
-                           ) if all(t in types for t in cfg.tasks) else None
-        if plugins["method"] is not None:
-            heldout = bool(run_method_types(cfg)[cfg.weighting.method].needs_heldout_batch)
-    per_task = cfg.data.get("per_task") or {}
-    return RunShape(
-        multi_input=multi_input(cfg), source=str(cfg.data.source),
-        task_sources={str(t): str((sec or {}).get("source", "synthetic")) for t, sec in per_task.items()},
-        policy=str(cfg.data.sampling.policy), sampling_weights=str(cfg.data.sampling.weights),
-        scheduler=str(cfg.optim.scheduler), optimizer=str(cfg.optim.name), tasks=tuple(cfg.tasks), heldout=heldout,
-        plugins=plugins, tool=tool, init_from=cfg.get("init_from") is not None, engine=str(cfg.parallel.engine))
-
-
-def _plugin(types, name):
-    """(name, the keys it reads, {every plug-in of its family: the keys it reads}), or None if it is unknown."""
-    try:
-        found = types()
-    except ConfigError:
-        return None
-    if name not in found:
-        return None
-    return name, tuple(getattr(found[name], "reads", ())), {n: getattr(c, "reads", ()) for n, c in found.items()}
 
 
 def _names(cfg, pattern: str) -> list[str]:
@@ -354,11 +294,11 @@ def _position(setters: dict, key: str) -> int:
 
 def unread_errors(cfg, shape: RunShape, setters: dict, named: set | frozenset = frozenset(),
                   only: tuple[str, ...] | None = None) -> tuple[list[str], list[str]]:
-    """``(errors, unread)``: an error for each group of keys the user set (``setters``: ``schema.user_set``) that the
+    """``(errors, unread)``: an error for each group of keys the user set (``setters``: ``mtl.config.load.user_set``) that the
     run does not read, where a key was set as late as, or later than, the keys that decide it (one set earlier was
     made unread by a later choice: left out, and listed by the start-up summary). ``named``: keys another check
     already refused (not said twice); ``only``: the key prefixes a tool takes (others are not judged). ``unread``:
-    every key the run does not read, for ``schema.mark_unread``."""
+    every key the run does not read, for ``mtl.config.effective.mark_unread``."""
     order = {k: i for i, k in enumerate(setters)}
     errors: dict[tuple, list[str]] = {}
     unread = []
@@ -381,17 +321,3 @@ def unread_errors(cfg, shape: RunShape, setters: dict, named: set | frozenset = 
 def _fix(fix: str, keys: list[str]) -> str:
     text = fix.format(key=keys[0] if len(keys) == 1 else "them")
     return text[0].upper() + text[1:]
-
-
-def refuse_unread(cfg, config: str | None, overrides: list[str] | None, tool: str, only: tuple[str, ...]) -> None:
-    """A tool's command-line ``overrides`` (on a saved config, or on the config file ``config``) that it does not
-    read: one ConfigError listing them (exit 2). ``only``: the keys the tool takes (e.g. ``data.``, ``seed``)."""
-    files = read_config_chain(config) if config else []
-    for data, source in files:
-        move_keys(data, source, [])
-    setters = user_set(files, overrides)
-    judged = {k for k, (_, where) in setters.items() if where == "command line"}
-    errors, _ = unread_errors(cfg, run_shape(cfg, tool), setters, only=only,
-                              named={k for k in setters if k not in judged})
-    if errors:
-        raise ConfigError(errors)

@@ -7,12 +7,12 @@ weighting, batch size, seed, precision, optimizer ...) must match the checkpoint
 resumed run would not be the run that was interrupted; each differing key is listed.
 
 The world size, ``parallel.engine`` and ``data.batch_size`` may change too (the model and optimizer state is
-sharded, ``mtl/run/train_state.py``, and reshards on load): :func:`reshard_problems` says whether the resumed run
+sharded, ``mtl/checkpoint/train_state.py``, and reshards on load): :func:`reshard_problems` says whether the resumed run
 is still the interrupted one (same global batch, and no per-rank random stream to carry over to another
 number of ranks, no statistics over each rank's own batch: BatchNorm), and otherwise asks for
 ``resume_reshard: true``.
 
-A checkpoint's ``config.yaml`` is data, not a config: it is read with ``mtl.config.schema.load_saved_yaml`` (an
+A checkpoint's ``config.yaml`` is data, not a config: it is read with ``mtl.config.yaml_read.load_saved_yaml`` (an
 anchor, alias or repeated key is refused by line: mtl writes none) and no ``${...}`` interpolation or resolver in it
 is ever evaluated (a crafted ``seed: ${oc.env:TOKEN}`` is compared, and printed, as that literal text). mtl writes it
 already resolved.
@@ -25,20 +25,13 @@ import os
 import yaml
 from omegaconf import OmegaConf
 
-from mtl.config.checks import option_defaults
-from mtl.config.schema import (
-    SAVED_YAML_FIX,
-    Config,
-    YamlRefusal,
-    drop_moved_options,
-    in_effect,
-    load_saved_yaml,
-    move_keys,
-    multi_input,
-    unread_keys,
-)
+from mtl.checkpoint.folder import LEGACY_FORMAT
+from mtl.config.effective import in_effect, unread_keys
+from mtl.config.keys import Config, multi_input
+from mtl.config.load import drop_moved_options, move_keys
+from mtl.config.yaml_read import SAVED_YAML_FIX, YamlRefusal, load_saved_yaml
 from mtl.errors import CheckpointError
-from mtl.run.checkpoint import LEGACY_FORMAT
+from mtl.setup.checks import option_defaults
 from mtl.tasks import task_types
 
 SAFE_TO_CHANGE = (
@@ -106,7 +99,7 @@ def verify_resume_config(checkpoint_dir: str, cfg) -> None:
     safe = SAFE_TO_CHANGE + tuple(f"task_options.{t}.{k}" for t in cfg.tasks if t in types
                                   for k in types[t].resume_safe)
 
-    # a key this run does not read (mtl/config/reads.py) is not compared: its config leaves it out, and a checkpoint's
+    # a key this run does not read (mtl/config/read_rules.py) is not compared: its config leaves it out, and a checkpoint's
     # config.yaml written before that rule holds it
     not_read = tuple(unread_keys(cfg))
     current = in_effect(cfg)

@@ -18,7 +18,7 @@ def read_metrics(path: str) -> list[dict]:
 
 def curves_png(metrics_path: str, metric_keys: list[str]) -> bytes:
     """Per-task training losses (left) and the validation metrics ``metric_keys`` (right) against the step, as PNG
-    bytes: the caller writes them (mtl/run/trainer.py: atomically, a failure one warning)."""
+    bytes: the caller writes them (mtl/run/step_log.py: atomically, a failure one warning)."""
     rows = read_metrics(metrics_path)
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
