@@ -97,6 +97,9 @@ NOT_READ = {
     "ddp.bucket_cap_mb": {"fsdp2"},  # DDP's gradient buckets: FSDP2 has no reducer
     "trainer.num_samples": {"cls_only"},  # sample captions: the caption task declares it
     "init_from_fresh_class_head": set(),  # the drive sets init_from too (a filler): see test_a_fresh_head_needs_init_from
+    # the drive sets the watched metric too (a filler): tests/test_best_and_early_stop.py refuses them without it
+    "checkpoint.best_mode": set(), "trainer.early_stopping.patience": set(), "trainer.early_stopping.min_delta": set(),
+    "trainer.early_stopping.mode": set(),
     # sections named by task: the section of a task the run does not train (test_sections_of_other_tasks)
     "task_options": set(), "task_instances": set(), "loss_scale": set(),
 }
@@ -111,7 +114,8 @@ ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard
           "optim.grad_clip", "optim.layer_decay", "model.activation_checkpointing", "model.compile",
           "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
           "trainer.eval_max_batches", "trainer.max_bad_steps", "trainer.poison",
-          "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench"}
+          "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench", "checkpoint.best_metric",
+          "trainer.early_stopping.metric"}
 # data.per_task.<task>.<key> -> the multi-input set-ups (and task) whose run does not read it
 PER_TASK_NOT_READ = {
     "source": set(),

@@ -55,6 +55,8 @@ STATE_DIR = "state"  # the sharded model and optimizer state; its index file is 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 ASIDE_DIR = re.compile(r"^\.step_(\d+)\.old$")  # a complete checkpoint moved aside while its step is re-saved
+# the best checkpoint by checkpoint.best_metric (mtl/run/best.py): no step_<N>, so resume=auto and pruning pass it over
+BEST_DIR = "best"
 CORE_FILES = ("model.safetensors", "trainer_state.pt", "config.yaml")
 
 
@@ -105,15 +107,16 @@ def recover(output_dir: str) -> list[str]:
         return notes
     for name in sorted(os.listdir(root)):
         m = ASIDE_DIR.match(name)
-        if not m:
+        if not m and name != f".{BEST_DIR}.old":
             continue
-        aside, final = os.path.join(root, name), os.path.join(root, f"step_{m.group(1)}")
+        kept = f"step_{m.group(1)}" if m else BEST_DIR
+        aside, final = os.path.join(root, name), os.path.join(root, kept)
         if os.path.isdir(final):
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(aside, final)
             _fsync_dir(root)
-            notes.append(f"restored step_{m.group(1)} from {name} (a re-save of that step was interrupted)")
+            notes.append(f"restored {kept} from {name} (a re-save of that checkpoint was interrupted)")
     return notes
 
 
@@ -240,7 +243,7 @@ def _verify_extra_name(name: str) -> str:
 
 def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, trainer_state: dict, config_yaml: str,
                     rank: int, keep_last: int = 0, extra_files: dict[str, bytes] | None = None,
-                    sharded: dict | None = None) -> str:
+                    sharded: dict | None = None, name: str | None = None) -> str:
     """Every rank calls this (collective); returns the final path.
 
     ``model``: the bare model, or its state dict already gathered (FSDP2; only rank 0's is written), for
@@ -249,10 +252,11 @@ def save_checkpoint(output_dir: str, step: int, model: torch.nn.Module | dict, t
     has no ``state/`` (the trainer always passes it).
     ``extra_files`` (rank 0's are used): small files to store too, ``{relative name: bytes}``, e.g.
     ``{"class_names.json": b"[...]"}``; sub-folders are allowed (``tokenizer/tokenizer.json``).
+    ``name``: the folder's name instead of ``step_<step>`` (``BEST_DIR``), written and replaced the same way.
     """
     root = checkpoint_root(output_dir)
-    final = os.path.join(root, f"step_{step}")
-    tmp = os.path.join(root, f".step_{step}.tmp")
+    folder_name = name or f"step_{step}"
+    final, tmp = os.path.join(root, folder_name), os.path.join(root, f".{folder_name}.tmp")
     extra = {_verify_extra_name(k): v for k, v in (extra_files or {}).items()}
     _refuse_nonfinite(step, model, sharded, rank)
 

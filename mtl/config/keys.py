@@ -218,6 +218,17 @@ class OptimConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """``trainer.early_stopping``: stop the run at an evaluation, on every rank, once ``metric`` has not improved by
+    more than ``min_delta`` for ``patience`` evaluations in a row (the counter survives a resume: mtl/run/best.py)."""
+
+    metric: str | None = None  # an evaluation metric as the run logs it (cls_acc, gen_bleu4, ...); null: off
+    patience: int = 5  # evaluations without an improvement before the run stops
+    min_delta: float = 0.0  # an improvement is a change of more than this in the direction of `mode`
+    mode: str = "max"  # max | min: whether a higher or a lower value of `metric` is better
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 1000
     log_every: int = 10
@@ -227,12 +238,27 @@ class TrainerConfig:
     max_bad_steps: int = 5  # stop after this many consecutive non-finite steps
     poison: str | None = None  # testing: "STEP:TASK:RANK" makes TASK's loss NaN at STEP on RANK (RANK * = all)
     progress: bool = True  # rank 0's progress: a bar with ETA on a terminal; else (a log, a pipe) a line every log_every steps
+    # stop at an evaluation once `metric` has not improved for `patience` evaluations (docs/reliability.md)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 500  # and always at the end; 0: only at the end
     keep_last: int = 0  # 0: keep all
+    # keep the checkpoint of the best evaluation by this metric (cls_acc, gen_bleu4, ...) as checkpoints/best/, which
+    # pruning never removes (mtl/run/best.py); null: none
+    best_metric: str | None = None
+    best_mode: str = "max"  # max | min: whether a higher or a lower value of best_metric is better
+
+
+@dataclass
+class LoggingConfig:
+    """Where rank 0 logs a run's scalars, its resolved config and its sample captions (docs/config.md, Trackers)."""
+
+    # any of tensorboard (output_dir/tb), wandb, mlflow (pip install -e '.[trackers]') and csv (output_dir/metrics.csv)
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    group: str | None = None  # wandb's run group and mlflow's experiment (a benchmark sweep sets its name); null: none
 
 
 @dataclass
@@ -273,6 +299,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # trackers: TensorBoard, W&B, MLflow, CSV
     # the benchmark's section (python -m mtl.tools.bench declares and checks its keys: mtl/bench/options.py);
     # train.py ignores it. Merged like task_options: a later file or the command line changes only the keys it names
     bench: dict[str, Any] = field(default_factory=dict)

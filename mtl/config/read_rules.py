@@ -33,6 +33,8 @@ class RunShape:
     tool: str = "train"  # train | evaluate
     init_from: bool = False  # a warm start (init_from is set)
     engine: str = "ddp"  # parallel.engine
+    best_metric: bool = False  # checkpoint.best_metric is set (a best checkpoint is kept)
+    early_stopping: bool = False  # trainer.early_stopping.metric is set
 
     @property
     def sources(self) -> set[str]:
@@ -150,6 +152,13 @@ def warm_start(s, t, key=None):
             "set init_from=<model folder>, or remove {key}")
 
 
+def watching(flag: str, key: str) -> When:
+    """Read when ``key`` (the metric a best checkpoint or early stopping watches) is set: ``flag``, RunShape's."""
+    def when(s, t, k=None):
+        return None if getattr(s, flag) else (f"{key} is null", f"set {key}=<metric>, or remove {{key}}")
+    return when
+
+
 def scheduler_is(name: str) -> When:
     def when(s, t, key=None):
         return None if s.scheduler == name else (f"optim.scheduler is {s.scheduler}",
@@ -249,6 +258,12 @@ READS: tuple[Reads, ...] = (
     Reads(("optim.plateau.",), scheduler_is("plateau"), ("optim.scheduler",)),
     Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
     Reads(("init_from_fresh_class_head",), warm_start, ("init_from",), training_only=True),
+    Reads(("logging.",), lambda s, t, key=None: None, (), training_only=True),  # the trackers: training only
+    Reads(("checkpoint.best_mode",), watching("best_metric", "checkpoint.best_metric"), ("checkpoint.best_metric",),
+          training_only=True),
+    Reads(("trainer.early_stopping.patience", "trainer.early_stopping.min_delta", "trainer.early_stopping.mode"),
+          watching("early_stopping", "trainer.early_stopping.metric"), ("trainer.early_stopping.metric",),
+          training_only=True),
 )
 
 

@@ -50,6 +50,7 @@ from mtl.models.backbones.hf_vision import carried_files
 from mtl.parallel.dist import DistInfo, barrier, broadcast_object
 from mtl.parallel.fsdp import full_model_state, is_sharded
 from mtl.registry import plugin_files
+from mtl.run.best import BEST_FILE, RunWatch
 from mtl.run.logger import trim_metrics
 from mtl.run.runlock import LockHeld, RunLock
 from mtl.run.step import StepParts
@@ -77,6 +78,7 @@ class RunFolder:
         self._tokenizer: dict[str, bytes] | None = None  # rank 0: the run's tokenizer files (tokenizer)
         self._tokenizer_from_checkpoint = False  # rank 0: they are the resumed checkpoint's (commit says so)
         self._class_names: bytes | None = None  # rank 0: class_names.json (prepare_run_files)
+        self.watch = RunWatch(cfg)  # the best checkpoint and early stopping (mtl/run/best.py), in trainer_state.pt
 
     # ------------------------------------------------------------------ start-up
 
@@ -317,7 +319,8 @@ class RunFolder:
         return {"step": step, "world_size": self.dist.world_size,
                 "engine": "fsdp2" if is_sharded(parts.bare) else "ddp", **feed.state_dict(),
                 "scheduler": parts.scheduler.state_dict(), "scaler": parts.amp.state_dict(),
-                "weighting": parts.weighting.state_dict(), "run_id": self.run_id, "bad_steps": bad_steps}
+                "weighting": parts.weighting.state_dict(), "run_id": self.run_id, "bad_steps": bad_steps,
+                "watch": self.watch.state_dict()}
 
     def save(self, step: int, parts: StepParts, feed, bad_steps: int = 0) -> tuple[str, bool]:
         """(the checkpoint of ``step``, whether it was written now): not when this folder already holds exactly
@@ -326,14 +329,30 @@ class RunFolder:
         path = os.path.join(ckpt.checkpoint_root(self.cfg.output_dir), f"step_{step}")
         if self.saved_step == step:
             return path, False
-        sharded = is_sharded(parts.bare)
-        model = full_model_state(parts.bare) if sharded else parts.bare  # FSDP2: gathered on rank 0 (collective)
-        keep_last = 0 if bad_steps else self.cfg.checkpoint.keep_last
-        path = ckpt.save_checkpoint(self.cfg.output_dir, step, model, self.trainer_state(step, parts, feed, bad_steps),
-                                    to_yaml(self.cfg), self.dist.rank, keep_last, self.files,
-                                    sharded=sharded_state(parts.bare, parts.weighting, parts.optimizer))
+        path = self._write(step, parts, feed, bad_steps, 0 if bad_steps else self.cfg.checkpoint.keep_last)
         self.saved_step = step
         return path, True
+
+    def _write(self, step: int, parts: StepParts, feed, bad_steps: int, keep_last: int, name: str | None = None,
+               extra: dict | None = None) -> str:
+        sharded = is_sharded(parts.bare)
+        model = full_model_state(parts.bare) if sharded else parts.bare  # FSDP2: gathered on rank 0 (collective)
+        return ckpt.save_checkpoint(self.cfg.output_dir, step, model, self.trainer_state(step, parts, feed, bad_steps),
+                                    to_yaml(self.cfg), self.dist.rank, keep_last, {**self.files, **(extra or {})},
+                                    sharded=sharded_state(parts.bare, parts.weighting, parts.optimizer), name=name)
+
+    def evaluated(self, step: int, metrics: dict, parts: StepParts, feed, bad_steps: int = 0) -> tuple[dict | None,
+                                                                                                        list[str]]:
+        """Every rank, after a recorded evaluation: the watches count it (mtl/run/best.py), rank 0's decision holds on
+        every rank, and an improved ``checkpoint.best_metric`` writes ``checkpoints/best/`` (collective). Returns
+        (why the run stops early, or None; lines to log)."""
+        due, notes = self.watch.evaluated(step, metrics, last=self.is_last(step))
+        due, self.watch.stopped = broadcast_object((due, self.watch.stopped))  # one decision on every rank
+        if due:
+            best = self.watch.best
+            path = self._write(step, parts, feed, bad_steps, 0, ckpt.BEST_DIR, {BEST_FILE: self.watch.best_file()})
+            notes.insert(0, f"step {step}: best checkpoint {path} ({best.metric}={best.value:.4f})")
+        return self.watch.stopped, notes
 
     def load(self, path: str, parts: StepParts, feed) -> tuple[int, list[str]]:
         """Every rank: load the checkpoint rank 0 verified into the parts and the feed, resharded to this run's
@@ -365,6 +384,8 @@ class RunFolder:
                                                     int(state.get("world_size") or 1))}
         notes += feed.load_state_dict(state)
         self.resumed_bad_steps = int(state.get("bad_steps") or 0)  # so the streak ends where it would have
+        best_held = os.path.isdir(os.path.join(ckpt.checkpoint_root(cfg.output_dir), ckpt.BEST_DIR))
+        notes += self.watch.load_state_dict(state.get("watch"), broadcast_object(best_held))  # rank 0's view
         ckpt.set_rng_state(rng)
         own = os.path.join(ckpt.checkpoint_root(cfg.output_dir), f"step_{state['step']}")
         if os.path.abspath(path) == os.path.abspath(own):

@@ -49,6 +49,7 @@ class StepLog:
         self.bad_steps = bad_steps  # the current streak of non-finite steps (a resumed run's goes on)
         self.overflows = 0
         self.log_every = cfg.trainer.log_every
+        self.stopped_early: dict | None = None  # why trainer.early_stopping stopped the run (final_metrics.json)
 
     def announce(self, resume_notes: list[str], backend: str | None, feed: str, data: str) -> None:
         """The run's first lines: the resume's notes, the processes and the run's choices (``feed``: the feed's own
@@ -123,6 +124,13 @@ class StepLog:
         self.log.info(f"step {step} eval: " + ", ".join(f"{k}={v:.4f}" for k, v in flat.items()))
         return flat
 
+    def watched(self, stopped: dict | None, notes: list[str]) -> None:
+        """After an evaluation, the best checkpoint's and early stopping's lines (mtl/run/best.py); ``stopped``: why
+        the run stops early (final_metrics.json's ``stopped_early``), or None."""
+        for note in notes:
+            self.log.info(note)
+        self.stopped_early = stopped
+
     def samples(self, step: int, metrics: dict, val_sets: dict) -> None:
         """The first ``trainer.num_samples`` generated samples: console, TensorBoard text and a figure."""
         n = self.cfg.trainer.num_samples
@@ -167,6 +175,8 @@ class StepLog:
         if self.is_main:
             summary = {"step": step, "wall_time_s": round(wall, 1), "world_size": self.world_size,
                        "fp16_overflows": self.overflows, "data_skipped": data_skipped, **final}
+            if self.stopped_early:
+                summary["stopped_early"] = self.stopped_early
             self._write_final_metrics(os.path.join(out, "final_metrics.json"), summary)
             self._write_curves(os.path.join(out, "metrics.jsonl"), os.path.join(out, "curves.png"))
             hp = {"strategy": cfg.ddp.strategy, "weighting": cfg.weighting.method, "precision": cfg.precision,

@@ -99,7 +99,7 @@ class Trainer:
             self.step, self.resume_notes = self.folder.load(resume, self.parts, self.feed)
         self.folder.commit()  # nothing can refuse the run now: output_dir is written (a refused run writes nothing)
         self.log = RunLogger(cfg.output_dir, dist.is_main, cfg.trainer.max_steps, cfg.trainer.progress, self.step,
-                             every=cfg.trainer.log_every)  # without a terminal: a progress line every log_every steps
+                             every=cfg.trainer.log_every, cfg=cfg)  # no terminal: a progress line every log_every steps
         self.steplog = StepLog(cfg, self.parts, self.log, self.device, dist.world_size, dist.is_main,
                                bad_steps=self.folder.resumed_bad_steps)  # a streak goes on where it stopped
         self.steplog.announce(self.resume_notes, dist.backend, self.feed.describe(cfg, dist.world_size),
@@ -168,7 +168,7 @@ class Trainer:
         first = self.step  # 0, or the resumed checkpoint's step: the summary counts the steps this run took
         if self.folder.is_last(self.step):
             self.log.info(f"nothing to do: step {self.step} >= trainer.max_steps {trainer_cfg.max_steps}")
-        while not self.folder.is_last(self.step):
+        while not self.folder.is_last(self.step) and not self.folder.watch.stopped:  # trainer.early_stopping
             enter_phase("step")
             result = self.step_once()
             if self.device.type == "cuda":
@@ -193,7 +193,7 @@ class Trainer:
                 if self.signals.interrupted:  # Ctrl-C on this rank: saved, and exits 130 (mtl/run/signals.py)
                     raise KeyboardInterrupt
                 return self.last_eval
-        final = self.run_eval()
+        final = self.last_eval if self.folder.watch.stopped and self.last_eval else self.run_eval()
         self.steplog.refuse_nonfinite_final(self.step, final)  # a final evaluation that is NaN/inf: exit 5
         self.save()
         self.steplog.finish(self.step, final, time.perf_counter() - start, first, self.skipped_lines[0])
@@ -216,7 +216,8 @@ class Trainer:
         flat = flat_metrics(metrics, test)
         if hasattr(self.scheduler, "evaluated"):  # optim.scheduler=plateau: the rate follows the validation Δm
             flat["plateau_delta_m"] = self.scheduler.evaluated(flat)
-        self.last_eval = self.steplog.evaluation(self.step, flat)
+        self.last_eval = self.steplog.evaluation(self.step, flat)  # then the best checkpoint, early stopping:
+        self.steplog.watched(*self.folder.evaluated(self.step, flat, self.parts, self.feed, self.steplog.bad_steps))
         enter_phase("sample figure")
         self.steplog.samples(self.step, metrics, {t: loader.dataset for t, loader in self.val_loaders.items()})
         return self.last_eval

@@ -7,8 +7,10 @@ together as one ConfigError (exit code 2).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
+import sys
 
 import torch
 from omegaconf import OmegaConf
@@ -75,6 +77,7 @@ def validate(cfg) -> list[str]:
     tasks, the strategy, the weighting method, multi-input mode, the plug-ins' options, the architecture."""
     errors: list[str] = []
     _choices(errors, cfg)
+    errors += tracker_errors(cfg)
     backbone = _backbone(errors, cfg)
     errors += blockwise_errors(cfg, backbone)
     _start_errors(errors, cfg)
@@ -88,6 +91,7 @@ def validate(cfg) -> list[str]:
     errors += architecture_errors(cfg, method)
     _loss_scale(errors, cfg, tasks)
     errors += plateau_errors(cfg, tasks)
+    errors += watched_metric_errors(cfg, tasks)
     named = {e.split(":")[0] for e in errors}
     _finite(errors, OmegaConf.to_container(cfg, resolve=True), named)
     return errors
@@ -108,6 +112,31 @@ def _choices(errors, cfg) -> None:
     if not SEED_RANGE[0] <= cfg.seed <= SEED_RANGE[1]:
         errors.append(f"seed: {cfg.seed} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]} (2**32 - 1), the seeds numpy "
                       "takes; choose a seed in that range")
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "csv")  # logging.trackers (mtl/run/trackers.py)
+TRACKER_LIBRARIES = ("wandb", "mlflow")  # the trackers that come in the extra `trackers`
+
+
+def tracker_installed(library: str) -> bool:
+    """Whether ``library`` imports, without importing it (wandb and mlflow take seconds)."""
+    if library in sys.modules:
+        return sys.modules[library] is not None
+    return importlib.util.find_spec(library) is not None
+
+
+def tracker_errors(cfg) -> list[str]:
+    """``logging.trackers``: known names, and their libraries installed (else one message naming the extra)."""
+    names = list(OmegaConf.select(cfg, "logging.trackers", default=None) or [])
+    errors: list[str] = []
+    for name in names:
+        _choice(errors, "logging.trackers", name, TRACKERS)
+    missing = [n for n in dict.fromkeys(names) if n in TRACKER_LIBRARIES and not tracker_installed(n)]
+    if missing:
+        errors.append(f"logging.trackers: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                      "installed; install the trackers extra (pip install -e '.[trackers]', or make install), or "
+                      f"remove {', '.join(missing)} from logging.trackers")
+    return errors
 
 
 def _start_errors(errors, cfg) -> None:
@@ -270,6 +299,36 @@ def plateau_errors(cfg, tasks: dict) -> list[str]:
             close = difflib.get_close_matches(str(key), keys, n=1, cutoff=0.6)
             errors.append(f"optim.plateau.baselines.{key}: not a metric of the run's tasks"
                           + (f" — did you mean {close[0]!r}?" if close else "") + f" (they are: {', '.join(keys)})")
+    return errors
+
+
+def logged_metrics(cfg, tasks: dict) -> list[str]:
+    """The evaluation metrics a run logs that a best checkpoint or early stopping can watch: each task's declared
+    metrics and its loss (``<task>_<metric>``), the test split's (``test_<task>_<metric>``) when there is one, and the
+    validation Δm (``plateau_delta_m``) under optim.scheduler=plateau."""
+    keys = [k for t in cfg.tasks if t in tasks for k in [f"{t}_{m}" for m in tasks[t].metrics] + [f"{t}_loss"]]
+    d = cfg.data
+    test = (d.qm9.test_size if d.source == "qm9" else d.synthetic.test_size if d.source == "synthetic"
+            else d.test_path) if not d.get("per_task") else None
+    return keys + ([f"test_{k}" for k in keys] if test else []) + (
+        ["plateau_delta_m"] if cfg.optim.scheduler == "plateau" else [])
+
+
+def watched_metric_errors(cfg, tasks: dict) -> list[str]:
+    """checkpoint.best_metric and trainer.early_stopping: a metric the run logs, a mode, and their ranges."""
+    errors, es = [], cfg.trainer.early_stopping
+    logged = logged_metrics(cfg, tasks)
+    for key, metric, mode in (("checkpoint.best_metric", cfg.checkpoint.best_metric, "checkpoint.best_mode"),
+                              ("trainer.early_stopping.metric", es.metric, "trainer.early_stopping.mode")):
+        if metric is None:
+            continue
+        if metric not in logged and all(t in tasks for t in cfg.tasks):
+            errors.append(f"{key}: {metric!r} is not a metric this run logs{did_you_mean(metric, logged)} (it logs: "
+                          f"{', '.join(logged)})")
+        _choice(errors, mode, OmegaConf.select(cfg, mode), ("max", "min"))
+    if es.metric is not None and (es.patience < 1 or es.min_delta < 0):
+        errors.append(f"trainer.early_stopping.patience / min_delta: patience must be >= 1 and min_delta >= 0 (got "
+                      f"{es.patience}, {es.min_delta})")
     return errors
 
 

@@ -23,6 +23,8 @@ A tool that applies overrides to a saved config (``python -m mtl.tools.evaluate`
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
 from mtl.config.keys import multi_input
 from mtl.config.load import move_keys, user_set
 from mtl.config.read_rules import (  # noqa: F401  (the rules, plain data: here too, as mtl.setup.reads offered them)
@@ -88,7 +90,9 @@ def run_shape(cfg, tool: str = "train") -> RunShape:
         task_sources={str(t): str((sec or {}).get("source", "synthetic")) for t, sec in per_task.items()},
         policy=str(cfg.data.sampling.policy), sampling_weights=str(cfg.data.sampling.weights),
         scheduler=str(cfg.optim.scheduler), optimizer=str(cfg.optim.name), tasks=tuple(cfg.tasks), heldout=held,
-        plugins=plugins, tool=tool, init_from=cfg.get("init_from") is not None, engine=str(cfg.parallel.engine))
+        plugins=plugins, tool=tool, init_from=cfg.get("init_from") is not None, engine=str(cfg.parallel.engine),
+        best_metric=OmegaConf.select(cfg, "checkpoint.best_metric") is not None,
+        early_stopping=OmegaConf.select(cfg, "trainer.early_stopping.metric") is not None)
 
 
 def _plugin(types, name):
