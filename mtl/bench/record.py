@@ -34,7 +34,7 @@ RECORD = "bench_run.json"
 # keys of the run config that cannot change what a run trains: where it writes, and the benchmark's own section (every
 # bench.* key that reaches training does so through the run's overrides: methods, strategies, heldout, regimes;
 # bench.nproc is added back as "nproc")
-NOT_TRAINING = ("output_dir", "bench")
+NOT_TRAINING = ("output_dir", "bench", "logging")  # logging: where the scalars go, not what is trained
 
 
 def run_identity(config_path: str, overrides: list[str], nproc: int) -> tuple[dict, dict]:

@@ -1,4 +1,5 @@
-"""Run logs, written by rank 0 only: ``metrics.jsonl``, TensorBoard under ``tb/``, and the console.
+"""Run logs, written by rank 0 only: ``metrics.jsonl``, TensorBoard under ``tb/`` and the other trackers
+``logging.trackers`` names (W&B, MLflow, CSV: mtl/run/trackers.py), and the console.
 
 The progress (``trainer.progress``) is a bar on a terminal. Where the bar's stream (stderr) is not a terminal (a log
 file, a pipe, ``make train > log``), its redrawn frames would fill the file, so the progress is a plain line every
@@ -16,13 +17,15 @@ from mtl.checkpoint.folder import describe_os_error
 from mtl.errors import TrainingError
 from mtl.files import write_atomic
 from mtl.run import console
+from mtl.run.trackers import open_trackers, scalars
 
 
 class RunLogger:
     def __init__(self, output_dir: str, enabled: bool, max_steps: int, progress: bool, start_step: int = 0,
-                 every: int = 10, terminal: bool | None = None):
+                 every: int = 10, terminal: bool | None = None, cfg=None):
         """``every``: the steps between two progress lines without a terminal; ``terminal``: draw the bar (True) or
-        print the lines (False) whatever stderr is (None: the bar where stderr is a terminal)."""
+        print the lines (False) whatever stderr is (None: the bar where stderr is a terminal); ``cfg``: the run's
+        config, whose ``logging.trackers`` are written (None: TensorBoard only)."""
         self.enabled = enabled
         self.output_dir = output_dir
         self._tb = None
@@ -30,14 +33,17 @@ class RunLogger:
         self._lines: ProgressLines | None = None  # the progress without a terminal
         self._jsonl = None
         self._failed = False  # a failed write was reported
+        self._trackers: list = []  # W&B, MLflow, CSV (mtl/run/trackers.py)
         if not enabled:
             return
         path = os.path.join(output_dir, "metrics.jsonl")
         trim_metrics(output_dir, start_step)  # a resumed run redoes the steps after its checkpoint
         self._jsonl = open(path, "a", encoding="utf-8")
-        from torch.utils.tensorboard import SummaryWriter
+        if cfg is None or "tensorboard" in cfg.logging.trackers:
+            from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(os.path.join(output_dir, "tb"))
+            self._tb = SummaryWriter(os.path.join(output_dir, "tb"))
+        self._trackers = open_trackers(cfg, start_step) if cfg is not None else []
         if progress and not (is_terminal(sys.stderr) if terminal is None else terminal):
             self._lines = ProgressLines(max_steps, start_step, every)
         elif progress:
@@ -68,10 +74,12 @@ class RunLogger:
             self._failed = True
             raise TrainingError(f"cannot write {self._jsonl.name}: {describe_os_error(e)}. The last checkpoint is "
                                 "intact; free space or make output_dir writable, then resume with resume=auto") from None
-        prefix = "" if kind == "train" else f"{kind}/"
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self._tb.add_scalar(prefix + k, v, step)
+        numbers = scalars(values, kind)
+        if self._tb is not None:
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
+        for tracker in self._trackers:
+            tracker.log_scalars(step, numbers)
 
     def progress(self, step: int, postfix: dict) -> None:
         if self._bar is not None:
@@ -81,19 +89,21 @@ class RunLogger:
             self.info(self._lines.line(step, postfix))
 
     def image(self, tag: str, image, step: int) -> None:
-        if self.enabled:
+        if self._tb is not None:
             self._tb.add_image(tag, image, step)
 
     def figure(self, tag: str, figure, step: int) -> None:
-        if self.enabled:
+        if self._tb is not None:
             self._tb.add_figure(tag, figure, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        if self.enabled:
+        if self._tb is not None:
             self._tb.add_text(tag, text, step)
+        for tracker in self._trackers:
+            tracker.log_text(step, tag, text)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
-        if self.enabled:
+        if self._tb is not None:
             self._tb.add_hparams(hparams, metrics, run_name=".")
 
     def close(self) -> None:
@@ -102,12 +112,16 @@ class RunLogger:
         if self._bar is not None:
             console.show_bar(None)
             self._bar.close()
-        for closer in (self._tb, self._jsonl):
+        for closer in (self._tb, self._jsonl, *self._trackers):
             if closer is None:
                 continue
             try:
                 closer.close()
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - a tracker's own error (its service, its store) costs its log only
+                if not isinstance(e, OSError):
+                    print(f"warning: could not close the tracker {type(closer).__name__}: {type(e).__name__}: {e}",
+                          file=sys.stderr, flush=True)
+                    continue
                 if not self._failed:
                     print(f"warning: could not finish writing the logs in {self.output_dir}: {describe_os_error(e)}",
                           file=sys.stderr, flush=True)

@@ -38,7 +38,7 @@ SAFE_TO_CHANGE = (
     "output_dir", "resume", "overwrite", "device", "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
     "trainer.eval_max_batches", "trainer.num_samples", "trainer.progress",
     "trainer.max_bad_steps", "trainer.poison", "checkpoint.", "data.num_workers", "data.eval_batch_size",
-    "ddp.timeout_s", "ddp.replica_check_every", "ddp.nan_monitor", "bench.",
+    "ddp.timeout_s", "ddp.replica_check_every", "ddp.nan_monitor", "bench.", "logging.",
     "init_from", "init_from_fresh_class_head",  # only read at a fresh start: a resume loads its own checkpoint's weights
     "task_modules",  # where the task files are found; the tasks and their options are compared themselves
     "weighting_modules",  # where a method's file is found; the method and its options are compared themselves
