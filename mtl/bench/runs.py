@@ -11,6 +11,8 @@ import shutil
 import statistics
 import sys
 
+from omegaconf import OmegaConf
+
 from mtl.bench.launch import drive, make_launcher, resuming
 from mtl.bench.options import bench_options
 from mtl.bench.progress import Progress
@@ -80,6 +82,14 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
     return runs
 
 
+def sweep_group(cfg) -> list[str]:
+    """The override that groups a sweep's runs in the trackers (``logging.group``: wandb's group, mlflow's experiment):
+    the sweep's folder name, unless the config names a group. Not part of a run's identity (record.NOT_TRAINING)."""
+    if OmegaConf.select(cfg, "logging.group", default=None):
+        return []
+    return [f"logging.group={json.dumps(os.path.basename(os.path.abspath(cfg.output_dir)))}"]
+
+
 def launch_threads(cfg) -> int:
     """OMP_NUM_THREADS of each run's processes: ``bench.threads``; else for the local launcher this machine's CPUs
     shared by the runs at once, for Slurm the job's CPUs (``bench.slurm.cpus_per_run``) over its processes."""
@@ -105,7 +115,7 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
             shutil.rmtree(r["dir"])  # nothing to resume (or not this run's to resume): start it again from scratch
         os.makedirs(r["dir"], exist_ok=True)
         r["resume"] = resume_from is not None
-        command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"]], b.nproc)
+        command = run_command(os.path.abspath(config_path), [*base_overrides, *r["overrides"], *sweep_group(cfg)], b.nproc)
         if r["resume"]:  # the trainer's own resume: the newest complete checkpoint, bit for bit
             command = resuming(command)
         return command, lambda: write_record(r["dir"], r["config"], provenance(threads), r["code"])
