@@ -115,7 +115,7 @@ ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard
           "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
           "trainer.eval_max_batches", "trainer.max_bad_steps", "trainer.poison",
           "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench", "checkpoint.best_metric",
-          "trainer.early_stopping.metric"}
+          "trainer.early_stopping.metric", "logging.trackers", "logging.group"}
 # data.per_task.<task>.<key> -> the multi-input set-ups (and task) whose run does not read it
 PER_TASK_NOT_READ = {
     "source": set(),
@@ -133,7 +133,7 @@ TRAINING_ONLY = {"data.train_path", "data.test_path", "data.num_classes", "data.
                  "data.synthetic.train_seed_offset", "data.synthetic.test_size", "data.synthetic.test_seed_offset",
                  "data.qm9.train_size", "data.augment.random_resized_crop", "data.augment.scale", "data.augment.ratio",
                  "data.augment.hflip", "data.batch_size", "data.sampling.policy", "data.sampling.weights",
-                 "data.sampling.temperature", "data.heldout"}
+                 "data.sampling.temperature", "data.heldout", "logging.trackers", "logging.group"}
 SECTIONS = {"task_options", "task_instances", "loss_scale", "data.per_task", "model.backbone.options",
             "model.architecture.options",
             "weighting.options", "bench"}  # mappings: driven by name, not by value (below)
