@@ -37,12 +37,22 @@ class ModelFiles:
     class_names: str | None  # a class_names.json
 
 
+BEST = "@best"  # after a run's output_dir: its best checkpoint, output_dir/checkpoints/best (checkpoint.best_metric)
+
+
 def find_model_files(path: str, key: str) -> ModelFiles:
-    """A checkpoint folder, an export folder, a run's output_dir (its newest checkpoint) or a model.safetensors.
+    """A checkpoint folder, an export folder, a run's output_dir (its newest checkpoint), a run's output_dir with
+    ``@best`` (its best checkpoint, ``checkpoints/best``: ``checkpoint.best_metric``) or a model.safetensors.
 
     ``key`` names the setting in messages (e.g. ``init_from``, ``--model``). Raises CheckpointError.
     """
-    what = "a checkpoint folder, an export folder, a run's output_dir or a model.safetensors file"
+    what = "a checkpoint folder, an export folder, a run's output_dir (or output_dir@best) or a model.safetensors file"
+    if path.endswith(BEST) and not os.path.exists(path):
+        run, best = path[:-len(BEST)], os.path.join(ckpt.checkpoint_root(path[:-len(BEST)]), ckpt.BEST_DIR)
+        if not os.path.isdir(best):
+            raise CheckpointError(f"{key}: {path!r}: {run!r} holds no best checkpoint ({best}: a run keeps one with "
+                                  f"checkpoint.best_metric set). Pass {what}")
+        path = best
     if os.path.isfile(path):
         folder, weights = os.path.dirname(os.path.abspath(path)), path
     elif os.path.isdir(path):

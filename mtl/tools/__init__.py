@@ -14,8 +14,9 @@ import tempfile
 from mtl.errors import ConfigError, DataError
 from mtl.files import free_bytes, write_atomic
 
-MODEL_HELP = ("a checkpoint folder (output_dir/checkpoints/step_<N>), an export folder (mtl.tools.export), "
-              "or a run's output_dir (its newest checkpoint)")
+MODEL_HELP = ("a checkpoint folder (output_dir/checkpoints/step_<N>, or checkpoints/best), an export folder "
+              "(mtl.tools.export), a run's output_dir (its newest checkpoint) or output_dir@best (its best checkpoint: "
+              "checkpoint.best_metric)")
 TRUST_HELP = ("import the plug-in code the model folder carries (task_modules/, backbone_modules/, ...), which runs "
               "it: only for a folder you trust. Without it such a folder is refused (exit 2, each file named with its "
               "SHA-256) unless each file is identical to the one at its recorded path here (your own run's code)")
