@@ -114,6 +114,7 @@ def test_a_crash_and_a_resume_keep_best_and_stop_at_the_same_evaluation(uninterr
     assert sorted(os.listdir(root)) == [".best.tmp", "best", "step_6"] and final(out)["stopped_early"] == theirs["stopped_early"]
 
 
+@pytest.mark.slow  # subprocesses: not in the fast tier
 def test_the_tools_read_best(uninterrupted):
     out = uninterrupted
     best = load_file(str(out / "checkpoints" / "best" / "model.safetensors"))
@@ -137,6 +138,7 @@ def test_best_named_where_a_run_keeps_none_is_refused(tmp_path):
         load_model(f"{tmp_path}@best")
 
 
+@pytest.mark.slow  # subprocesses: not in the fast tier
 def test_an_unknown_metric_and_keys_without_their_metric_are_refused_at_start(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_run_config(TINY, [f"output_dir={tmp_path}", "checkpoint.best_metric=cls_accuracy",

@@ -8,6 +8,8 @@ import ast
 import json
 import os
 
+import pytest
+
 import mtl
 
 from .conftest import ROOT, TINY, copy_outside, run_train
@@ -16,6 +18,7 @@ EXAMPLES = {"task_modules": "dominant_colour.py", "weighting_modules": "unit_gra
             "backbone_modules": "small_cnn.py"}
 
 
+@pytest.mark.slow  # subprocesses: not in the fast tier
 def test_the_docs_three_plugins_still_train_together(tmp_path):
     paths = {key: copy_outside(os.path.join(ROOT, "docs", "examples", name), tmp_path, name)
              for key, name in EXAMPLES.items()}

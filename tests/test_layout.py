@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "mtl")
@@ -431,6 +433,7 @@ def test_the_circle_finder_finds_one():
     assert len(module_graph()) > 100 and any(module_graph().values())  # it reads this tree's imports
 
 
+@pytest.mark.slow  # a fresh interpreter importing every moved module: not in the fast tier
 def test_every_moved_module_still_imports_by_its_old_name_with_a_warning():
     """A module that moved (mtl.MOVED) imports by its old name for one release: the very module of its new name, and
     a DeprecationWarning naming where it went (in a fresh interpreter: a warning is said once per module)."""
