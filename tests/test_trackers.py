@@ -120,6 +120,7 @@ def _wandb_run(out, run_id: str) -> tuple[dict, dict, list[dict], list[str]]:
     return history, config, groups, folders
 
 
+@pytest.mark.slow  # two training runs with every tracker (the module's fixture): not in the fast tier
 def test_wandb_reads_back_the_scalars_config_and_captions_it_logged(tracked):
     out, first, console = tracked
     history, config, groups, folders = _wandb_run(out, first["wandb"])
@@ -135,6 +136,7 @@ def test_wandb_reads_back_the_scalars_config_and_captions_it_logged(tracked):
         assert f"pred: `{hyp}`" in text and f"ref: `{ref}`" in text
 
 
+@pytest.mark.slow  # two training runs with every tracker (the module's fixture): not in the fast tier
 def test_mlflow_reads_back_the_scalars_config_and_captions_it_logged(tracked):
     from mlflow.tracking import MlflowClient
 
@@ -157,6 +159,7 @@ def test_mlflow_reads_back_the_scalars_config_and_captions_it_logged(tracked):
     assert run.info.artifact_uri.startswith(f"file://{out}/mlartifacts")
 
 
+@pytest.mark.slow  # two training runs with every tracker (the module's fixture): not in the fast tier
 def test_csv_holds_the_scalars_and_the_captions(tracked):
     out, _, console = tracked
     with open(out / "metrics.csv", newline="") as f:
@@ -171,6 +174,7 @@ def test_csv_holds_the_scalars_and_the_captions(tracked):
     assert f"pred: `{hyp}`" in samples[0]["text"] and f"ref: `{ref}`" in samples[0]["text"]
 
 
+@pytest.mark.slow  # two training runs with every tracker (the module's fixture): not in the fast tier
 def test_a_resume_continues_the_same_tracker_runs(tracked):
     out, first, _ = tracked
     state = json.loads((out / "trackers.json").read_text())
