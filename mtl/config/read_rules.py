@@ -159,25 +159,24 @@ def watching(flag: str, key: str) -> When:
     return when
 
 
-def scheduler_is(name: str) -> When:
-    def when(s, t, key=None):
-        return None if s.scheduler == name else (f"optim.scheduler is {s.scheduler}",
-                                                 f"set optim.scheduler={name}, or remove {{key}}")
+def choice_is(field: str, key: str, name: str) -> When:
+    """Read when the choice ``key`` (RunShape's ``field``) is ``name``."""
+    def when(s, t, k=None):
+        now = getattr(s, field)
+        return None if now == name else (f"{key} is {now}", f"set {key}={name}, or remove {{key}}")
     return when
+
+
+def scheduler_is(name: str) -> When:
+    return choice_is("scheduler", "optim.scheduler", name)
 
 
 def optimizer_is(name: str) -> When:
-    def when(s, t, key=None):
-        return None if s.optimizer == name else (f"optim.name is {s.optimizer}",
-                                                 f"set optim.name={name}, or remove {{key}}")
-    return when
+    return choice_is("optimizer", "optim.name", name)
 
 
 def engine_is(name: str) -> When:
-    def when(s, t, key=None):
-        return None if s.engine == name else (f"parallel.engine is {s.engine}",
-                                              f"set parallel.engine={name}, or remove {{key}}")
-    return when
+    return choice_is("engine", "parallel.engine", name)
 
 
 def declared(family: str, choose: str) -> When:
