@@ -10,10 +10,11 @@ RUN_DIR ?= runs/default
 .PHONY: install train test test-fast lint tensorboard bench bench-quick bench-qm9 bench-toy bench-strategies doctor clean
 
 # Ranges in pyproject.toml, exact versions from constraints.txt (what CI tests); the qm9 and slurm extras are
-# installed too, since the tests cover the QM9 data, the Slurm launcher, the timm backbone and the trackers.
+# installed too, since the tests cover the QM9 data, the Slurm launcher, the timm backbone, the trackers,
+# PEFT adapters and the HF datasets / WebDataset sources.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev,qm9,slurm,vision,trackers]'
+	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev,qm9,slurm,vision,trackers,peft,data]'
 	touch $(STAMP)
 
 install: $(STAMP)
