@@ -14,8 +14,9 @@ FAST = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.log_every=1", "c
 
 
 def bench(out, *extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}  # mlflow's local store, as by default
     return subprocess.run([PY, "-m", "mtl.tools.bench.sweep", "--config", TINY, f"output_dir={out}", *FAST, *extra], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow
@@ -28,7 +29,7 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
     methods = "bench.methods=[equal,'pcgrad(reduction=mean)','unit_gradients(source=features)',static]"
     regimes = ("bench.regimes={natural: {expect: 'the reference'}, scaled: {overrides: [loss_scale.gen=100], "
                "baselines_from: natural, methods: [equal], expect: 'equal loses cls'}}")
-    args = [methods, regimes, f"weighting_modules=[{user}]", "bench.parallel=2"]
+    args = [methods, regimes, f"weighting_modules=[{user}]", "bench.parallel=2", "logging.trackers=[tensorboard,mlflow]"]
     proc = bench(out, *args)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "7 runs" in proc.stdout and "[1/7] natural equal seed 0: training" in proc.stdout and "FAILED" in proc.stdout
@@ -58,6 +59,8 @@ def test_bench_writes_results_records_failures_and_skips_finished_runs(tmp_path)
     assert float(nat["pcgrad(reduction=mean)"]["combine_s"]) > 0 and float(nat["equal"]["combine_s"]) == 0
     assert float(nat["pcgrad(reduction=mean)"]["allreduce_mb"]) > float(nat["equal"]["allreduce_mb"])
     assert set(m for g, m in rows if g == "scaled") == {"equal", "single_cls", "single_gen"}
+    _check_one_mlflow_store(out, status)
+
     # the regime reached its run: same seed, same first batch and initial weights, gen's loss 100 x at step 1
 
     def first_loss(regime):
@@ -408,3 +411,21 @@ def test_a_users_method_in_one_file_joins_the_sweep(tmp_path):
     assert len(errs) == 1 and "unknown option 'epsilon'" in errs[0], errs
     errs = method_errors(load_run_config(TINY, ["bench.methods=[equal, unit_gradients]"]))
     assert len(errs) == 1 and "unknown method 'unit_gradients'" in errs[0] and "weighting_modules" in errs[0]
+
+
+def _check_one_mlflow_store(out, status) -> None:
+    """The sweep's runs (two at a time) logged to one MLflow store in the sweep's folder, one experiment named after
+    it, one MLflow run per benchmark run that trained; no run folder has a store of its own."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("bench")
+    runs = client.search_runs([experiment.experiment_id])
+    trained = [r for r in status.values() if r["status"] == "ok"]
+    assert len(runs) == len(trained) == 6, (len(runs), len(trained))
+    assert {r.data.tags["mtl.group"] for r in runs} == {"bench"}
+    assert len({r.data.tags["mtl.output_dir"] for r in runs}) == 6
+    for r in runs:  # each finished, with its evaluations (a single-task baseline has its own task's metrics alone)
+        assert r.info.status == "FINISHED", (r.info.run_name, r.info.status)
+        assert {"eval/cls_acc", "eval/gen_bleu4"} & set(r.data.metrics), (r.info.run_name, sorted(r.data.metrics))
+    assert not list(out.glob("runs/**/mlflow.db"))

@@ -114,6 +114,39 @@ def test_a_crash_and_a_resume_keep_best_and_stop_at_the_same_evaluation(uninterr
     assert sorted(os.listdir(root)) == [".best.tmp", "best", "step_6"] and final(out)["stopped_early"] == theirs["stopped_early"]
 
 
+@pytest.mark.slow  # a subprocess: not in the fast tier
+def test_a_sigkill_inside_a_save_of_best_then_a_resume_ends_as_the_uninterrupted_run(uninterrupted, tmp_path):
+    """The run (train.py, its own process group) is SIGKILLed while it is inside the save of best/ that follows a step
+    checkpoint (its files written to .best.tmp, the save lingering: MTL_TEST_SLOW_SAVE). The kill is checked: the
+    process died of SIGKILL, the half-written .best.tmp is on disk and best/ is still the earlier best, complete. A
+    resume=auto ends with the uninterrupted run's best step and value and stops early at the same evaluation."""
+    import signal
+    import time
+
+    from .proctree import kill_tree
+
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "train.py"), "--config", TINY, *WATCHED, f"output_dir={out}"],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "MTL_TEST_SLOW_SAVE": "0.5"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 240
+    while not ((root / "step_2").is_dir() and (root / ".best.tmp" / "trainer_state.pt").is_file()):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before a save of best/ after step_2"
+        time.sleep(0.01)
+    kill_tree(proc.pid)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = max(evaluations(out))  # the evaluation whose best/ was being written
+    assert (root / ".best.tmp").is_dir() and best_of(out)["step"] < killed_at
+    assert ckpt.verify_checkpoint(str(root / "best"))["step"] == best_of(out)["step"]  # complete, as written
+    train(out, "resume=auto")
+    ours, theirs = best_of(out), best_of(uninterrupted)
+    assert ours["step"] == theirs["step"] and ours["value"] == pytest.approx(theirs["value"], rel=1e-5)
+    assert final(out)["stopped_early"]["step"] == final(uninterrupted)["stopped_early"]["step"]
+    assert ckpt.list_checkpoints(str(out))[-1][0] == final(uninterrupted)["stopped_early"]["step"]
+
+
 @pytest.mark.slow  # subprocesses: not in the fast tier
 def test_the_tools_read_best(uninterrupted):
     out = uninterrupted
@@ -146,7 +179,7 @@ def test_an_unknown_metric_and_keys_without_their_metric_are_refused_at_start(tm
     text = "\n".join(e.value.errors)
     assert "checkpoint.best_metric: 'cls_accuracy' is not a metric this run logs — did you mean 'cls_acc'?" in text
     assert "trainer.early_stopping.metric: 'gen_bleu' is not a metric" in text
-    assert "(it logs: cls_acc, cls_loss, gen_bleu4, gen_chrf, gen_loss)" in text
+    assert "(it logs: cls_acc, cls_loss, gen_bleu4, gen_chrf, gen_exact, gen_ppl, gen_loss)" in text
     assert "trainer.early_stopping.mode: 'up' is not one of max, min" in text
     with pytest.raises(ConfigError, match="checkpoint.best_mode: set .* but not read: checkpoint.best_metric is null"):
         load_run_config(TINY, [f"output_dir={tmp_path}", "checkpoint.best_mode=min"])
@@ -159,21 +192,66 @@ def test_an_unknown_metric_and_keys_without_their_metric_are_refused_at_start(tm
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # a 3-step run: not in the fast tier
+def test_a_task_s_watchable_numbers_outside_its_declared_metrics_may_be_watched(tmp_path):
+    """The caption task's exact-match rate and perplexity are logged but not quality metrics (not in Δm): a best
+    checkpoint and early stopping may watch them (Task.watchable), in the direction the user names."""
+    cfg = load_run_config(TINY, [f"output_dir={tmp_path}", "checkpoint.best_metric=gen_ppl", "checkpoint.best_mode=min",
+                                 "trainer.early_stopping.metric=gen_exact"], announce=False)
+    assert cfg.checkpoint.best_metric == "gen_ppl"
+    with pytest.raises(ConfigError, match="'cls_ppl' is not a metric this run logs"):
+        load_run_config(TINY, [f"output_dir={tmp_path}", "checkpoint.best_metric=cls_ppl"], announce=False)
+    tr = Trainer.from_config(TINY, [f"output_dir={tmp_path / 'run'}", "trainer.max_steps=3", "trainer.eval_every=1",
+                                    "checkpoint.every_steps=0", "checkpoint.best_metric=gen_ppl", "checkpoint.best_mode=min"])
+    try:
+        tr.train()
+    finally:
+        tr.close()
+    ppl = {step: r["gen_ppl"] for step, r in evaluations(tmp_path / "run").items()}
+    best = best_of(tmp_path / "run")
+    assert best["metric"] == "gen_ppl" and best["value"] == min(ppl.values()) and ppl[best["step"]] == best["value"]
+
+
 @pytest.mark.slow
 def test_two_processes_keep_the_same_best_and_stop_at_the_same_evaluation_after_a_crash(tmp_path):
     """2 processes at the same global batch (4 each) and on the whole validation split: rank 1 crashes at step 5;
     resume=auto on 2 processes ends as the uninterrupted 1-process run: the same best/ step and value, the same early
-    stop."""
+    stop. The 2-process runs log to every tracker: only rank 0 writes, and the resume continues the same runs."""
     args = ["--config", TINY, *WATCHED, "trainer.eval_max_batches=0"]
     one, two = tmp_path / "one", tmp_path / "two"
     run_train([*args, f"output_dir={one}"])
-    crashed = run_train([*args, f"output_dir={two}", "data.batch_size=4", "trainer.poison=5:crash:1"], nproc=2,
-                        check=False)
+    tracked = ["logging.trackers=[tensorboard,csv,mlflow,wandb]", "data.batch_size=4"]
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    crashed = run_train([*args, f"output_dir={two}", *tracked, "trainer.poison=5:crash:1"], nproc=2, check=False,
+                        env=env)
     assert crashed.returncode != 0 and "best" in os.listdir(two / "checkpoints")
     assert not (two / "final_metrics.json").exists()
-    run_train([*args, f"output_dir={two}", "data.batch_size=4", "resume=auto"], nproc=2)
+    ids = json.loads((two / "trackers.json").read_text())
+    run_train([*args, f"output_dir={two}", *tracked, "resume=auto"], nproc=2, env=env)
+    _check_trackers_of_rank_0_alone(two, ids)
     assert best_of(two)["step"] == best_of(one)["step"]
     assert best_of(two)["value"] == pytest.approx(best_of(one)["value"], rel=1e-4)
     assert final(two)["stopped_early"]["step"] == final(one)["stopped_early"]["step"]
     assert final(two)["world_size"] == 2 and sorted(os.listdir(two / "checkpoints")) == sorted(
         os.listdir(one / "checkpoints"))
+
+
+def _check_trackers_of_rank_0_alone(out, ids: dict) -> None:
+    """Each evaluation of metrics.jsonl is in the CSV and in MLflow once (a second writer would double them, or open a
+    second run), in the one W&B run and the one MLflow run that the crashed attempt opened and the resume continued."""
+    import csv
+
+    from mlflow.tracking import MlflowClient
+
+    assert json.loads((out / "trackers.json").read_text()) == ids
+    evals = sorted(evaluations(out))
+    with open(out / "metrics.csv", encoding="utf-8", newline="") as f:
+        rows = [(int(r["step"]), r["name"]) for r in csv.DictReader(f)]
+    acc = [step for step, name in rows if name == "eval/cls_acc"]
+    assert acc == evals and len(rows) == len(set(rows))
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("mtl").experiment_id])
+    assert [r.info.run_id for r in runs] == [ids["mlflow"]]
+    assert sorted(m.step for m in client.get_metric_history(ids["mlflow"], "eval/cls_acc")) == evals
+    folders = os.listdir(out / "wandb")
+    assert folders and all(f.endswith(ids["wandb"]) for f in folders if f.startswith("offline-run-")), folders

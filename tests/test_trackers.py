@@ -285,3 +285,31 @@ def test_a_sweep_groups_its_runs_and_the_group_is_not_a_runs_identity(tmp_path):
     a = run_identity(TINY, ['logging.group="my_sweep"', "logging.trackers=[csv]"], 1)
     b = run_identity(TINY, [], 1)
     assert a[0] == b[0]  # a finished run is reused whatever trackers logged it
+
+
+@pytest.mark.slow  # two in-process start-ups
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_tracker_that_cannot_start_its_run_is_one_message_naming_the_fix(tmp_path, monkeypatch, capsys, tracker):
+    """Real failures of the libraries, nothing faked: wandb online with no login (HOME without a .netrc, no
+    WANDB_API_KEY), mlflow at a tracking server that is not there (a closed port, no retries). Exit 2 and one line
+    naming the tracker, the library's reason and the fix; never the library's traceback."""
+    import train
+    from tests.conftest import free_port
+
+    _offline(monkeypatch)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no wandb settings: not logged in
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    if tracker == "mlflow":
+        monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    code = train.main(["--config", TINY, *FAST, f"logging.trackers=[{tracker}]", f"output_dir={out}"])
+    captured = capsys.readouterr()
+    err = captured.err + captured.out
+    assert code == 2, err[-3000:]
+    line = next(ln for ln in err.splitlines() if f"logging.trackers: {tracker} could not start its run" in ln)
+    assert ("wandb login" in line and "WANDB_MODE=offline" in line) if tracker == "wandb" else "MLFLOW_TRACKING_URI" in line
+    assert "Traceback" not in err
+    assert not (out / "checkpoints").exists()  # nothing trained; the folder keeps its config for resume=auto

@@ -100,6 +100,7 @@ NOT_READ = {
     # the drive sets the watched metric too (a filler): tests/test_best_and_early_stop.py refuses them without it
     "checkpoint.best_mode": set(), "trainer.early_stopping.patience": set(), "trainer.early_stopping.min_delta": set(),
     "trainer.early_stopping.mode": set(),
+    "logging.mlflow_dir": EVERY,  # no set-up lists mlflow in logging.trackers: see test_mlflow_dir_is_read_with_mlflow
     # sections named by task: the section of a task the run does not train (test_sections_of_other_tasks)
     "task_options": set(), "task_instances": set(), "loss_scale": set(),
 }
@@ -133,7 +134,8 @@ TRAINING_ONLY = {"data.train_path", "data.test_path", "data.num_classes", "data.
                  "data.synthetic.train_seed_offset", "data.synthetic.test_size", "data.synthetic.test_seed_offset",
                  "data.qm9.train_size", "data.augment.random_resized_crop", "data.augment.scale", "data.augment.ratio",
                  "data.augment.hflip", "data.batch_size", "data.sampling.policy", "data.sampling.weights",
-                 "data.sampling.temperature", "data.heldout", "logging.trackers", "logging.group"}
+                 "data.sampling.temperature", "data.heldout", "logging.trackers", "logging.group",
+                 "logging.mlflow_dir"}
 SECTIONS = {"task_options", "task_instances", "loss_scale", "data.per_task", "model.backbone.options",
             "model.architecture.options",
             "weighting.options", "bench"}  # mappings: driven by name, not by value (below)
@@ -422,3 +424,13 @@ def test_keys_on_one_command_line_are_judged_together_in_either_order(order):
         load_run_config(TINY, order)
     assert e.value.exit_code == 2 and any(m.startswith("optim.betas: set (command line) but not read: optim.name is sgd")
                                           for m in e.value.errors), e.value.errors
+
+
+def test_mlflow_dir_is_read_with_mlflow(tmp_path):
+    """logging.mlflow_dir is read where logging.trackers lists mlflow, and refused, naming the fix, where not."""
+    store = str(tmp_path / "store")
+    cfg = load_run_config(TINY, [f"output_dir={tmp_path}", "logging.trackers=[mlflow]", f"logging.mlflow_dir={store}"],
+                          announce=False)
+    assert cfg.logging.mlflow_dir == store
+    with pytest.raises(ConfigError, match="logging.mlflow_dir: .*logging.trackers does not list mlflow. Add mlflow"):
+        load_run_config(TINY, [f"output_dir={tmp_path}", f"logging.mlflow_dir={store}"], announce=False)

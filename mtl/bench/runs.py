@@ -78,16 +78,40 @@ def run_all(cfg, config_path: str, base_overrides: list[str], runs: list[dict], 
                            *refused])
     if pending:
         os.makedirs(cfg.output_dir, exist_ok=True)
+        prepare_sweep_store(cfg)
         _drive(cfg, config_path, base_overrides, pending, total, os.path.join(cfg.output_dir, "runs.jsonl"))
     return runs
 
 
 def sweep_group(cfg) -> list[str]:
-    """The override that groups a sweep's runs in the trackers (``logging.group``: wandb's group, mlflow's experiment):
-    the sweep's folder name, unless the config names a group. Not part of a run's identity (record.NOT_TRAINING)."""
-    if OmegaConf.select(cfg, "logging.group", default=None):
-        return []
-    return [f"logging.group={json.dumps(os.path.basename(os.path.abspath(cfg.output_dir)))}"]
+    """The overrides that group a sweep's runs in the trackers: ``logging.group`` (wandb's group, mlflow's experiment),
+    the sweep's folder name unless the config names a group; and, where mlflow logs to a local store (no
+    MLFLOW_TRACKING_URI, no ``logging.mlflow_dir`` of the config's own), ``logging.mlflow_dir``: the sweep's folder, so
+    that every run is in one store (``prepare_sweep_store`` makes it first). Not part of a run's identity
+    (record.NOT_TRAINING)."""
+    out = []
+    if not OmegaConf.select(cfg, "logging.group", default=None):
+        out.append(f"logging.group={json.dumps(_sweep_name(cfg))}")
+    if _sweep_store(cfg):
+        out.append(f"logging.mlflow_dir={json.dumps(os.path.abspath(cfg.output_dir))}")
+    return out
+
+
+def _sweep_name(cfg) -> str:
+    return OmegaConf.select(cfg, "logging.group", default=None) or os.path.basename(os.path.abspath(cfg.output_dir))
+
+
+def _sweep_store(cfg) -> bool:
+    return ("mlflow" in (OmegaConf.select(cfg, "logging.trackers", default=None) or [])
+            and not os.environ.get("MLFLOW_TRACKING_URI") and not OmegaConf.select(cfg, "logging.mlflow_dir", default=None))
+
+
+def prepare_sweep_store(cfg) -> None:
+    """The sweep's local MLflow store and its experiment, made once before runs write to it at once."""
+    if _sweep_store(cfg):
+        from mtl.run.trackers import prepare_mlflow_store  # import here: mlflow, only for a sweep that logs to it
+
+        prepare_mlflow_store(os.path.abspath(cfg.output_dir), _sweep_name(cfg))
 
 
 def launch_threads(cfg) -> int:

@@ -259,6 +259,9 @@ class LoggingConfig:
     # any of tensorboard (output_dir/tb), wandb, mlflow (pip install -e '.[trackers]') and csv (output_dir/metrics.csv)
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     group: str | None = None  # wandb's run group and mlflow's experiment (a benchmark sweep sets its name); null: none
+    # the folder of the local MLflow store (mlflow.db, mlartifacts/) where MLFLOW_TRACKING_URI is unset; null:
+    # output_dir. A benchmark sweep sets its own folder, so all its runs are one experiment in one store
+    mlflow_dir: str | None = None
 
 
 @dataclass

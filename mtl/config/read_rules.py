@@ -35,6 +35,7 @@ class RunShape:
     engine: str = "ddp"  # parallel.engine
     best_metric: bool = False  # checkpoint.best_metric is set (a best checkpoint is kept)
     early_stopping: bool = False  # trainer.early_stopping.metric is set
+    trackers: tuple[str, ...] = ()  # logging.trackers
 
     @property
     def sources(self) -> set[str]:
@@ -159,6 +160,14 @@ def watching(flag: str, key: str) -> When:
     return when
 
 
+def tracker_listed(name: str) -> When:
+    """Read when ``logging.trackers`` lists ``name``."""
+    def when(s, t, k=None):
+        return None if name in s.trackers else (f"logging.trackers does not list {name}",
+                                                f"add {name} to logging.trackers, or remove {{key}}")
+    return when
+
+
 def choice_is(field: str, key: str, name: str) -> When:
     """Read when the choice ``key`` (RunShape's ``field``) is ``name``."""
     def when(s, t, k=None):
@@ -258,6 +267,7 @@ READS: tuple[Reads, ...] = (
     Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
     Reads(("init_from_fresh_class_head",), warm_start, ("init_from",), training_only=True),
     Reads(("logging.",), lambda s, t, key=None: None, (), training_only=True),  # the trackers: training only
+    Reads(("logging.mlflow_dir",), tracker_listed("mlflow"), ("logging.trackers",), training_only=True),
     Reads(("checkpoint.best_mode",), watching("best_metric", "checkpoint.best_metric"), ("checkpoint.best_metric",),
           training_only=True),
     Reads(("trainer.early_stopping.patience", "trainer.early_stopping.min_delta", "trainer.early_stopping.mode"),

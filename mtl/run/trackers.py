@@ -7,7 +7,8 @@ the others' as ``<kind>/<name>``, e.g. ``eval/cls_acc``), the resolved config (`
 ``WANDB_DIR``, ``WANDB_PROJECT``, ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``, ...); where one is unset, the
 default lies inside output_dir: wandb writes under ``output_dir/wandb`` (project ``mtl``), mlflow into the local store
 ``sqlite:///<output_dir>/mlflow.db`` with its artifacts in ``output_dir/mlartifacts`` (MLflow 3 refuses a new
-``./mlruns`` file store; experiment ``logging.group``, else ``mtl``), csv into ``output_dir/metrics.csv`` and
+``./mlruns`` file store; experiment ``logging.group``, else ``mtl``; ``logging.mlflow_dir`` puts the store in another
+folder, as a benchmark sweep does so that its runs are one experiment in one store), csv into ``output_dir/metrics.csv`` and
 ``output_dir/samples.csv``.
 
 A resumed run continues the same tracker run: ``output_dir/trackers.json`` keeps, for this folder's run (its id in
@@ -16,6 +17,7 @@ A resumed run continues the same tracker run: ``output_dir/trackers.json`` keeps
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -23,11 +25,12 @@ import os
 import time
 
 from mtl.config.effective import in_effect
+from mtl.errors import ConfigError
 from mtl.files import write_atomic
 from mtl.setup.checks import TRACKERS
 
 STATE_FILE = "trackers.json"  # {"run_id": this folder's run, "wandb": its W&B run id, "mlflow": its MLflow run id}
-__all__ = ["TRACKERS", "STATE_FILE", "open_trackers", "scalars"]
+__all__ = ["TRACKERS", "STATE_FILE", "open_trackers", "prepare_mlflow_store", "scalars"]
 
 
 def scalars(values: dict, kind: str) -> dict[str, float]:
@@ -87,14 +90,20 @@ class WandbTracker:
 
         self.wandb = wandb
         env = os.environ
-        self.run = wandb.init(
+        with _refused("wandb", wandb.errors.Error, "log in (`wandb login`, or WANDB_API_KEY), or log offline with "
+                      "WANDB_MODE=offline (then `wandb sync`)"):
+            self.run = self._init(wandb, env, output_dir, config, group, run_id)
+        self.id = self.run.id
+
+    @staticmethod
+    def _init(wandb, env, output_dir: str, config: dict, group: str | None, run_id: str | None):
+        return wandb.init(
             project=None if env.get("WANDB_PROJECT") else "mtl",
             dir=None if env.get("WANDB_DIR") else output_dir,
             name=None if env.get("WANDB_NAME") else os.path.basename(os.path.abspath(output_dir)),
             group=group or None, id=run_id, resume="allow", config=config,
             settings=wandb.Settings(console="off"),  # the run's console is its own (the progress bar, the messages)
         )
-        self.id = self.run.id
 
     def log_scalars(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
@@ -113,27 +122,23 @@ class MlflowTracker:
     """An MLflow run, through ``MlflowClient``: metrics by step, the config as params (flat, dotted keys) and as
     ``config.json``, each sample text as ``samples/step_<step>.md``; continued by its run id on resume."""
 
-    def __init__(self, output_dir: str, config: dict, group: str | None, run_id: str | None):
+    def __init__(self, output_dir: str, config: dict, group: str | None, run_id: str | None, store: str | None = None):
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
         self.Metric, self.Param = Metric, Param
-        env = os.environ
-        here = os.path.abspath(output_dir)
-        # MLflow 3 refuses a new file store: its local default is a SQLite file, the artifacts in a folder beside it
-        uri = None if env.get("MLFLOW_TRACKING_URI") else "sqlite:///" + os.path.join(here, "mlflow.db")
-        artifacts = None if uri is None else "file://" + os.path.join(here, "mlartifacts")
-        self.client = client = MlflowClient(tracking_uri=uri)
-        run = _existing_run(client, run_id)
-        if run is None:
-            name = env.get("MLFLOW_EXPERIMENT_NAME") or group or "mtl"
-            experiment = client.get_experiment_by_name(name)
-            experiment_id = (experiment.experiment_id if experiment else
-                             client.create_experiment(name, artifact_location=artifacts))
-            tags = {"mtl.output_dir": os.path.abspath(output_dir), **({"mtl.group": group} if group else {})}
-            run = client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(output_dir)), tags=tags)
-        else:
-            client.update_run(run.info.run_id, status="RUNNING")
+        from mlflow.exceptions import MlflowException
+
+        with _refused("mlflow", (MlflowException, OSError), "check MLFLOW_TRACKING_URI (unset: a local store in "
+                      "output_dir, or logging.mlflow_dir)"):
+            self.client = client = MlflowClient(tracking_uri=local_store(store or output_dir)[0])
+            run = _existing_run(client, run_id)
+            if run is None:
+                experiment_id = _experiment(client, store or output_dir, group)
+                tags = {"mtl.output_dir": os.path.abspath(output_dir), **({"mtl.group": group} if group else {})}
+                run = client.create_run(experiment_id, run_name=os.path.basename(os.path.abspath(output_dir)), tags=tags)
+            else:
+                client.update_run(run.info.run_id, status="RUNNING")
         self.id = run.info.run_id
         self.logged_params = dict(run.data.params)
 
@@ -156,6 +161,45 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.id)
+
+
+@contextlib.contextmanager
+def _refused(name: str, errors, fix: str):
+    """A tracker that cannot start its run (offline with no login, an unreachable server): one ConfigError naming
+    the tracker, its library's reason (first line) and the fix, instead of the library's traceback."""
+    try:
+        yield
+    except errors as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"logging.trackers: {name} could not start its run ({reason}); {fix}, or remove {name} from "
+                          "logging.trackers. The run folder keeps what it holds: start again with resume=auto") from None
+
+
+def local_store(folder: str) -> tuple[str | None, str | None]:
+    """(tracking URI, artifact location) of the local MLflow store in ``folder``: (None, None) where
+    MLFLOW_TRACKING_URI is set (MLflow's own choice then). MLflow 3 refuses a new file store: its local default is a
+    SQLite file, the artifacts in a folder beside it."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return None, None
+    here = os.path.abspath(folder)
+    return "sqlite:///" + os.path.join(here, "mlflow.db"), "file://" + os.path.join(here, "mlartifacts")
+
+
+def _experiment(client, folder: str, group: str | None) -> str:
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or group or "mtl"
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else client.create_experiment(
+        name, artifact_location=local_store(folder)[1])
+
+
+def prepare_mlflow_store(folder: str, group: str | None) -> None:
+    """Create the local store in ``folder`` and the experiment ``group`` before several runs write to it at once:
+    MLflow creates a SQLite store's tables on first use, and two processes doing that together fail ("table
+    experiments already exists"); once made, concurrent runs write to it safely."""
+    from mlflow.tracking import MlflowClient
+
+    os.makedirs(folder, exist_ok=True)
+    _experiment(MlflowClient(tracking_uri=local_store(folder)[0]), folder, group)
 
 
 def _existing_run(client, run_id: str | None):
@@ -211,7 +255,8 @@ def open_trackers(cfg, start_step: int) -> list:
             trackers.append(CsvTracker(out, start_step))
         elif name in ("wandb", "mlflow"):
             kind = WandbTracker if name == "wandb" else MlflowTracker
-            tracker = kind(out, config, group, state.get(name))
+            store = (cfg.logging.mlflow_dir,) if name == "mlflow" else ()
+            tracker = kind(out, config, group, state.get(name), *store)
             state[name] = tracker.id
             trackers.append(tracker)
     if "wandb" in state or "mlflow" in state:

@@ -304,9 +304,11 @@ def plateau_errors(cfg, tasks: dict) -> list[str]:
 
 def logged_metrics(cfg, tasks: dict) -> list[str]:
     """The evaluation metrics a run logs that a best checkpoint or early stopping can watch: each task's declared
-    metrics and its loss (``<task>_<metric>``), the test split's (``test_<task>_<metric>``) when there is one, and the
-    validation Δm (``plateau_delta_m``) under optim.scheduler=plateau."""
-    keys = [k for t in cfg.tasks if t in tasks for k in [f"{t}_{m}" for m in tasks[t].metrics] + [f"{t}_loss"]]
+    metrics, its other watchable numbers (``Task.watchable``: the caption task's exact and ppl) and its loss
+    (``<task>_<metric>``), the test split's (``test_<task>_<metric>``) when there is one, and the validation Δm
+    (``plateau_delta_m``) under optim.scheduler=plateau."""
+    keys = [f"{t}_{m}" for t in cfg.tasks if t in tasks
+            for m in dict.fromkeys([*tasks[t].metrics, *tasks[t].watchable, "loss"])]
     d = cfg.data
     test = (d.qm9.test_size if d.source == "qm9" else d.synthetic.test_size if d.source == "synthetic"
             else d.test_path) if not d.get("per_task") else None

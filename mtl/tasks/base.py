@@ -88,6 +88,9 @@ class TaskHead(nn.Module):
     # The quality metrics of ``eval_reduce`` that curves, the benchmark and delta-m use: name -> higher is
     # better. They are logged as ``<task>_<metric>``; other keys of ``eval_reduce`` are logged too.
     metrics: dict[str, bool] = {}
+    # Other numbers of ``eval_reduce`` that a best checkpoint or early stopping may watch (``checkpoint.best_metric``,
+    # ``trainer.early_stopping.metric``, as ``<task>_<name>``), outside delta-m and the benchmark; the loss always may.
+    watchable: tuple[str, ...] = ()
     # The raw record fields (what a data set's items hold: "image", "label", "captions", "count", the synthetic
     # scene's "colour" ...) this task cannot do without. A data source without one of them is refused before
     # training, naming the task, the field and the fix.

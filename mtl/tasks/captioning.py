@@ -55,6 +55,7 @@ def encode_caption(tokenizer, caption: str, max_tokens: int) -> list[int]:
 class CaptioningHead(TaskHead):
     name = "gen"
     metrics = {"bleu4": True, "chrf": True}
+    watchable = ("exact", "ppl")  # exact-match rate (higher is better), perplexity (lower: checkpoint.best_mode=min)
     requires = ("captions",)
     Options = CaptionOptions
     reads = ("model.decoder.", "tokenizer.", "trainer.num_samples")  # shared keys it reads (mtl/config/read_rules.py)
