@@ -304,6 +304,10 @@ def test_a_tracker_that_cannot_start_its_run_is_one_message_naming_the_fix(tmp_p
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     if tracker == "mlflow":
         monkeypatch.setenv("WANDB_MODE", "offline")
+    else:
+        import wandb
+
+        wandb.teardown()  # wandb keeps its settings (WANDB_MODE=offline) for the process: read them again
     out = tmp_path / "run"
     code = train.main(["--config", TINY, *FAST, f"logging.trackers=[{tracker}]", f"output_dir={out}"])
     captured = capsys.readouterr()
