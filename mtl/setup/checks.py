@@ -20,7 +20,7 @@ from mtl.config.effective import mark_unread
 from mtl.config.keys import check_options, config_keys
 from mtl.config.load import interpolation_errors, load_config_collecting
 from mtl.config.read_rules import unread_errors
-from mtl.data.images import NORMALIZE, resolve_image_size
+from mtl.data.images import normalize_problem, resolve_image_size
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types, unknown_backbone
@@ -103,7 +103,8 @@ def _choices(errors, cfg) -> None:
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
     _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
-    _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
+    if normalize_problem(cfg.data.normalize):  # auto | none | imagenet | {mean: [...], std: [...]}
+        errors.append(normalize_problem(cfg.data.normalize))
     _augment(errors, cfg)
     _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
     _choice(errors, "parallel.engine", cfg.parallel.engine, ENGINES)
