@@ -20,6 +20,7 @@ and the input normalisation that pretrained backbone weights expect.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -169,8 +170,11 @@ def normalize_problem(value) -> str | None:
         if ok and all(x > 0 for x in value["std"]):
             return None
     shown = dict(value) if isinstance(value, Mapping) else value
+    close = difflib.get_close_matches(value, NORMALIZE, n=1) if isinstance(value, str) else []
+    hint = f" — did you mean {close[0]!r}?" if close else ""
     return (f"data.normalize: {shown!r} is not one of {', '.join(NORMALIZE)} nor {{mean: [r, g, b], std: [r, g, b]}} "
-            "(three finite numbers each, every std > 0); e.g. data.normalize={mean:[0.5,0.5,0.5],std:[0.5,0.5,0.5]}")
+            "(three finite numbers each, every std > 0; e.g. data.normalize={mean:[0.5,0.5,0.5],std:[0.5,0.5,0.5]})"
+            f"{hint}")
 
 
 def image_normalization(cfg) -> tuple[tuple[float, ...], tuple[float, ...]] | None:

@@ -142,7 +142,7 @@ class ModelTransform:
         return (f"timm.data.create_transform of {self.source} (crop_pct {s['crop_pct']:g}, {s['crop_mode']}, "
                 f"{s['interpolation']}: {steps})")
 
-    def check(self) -> ModelTransform:
+    def verify(self) -> ModelTransform:
         """Self, after one non-square image gave (3, S, S); a ConfigError naming the folder where it did not."""
         shape = tuple(self(Image.new("RGB", PROBE)).shape)
         if shape != (3, self.image_size, self.image_size):
@@ -222,11 +222,11 @@ def model_transform(cfg) -> ModelTransform | None:
     b, size = cfg.model.backbone, int(cfg.data.image_size)
     if b.name == "hf_vision" and processor_folder(cfg):
         folder = processor_folder(cfg)
-        return ModelTransform("hf", folder, size_overrides(read_processor(folder), size), size).check()
+        return ModelTransform("hf", folder, size_overrides(read_processor(folder), size), size).verify()
     if b.name == "timm" and b.get("pretrained"):
         from timm.data import resolve_data_config
 
         data = resolve_data_config(pretrained_cfg=_timm_pretrained_cfg(cfg))
         data["input_size"] = (3, size, size)
-        return ModelTransform("timm", str(b.pretrained), data, size).check()
+        return ModelTransform("timm", str(b.pretrained), data, size).verify()
     return None
