@@ -138,6 +138,9 @@ class BackboneConfig:
     pretrained: str | None = None
     config: str | None = None  # hf_vision: random weights of the shape of this folder's config.json
     freeze_blocks: int = 0  # freeze the first N of the backbone's blocks (and what runs before them)
+    # freeze the whole backbone (a linear probe: its final norm too, which freeze_blocks=all leaves training); the
+    # heads and an architecture's own modules train
+    freeze: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # the backbone's own options (its Options dataclass)
 
 

@@ -89,6 +89,20 @@ def freeze(model: nn.Module, n: int) -> list[str]:
     return [names[id(p)] for p in params]
 
 
+def freeze_backbone(model: nn.Module) -> list[str]:
+    """``model.backbone.freeze: true`` (a linear probe): ``requires_grad=False`` on every parameter of the backbone
+    (its embeddings, every block, the final layernorm after them, which ``freeze_blocks`` = all blocks leaves
+    training); the architecture's own modules (an MMoE's gates and experts) and the heads train. Returns the frozen
+    parameters' names (from the trunk)."""
+    inner = getattr(model.backbone, "backbone", model.backbone)  # the Backbone inside an architecture's trunk
+    mine = {id(p) for p in inner.parameters()}
+    frozen = [(name, p) for name, p in model.backbone.named_parameters() if id(p) in mine]
+    for _, p in frozen:
+        p.requires_grad_(False)
+    model.frozen_key = "model.backbone.freeze"
+    return [name for name, _ in frozen]
+
+
 def checkpoint_blocks(model: nn.Module) -> list[str]:
     """Activation checkpointing on every declared block; returns their names."""
     _require_backbone_blocks(model, "model.activation_checkpointing", "there are no blocks to recompute")
@@ -150,9 +164,12 @@ def prepare(cfg, model: nn.Module, device_type: str = "cpu") -> list[str]:
 
 
 def frozen_note(model: nn.Module) -> list[str]:
-    """The start-up line of ``model.backbone.freeze_blocks`` (none when nothing is frozen)."""
+    """The start-up lines of the backbone's loading (``load_notes``: a pretrained folder's tensors it does not load,
+    hf_vision) and of ``model.backbone.freeze_blocks`` or ``freeze`` (none when nothing is frozen)."""
+    inner = getattr(model.backbone, "backbone", model.backbone)  # the Backbone inside an architecture's trunk
+    notes = list(getattr(inner, "load_notes", []) or [])
     names = getattr(model, "frozen_blocks", [])
     if not names:
-        return []
-    return [f"model.backbone.freeze_blocks: {len(names)} backbone parameter tensors frozen "
-            f"({names[0]} ... {names[-1]})"]
+        return notes
+    key = getattr(model, "frozen_key", "model.backbone.freeze_blocks")
+    return notes + [f"{key}: {len(names)} backbone parameter tensors frozen ({names[0]} ... {names[-1]})"]

@@ -369,6 +369,10 @@ def gradient_source_errors(cfg, strategy, method, strategies: dict) -> list[str]
                     "loss-level (it weighs the losses, the backward passes do the rest); remove weighting.source"]
         return []
     errors = []
+    if source == "parameters" and cfg.model.backbone.get("freeze"):
+        errors.append("weighting.source: parameters takes each task's gradient of the shared backbone parameters, and "
+                      "model.backbone.freeze: true leaves none training (a linear probe); use weighting.source=features "
+                      "(the tasks' gradients of the shared features) or a loss-level method, or unfreeze the backbone")
     if source == "features" and not method.gram_only():
         errors.append(f"weighting.source: features gives a method only the K x K Gram matrix of the tasks' feature "
                       f"gradients, and weighting.method={name} needs the rows of G themselves (it overrides combine); "
@@ -432,6 +436,9 @@ def blockwise_errors(cfg, backbone: type | None) -> list[str]:
     freeze = cfg.model.backbone.get("freeze_blocks", 0)
     if freeze < 0:
         errors.append(f"model.backbone.freeze_blocks: {freeze} is negative; 0 freezes nothing, N the first N blocks")
+    if cfg.model.backbone.get("freeze") and freeze:
+        errors.append(f"model.backbone.freeze_blocks: {freeze} with model.backbone.freeze: true, which freezes the "
+                      "whole backbone; remove one of them")
     if backbone is None or backbone.blocks is not Backbone.blocks:
         return errors
     for key, on in (("model.activation_checkpointing", cfg.model.get("activation_checkpointing")),
