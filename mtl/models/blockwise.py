@@ -17,7 +17,8 @@
   ``torch.distributed._composable.checkpoint`` does not: its recomputation re-enters a one-shot context manager on
   the second pass, an AttributeError in torch 2.14.)
 - ``compile_blocks(model)``: ``module.compile()`` on every block (regional compilation: one graph per block class, so
-  recompiles stay few; the module, its names and its state dict stay as they are).
+  recompiles stay few; the module, its names and its state dict stay as they are), with inductor's
+  ``fallback_random`` on: its random numbers come from eager's generator, so dropout draws eager's masks.
 
 ``prepare(cfg, model)`` applies checkpointing then compilation, the order torchtitan uses (activation checkpointing,
 ``torch.compile`` per block, then ``fully_shard`` per block and the root): ``mtl.setup.build.wrap_model`` calls it before
@@ -144,6 +145,11 @@ def compile_blocks(model: nn.Module, device_type: str = "cpu") -> list[str]:
         why = compiler_problem()
         if why:
             raise ConfigError(f"model.compile: {why}")
+    import torch._inductor.config as inductor_config
+
+    # the compiled blocks draw their random numbers (dropout masks) with eager's generator, not inductor's own: a run
+    # with dropout then draws the masks eager draws (tests/test_scale.py), where inductor's own draws other ones
+    inductor_config.fallback_random = True
     blocks = model_blocks(model)
     for _, m in blocks:
         m.compile()
