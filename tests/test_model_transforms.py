@@ -113,7 +113,7 @@ def test_hf_pixels_and_features_equal_the_processors_and_models_own(tmp_path, im
     with torch.no_grad():
         got, want = backbone(ours), reference(pixel_values=theirs).last_hidden_state
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
-    assert f"through AutoImageProcessor of {folder}" in normalization_text(cfg)
+    assert f"image files through AutoImageProcessor of {folder}" in normalization_text(cfg)
 
 
 @pytest.mark.parametrize("name", list(TIMM_KINDS))
@@ -138,7 +138,7 @@ def test_timm_pixels_and_features_equal_timms_own_create_transform(tmp_path, ima
     backbone = TimmBackbone.build(cfg).eval()
     with torch.no_grad():
         assert torch.allclose(backbone(ours), ref.forward_features(theirs), atol=1e-4, rtol=1e-4)
-    assert "through timm.data.create_transform" in normalization_text(cfg)
+    assert "image files through timm.data.create_transform" in normalization_text(cfg)
 
 
 def test_a_timm_save_pretrained_folder_gives_its_own_pretrained_cfg(tmp_path, images):
@@ -183,7 +183,7 @@ def test_another_image_size_scales_the_processors_resize_and_crop(tmp_path, imag
 def test_the_cnn_path_keeps_mtls_own_transform(images):
     cfg = _cfg("resnet18")
     assert model_transform(cfg) is None and image_normalization(cfg) is None
-    assert "through mtl's resize short side" in normalization_text(cfg)
+    assert "image files through mtl's resize short side" in normalization_text(cfg)
 
 
 @pytest.mark.parametrize("value", [{"mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]}])

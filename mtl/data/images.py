@@ -3,10 +3,14 @@ and the input normalisation that pretrained backbone weights expect.
 
 - Every image is turned upright first (``ImageOps.exif_transpose``): phone photos store their
   rotation in EXIF, and a model trained on sideways pictures learns the wrong thing.
-- The short side is resized to ``data.image_size`` and the centre square cropped, so nothing is
-  stretched (eval always; training too unless augmentation is on).
+- A pretrained model's own transform, where it has one (``mtl.data.model_transforms``: an hf_vision folder's
+  ``AutoImageProcessor``, timm weights' ``create_transform``), resizes and crops as its library does; otherwise
+  (the torchvision CNNs) the short side is resized to ``data.image_size`` and the centre square cropped, so
+  nothing is stretched (eval always; training too unless augmentation is on). ``prepare_images`` is the one place
+  a data set is given its transform and normalisation.
 - Training augmentation (``data.augment``, off by default so runs stay reproducible): a random
-  resized crop and a horizontal flip. Their random draws depend on (seed, epoch, index) only, so a
+  resized crop and a horizontal flip (under a model's transform: a random box of the decoded image and the flip,
+  which that transform then resizes and crops). Their random draws depend on (seed, epoch, index) only, so a
   resumed run and every data-loader worker see the same crops.
 - An image more than ``MAX_ASPECT`` times as long as it is wide (a 1 x 1,000,000 strip) is refused before it is
   decoded (``shape_problem``): its centre square would be a sliver of it, and resizing its short side would make
@@ -14,8 +18,8 @@ and the input normalisation that pretrained backbone weights expect.
   the crop is the one it always was, so the memory a crop takes is bounded by ``MAX_ASPECT`` output images. Pillow's
   own limit stays in force: a file of more than twice ``Image.MAX_IMAGE_PIXELS`` pixels (a decompression bomb)
   does not open.
-- Normalisation (``data.normalize``) is applied by the loaders to whole batches; items stay in
-  [0, 1] so they can be shown as pictures.
+- Normalisation (``data.normalize``: the library's or the weights' own statistics, imagenet, none, or an explicit
+  mean and std) is applied by the loaders to whole batches; items stay in [0, 1] so they can be shown as pictures.
 """
 
 from __future__ import annotations
@@ -258,7 +262,8 @@ def normalization_text(cfg) -> str:
         size += f"; the model folder's processor: {native})" if native is not None else ")"
     else:
         size += ")"
-    size += f" through {owned.text}" if owned is not None else " through mtl's resize short side, centre crop, bilinear"
+    size += (f", image files through {owned.text}" if owned is not None
+             else ", image files through mtl's resize short side, centre crop, bilinear")
     if norm is None:
         return f"{size}, not normalised (data.normalize={cfg.data.normalize})"
     where = ((owned.stats_from if owned is not None else os.path.join(folder, PROCESSOR_FILE))
