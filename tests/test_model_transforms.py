@@ -204,3 +204,15 @@ def test_bad_normalize_is_one_message_naming_the_key(value):
         image_normalization(cfg)
     assert len(e.value.errors) == 1 and e.value.errors[0].startswith("data.normalize: ")
     assert "{mean: [r, g, b], std: [r, g, b]}" in e.value.errors[0]
+
+
+def test_explicit_statistics_through_the_config_and_a_bad_one_named_before_the_run():
+    from mtl.setup.checks import load_run_config
+
+    from .conftest import TINY
+
+    cfg = load_run_config(TINY, ["data.normalize={mean:[0.1,0.2,0.3],std:[0.4,0.5,0.6]}"], announce=False)
+    assert image_normalization(cfg) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    with pytest.raises(ConfigError) as e:
+        load_run_config(TINY, ["data.normalize={mean:[0.1,0.2,0.3],sd:[0.4,0.5,0.6]}"], announce=False)
+    assert [m for m in e.value.errors if m.startswith("data.normalize: ")] == e.value.errors[:1]
