@@ -112,7 +112,7 @@ ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard
           "ddp.backend", "ddp.find_unused_parameters", "ddp.static_graph", "ddp.timeout_s",
           "ddp.unsafe", "ddp.replica_check_every", "ddp.nan_monitor", "weighting.method", "weighting.options",
           "weighting.source", "optim.name", "optim.lr", "optim.weight_decay", "optim.scheduler", "optim.warmup_steps",
-          "optim.grad_clip", "optim.layer_decay", "model.activation_checkpointing", "model.compile",
+          "optim.grad_clip", "optim.layer_decay", "model.activation_checkpointing", "model.compile", "model.backbone.freeze",
           "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
           "trainer.eval_max_batches", "trainer.max_bad_steps", "trainer.poison",
           "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench", "checkpoint.best_metric",

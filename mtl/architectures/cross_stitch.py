@@ -91,9 +91,10 @@ class CrossStitch(Architecture):
         # both count depth in one backbone's blocks; the columns' blocks are K backbones' (a freeze or a rate per
         # column's block is not what these keys say)
         errors = []
-        if int(cfg.model.backbone.get("freeze_blocks") or 0):
-            errors.append("model.backbone.freeze_blocks: not with model.architecture.name=cross_stitch (its K columns "
-                          "each have the backbone's blocks); remove the key")
+        for key in ("freeze_blocks", "freeze"):
+            if cfg.model.backbone.get(key):
+                errors.append(f"model.backbone.{key}: not with model.architecture.name=cross_stitch (its K columns "
+                              "each have the backbone's blocks); remove the key")
         if float(cfg.optim.get("layer_decay", 1.0)) != 1.0:
             errors.append("optim.layer_decay: not with model.architecture.name=cross_stitch (its K columns each have "
                           "the backbone's blocks); remove the key")

@@ -100,7 +100,9 @@ class DataConfig:
     num_workers: int = 0
     image_size: Any = 64  # pixels (square), or auto: the model folder's preprocessor_config.json size (hf_vision)
     on_error: str = "raise"  # raise | skip
-    normalize: str = "auto"  # auto (the pretrained weights' mean/std; none without weights) | imagenet | none
+    # auto (the pretrained weights' mean/std: the model's own image processor or timm config; none without weights)
+    # | imagenet | none | {mean: [r, g, b], std: [r, g, b]} (explicit statistics)
+    normalize: Any = "auto"
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     qm9: QM9Config = field(default_factory=QM9Config)
@@ -136,6 +138,9 @@ class BackboneConfig:
     pretrained: str | None = None
     config: str | None = None  # hf_vision: random weights of the shape of this folder's config.json
     freeze_blocks: int = 0  # freeze the first N of the backbone's blocks (and what runs before them)
+    # freeze the whole backbone (a linear probe: its final norm too, which freeze_blocks=all leaves training); the
+    # heads and an architecture's own modules train
+    freeze: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # the backbone's own options (its Options dataclass)
 
 

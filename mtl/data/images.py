@@ -3,10 +3,14 @@ and the input normalisation that pretrained backbone weights expect.
 
 - Every image is turned upright first (``ImageOps.exif_transpose``): phone photos store their
   rotation in EXIF, and a model trained on sideways pictures learns the wrong thing.
-- The short side is resized to ``data.image_size`` and the centre square cropped, so nothing is
-  stretched (eval always; training too unless augmentation is on).
+- A pretrained model's own transform, where it has one (``mtl.data.model_transforms``: an hf_vision folder's
+  ``AutoImageProcessor``, timm weights' ``create_transform``), resizes and crops as its library does; otherwise
+  (the torchvision CNNs) the short side is resized to ``data.image_size`` and the centre square cropped, so
+  nothing is stretched (eval always; training too unless augmentation is on). ``prepare_images`` is the one place
+  a data set is given its transform and normalisation.
 - Training augmentation (``data.augment``, off by default so runs stay reproducible): a random
-  resized crop and a horizontal flip. Their random draws depend on (seed, epoch, index) only, so a
+  resized crop and a horizontal flip (under a model's transform: a random box of the decoded image and the flip,
+  which that transform then resizes and crops). Their random draws depend on (seed, epoch, index) only, so a
   resumed run and every data-loader worker see the same crops.
 - An image more than ``MAX_ASPECT`` times as long as it is wide (a 1 x 1,000,000 strip) is refused before it is
   decoded (``shape_problem``): its centre square would be a sliver of it, and resizing its short side would make
@@ -14,15 +18,16 @@ and the input normalisation that pretrained backbone weights expect.
   the crop is the one it always was, so the memory a crop takes is bounded by ``MAX_ASPECT`` output images. Pillow's
   own limit stays in force: a file of more than twice ``Image.MAX_IMAGE_PIXELS`` pixels (a decompression bomb)
   does not open.
-- Normalisation (``data.normalize``) is applied by the loaders to whole batches; items stay in
-  [0, 1] so they can be shown as pictures.
+- Normalisation (``data.normalize``: the library's or the weights' own statistics, imagenet, none, or an explicit
+  mean and std) is applied by the loaders to whole batches; items stay in [0, 1] so they can be shown as pictures.
 """
 
 from __future__ import annotations
 
-import json
+import difflib
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +35,14 @@ import torch
 from PIL import Image, ImageOps
 
 from mtl.config.schema import DataConfig
+from mtl.data.model_transforms import (  # noqa: F401 (PROCESSOR_FILE, read_processor: imported from here too)
+    PROCESSOR_FILE,
+    ModelTransform,
+    model_transform,
+    processor_folder,
+    processor_size,
+    read_processor,
+)
 from mtl.errors import ConfigError, DataError
 
 PIL_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -39,7 +52,6 @@ MAX_ASPECT = 20
 NORMALIZE = ("auto", "none", "imagenet")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)  # what every torchvision classification weight set was trained with
 IMAGENET_STD = (0.229, 0.224, 0.225)
-PROCESSOR_FILE = "preprocessor_config.json"  # a transformers model folder's image processor (size, mean, std)
 
 
 @dataclass(frozen=True)
@@ -101,9 +113,12 @@ def _centre_crop(img: Image.Image, size: int) -> Image.Image:
 
 
 def load_image(path: str, image_size: int, where: str = "", augment: Augment | None = None,
-               key: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """An image file as float (3, S, S) in [0, 1]: upright (EXIF), RGB, short side resized and centre-cropped;
-    with ``augment`` active, a random resized crop and/or flip drawn from (augment.seed, epoch, index) = key."""
+               key: tuple[int, int] = (0, 0), transform: ModelTransform | None = None) -> torch.Tensor:
+    """An image file as float (3, S, S) in [0, 1]: upright (EXIF), RGB, then ``transform`` (the model's own, from its
+    library: ``mtl.data.model_transforms``) or, without one, mtl's: short side resized and centre-cropped. With
+    ``augment`` active, a random resized crop and/or flip drawn from (augment.seed, epoch, index) = key; under a
+    model's transform the crop and flip are cut from the decoded image and the model's transform then runs on them
+    as it does at evaluation (its resize, crop and resampling)."""
     problem = None
     try:
         with Image.open(path) as raw:
@@ -117,6 +132,8 @@ def load_image(path: str, image_size: int, where: str = "", augment: Augment | N
         ) from None
     if problem is not None:
         raise UnusableImage(f"image {path!r}{where} {problem} — crop it to a less elongated shape, or leave it out")
+    if transform is not None:
+        return transform(_augmented(img, augment, key) if augment is not None and augment.active else img)
     if augment is not None and augment.active:
         index, epoch = key
         rng = np.random.default_rng([augment.seed, epoch, index])
@@ -133,20 +150,59 @@ def load_image(path: str, image_size: int, where: str = "", augment: Augment | N
     return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
 
 
+def _augmented(img: Image.Image, augment: Augment, key: tuple[int, int]) -> Image.Image:
+    """The decoded image's random crop (a box of the image, not resized) and flip, drawn as ``load_image`` draws
+    them from (augment.seed, epoch, index): what a model's own transform then resizes and crops."""
+    index, epoch = key
+    rng = np.random.default_rng([augment.seed, epoch, index])
+    if augment.random_resized_crop:
+        left, top, cw, ch = _random_box(rng, *img.size, augment)
+        img = img.crop((left, top, left + cw, top + ch))
+    if augment.hflip and rng.random() < 0.5:
+        img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    return img
+
+
+def normalize_problem(value) -> str | None:
+    """Why ``data.normalize`` is not one of auto, none, imagenet or ``{mean: [r, g, b], std: [r, g, b]}``, or None."""
+    if isinstance(value, str) and value in NORMALIZE:
+        return None
+    if isinstance(value, Mapping) and set(value) == {"mean", "std"}:
+        ok = all(isinstance(value[k], Sequence) and not isinstance(value[k], str) and len(value[k]) == 3
+                 and all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in value[k])
+                 for k in ("mean", "std"))
+        if ok and all(x > 0 for x in value["std"]):
+            return None
+    shown = dict(value) if isinstance(value, Mapping) else value
+    close = difflib.get_close_matches(value, NORMALIZE, n=1) if isinstance(value, str) else []
+    hint = f" — did you mean {close[0]!r}?" if close else ""
+    return (f"data.normalize: {shown!r} is not one of {', '.join(NORMALIZE)} nor {{mean: [r, g, b], std: [r, g, b]}} "
+            "(three finite numbers each, every std > 0; e.g. data.normalize={mean:[0.5,0.5,0.5],std:[0.5,0.5,0.5]})"
+            f"{hint}")
+
+
 def image_normalization(cfg) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """(mean, std) the backbone's input should be normalised with, or None for [0, 1] input.
 
-    ``data.normalize``: ``auto`` uses the pretrained weights' own statistics (a transformers model folder,
-    ``model.backbone.pretrained`` or ``config``: its ``preprocessor_config.json``'s ``image_mean``/``image_std``; a
-    torchvision weights name: its ``transforms()``; a local weights file: ImageNet's, which all torchvision weights
-    use) and none when the backbone starts from scratch; ``imagenet`` and ``none`` force either.
+    ``data.normalize``: ``auto`` uses the pretrained weights' own statistics (a model-owned transform,
+    ``mtl.data.model_transforms``: the transformers image processor's ``image_mean``/``image_std``, the timm weights'
+    pretrained config's ``mean``/``std``; a torchvision weights name: its ``transforms()``; a local weights file:
+    ImageNet's, which all torchvision weights use) and none when the backbone starts from scratch; ``imagenet`` and
+    ``none`` force either, and ``{mean: [...], std: [...]}`` gives them.
     """
     mode = cfg.data.normalize
-    if mode not in NORMALIZE:
-        raise ConfigError(f"data.normalize: {mode!r} is not one of {', '.join(NORMALIZE)}")
-    folder = processor_folder(cfg)
-    if mode == "auto" and folder:  # a transformers model folder: its image processor's (None: it does not normalise)
-        return processor_normalization(folder)
+    problem = normalize_problem(mode)
+    if problem:
+        raise ConfigError(problem)
+    if isinstance(mode, Mapping):
+        return tuple(float(x) for x in mode["mean"]), tuple(float(x) for x in mode["std"])
+    if mode == "auto":
+        owned = model_transform(cfg)
+        if owned is not None:  # the library's own statistics (None: its processor does not normalise)
+            return owned.normalization
+        folder = processor_folder(cfg)
+        if folder:  # a processor file, on a backbone that is not hf_vision
+            return processor_normalization(folder)
     weights = cfg.model.backbone.weights
     if mode == "none" or (mode == "auto" and not weights):
         return None
@@ -161,49 +217,15 @@ def image_normalization(cfg) -> tuple[tuple[float, ...], tuple[float, ...]] | No
     return tuple(float(x) for x in t.mean), tuple(float(x) for x in t.std)
 
 
-def processor_folder(cfg) -> str | None:
-    """The model folder whose ``preprocessor_config.json`` gives the input's statistics (``model.backbone.pretrained``,
-    else ``model.backbone.config``: hf_vision's), or None where the backbone has no such file."""
-    b = cfg.model.backbone
-    for folder in (b.get("pretrained"), b.get("config")):
-        if folder and os.path.isfile(os.path.join(str(folder), PROCESSOR_FILE)):
-            return str(folder)
-    return None
-
-
-def read_processor(folder: str) -> dict:
-    """A model folder's ``preprocessor_config.json`` as a dict; a file that cannot be read is a ConfigError naming it."""
-    path = os.path.join(folder, PROCESSOR_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.backbone: cannot read {path!r} ({e}); restore it or set data.normalize") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"model.backbone: {path!r} is not a JSON object; restore it or set data.normalize")
-    return data
-
-
 def processor_normalization(folder: str):
-    """(mean, std) of the folder's image processor; None where it does not normalise (``do_normalize: false``)."""
+    """(mean, std) of the folder's ``preprocessor_config.json``; None where it does not normalise
+    (``do_normalize: false``)."""
     p = read_processor(folder)
     if p.get("do_normalize") is False:
         return None
     if "image_mean" not in p or "image_std" not in p:
         return IMAGENET_MEAN, IMAGENET_STD  # transformers' image processors' default
     return tuple(float(x) for x in p["image_mean"]), tuple(float(x) for x in p["image_std"])
-
-
-def processor_size(folder: str) -> int | None:
-    """The square size the folder's image processor feeds the model (``crop_size`` where it crops, else ``size``)."""
-    p = read_processor(folder)
-    for key in (("crop_size",) if p.get("do_center_crop") else ()) + ("size",):
-        size = p.get(key)
-        if isinstance(size, dict):
-            size = size.get("height") or size.get("shortest_edge")
-        if isinstance(size, int):
-            return size
-    return None
 
 
 def resolve_image_size(cfg) -> list[str]:
@@ -231,21 +253,36 @@ def resolve_image_size(cfg) -> list[str]:
 
 
 def normalization_text(cfg) -> str:
-    """One line for the start-up summary: the image size and the normalisation this run's images get, and where
-    each comes from."""
-    norm, folder = image_normalization(cfg), processor_folder(cfg)
+    """One line for the start-up summary: the image transform, size and normalisation this run's images get, and
+    where each comes from."""
+    norm, folder, owned = image_normalization(cfg), processor_folder(cfg), model_transform(cfg)
     size = f"images: {cfg.data.image_size} px (data.image_size"
     if folder:
         native = processor_size(folder)
         size += f"; the model folder's processor: {native})" if native is not None else ")"
     else:
         size += ")"
+    size += (f", image files through {owned.text}" if owned is not None
+             else ", image files through mtl's resize short side, centre crop, bilinear")
     if norm is None:
         return f"{size}, not normalised (data.normalize={cfg.data.normalize})"
-    where = (f"{os.path.join(folder, PROCESSOR_FILE)}" if cfg.data.normalize == "auto" and folder
+    where = ((owned.stats_from if owned is not None else os.path.join(folder, PROCESSOR_FILE))
+             if cfg.data.normalize == "auto" and (owned is not None or folder)
+             else "data.normalize" if isinstance(cfg.data.normalize, Mapping)
              else f"data.normalize={cfg.data.normalize}")
     mean, std = (", ".join(f"{x:g}" for x in t) for t in norm)
     return f"{size}, normalised with mean ({mean}) std ({std}) from {where}"
+
+
+def prepare_images(cfg, *datasets) -> None:
+    """The one place a data set is told how its images are made for the model: ``normalization`` (what the loaders
+    normalise its batches with, ``image_normalization``) and, for data sets of image files, ``image_transform`` (the
+    model's own from its library, ``model_transform``, or None: mtl's)."""
+    norm, owned = image_normalization(cfg), model_transform(cfg)
+    for ds in datasets:
+        ds.normalization = norm
+        if hasattr(ds, "image_transform"):
+            ds.image_transform = owned
 
 
 def normalize_images(images: torch.Tensor, normalization) -> torch.Tensor:

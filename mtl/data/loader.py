@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from mtl.data.images import Augment, Normalized, image_normalization
+from mtl.data.images import Augment, Normalized, prepare_images
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
 from mtl.data.packing import PackedCollate, unpacked
 from mtl.data.qm9_source import batch_graphs, qm9_splits
@@ -22,14 +22,15 @@ SOURCES = ("synthetic", "manifest", "imagefolder", "qm9")
 def build_datasets(cfg) -> tuple[Dataset, Dataset]:
     """(train, val) data sets from the full config (``cfg.data``, ``cfg.seed``, ``cfg.model.backbone.weights``).
 
-    Each gets ``normalization``: the (mean, std) that the loaders normalise its batches with, or None.
+    Each gets ``normalization`` (the (mean, std) that the loaders normalise its batches with, or None) and, a set
+    of image files, ``image_transform`` (the model's own image transform, or None): ``mtl.data.images.prepare_images``.
     """
     if cfg.data.source == "qm9":  # molecule graphs (mtl/data/qm9_source.py): no image normalisation
 
         splits = qm9_splits(cfg)
         return splits["train"], splits["val"]
     train, val = _datasets(cfg)
-    train.normalization = val.normalization = image_normalization(cfg)
+    prepare_images(cfg, train, val)
     return train, val
 
 
@@ -53,7 +54,7 @@ def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
     else:
         test = ImageFolderCaptions(d.test_path, image_size=d.image_size, on_error=d.on_error,
                                    class_names=train.class_names)
-    test.normalization = image_normalization(cfg)
+    prepare_images(cfg, test)
     return test
 
 

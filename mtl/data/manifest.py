@@ -166,6 +166,7 @@ class CaptionedImages(Dataset):
                  augment: Augment | None = None):
         self.records = records
         self.augment = augment  # training augmentation (random crop, flip); None: the centre crop
+        self.image_transform = None  # the model's own image transform (mtl.data.images.prepare_images); None: mtl's
         self.skipped = len(reasons)
         self.skip_reasons = reasons
         self.image_size = int(image_size)
@@ -208,7 +209,7 @@ class CaptionedImages(Dataset):
         first = (int(epoch) + index) % max(1, len(caps))
         item = {
             **rec.extra,
-            "image": load_image(rec.image, self.image_size, where, self.augment, (index, int(epoch))),
+            "image": load_image(rec.image, self.image_size, where, self.augment, (index, int(epoch)), self.image_transform),
             "label": rec.label,
             "index": index,
         }

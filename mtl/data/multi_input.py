@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mtl.config.schema import TaskDataConfig, task_data
-from mtl.data.images import Augment, image_normalization, normalize_images
+from mtl.data.images import Augment, normalize_images, prepare_images
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset, read_caption_lines
 from mtl.data.synthetic import SyntheticShapes
 from mtl.errors import DataError
@@ -137,8 +137,9 @@ def task_split(cfg, task: str, kind: type, split: str, train_split=None) -> Data
     else:
         ds = _user_split(cfg, d, d.train_path if split == "train" else d.val_path, split == "train",
                          "label" in kind.requires, train_split)
+    prepare_images(cfg, ds)  # the model's image transform on the set that reads the files
     ds = TaskOnly(ds, kind.requires)
-    ds.normalization = image_normalization(cfg)
+    ds.normalization = ds.inner.normalization
     return ds
 
 

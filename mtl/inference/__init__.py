@@ -11,8 +11,9 @@ Where the pieces come from (``mtl.setup.build.find_model_files``): the folder's 
 A run written before class names were saved falls back to the synthetic shape names or to "0", "1", ...
 
 Images are read with the data code's own transform (``mtl.data.manifest.load_image``: RGB, the run's
-``data.image_size``, the same scaling) and normalised as the loaders normalise them (``data.normalize``,
-e.g. the pretrained weights' mean and std), so a file is seen exactly as the training and eval loaders see it.
+``data.image_size``, the pretrained model's own resize and crop from its library where it has one,
+``Predictor.transform``) and normalised as the loaders normalise them (``data.normalize``, e.g. the pretrained
+weights' mean and std), so a file is seen exactly as the training and eval loaders see it.
 
 The command-line tools in ``mtl/tools/`` (evaluate, predict, export) are thin wrappers over this package. Its parts,
 by job: ``model`` (find, check and load a model folder: ``load_model``, ``Predictor``), ``evaluate`` (``eval_config``,

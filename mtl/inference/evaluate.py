@@ -8,7 +8,7 @@ import math
 from types import SimpleNamespace
 
 from mtl.config.schema import load_config, multi_input, task_data
-from mtl.data.images import image_normalization
+from mtl.data.images import prepare_images
 from mtl.data.loader import build_datasets, verify_task_fields
 from mtl.data.manifest import ImageFolderCaptions, ManifestDataset
 from mtl.data.multi_input import build_task_val_sets
@@ -75,7 +75,7 @@ def eval_dataset(cfg, class_names: list[str]):
                              class_names=class_names)
     else:
         ds = ImageFolderCaptions(d.val_path, image_size=d.image_size, on_error=d.on_error, class_names=class_names)
-    ds.normalization = image_normalization(cfg)  # the eval loader normalises as training did
+    prepare_images(cfg, ds)  # the model's transform, and the eval loader normalises, as training did
     return ds
 
 

@@ -7,7 +7,8 @@
 - ``torchvision_backbone/``: the backbone's weights under torchvision's own state-dict names, where its
   architecture is a torchvision one (``backbone.json`` says how to build it and how far to run it);
 - ``hf_captioner/``: the backbone and the caption head as one ``transformers.VisionEncoderDecoderModel`` folder (a
-  ViT-GPT2's layout), with its image processor (the run's image size, mean and std), tokenizer and processor, where
+  ViT-GPT2's layout), with its image processor (the backbone folder's own, at the run's image size, with the run's
+  mean and std), tokenizer and processor, where
   the backbone is ``hf_vision`` (ViT, DINOv2) and the head reads its tokens: ``generate(pixel_values=...)`` and
   ``pipeline("image-to-text", model=...)(image, text="")`` give mtl's captions (``mtl.models.vision_encoder_decoder``;
   its tokenizer starts every prompt with BOS, the decoder's start);
@@ -143,11 +144,11 @@ with torch.no_grad():
 captions = [" ".join(t.split()) for t in processor.tokenizer.batch_decode(ids, skip_special_tokens=True)]
 ```
 
-On image files or PIL images, with transformers' pipeline: its image processor resizes the short side and cuts out
-the centre square as mtl does, with its own resampling, so the pixels (and the captions) equal mtl's for images of
-the run's size S x S, and are close otherwise. In transformers 5 the `image-to-text` task runs as
-`image-text-to-text`, which takes a text prompt with every image: `text=""` is the caption from its start (the
-tokenizer puts BOS, the decoder's start, before any prompt; `text="two"` would start the caption with that word).
+On image files or PIL images, with transformers' pipeline: its image processor is the backbone folder's own (at the
+run's size S), the one mtl reads files with, so the pixels (and the captions) equal mtl's. In transformers 5 the
+`image-to-text` task runs as `image-text-to-text`, which takes a text prompt with every image: `text=""` is the
+caption from its start (the tokenizer puts BOS, the decoder's start, before any prompt; `text="two"` would start the
+caption with that word).
 Without `text`, transformers reads a path as the prompt and finds no image, and refuses a PIL image:
 
 ```python
@@ -278,12 +279,35 @@ def _prompt_tokenizer(path: str, bos: str, bos_id: int):
     return tokenizer
 
 
+def _image_processor(predictor):
+    """The captioner's image processor: the backbone folder's own (``Predictor.transform``, at the run's size), or
+    where the run read files with mtl's transform, that one (the short side resized to S, bilinear, the centre S x S
+    cut out); normalised as the run's loaders normalised (``data.normalize``)."""
+    import copy
+
+    from transformers import CLIPImageProcessor
+
+    size, norm = int(predictor.cfg.data.image_size), predictor.normalization
+    owned = predictor.transform
+    if owned is not None and owned.kind == "hf":
+        images = copy.deepcopy(owned.fn)
+        images.do_normalize = norm is not None
+        if norm is not None:
+            images.image_mean, images.image_std = list(norm[0]), list(norm[1])
+        return images
+    return CLIPImageProcessor(do_resize=True, size={"shortest_edge": size}, resample=2, do_center_crop=True,
+                              crop_size={"height": size, "width": size}, do_rescale=True, do_convert_rgb=True,
+                              do_normalize=norm is not None, image_mean=list(norm[0]) if norm else None,
+                              image_std=list(norm[1]) if norm else None)
+
+
 def write_hf_captioner(folder: str, predictor) -> bool:
     """``folder/hf_captioner/``: the backbone and the caption head as a ``VisionEncoderDecoderModel``
-    (``mtl.models.vision_encoder_decoder``), its image processor (the run's ``data.image_size`` and
-    normalisation), its tokenizer (the run's, as transformers' fast tokenizer) and processor. False (nothing
-    written) where the model is not such a captioner (``export_problem``)."""
-    from transformers import CLIPImageProcessor, PreTrainedTokenizerFast, VisionTextDualEncoderProcessor
+    (``mtl.models.vision_encoder_decoder``), its image processor (the backbone folder's own at the run's
+    ``data.image_size``, with the run's normalisation: ``_image_processor``), its tokenizer (the run's, as
+    transformers' fast tokenizer) and processor. False (nothing written) where the model is not such a captioner
+    (``export_problem``)."""
+    from transformers import PreTrainedTokenizerFast, VisionTextDualEncoderProcessor
 
     head = predictor.model.heads["gen"] if "gen" in predictor.model.heads else None
     if head is None or ved.export_problem(predictor.model.backbone, head) is not None:
@@ -291,12 +315,7 @@ def write_hf_captioner(folder: str, predictor) -> bool:
     model, untrained = ved.to_vision_encoder_decoder(predictor.model.backbone, head)
     out = os.path.join(folder, CAPTIONER_DIR)
     model.save_pretrained(out, safe_serialization=True)
-    size, norm = int(predictor.cfg.data.image_size), predictor.normalization
-    # mtl's image transform (mtl/data/images.py): the short side resized to S (bilinear), the centre S x S cut out
-    images = CLIPImageProcessor(do_resize=True, size={"shortest_edge": size}, resample=2, do_center_crop=True,
-                                crop_size={"height": size, "width": size}, do_rescale=True, do_convert_rgb=True,
-                                do_normalize=norm is not None, image_mean=list(norm[0]) if norm else None,
-                                image_std=list(norm[1]) if norm else None)
+    images = _image_processor(predictor)
     tok = predictor.tokenizer
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(tmp)

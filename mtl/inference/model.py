@@ -14,7 +14,7 @@ import torch
 
 from mtl.checkpoint.finite import first_nonfinite
 from mtl.config.schema import config_from_data
-from mtl.data.images import UnusableImage, image_normalization, normalize_images
+from mtl.data.images import UnusableImage, image_normalization, model_transform, normalize_images
 from mtl.data.loader import build_datasets
 from mtl.data.manifest import IMAGE_EXTENSIONS, load_image
 from mtl.data.tokenizer import CaptionTokenizer
@@ -46,6 +46,7 @@ class Predictor:
         self.class_names, self.device, self.files = class_names, device, files
         self.saved_config = saved_config  # the folder's config.yaml as plain data (what ``cfg`` was built from)
         self.normalization = image_normalization(cfg)  # what the training loaders applied (pretrained weights)
+        self.transform = model_transform(cfg)  # the model's own image transform from its library; None: mtl's
 
     @property
     def tasks(self) -> list[str]:
@@ -62,7 +63,7 @@ class Predictor:
 
     def load_images(self, paths: list[str]) -> torch.Tensor:
         """(N, 3, S, S): the files as the training data sets read them."""
-        return torch.stack([read_image(p, self.image_size) for p in paths])
+        return torch.stack([read_image(p, self.image_size, self.transform) for p in paths])
 
     @torch.no_grad()
     def predict(self, images, num_beams: int = 1, batch_size: int = 32, on_unreadable=None) -> list[dict | None]:
@@ -94,7 +95,7 @@ class Predictor:
         if not isinstance(image, str | os.PathLike):
             return image
         try:
-            return read_image(image, self.image_size)
+            return read_image(image, self.image_size, self.transform)
         except DataError as e:
             if on_unreadable is None:
                 raise
@@ -111,8 +112,9 @@ class Predictor:
         return rows
 
 
-def read_image(path, image_size: int) -> torch.Tensor:
-    """One image file through the data code's transform; a missing or undecodable file is a DataError."""
+def read_image(path, image_size: int, transform=None) -> torch.Tensor:
+    """One image file through the data code's transform (``transform``: the model's own, ``Predictor.transform``); a
+    missing or undecodable file is a DataError."""
     path = os.fspath(path)
     try:
         mode = os.stat(path).st_mode
@@ -121,7 +123,7 @@ def read_image(path, image_size: int) -> torch.Tensor:
     if not stat.S_ISREG(mode):  # never opened: a FIFO would block the job, a device never end
         raise DataError(f"image {path!r} is not a regular file but a {_file_kind(mode)}; pass image files only")
     try:
-        return load_image(path, image_size)
+        return load_image(path, image_size, transform=transform)
     except UnusableImage:  # it opens, and its message says what is wrong with it (a 1 x 1,000,000 strip)
         raise
     except DataError:

@@ -17,7 +17,8 @@
   ``torch.distributed._composable.checkpoint`` does not: its recomputation re-enters a one-shot context manager on
   the second pass, an AttributeError in torch 2.14.)
 - ``compile_blocks(model)``: ``module.compile()`` on every block (regional compilation: one graph per block class, so
-  recompiles stay few; the module, its names and its state dict stay as they are).
+  recompiles stay few; the module, its names and its state dict stay as they are), with inductor's
+  ``fallback_random`` on: its random numbers come from eager's generator, so dropout draws eager's masks.
 
 ``prepare(cfg, model)`` applies checkpointing then compilation, the order torchtitan uses (activation checkpointing,
 ``torch.compile`` per block, then ``fully_shard`` per block and the root): ``mtl.setup.build.wrap_model`` calls it before
@@ -89,6 +90,20 @@ def freeze(model: nn.Module, n: int) -> list[str]:
     return [names[id(p)] for p in params]
 
 
+def freeze_backbone(model: nn.Module) -> list[str]:
+    """``model.backbone.freeze: true`` (a linear probe): ``requires_grad=False`` on every parameter of the backbone
+    (its embeddings, every block, the final layernorm after them, which ``freeze_blocks`` = all blocks leaves
+    training); the architecture's own modules (an MMoE's gates and experts) and the heads train. Returns the frozen
+    parameters' names (from the trunk)."""
+    inner = getattr(model.backbone, "backbone", model.backbone)  # the Backbone inside an architecture's trunk
+    mine = {id(p) for p in inner.parameters()}
+    frozen = [(name, p) for name, p in model.backbone.named_parameters() if id(p) in mine]
+    for _, p in frozen:
+        p.requires_grad_(False)
+    model.frozen_key = "model.backbone.freeze"
+    return [name for name, _ in frozen]
+
+
 def checkpoint_blocks(model: nn.Module) -> list[str]:
     """Activation checkpointing on every declared block; returns their names."""
     _require_backbone_blocks(model, "model.activation_checkpointing", "there are no blocks to recompute")
@@ -130,6 +145,11 @@ def compile_blocks(model: nn.Module, device_type: str = "cpu") -> list[str]:
         why = compiler_problem()
         if why:
             raise ConfigError(f"model.compile: {why}")
+    import torch._inductor.config as inductor_config
+
+    # the compiled blocks draw their random numbers (dropout masks) with eager's generator, not inductor's own: a run
+    # with dropout then draws the masks eager draws (tests/test_scale.py), where inductor's own draws other ones
+    inductor_config.fallback_random = True
     blocks = model_blocks(model)
     for _, m in blocks:
         m.compile()
@@ -150,9 +170,12 @@ def prepare(cfg, model: nn.Module, device_type: str = "cpu") -> list[str]:
 
 
 def frozen_note(model: nn.Module) -> list[str]:
-    """The start-up line of ``model.backbone.freeze_blocks`` (none when nothing is frozen)."""
+    """The start-up lines of the backbone's loading (``load_notes``: a pretrained folder's tensors it does not load,
+    hf_vision) and of ``model.backbone.freeze_blocks`` or ``freeze`` (none when nothing is frozen)."""
+    inner = getattr(model.backbone, "backbone", model.backbone)  # the Backbone inside an architecture's trunk
+    notes = list(getattr(inner, "load_notes", []) or [])
     names = getattr(model, "frozen_blocks", [])
     if not names:
-        return []
-    return [f"model.backbone.freeze_blocks: {len(names)} backbone parameter tensors frozen "
-            f"({names[0]} ... {names[-1]})"]
+        return notes
+    key = getattr(model, "frozen_key", "model.backbone.freeze_blocks")
+    return notes + [f"{key}: {len(names)} backbone parameter tensors frozen ({names[0]} ... {names[-1]})"]

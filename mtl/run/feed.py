@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from mtl.data.heldout import HeldoutStream, verify_heldout_size
-from mtl.data.images import normalization_text, processor_folder
+from mtl.data.images import model_transform, normalization_text, processor_folder
 from mtl.data.loader import (
     all_captions,
     build_eval_loader,
@@ -216,6 +216,7 @@ def data_summary(cfg, inputs, task_types: dict) -> str:
             text += f"; vocabulary {inputs.tokenizer.vocab_size} tokens, " + unknown_share_text(inputs.tokenizer, {
                 split: all_captions(getattr(ds, "inner", ds)) for split, ds in (("train", train), ("val", val))})
         lines.append(text)
-    if cfg.data.source != "qm9" and processor_folder(cfg):  # a transformers model folder: what the images get
+    # a pretrained model's own transform (a transformers folder, timm weights): what the images get
+    if cfg.data.source != "qm9" and (processor_folder(cfg) or model_transform(cfg) is not None):
         lines.append("  " + normalization_text(cfg))
     return "\n".join(lines)

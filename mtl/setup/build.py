@@ -106,8 +106,10 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
                                                architecture_options(cfg), cfg)
     model = MultiTaskModel(trunk, {t: types[t].build(info) for t in cfg.tasks},
                            loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale}, towers=towers)
-    # model.backbone.freeze_blocks: the first N blocks and what runs before them train no more (mtl/models/blockwise.py)
-    model.frozen_blocks = blockwise.freeze(model, int(cfg.model.backbone.get("freeze_blocks") or 0))
+    # model.backbone.freeze: the whole backbone trains no more (a linear probe); freeze_blocks: the first N blocks and
+    # what runs before them (mtl/models/blockwise.py)
+    model.frozen_blocks = (blockwise.freeze_backbone(model) if cfg.model.backbone.get("freeze") else
+                           blockwise.freeze(model, int(cfg.model.backbone.get("freeze_blocks") or 0)))
     if cfg.trainer.get("poison"):  # testing only: the reliability tests' NaN loss
         install_poison(model)
     model.build_info = info  # what it was built for (its classes, its tokenizer): init_from_weights reads it

@@ -20,7 +20,7 @@ from mtl.config.effective import mark_unread
 from mtl.config.keys import check_options, config_keys
 from mtl.config.load import interpolation_errors, load_config_collecting
 from mtl.config.read_rules import unread_errors
-from mtl.data.images import NORMALIZE, resolve_image_size
+from mtl.data.images import normalize_problem, resolve_image_size
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types, unknown_backbone
@@ -103,7 +103,8 @@ def _choices(errors, cfg) -> None:
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
     _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
-    _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
+    if normalize_problem(cfg.data.normalize):  # auto | none | imagenet | {mean: [...], std: [...]}
+        errors.append(normalize_problem(cfg.data.normalize))
     _augment(errors, cfg)
     _choice(errors, "ddp.backend", cfg.ddp.backend, ("auto", "gloo", "nccl"))
     _choice(errors, "parallel.engine", cfg.parallel.engine, ENGINES)
@@ -370,6 +371,10 @@ def gradient_source_errors(cfg, strategy, method, strategies: dict) -> list[str]
                     "loss-level (it weighs the losses, the backward passes do the rest); remove weighting.source"]
         return []
     errors = []
+    if source == "parameters" and cfg.model.backbone.get("freeze"):
+        errors.append("weighting.source: parameters takes each task's gradient of the shared backbone parameters, and "
+                      "model.backbone.freeze: true leaves none training (a linear probe); use weighting.source=features "
+                      "(the tasks' gradients of the shared features) or a loss-level method, or unfreeze the backbone")
     if source == "features" and not method.gram_only():
         errors.append(f"weighting.source: features gives a method only the K x K Gram matrix of the tasks' feature "
                       f"gradients, and weighting.method={name} needs the rows of G themselves (it overrides combine); "
@@ -433,6 +438,9 @@ def blockwise_errors(cfg, backbone: type | None) -> list[str]:
     freeze = cfg.model.backbone.get("freeze_blocks", 0)
     if freeze < 0:
         errors.append(f"model.backbone.freeze_blocks: {freeze} is negative; 0 freezes nothing, N the first N blocks")
+    if cfg.model.backbone.get("freeze") and freeze:
+        errors.append(f"model.backbone.freeze_blocks: {freeze} with model.backbone.freeze: true, which freezes the "
+                      "whole backbone; remove one of them")
     if backbone is None or backbone.blocks is not Backbone.blocks:
         return errors
     for key, on in (("model.activation_checkpointing", cfg.model.get("activation_checkpointing")),

@@ -57,7 +57,8 @@ class FeatureLeaf(Strategy):
             stats = gradient_stats(s.tasks, grads.detach().float(), "feat_") if s.log_stats else {}
         else:
             total, stats = self._weighted(s, grads, losses)
-        out["features"].backward(total.view_as(out["features"]))  # the one backbone backward
+        if out["features"].requires_grad:  # the one backbone backward (none for a frozen one: model.backbone.freeze)
+            out["features"].backward(total.view_as(out["features"]))
         if "multi_input" in s.batch:  # each task's feature rows are its own: their cosines are 0 by construction
             stats = {k: v for k, v in stats.items() if "grad_cos/" not in k}
         return detached(losses), stats

@@ -23,6 +23,7 @@ and models without absolute positions (ConvNeXt) take any size; any other model 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 
 import torch
@@ -55,11 +56,22 @@ def source_of(cfg) -> tuple[str, str]:
 def vision_config(folder: str, key: str):
     """The transformers config of the vision model in ``folder`` (a full CLIP/SigLIP folder: its vision tower's).
     ConfigError naming ``key`` when the folder is not a transformers vision model."""
+    import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ConfigError(f"{key}: {folder!r} has no config.json; point it at a local transformers vision-model folder "
-                          "(e.g. `huggingface-cli download google/vit-base-patch16-224 --local-dir DIR`)")
+    fix = ("point it at a local transformers vision-model folder (e.g. `huggingface-cli download "
+           "google/vit-base-patch16-224 --local-dir DIR`)")
+    if not folder or not os.path.isdir(folder):
+        raise ConfigError(f"{key}: the folder {folder!r} does not exist; {fix}")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ConfigError(f"{key}: {folder!r} has no config.json; {fix}")
+    model_type = _model_type(folder, key)
+    if model_type not in CONFIG_MAPPING_NAMES:
+        what = ("names no model_type" if model_type is None else
+                f"names model_type {model_type!r}, which transformers {transformers.__version__} does not know")
+        raise ConfigError(f"{key}: {folder!r}/config.json {what}; point it at a transformers vision-model folder "
+                          "(ViT, DeiT, DINOv2, CLIP, SigLIP, Swin, ConvNeXt), or install a transformers that has it")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # an unknown model_type, a damaged file ...
@@ -71,6 +83,20 @@ def vision_config(folder: str, key: str):
         raise ConfigError(f"{key}: {folder!r} holds a {config.model_type!r} model, not a vision model; point it at a "
                           "transformers vision-model folder (ViT, DeiT, DINOv2, CLIP, SigLIP, Swin, ConvNeXt)")
     return config
+
+
+def _model_type(folder: str, key: str):
+    """The ``model_type`` of the folder's config.json (None where it names none); a file that is not a JSON object is
+    a ConfigError naming ``key``."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot read {path!r} ({e}); restore it or point the key at another folder") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}: {path!r} is not a JSON object; restore it or point the key at another folder")
+    return data.get("model_type")
 
 
 def model_image_size(config) -> int | None:
@@ -126,6 +152,21 @@ def use_carried_copy(cfg, folder: str) -> bool:
     cfg.model.backbone.pretrained = None
     cfg.model.backbone.config = copy
     return True
+
+
+def unused_note(folder: str, unused: list[str]) -> list[str]:
+    """The start-up line for the folder's tensors the backbone does not load (a full CLIP or SigLIP folder: its text
+    tower, projections and logit scale; SigLIP's vision pooling head; ViT's pooler), counted by their top-level
+    part; none when every tensor is loaded."""
+    if not unused:
+        return []
+    parts: dict[str, int] = {}
+    for name in unused:
+        top = name.split(".")[0]
+        parts[top] = parts.get(top, 0) + 1
+    text = " (its text tower is not loaded)" if "text_model" in parts else ""
+    return [f"model.backbone.pretrained: {len(unused)} tensors of {folder!r} unused{text}: "
+            + ", ".join(f"{k} {v}" for k, v in parts.items())]
 
 
 @torch.no_grad()
@@ -196,9 +237,12 @@ class HFVisionBackbone(Backbone):
             config.vision_use_head = False  # its attention-pooling head: unused (pool "mean")
         klass = _model_class(config)
         kwargs = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(klass.__init__).parameters else {}
+        unused: list[str] = []
         try:
             if key == "model.backbone.pretrained":
-                model = klass.from_pretrained(folder, config=config, local_files_only=True, **kwargs)
+                model, info = klass.from_pretrained(folder, config=config, local_files_only=True,
+                                                    output_loading_info=True, **kwargs)
+                unused = sorted(info.get("unexpected_keys") or [])
             else:
                 model = klass(config, **kwargs)
         except Exception as e:  # weights that do not fit the config, a damaged file ...
@@ -208,6 +252,7 @@ class HFVisionBackbone(Backbone):
         backbone = cls(model, interpolate=native is not None and native != int(cfg.data.image_size)
                        and _interpolates(config))
         backbone.frozen_unused = freeze_unused(backbone, int(cfg.data.image_size))
+        backbone.load_notes = unused_note(folder, unused)
         return backbone
 
     def forward(self, x):
