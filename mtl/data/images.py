@@ -117,6 +117,13 @@ def load_image(path: str, image_size: int, where: str = "", augment: Augment | N
         ) from None
     if problem is not None:
         raise UnusableImage(f"image {path!r}{where} {problem} — crop it to a less elongated shape, or leave it out")
+    return image_tensor(img, image_size, augment, key)
+
+
+def image_tensor(img: Image.Image, image_size: int, augment: Augment | None = None,
+                 key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """An upright RGB picture as float (3, S, S) in [0, 1]: ``load_image``'s crop (and augmentation) of a picture
+    already opened (a file's, or a data set cell's bytes: mtl/data/hf_source.py)."""
     if augment is not None and augment.active:
         index, epoch = key
         rng = np.random.default_rng([augment.seed, epoch, index])
