@@ -226,7 +226,7 @@ class HFImages(Dataset):
         self.provides = BASE_FIELDS - ({"label"} if cols.label is None else set()) \
             - ({"captions"} if cols.captions is None else set())
         self.class_names, self.num_classes = _classes(self, class_names, num_classes)
-        self.rows, self.skip_reasons, self.present = _check_rows(self, on_error, verify)
+        self.rows, self.skip_reasons, self.present = _verify_rows(self, on_error, verify)
         self.skipped = len(self.skip_reasons)
         if class_names is None and cols.class_names is None and cols.label is not None and num_classes is None:
             self.num_classes = max(self.present) + 1 if self.present else 0
@@ -301,7 +301,7 @@ def _classes(ds: HFImages, class_names, num_classes) -> tuple[list[str], int]:
     return [], 0
 
 
-def _check_rows(ds: HFImages, on_error: str, verify: bool):
+def _verify_rows(ds: HFImages, on_error: str, verify: bool):
     """Every row's label, captions and (``verify``) image, read in batches: (kept rows or None when all are kept,
     the reasons of the rows left out, the labels present). A bad row raises unless ``on_error`` is skip."""
     c = ds.cols
