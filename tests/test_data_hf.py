@@ -215,3 +215,12 @@ def test_each_task_takes_its_own_hf_dataset_in_multi_input_mode(tmp_path):
     assert (len(cls_train), len(cls_val), len(gen_train), len(gen_val)) == (30, 6, 20, 5)
     assert cls_train.class_names == CLASSES and set(cls_train[0]) == {"image", "index", "label"}
     assert set(gen_train[0]) == {"image", "index", "captions"}
+
+
+def test_the_evaluate_tool_reads_the_val_split_with_the_model_s_classes(saved):
+    from mtl.inference.evaluate import eval_dataset
+
+    val = eval_dataset(_cfg(saved), CLASSES)
+    assert len(val) == 12 and val.class_names == CLASSES and val[4]["label"] == 1
+    with pytest.raises(ConfigError, match="the training split's classes are a, b"):
+        eval_dataset(_cfg(saved), ["a", "b"])
