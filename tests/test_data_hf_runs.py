@@ -5,13 +5,14 @@ to the uninterrupted run (the resume harness of tests/test_reliability.py), its 
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import pytest
 import torch
 
 from .conftest import TINY, parity_worker, run_train, spawn_parity_runs
-from .hf_data import save_dict
+from .hf_data import CLASSES, save_dict
 from .resume_check import check_resume, snapshot
 from .test_reliability import FAST, kill_job, model_bytes, start, wait_for_step
 
@@ -71,6 +72,8 @@ def test_sigkill_then_resume_on_an_hf_dataset_is_bitwise_identical(tmp_path):
     run_train([*args, f"output_dir={cut}"])
     check_resume(cut, before, last_step=10)
     assert model_bytes(ref, 10) == model_bytes(cut, 10)
+    with open(os.path.join(ref, "class_names.json")) as f:
+        assert json.load(f) == CLASSES  # the ClassLabel's names, as the other sources write theirs
 
 
 @pytest.mark.slow
