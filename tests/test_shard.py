@@ -118,3 +118,16 @@ def test_the_round_trip_check_finds_a_sample_that_did_not_come_back(src, monkeyp
     assert _run("--train", src / "train.jsonl", "--to", "webdataset", "--out", out, "--shard-size", 4) == 3
     assert "round-trip check: sample 00000008 of train was not read back" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_missing_library_names_the_extra_and_writes_nothing(src, monkeypatch, capsys):
+    import builtins
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **kw: (_ for _ in ()).throw(ImportError(name))
+                        if name == "webdataset" else real(name, *a, **kw))
+    out = src / "wds"
+    assert _run("--train", src / "train.jsonl", "--to", "webdataset", "--out", out) == 2
+    err = capsys.readouterr().err
+    assert "the webdataset library, which is not installed; install the data extra (pip install -e '.[data]'" in err
+    assert not out.exists()
