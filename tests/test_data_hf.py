@@ -224,3 +224,14 @@ def test_the_evaluate_tool_reads_the_val_split_with_the_model_s_classes(saved):
     assert len(val) == 12 and val.class_names == CLASSES and val[4]["label"] == 1
     with pytest.raises(ConfigError, match="the training split's classes are a, b"):
         eval_dataset(_cfg(saved), ["a", "b"])
+
+
+def test_skipped_rows_are_counted_with_the_run_s_bad_lines(tmp_path):
+    from mtl.setup.build import build_run_inputs
+    from mtl.setup.checks import load_run_config
+
+    path = save_dict(tmp_path / "ds", bad=(3, 17))
+    cfg = load_run_config(TINY, ["data.source=hf", f"data.hf.path={path}", "data.on_error=skip", "data.image_size=16",
+                                 f"output_dir={tmp_path / 'run'}"])
+    count, reasons = build_run_inputs(cfg).skipped_lines()
+    assert count == 2 and [r.split(": ")[0].rsplit(" ", 2)[1:] for r in reasons] == [["row", "3"], ["row", "17"]]
