@@ -42,6 +42,7 @@ SETUPS = {
     "manifest": ["data.source=manifest", "data.train_path=t.jsonl", "data.val_path=v.jsonl"],
     "imagefolder": ["data.source=imagefolder", "data.train_path=tr", "data.val_path=va"],
     "qm9": ["data.source=qm9", "model.backbone.name=mpnn"],
+    "hf": ["data.source=hf", "data.hf.path=h"],
     "multi": [MULTI_SYN],  # every task its own synthetic set, sampling.policy=all
     "multi_files": ["data.per_task={cls: {source: imagefolder, train_path: a, val_path: b}, gen: {source: manifest, "
                     "train_path: c.jsonl, val_path: d.jsonl}}", "data.sampling.policy=weighted"],
@@ -57,21 +58,24 @@ SETUPS = {
     "fsdp2": ["parallel.engine=fsdp2"],
 }
 MULTI = {"multi", "multi_files", "multi_mixed", "multi_temperature"}
-ONE_SYNTHETIC = set(SETUPS) - MULTI - {"manifest", "imagefolder", "qm9"}  # one synthetic data set
+ONE_SYNTHETIC = set(SETUPS) - MULTI - {"manifest", "imagefolder", "qm9", "hf"}  # one synthetic data set
 EVERY = set(SETUPS)
 
 # key -> the set-ups whose run does not read it (train.py). A key not here is read by every run: ALWAYS.
 NOT_READ = {
     "data.source": MULTI,
-    "data.val_path": ONE_SYNTHETIC | {"qm9"} | MULTI,
+    "data.val_path": ONE_SYNTHETIC | {"qm9", "hf"} | MULTI,
     "data.on_error": ONE_SYNTHETIC | {"qm9"} | MULTI,
-    "data.train_path": ONE_SYNTHETIC | {"qm9"} | MULTI,
-    "data.test_path": ONE_SYNTHETIC | {"qm9"} | MULTI,
+    "data.train_path": ONE_SYNTHETIC | {"qm9", "hf"} | MULTI,
+    "data.test_path": ONE_SYNTHETIC | {"qm9", "hf"} | MULTI,
     "data.num_classes": ONE_SYNTHETIC | {"qm9"} | MULTI,
-    "data.image_root": ONE_SYNTHETIC | {"imagefolder", "qm9"} | MULTI,
-    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9"} | MULTI
+    "data.image_root": ONE_SYNTHETIC | {"imagefolder", "qm9", "hf"} | MULTI,
+    **{f"data.hf.{k}": EVERY - {"hf"} for k in ("path", "builder", "data_files", "train_split", "val_split",
+                                                  "test_split", "image_column", "label_column", "caption_column",
+                                                  "verify", "cache_dir")},
+    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9", "hf"} | MULTI
        for k in ("train_size", "val_size", "train_seed_offset", "val_seed_offset", "test_size", "test_seed_offset")},
-    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9", "multi_files"}
+    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9", "hf", "multi_files"}
        for k in ("num_classes", "max_count", "noise", "clutter")},
     **{f"data.qm9.{k}": EVERY - {"qm9"}
        for k in ("root", "cache_dir", "molecules", "test_size", "val_size", "train_size", "split_seed", "graph")},
@@ -128,6 +132,7 @@ PER_TASK_NOT_READ = {
     "val_path": {(s, t) for s in MULTI - {"multi_files"} for t in ("cls", "gen")},
     "on_error": {(s, t) for s in MULTI - {"multi_files"} for t in ("cls", "gen")},
     "image_root": {(s, t) for s in MULTI - {"multi_files"} for t in ("cls", "gen")} | {("multi_files", "cls")},
+    "hf": {(s, t) for s in MULTI for t in ("cls", "gen")},  # read where a task's source is hf
 }
 # what an evaluation (python -m mtl.tools.evaluate) does not read of what training reads
 TRAINING_ONLY = {"data.train_path", "data.test_path", "data.num_classes", "data.synthetic.train_size",
@@ -139,7 +144,7 @@ TRAINING_ONLY = {"data.train_path", "data.test_path", "data.num_classes", "data.
 SECTIONS = {"task_options", "task_instances", "loss_scale", "data.per_task", "model.backbone.options",
             "model.architecture.options",
             "weighting.options", "bench"}  # mappings: driven by name, not by value (below)
-FILLER = {"str": "x", "int": 1, "float": 0.5, "bool": True}
+FILLER = {"str": "x", "int": 1, "float": 0.5, "bool": True, "Any": "x", "dict": {"path": "x"}}
 
 
 def schema_keys() -> list[str]:
@@ -210,10 +215,11 @@ def test_an_evaluation_does_not_read_what_only_training_reads(name, backbone_fil
 def test_every_key_of_a_task_s_data_section_is_driven_too(name, tmp_path):
     over = setup(name, "")
     section = json.loads(json.dumps(OmegaConf.to_container(load_config_collecting(TINY, over, []).data.per_task)))
-    sets = [f"data.per_task.{t}.{k}={json.dumps(section[t].get(k, FILLER[typ.split(' |')[0]]))}"
+    sets = [f"data.per_task.{t}.{k}={json.dumps(section[t].get(k, FILLER[typ.split(' |')[0].split('[')[0]]))}"
             for t in ("cls", "gen") for k, typ, *_ in config_keys(TaskDataConfig)]
     refused, errors = unread_named(tmp_path, [*over, *sets])
-    refused = {k for k in refused if k.startswith("data.per_task.")}
+    # a section's key (data.per_task.<task>.hf) is refused by the keys it holds (hf.path)
+    refused = {".".join(k.split(".")[:4]) for k in refused if k.startswith("data.per_task.")}
     expected = {f"data.per_task.{t}.{k}" for k, where in PER_TASK_NOT_READ.items() for s, t in where if s == name}
     assert refused == expected, (refused ^ expected, errors)
 

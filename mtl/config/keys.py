@@ -55,10 +55,28 @@ class AugmentConfig:
 
 
 @dataclass
+class HFConfig:
+    """``data.source: hf``: a Hugging Face ``datasets`` data set, memory-mapped, read by row (docs/data.md)."""
+
+    path: str | None = None  # a save_to_disk folder (a DatasetDict), or the folder of the files `builder` reads
+    builder: str | None = None  # null: path is a save_to_disk folder | parquet | arrow | json | csv | imagefolder
+    # the builder's files: a pattern, a list, or {split: pattern(s)}, relative to path; null: all of path's files
+    data_files: Any = None
+    train_split: str = "train"
+    val_split: str = "validation"
+    test_split: str | None = None  # a held-out test split, evaluated beside val (test_<metric>); null: none
+    image_column: str = "image"  # an Image feature, or bytes of image files
+    label_column: str | None = None  # an integer or ClassLabel column; null: "label" where the split has one
+    caption_column: str | None = None  # a string or a list of strings per row; null: "caption" or "captions" if any
+    verify: bool = True  # decode every image once before training (bad ones: data.on_error); false: trust the cells
+    cache_dir: str | None = None  # where a builder writes its Arrow files; null: datasets' own (HF_DATASETS_CACHE)
+
+
+@dataclass
 class TaskDataConfig:
     """One task's own data set in multi-input mode (``data.per_task.<task>``; docs/multi-input.md)."""
 
-    source: str = "synthetic"  # synthetic | manifest | imagefolder
+    source: str = "synthetic"  # synthetic | manifest | imagefolder | hf
     batch_size: int = 8  # PER PROCESS, in a step that holds this task (sampling.policy=mixed: data.batch_size)
     ratio: float = 1.0  # sampling.policy=weighted with sampling.weights=set: this task's share of the steps
     train_size: int = 512  # synthetic: this task's own images (a stream of its own: no image is another task's)
@@ -67,6 +85,7 @@ class TaskDataConfig:
     val_path: str | None = None
     image_root: str | None = None  # base for relative image paths; default: the manifest's folder
     on_error: str = "raise"  # raise | skip
+    hf: dict[str, Any] = field(default_factory=dict)  # source hf: this task's data set, the keys of data.hf
 
 
 @dataclass
@@ -94,7 +113,7 @@ class QM9Config:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9
+    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9 | hf
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
     eval_batch_size: int = 64
     num_workers: int = 0
@@ -106,6 +125,7 @@ class DataConfig:
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     qm9: QM9Config = field(default_factory=QM9Config)
+    hf: HFConfig = field(default_factory=HFConfig)  # source: hf (a Hugging Face datasets data set)
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
     val_path: str | None = None

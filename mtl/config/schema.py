@@ -37,6 +37,7 @@ from mtl.config.keys import (
     DataConfig,
     DDPConfig,
     DecoderConfig,
+    HFConfig,
     ModelConfig,
     NoOptions,
     OptimConfig,
@@ -80,7 +81,7 @@ from mtl.config.yaml_read import (
 
 __all__ = [
     "ArchitectureConfig", "AugmentConfig", "BackboneConfig", "CheckpointConfig", "Config", "DDPConfig", "DataConfig",
-    "DecoderConfig", "ModelConfig", "NoOptions", "OptimConfig", "ParallelConfig", "PlateauConfig", "QM9Config",
+    "DecoderConfig", "HFConfig", "ModelConfig", "NoOptions", "OptimConfig", "ParallelConfig", "PlateauConfig", "QM9Config",
     "SamplingConfig", "SyntheticConfig", "TaskDataConfig", "TokenizerConfig", "TrainerConfig", "WeightingConfig",
     "check_options", "config_keys", "keys_help", "multi_input", "options_of", "suggest_key", "task_data",
     "MOVED_KEYS", "config_from_data", "drop_moved_options", "interpolation_errors", "load_config",

@@ -132,6 +132,13 @@ def load_image(path: str, image_size: int, where: str = "", augment: Augment | N
         ) from None
     if problem is not None:
         raise UnusableImage(f"image {path!r}{where} {problem} — crop it to a less elongated shape, or leave it out")
+    return image_tensor(img, image_size, augment, key, transform)
+
+
+def image_tensor(img: Image.Image, image_size: int, augment: Augment | None = None, key: tuple[int, int] = (0, 0),
+                 transform: ModelTransform | None = None) -> torch.Tensor:
+    """An upright RGB picture as float (3, S, S) in [0, 1]: ``load_image``'s transform (and augmentation) of a picture
+    already opened (a file's, or a data set cell's bytes: mtl/data/hf_source.py)."""
     if transform is not None:
         return transform(_augmented(img, augment, key) if augment is not None and augment.active else img)
     if augment is not None and augment.active:

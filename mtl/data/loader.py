@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from mtl.data.hf_source import hf_datasets, hf_test
 from mtl.data.images import Augment, Normalized, prepare_images
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
 from mtl.data.packing import PackedCollate, unpacked
@@ -16,7 +17,7 @@ from mtl.data.qm9_source import batch_graphs, qm9_splits
 from mtl.data.synthetic import MIN_CLASSES, SyntheticShapes
 from mtl.errors import ConfigError, DataError
 
-SOURCES = ("synthetic", "manifest", "imagefolder", "qm9")
+SOURCES = ("synthetic", "manifest", "imagefolder", "qm9", "hf")
 
 
 def build_datasets(cfg) -> tuple[Dataset, Dataset]:
@@ -46,6 +47,10 @@ def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
         if not d.synthetic.test_size:
             return None
         test = _synthetic_split(cfg, d.synthetic.test_size, d.synthetic.test_seed_offset)
+    elif d.source == "hf":  # data.hf.test_split (mtl/data/hf_source.py)
+        test = hf_test(cfg, train)
+        if test is None:
+            return None
     elif not d.test_path:
         return None
     elif d.source == "manifest":
@@ -72,6 +77,8 @@ def _datasets(cfg) -> tuple[Dataset, Dataset]:
                                                                                           s.val_seed_offset)
     if d.source not in SOURCES:
         raise ConfigError(f"data.source={d.source!r}: must be one of {', '.join(SOURCES)}")
+    if d.source == "hf":  # a Hugging Face datasets data set (mtl/data/hf_source.py)
+        return hf_datasets(cfg)
     for key in ("train_path", "val_path"):
         if not getattr(d, key, None):
             raise ConfigError(
@@ -113,7 +120,7 @@ def all_captions(ds: Dataset) -> list[str]:
     """Every caption of ``ds`` (for training a tokenizer), without decoding images where possible."""
     if isinstance(ds, SyntheticShapes):
         return [ds.caption(i) for i in range(len(ds))]
-    if isinstance(ds, CaptionedImages):
+    if isinstance(ds, CaptionedImages) or hasattr(ds, "all_captions"):
         return ds.all_captions()
     if "captions" not in provided_fields(ds):  # QM9's molecules: none (the run's tokenizer then has no words)
         return []

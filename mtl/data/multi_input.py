@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from mtl.config.schema import TaskDataConfig, task_data
+from mtl.data.hf_source import hf_task_split
 from mtl.data.images import Augment, normalize_images, prepare_images
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset, read_caption_lines
 from mtl.data.synthetic import SyntheticShapes
@@ -38,7 +39,7 @@ from mtl.errors import DataError
 POLICIES = ("all", "round_robin", "weighted", "temperature", "mixed")
 # the policies whose steps leave whole tasks out (on every rank): a strategy must cope with unused heads
 ABSENT_POLICIES = ("round_robin", "weighted", "temperature")
-SOURCES = ("synthetic", "manifest", "imagefolder")
+SOURCES = ("synthetic", "manifest", "imagefolder", "hf")
 
 
 def seed_of(*parts) -> int:
@@ -115,7 +116,7 @@ def build_task_val_sets(cfg, task_types: dict[str, type], classes) -> dict[str, 
     for t, kind in task_types.items():
         key = f"data.per_task.{t}.val_path"
         d = task_data(cfg, t)
-        if d.source != "synthetic" and not d.val_path:
+        if d.source not in ("synthetic", "hf") and not d.val_path:
             raise DataError(f"{key}: task {t}'s validation set is not set; set it to the {d.source} to evaluate on")
         try:
             out[t] = task_split(cfg, t, kind, "val", classes)
@@ -134,6 +135,8 @@ def task_split(cfg, task: str, kind: type, split: str, train_split=None) -> Data
         ds = SyntheticShapes(size=d.train_size if split == "train" else d.val_size, image_size=cfg.data.image_size,
                              num_classes=s.num_classes, max_count=s.max_count, noise=s.noise, clutter=s.clutter,
                              seed=seed_of(cfg.seed, "synthetic", task, split))
+    elif d.source == "hf":  # the task's own HF data set, data.per_task.<task>.hf (mtl/data/hf_source.py)
+        ds = hf_task_split(cfg, task, split, train_split)
     else:
         ds = _user_split(cfg, d, d.train_path if split == "train" else d.val_path, split == "train",
                          "label" in kind.requires, train_split)

@@ -8,6 +8,7 @@ import math
 from types import SimpleNamespace
 
 from mtl.config.schema import load_config, multi_input, task_data
+from mtl.data.hf_source import hf_split
 from mtl.data.images import prepare_images
 from mtl.data.loader import build_datasets, verify_task_fields
 from mtl.data.manifest import ImageFolderCaptions, ManifestDataset
@@ -66,8 +67,12 @@ def eval_dataset(cfg, class_names: list[str]):
             raise ConfigError(f"data.synthetic.num_classes: {ds.num_classes} shape kinds, but the model knows "
                               f"{len(class_names)}; set it to {len(class_names)}")
         return ds
+    if d.source == "hf":  # data.hf.val_split, labelled with the model's classes
+        ds = hf_split(cfg, "val", train=SimpleNamespace(class_names=list(class_names)))
+        prepare_images(cfg, ds)  # the model's transform, and the eval loader normalises, as training did
+        return ds
     if d.source not in ("manifest", "imagefolder"):
-        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder, qm9")
+        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder, qm9, hf")
     if not d.val_path:
         raise ConfigError(f"data.val_path: set it to the {d.source} to evaluate on")
     if d.source == "manifest":

@@ -101,7 +101,7 @@ def _choices(errors, cfg) -> None:
     """The keys that name one of a fixed set of values (and data.augment's ranges), and the seed's range."""
     _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
-    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9"))
+    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9", "hf"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
     if normalize_problem(cfg.data.normalize):  # auto | none | imagenet | {mean: [...], std: [...]}
         errors.append(normalize_problem(cfg.data.normalize))
@@ -137,6 +137,16 @@ def tracker_errors(cfg) -> list[str]:
         errors.append(f"logging.trackers: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                       "installed; install the trackers extra (pip install -e '.[trackers]', or make install), or "
                       f"remove {', '.join(missing)} from logging.trackers")
+    return errors
+
+
+def hf_errors(cfg) -> list[str]:
+    """``data.source: hf``: its path set, and the datasets library installed (else one message naming the extra)."""
+    errors = [] if cfg.data.hf.path else ["data.hf.path: data.source=hf needs the data set's folder (a save_to_disk "
+                                          "folder, or the folder of the files data.hf.builder reads)"]
+    if not tracker_installed("datasets"):
+        errors.append("data.source: hf reads Hugging Face datasets, and the datasets library is not installed; install "
+                      "the data extra (pip install -e '.[data]', or make install)")
     return errors
 
 
@@ -186,6 +196,8 @@ def _size_errors(errors, cfg, backbone) -> None:
             errors.append(problem)
     elif cfg.data.source == "qm9":
         errors += qm9_errors(cfg, backbone)
+    elif cfg.data.source == "hf":
+        errors += hf_errors(cfg)
     elif cfg.data.train_path is None or cfg.data.val_path is None:
         errors.append(f"data.train_path / data.val_path: data.source={cfg.data.source} needs both paths")
     if not 0.0 <= cfg.model.decoder.dropout < 1.0:

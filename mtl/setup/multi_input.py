@@ -82,7 +82,7 @@ def check(cfg, strategy, method, methods: dict[str, type] | None = None) -> list
                           f"rows in a step that holds {t}, more than the task's train_size ({d.train_size}); such a "
                           f"step could not be filled. Set {key}.batch_size <= {max(1, d.train_size // world)} or raise "
                           f"{key}.train_size")
-        if d.source != "synthetic" and (not d.train_path or not d.val_path):
+        if d.source not in ("synthetic", "hf") and (not d.train_path or not d.val_path):
             errors.append(f"{key}: source={d.source} needs train_path and val_path")
     cfg.data.per_task = filled
     if sp.policy not in POLICIES:
