@@ -29,23 +29,13 @@ from mtl.parallel.fsdp import ENGINES
 from mtl.parallel.fsdp import check as fsdp_check
 from mtl.parallel.fsdp import check_method as fsdp_method_check
 from mtl.setup.build import run_method_types
+from mtl.setup.choices import _choice, did_you_mean
+from mtl.setup.metric_checks import plateau_errors, watched_metric_errors
 from mtl.setup.multi_input import check as multi_input_check
 from mtl.setup.reads import run_shape
 from mtl.strategies import strategy_types
 from mtl.tasks import config_task_types, instance_types, task_kinds, task_types
 from mtl.weighting import weighting_types
-
-
-def _choice(errors, key, value, allowed):
-    if value not in allowed:
-        errors.append(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}{did_you_mean(value, allowed)}")
-
-
-def did_you_mean(value, allowed) -> str:
-    """`` — did you mean 'x'?`` for the allowed value nearest a mistyped one, or ""."""
-    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
-    return f" — did you mean {close[0]!r}?" if close else ""
-
 
 SEED_RANGE = (0, 2**32 - 1)  # numpy's seed (np.random.seed, mtl/setup/build.py) takes exactly these
 
@@ -284,67 +274,6 @@ def _loss_scale(errors, cfg, tasks) -> None:
             errors.append(f"loss_scale.{t}: {t!r} is not a task (known: {', '.join(tasks)})")
         elif not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
             errors.append(f"loss_scale.{t}: must be a number > 0, the factor on {t}'s training loss (got {v!r})")
-
-
-def plateau_errors(cfg, tasks: dict) -> list[str]:
-    """optim.scheduler=plateau: a baseline > 0 for every metric of the run's tasks (its Δm needs them), no other
-    key, and the scheduler's own ranges."""
-    p = cfg.optim.plateau
-    if cfg.optim.scheduler != "plateau":
-        return [] if not p.baselines else ["optim.plateau.baselines: read only by optim.scheduler=plateau (the rate "
-                                           f"on the validation Δm), and optim.scheduler={cfg.optim.scheduler}; set "
-                                           "optim.scheduler=plateau or remove the baselines"]
-    errors = []
-    if not 0 < p.factor < 1:
-        errors.append(f"optim.plateau.factor: must be in (0, 1), the factor on the rate (got {p.factor})")
-    if p.patience < 0 or p.min_lr < 0:
-        errors.append(f"optim.plateau.patience / min_lr: must be >= 0 (got {p.patience}, {p.min_lr})")
-    if cfg.optim.warmup_steps:
-        errors.append(f"optim.warmup_steps={cfg.optim.warmup_steps}: optim.scheduler=plateau has no warmup; set 0")
-    keys = [k for t in cfg.tasks if t in tasks for k, _ in tasks[t].metric_keys()]
-    for key in keys:
-        value = p.baselines.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-            errors.append(f"optim.plateau.baselines.{key}: needs the single-task value of {key} (> 0) for the Δm the "
-                          f"rate follows (got {value!r}); give one for each of {', '.join(keys)}")
-    for key in p.baselines:
-        if key not in keys:
-            close = difflib.get_close_matches(str(key), keys, n=1, cutoff=0.6)
-            errors.append(f"optim.plateau.baselines.{key}: not a metric of the run's tasks"
-                          + (f" — did you mean {close[0]!r}?" if close else "") + f" (they are: {', '.join(keys)})")
-    return errors
-
-
-def logged_metrics(cfg, tasks: dict) -> list[str]:
-    """The evaluation metrics a run logs that a best checkpoint or early stopping can watch: each task's declared
-    metrics, its other watchable numbers (``Task.watchable``: the caption task's exact and ppl) and its loss
-    (``<task>_<metric>``), the test split's (``test_<task>_<metric>``) when there is one, and the validation Δm
-    (``plateau_delta_m``) under optim.scheduler=plateau."""
-    keys = [f"{t}_{m}" for t in cfg.tasks if t in tasks
-            for m in dict.fromkeys([*tasks[t].metrics, *tasks[t].watchable, "loss"])]
-    d = cfg.data
-    test = (d.qm9.test_size if d.source == "qm9" else d.synthetic.test_size if d.source == "synthetic"
-            else d.test_path) if not d.get("per_task") else None
-    return keys + ([f"test_{k}" for k in keys] if test else []) + (
-        ["plateau_delta_m"] if cfg.optim.scheduler == "plateau" else [])
-
-
-def watched_metric_errors(cfg, tasks: dict) -> list[str]:
-    """checkpoint.best_metric and trainer.early_stopping: a metric the run logs, a mode, and their ranges."""
-    errors, es = [], cfg.trainer.early_stopping
-    logged = logged_metrics(cfg, tasks)
-    for key, metric, mode in (("checkpoint.best_metric", cfg.checkpoint.best_metric, "checkpoint.best_mode"),
-                              ("trainer.early_stopping.metric", es.metric, "trainer.early_stopping.mode")):
-        if metric is None:
-            continue
-        if metric not in logged and all(t in tasks for t in cfg.tasks):
-            errors.append(f"{key}: {metric!r} is not a metric this run logs{did_you_mean(metric, logged)} (it logs: "
-                          f"{', '.join(logged)})")
-        _choice(errors, mode, OmegaConf.select(cfg, mode), ("max", "min"))
-    if es.metric is not None and (es.patience < 1 or es.min_delta < 0):
-        errors.append(f"trainer.early_stopping.patience / min_delta: patience must be >= 1 and min_delta >= 0 (got "
-                      f"{es.patience}, {es.min_delta})")
-    return errors
 
 
 def qm9_errors(cfg, backbone) -> list[str]:
