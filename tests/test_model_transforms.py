@@ -216,3 +216,29 @@ def test_explicit_statistics_through_the_config_and_a_bad_one_named_before_the_r
     with pytest.raises(ConfigError) as e:
         load_run_config(TINY, ["data.normalize={mean:[0.1,0.2,0.3],sd:[0.4,0.5,0.6]}"], announce=False)
     assert [m for m in e.value.errors if m.startswith("data.normalize: ")] == e.value.errors[:1]
+
+
+def test_an_hf_data_set_s_cells_go_through_the_model_s_own_transform(tmp_path, images):
+    """data.source=hf: an image cell (PNG bytes, non-square) reaches the model through the same transform as an image
+    file, DINOv2's resize-then-crop and bicubic resampling, normalised with the processor's statistics."""
+    from types import SimpleNamespace
+
+    import datasets
+    from transformers import AutoImageProcessor
+
+    from mtl.data.hf_source import hf_split
+
+    folder = _hf_folder("dinov2", str(tmp_path / "dinov2"))
+    cells = [{"bytes": open(p, "rb").read(), "path": None} for p in images]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+    split = datasets.Dataset.from_dict({"image": cells, "label": [0] * len(cells)}, features=features)
+    datasets.DatasetDict(validation=split).save_to_disk(str(tmp_path / "hf"))
+    cfg = _cfg("hf_vision", pretrained=folder)
+    cfg.seed, cfg.data.on_error, cfg.data.num_classes = 0, "raise", None
+    cfg.data.hf = {"path": str(tmp_path / "hf")}
+    ds = hf_split(cfg, "val", train=SimpleNamespace(class_names=["a"]))
+    prepare_images(cfg, ds)
+    ours = normalize_images(torch.stack([ds[i]["image"] for i in range(len(ds))]), ds.normalization)
+    pil = [Image.open(p).convert("RGB") for p in images]
+    theirs = AutoImageProcessor.from_pretrained(folder)(images=pil, return_tensors="pt")["pixel_values"]
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
