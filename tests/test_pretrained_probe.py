@@ -63,6 +63,34 @@ def test_freeze_makes_a_linear_probe_and_freeze_blocks_all_leaves_the_final_norm
         t.close()
 
 
+@pytest.mark.slow  # two start-ups and a step: not in the fast tier
+def test_a_probe_on_a_batchnorm_backbone_needs_frozen_statistics(tmp_path):
+    """freeze: true on a BatchNorm backbone (resnet18, norm=batch) is refused in one line naming norm=frozen: training
+    mode would go on updating the running statistics under the probe. With norm=frozen nothing of the backbone moves,
+    its statistics included."""
+    from mtl.run.trainer import Trainer
+
+    from .conftest import TINY
+
+    small = ["trainer.max_steps=1", "trainer.eval_every=100", "trainer.num_samples=0", "model.backbone.freeze=true"]
+    with pytest.raises(ConfigError, match=r"BatchNorm layer\(s\).*set model.backbone.norm=frozen"):
+        Trainer.from_config(TINY, [*small, "model.backbone.norm=batch", f"output_dir={tmp_path / 'batch'}"])
+    assert not (tmp_path / "batch").exists()
+    import torchvision
+
+    weights = tmp_path / "resnet18.pth"  # frozen statistics are a pretrained network's: a weights file of its own
+    torch.save(torchvision.models.resnet18().state_dict(), weights)
+    t = Trainer.from_config(TINY, [*small, "model.backbone.norm=frozen", f"model.backbone.weights={weights}",
+                                   f"output_dir={tmp_path / 'frozen'}"])
+    try:
+        before = {k: v.clone() for k, v in t.parts.bare.state_dict().items() if k.startswith("backbone.")}
+        t.step_once()
+        after = t.parts.bare.state_dict()
+        assert any("running_mean" in k for k in before) and all(torch.equal(v, after[k]) for k, v in before.items())
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize("extra, says", [
     (["model.backbone.freeze_blocks=1"], "model.backbone.freeze_blocks: 1 with model.backbone.freeze: true"),
     (["model.architecture.name=cross_stitch", "model.backbone.name=resnet18", "model.backbone.pretrained=null"],

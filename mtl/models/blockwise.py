@@ -96,6 +96,13 @@ def freeze_backbone(model: nn.Module) -> list[str]:
     training); the architecture's own modules (an MMoE's gates and experts) and the heads train. Returns the frozen
     parameters' names (from the trunk)."""
     inner = getattr(model.backbone, "backbone", model.backbone)  # the Backbone inside an architecture's trunk
+    tracking = [name for name, m in inner.named_modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if tracking:  # in training mode they would go on updating their running statistics: the probe's features drift
+        raise ConfigError(f"model.backbone.freeze: true, but the backbone has {len(tracking)} BatchNorm layer(s) "
+                          f"({tracking[0]}, ...) whose running statistics training would still update, so the features "
+                          "under the probe would drift; set model.backbone.norm=frozen (the pretrained statistics, "
+                          "fixed) too")
     mine = {id(p) for p in inner.parameters()}
     frozen = [(name, p) for name, p in model.backbone.named_parameters() if id(p) in mine]
     for _, p in frozen:
