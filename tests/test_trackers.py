@@ -210,6 +210,7 @@ def _cfg(out, *overrides):
     return load_run_config(TINY, [f"output_dir={out}", *overrides], announce=False)
 
 
+@pytest.mark.slow  # wandb and mlflow start-ups (25 s on a loaded machine): not in the fast tier
 def test_only_rank_0_writes_to_the_trackers(tmp_path, monkeypatch):
     """The logger of another rank (enabled=False, as the Trainer makes it where dist.is_main is False) opens no tracker
     and writes nothing; rank 0's, with the same config, writes every tracker."""
