@@ -274,7 +274,9 @@ def _trained_steps(seeds: dict) -> int:
 
 def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
     """For each regime after the first and each method in both: its delta-m there minus its delta-m in the first
-    regime, seed by seed (the paired t-test): did the regime change what the method reaches? Where the method's runs
+    regime, seed by seed (the paired t-test): did the regime change what the method reaches? Only the seeds finished
+    in both regimes count, in the test and in the two Δm beside it (``seeds``: those seeds where the two regimes'
+    finished seeds differ, else None), so the change is the difference of the two Δm shown. Where the method's runs
     trained a different number of steps in the two regimes (e.g. a short regime read for its cost only), the
     difference measures the training length, not the regime: it is given without a test or a mark (``untested``:
     the two lengths) and does not count in Holm's m."""
@@ -289,19 +291,21 @@ def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
             if r["level"] == "single-task" or r["method"] not in ref:
                 continue
             a, b = ref[r["method"]]["_seeds"], r["_seeds"]
-            diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in b if s in a]
+            both = [s for s in b if s in a]  # the seeds finished in both regimes: every number below reads these
+            diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in both]
+            nan = float("nan")
+            entry = {"regime": name, "reference": names[0], "method": r["method"],
+                     "delta_m_ref": statistics.mean(a[s]["delta_m"] for s in both) if both else nan,
+                     "delta_m": statistics.mean(b[s]["delta_m"] for s in both) if both else nan,
+                     "seeds": both if set(both) != set(a) | set(b) else None}  # None: the same seeds in both
             lengths = (_trained_steps(a), _trained_steps(b))
             if lengths[0] != lengths[1]:  # a change of training length, not of the regime: no test, no mark
-                nan = float("nan")
-                out.append({"regime": name, "reference": names[0], "method": r["method"],
-                            "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"],
-                            "change": statistics.mean(diffs) if diffs else nan, "change_lo": nan, "change_hi": nan,
-                            "change_p": nan, "_diffs": [], "untested": lengths})
+                out.append({**entry, "change": statistics.mean(diffs) if diffs else nan, "change_lo": nan,
+                            "change_hi": nan, "change_p": nan, "_diffs": [], "untested": lengths})
                 continue
             t = paired_test(diffs, alpha, bench_options(cfg).test)
-            out.append({"regime": name, "reference": names[0], "method": r["method"],
-                        "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": t["mean"],
-                        "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"], "_diffs": diffs})
+            out.append({**entry, "change": t["mean"], "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"],
+                        "_diffs": diffs})
     for name in names[1:]:  # Holm across the methods of each regime's comparison
         adjust([e for e in out if e["regime"] == name], "change", alpha)
     return out

@@ -215,7 +215,8 @@ def effects_table(cfg, effects: list[dict]) -> str:
     if not effects:
         return ""
     tested = [e for e in effects if not e.get("untested")]
-    what = "Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds"
+    what = ("Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds: both Δm columns "
+            "are means over the seeds finished in both regimes (named where some finished in one only)")
     sentence = test_sentence(cfg, tested, what) if tested else what + "."
     if len(tested) < len(effects):
         sentence += (" Not tested where the method's runs trained a different number of steps in the two regimes: "
@@ -229,8 +230,10 @@ def effects_table(cfg, effects: list[dict]) -> str:
                       else f"not tested: {steps} steps against {ref_steps}")
         else:
             change = _interval(e["change"], e["change_lo"], e["change_hi"], e["change_sig"], e["change_p_holm"])
-        lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}` | {e['delta_m_ref']:.2f} "
-                     f"| {e['delta_m']:.2f} | {change} |")
+        only = ("" if e.get("seeds") is None else f" (seeds {', '.join(map(str, e['seeds']))}: those finished in both)"
+                if e["seeds"] else " (no seed finished in both)")
+        lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}`{only} | {_pm(e['delta_m_ref'], float('nan'), 2)} "
+                     f"| {_pm(e['delta_m'], float('nan'), 2)} | {change} |")
     return "\n".join(lines)
 
 
