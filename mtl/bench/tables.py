@@ -124,11 +124,11 @@ def convergence_lines(cfg, regime: str, rows: list[dict], base: dict, keys: list
              + (f" (steps {', '.join(map(str, steps))})" if steps else "") + " (its least-squares slope times the "
              f"window's span; mean ± 95% t-interval over seeds{'; in % of the single-task baseline' if b.plateau_relative else ''}"
              "; negative: falling). Each metric's verdict, from the one-sided 95% t bounds over seeds of its "
-             f"improvement over the window: **converged** where the upper bound is below {tol} (shown to improve by "
-             f"less than {tol}), **improving** where the lower bound is above {tol}, **undetermined** where neither "
-             "(these seeds and this noise cannot tell: not converged). A run converged when all its metrics did, is "
-             "improving when any metric is, undetermined otherwise. The selected evaluation's step is the median over "
-             "seeds.", "", verdict_counts(shown), "",
+             "improvement over the window (the change, negated where lower is better): **converged** where the upper "
+             f"bound is below {tol} (shown to improve by less than {tol}), **improving** where the lower bound is "
+             f"above {tol}, **undetermined** where neither (these seeds and this noise cannot tell: not converged). "
+             "A run converged when all its metrics did, is improving when any metric is, undetermined otherwise. The "
+             "selected evaluation's step is the median over seeds.", "", verdict_counts(shown), "",
              "| run | steps | selected step | " + " | ".join(f"{k} change{unit} over the window" for k in keys)
              + " | verdict |", "|---|---|---|" + "---|" * len(keys) + "---|"]
     for r in shown:
