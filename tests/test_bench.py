@@ -315,11 +315,11 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     assert abs(rows["uw"]["vs_equal"] + 0.1 / 0.8 * 100 / 2) < 1e-6 and rows["uw"]["vs_equal_p_holm"] < 0.05
     assert rows["dwa"]["vs_equal_sig"] == 0  # better on some seeds, worse on others
     assert rows["dwa"]["selected_step"] == 600  # still rising: its best validation evaluation is the last
-    assert rows["equal"]["plateau"] and rows["uw"]["plateau"] and not rows["dwa"]["plateau"]
+    assert rows["equal"]["plateau"] == rows["uw"]["plateau"] == "converged" and rows["dwa"]["plateau"] == "improving"
     assert rows["dwa"]["moving"] == ["cls_acc"] and abs(rows["dwa"]["cls_acc_slope"] - 0.1 / 6) < 1e-3
     assert rows["equal"]["peak_mem_mb"] == 420.0 and rows["uw"]["mem_vs_equal"] == 520.0 / 420.0
     assert rows["uw"]["time_vs_equal"] == 2.0
-    assert rows["single_cls"]["level"] == "single-task" and rows["single_cls"]["plateau"]  # its own metric only
+    assert rows["single_cls"]["level"] == "single-task" and rows["single_cls"]["plateau"] == "converged"  # its own metric only
     assert rows["single_cls"]["gen_bleu4"] != rows["single_cls"]["gen_bleu4"]
     text = write_results(cfg, per_regime, {"regimes": {k: v[0] for k, v in loaded.items()}})
     assert "Expected (stated before the run): equal loses cls" in text
@@ -329,7 +329,9 @@ def test_the_table_from_known_runs(tmp_path, monkeypatch):
     assert "▲" not in line["`dwa`"] and "▼" not in line["`dwa`"]
     assert "420 (1.00x)" in line["`equal`"] and "520 (1.24x)" in line["`uw`"]
     assert "n/a" not in line["`uw`"]
-    assert "| `single_cls` | 600 | 600 |" in text and "no: cls_acc" in text
+    assert "| `single_cls` | 600 | 600 |" in text and "| improving: cls_acc |" in natural
+    assert ("Verdicts: 5 methods and baselines (each over its seeds), 4 converged, 1 improving, 0 undetermined; "
+            "12 metrics, 11 converged, 1 improving, 0 undetermined.") in natural
     assert "Detectable here (80% power" in natural and "Runs: not recorded (no bench_run.json)." in natural
     assert "read on the same validation split it was chosen on" in natural and "last 3 evaluations (steps 400, 500, 600)" in natural
     header = next(ln for ln in natural.splitlines() if ln.startswith("| method |"))

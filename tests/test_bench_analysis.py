@@ -3,6 +3,7 @@ test split (which the trainer evaluates beside validation), Δm's sign, the benc
 
 import json
 import os
+import statistics
 import subprocess
 
 import pytest
@@ -207,3 +208,30 @@ def test_between_regimes_marks_only_runs_of_the_same_length():
     assert "+140.20 (not tested" in cost[0], cost[0]
     assert "▲" in scaled[0], text  # the same length: tested, and equal's +30 on every seed is marked
     assert "across the 2 comparisons" in text, text  # Holm's m: the tested rows only
+
+
+def test_between_regimes_reads_only_the_seeds_finished_in_both():
+    """A run that failed in one regime (seed 2 of `scaled`) leaves its seed out of the comparison, the test and both
+    Δm printed beside the change, so the change is their difference (issue 44, 6); the seeds are named. A method
+    finished on the same seeds in both gets no note."""
+    from omegaconf import OmegaConf
+
+    from mtl.bench.results import regime_effects
+    from mtl.bench.tables import effects_table
+
+    def row(method, values):
+        seeds = {s: {"delta_m": v, "steps": 100} for s, v in values.items()}
+        return {"method": method, "level": "loss", "delta_m": statistics.mean(values.values()), "_seeds": seeds}
+
+    rows = {"natural": [row("equal", {0: 30.0, 1: 32.0, 2: 60.0}), row("uw", {0: 30.0, 1: 31.0, 2: 32.0})],
+            "scaled": [row("equal", {0: 31.0, 1: 33.5}), row("uw", {0: 31.0, 1: 32.0, 2: 33.0})]}
+    cfg = OmegaConf.create({"bench": {"alpha": 0.05}})
+    effects = {e["method"]: e for e in regime_effects(cfg, rows)}
+    eq = effects["equal"]
+    assert (eq["delta_m_ref"], eq["delta_m"], eq["change"]) == (31.0, 32.25, 1.25)  # formerly 40.67 beside 1.25
+    assert eq["seeds"] == [0, 1]
+    assert effects["uw"]["seeds"] is None and effects["uw"]["delta_m_ref"] == 31.0
+    text = effects_table(cfg, list(effects.values()))
+    line = next(ln for ln in text.splitlines() if "`equal`" in ln)
+    assert "`equal` (seeds 0, 1: those finished in both) | 31.00 | 32.25 | +1.25" in line, line
+    assert "| `uw` | 31.00 | 32.00 | +1.00 [" in text, text

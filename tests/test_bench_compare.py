@@ -254,8 +254,8 @@ def test_the_plateau_rule_reads_the_change_over_the_window_in_the_metrics_units_
         tmp_path, relative, tol, converged):
     """equal's count_acc still rises 0.003 per 100 steps, 0.006 over the window of 3 evaluations 100 steps apart:
     more than an absolute 0.005, less than 0.007; in % of its single-task baseline (0.6) 1.0 % over the window, so
-    bench.plateau_relative with 0.8 % calls it still improving and with 1.2 % converged (the seeds agree exactly:
-    the lower bound is the mean)."""
+    bench.plateau_relative with 0.8 % calls it improving and with 1.2 % converged (the seeds agree exactly: both
+    bounds are the mean)."""
     from mtl.bench.regimes import plan, regime_configs
     from mtl.bench.results import summarize
     from mtl.bench.tables import write_results
@@ -278,8 +278,37 @@ def test_the_plateau_rule_reads_the_change_over_the_window_in_the_metrics_units_
     eq = next(r for r in rows if r["method"] == "equal")
     assert eq["count_acc_slope"] == pytest.approx(0.5 if relative else 0.003)
     assert eq["count_acc_window"] == pytest.approx(1.0 if relative else 0.006)
-    assert eq["plateau"] is converged and eq["moving"] == ([] if converged else ["count_acc"])
-    assert all(r["plateau"] for r in rows if r["method"].startswith("single_"))  # flat: converged on either scale
+    assert eq["plateau"] == ("converged" if converged else "improving")
+    assert eq["moving"] == ([] if converged else ["count_acc"])
+    assert all(r["plateau"] == "converged" for r in rows if r["method"].startswith("single_"))  # flat, either scale
     text = write_results(cfg, {"natural": (rcfg, rows, base)}, {"regimes": {"natural": spec}})
     assert ("in % of the single-task baseline" in text) is relative
     assert ("count_acc change % over the window" in text) is relative
+
+
+def test_an_undetermined_metric_is_never_read_as_converged_and_the_verdicts_are_counted():
+    """``results.converged`` on per-seed windows: a metric whose seeds disagree widely (mean improvement 9, the
+    former rule's "converged") is undetermined, and so is its run; one improving metric makes the run improving; the
+    table's cell names both kinds and the line above it counts rows and metrics."""
+    from mtl.bench.results import converged
+    from mtl.bench.tables import verdict_cell, verdict_counts
+
+    specs = [("a", "t", False), ("b", "t", False)]  # two error metrics (lower is better): a fall is an improvement
+    row = {"a": 1.0, "b": 1.0}
+    wide = {s: {"a_window": -w, "b_window": -0.1} for s, w in enumerate((1.0, 25.0, 1.0))}  # a: mean 9, sd 13.9
+    steady = {s: {"a_window": -20.0 - s, "b_window": -0.1} for s in range(3)}  # a: 20-22 on every seed
+    flat = {s: {"a_window": -0.1 * s, "b_window": 0.0} for s in range(3)}
+    rows = []
+    for seeds, want, per in ((wide, "undetermined", {"a": "undetermined", "b": "converged"}),
+                             (steady, "improving", {"a": "improving", "b": "converged"}),
+                             (flat, "converged", {"a": "converged", "b": "converged"})):
+        verdict, per_metric = converged(row, seeds, specs, 5.0)
+        assert (verdict, per_metric) == (want, per)
+        rows.append({"plateau": verdict, "verdicts": per_metric})
+    assert converged(row, {0: wide[0]}, specs, 5.0) == (None, {})  # one seed decides nothing
+    assert [verdict_cell(r) for r in rows] == ["undetermined: a", "improving: a", "converged"]
+    rows.append({"plateau": None, "verdicts": {}})
+    assert verdict_cell(rows[-1]) == "not decided (one seed or one evaluation)"
+    assert verdict_counts(rows) == ("Verdicts: 4 methods and baselines (each over its seeds), 1 converged, "
+                                    "1 improving, 1 undetermined, 1 not decided; 6 metrics, 4 converged, "
+                                    "1 improving, 1 undetermined.")

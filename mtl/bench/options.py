@@ -80,8 +80,8 @@ class BenchOptions:
     threads: int = 0  # OMP_NUM_THREADS of each run's processes; 0: the CPU count / (parallel x nproc), at least 1
     baselines: bool = True  # also train the single-task runs that delta-m needs (one per task of the config)
     last_k: int = 3  # the convergence window: each metric's change over the last k evaluations (fitted line)
-    # a metric is still improving (not converged) when the one-sided 95% lower bound over seeds of its improvement
-    # over the window exceeds this (an improvement smaller than this, or one not shown, counts as converged)
+    # over the window, against the one-sided 95% t bounds over seeds of a metric's improvement: converged when the
+    # upper bound is below this, improving when the lower bound is above it, undetermined otherwise (not converged)
     plateau_tol: float = 0.005
     # false: the change in the metric's own units; true: in % of the metric's single-task baseline (the scale Δm
     # reads it on), for metrics in units such as meV where one absolute tolerance cannot fit every task

@@ -18,6 +18,7 @@ from mtl.bench.options import bench_options
 from mtl.bench.record import read_record
 from mtl.bench.regimes import heldout_for, strategy_for
 from mtl.bench.stats import (
+    convergence_verdict,
     holm,
     mark,
     mean_ci,
@@ -25,7 +26,6 @@ from mtl.bench.stats import (
     paired_test,
     pooled_sd,
     slope_per_100,
-    still_improving,
     window_change,
 )
 from mtl.checkpoint.folder import list_checkpoints
@@ -202,7 +202,8 @@ def method_row(cfg, rcfg, label: str, seeds: dict, eq: dict, runs: list[dict]) -
         row[key], row[key + "_ci"] = mean_ci(d.get(key) for d in ok.values())
         row[key + "_slope"], row[key + "_slope_ci"] = mean_ci(d.get(key + "_slope") for d in ok.values())
         row[key + "_window"], row[key + "_window_ci"] = mean_ci(d.get(key + "_window") for d in ok.values())
-    row["plateau"], row["moving"] = converged(row, ok, specs, b.plateau_tol)
+    row["plateau"], row["verdicts"] = converged(row, ok, specs, b.plateau_tol)
+    row["moving"] = [k for k, v in row["verdicts"].items() if v == "improving"]
     row["delta_m"], row["delta_m_ci"] = mean_ci(d.get("delta_m") for d in ok.values())
     row["delta_m_ref"], row["delta_m_ref_ci"] = mean_ci(d.get("delta_m_ref") for d in ok.values())
     row["selected_step"] = statistics.median(d["selected_step"] for d in ok.values() if "selected_step" in d) \
@@ -228,19 +229,20 @@ def method_row(cfg, rcfg, label: str, seeds: dict, eq: dict, runs: list[dict]) -
     return row
 
 
-def converged(row: dict, seeds: dict, specs: list, tol: float) -> tuple[bool | None, list[str]]:
-    """(converged, the metrics still improving): a metric is still improving when its per-seed improvements over
-    the window (``<key>_window`` with the sign that makes an improvement positive) show a mean improvement above
-    ``tol`` at one-sided 95% (``stats.still_improving``); converged otherwise ("not shown to improve by more than
-    tol"). None: not decided (fewer than two seeds, or fewer than two evaluations). Metrics the row does not have (a
-    baseline's other task) do not count."""
+def converged(row: dict, seeds: dict, specs: list, tol: float) -> tuple[str | None, dict[str, str]]:
+    """(the row's verdict, each metric's): per metric ``stats.convergence_verdict`` of its per-seed improvements over
+    the window (``<key>_window`` with the sign that makes an improvement positive) against ``tol``: "converged",
+    "improving" or "undetermined". The row is "converged" when every metric is, "improving" when any metric is,
+    "undetermined" otherwise (never read as converged). None: not decided (fewer than two seeds, or fewer than two
+    evaluations). Metrics the row does not have (a baseline's other task) do not count."""
     have = [(k, higher) for k, _, higher in specs if row[k] == row[k]]
-    verdicts = {k: still_improving([(1 if higher else -1) * d[k + "_window"] for d in seeds.values()
-                                    if d.get(k + "_window") is not None], tol) for k, higher in have}
-    if not have or any(v is None for v in verdicts.values()):
-        return None, []
-    moving = [k for k, v in verdicts.items() if v]
-    return not moving, moving
+    per_metric = {k: convergence_verdict([(1 if higher else -1) * d[k + "_window"] for d in seeds.values()
+                                          if d.get(k + "_window") is not None], tol) for k, higher in have}
+    if not have or any(v is None for v in per_metric.values()):
+        return None, {}
+    found = set(per_metric.values())
+    return ("improving" if "improving" in found else "converged" if found == {"converged"} else "undetermined",
+            per_metric)
 
 
 def adjust(rows: list[dict], key: str, alpha: float) -> None:
@@ -272,7 +274,9 @@ def _trained_steps(seeds: dict) -> int:
 
 def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
     """For each regime after the first and each method in both: its delta-m there minus its delta-m in the first
-    regime, seed by seed (the paired t-test): did the regime change what the method reaches? Where the method's runs
+    regime, seed by seed (the paired t-test): did the regime change what the method reaches? Only the seeds finished
+    in both regimes count, in the test and in the two Δm beside it (``seeds``: those seeds where the two regimes'
+    finished seeds differ, else None), so the change is the difference of the two Δm shown. Where the method's runs
     trained a different number of steps in the two regimes (e.g. a short regime read for its cost only), the
     difference measures the training length, not the regime: it is given without a test or a mark (``untested``:
     the two lengths) and does not count in Holm's m."""
@@ -287,19 +291,21 @@ def regime_effects(cfg, all_rows: dict[str, list]) -> list[dict]:
             if r["level"] == "single-task" or r["method"] not in ref:
                 continue
             a, b = ref[r["method"]]["_seeds"], r["_seeds"]
-            diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in b if s in a]
+            both = [s for s in b if s in a]  # the seeds finished in both regimes: every number below reads these
+            diffs = [b[s]["delta_m"] - a[s]["delta_m"] for s in both]
+            nan = float("nan")
+            entry = {"regime": name, "reference": names[0], "method": r["method"],
+                     "delta_m_ref": statistics.mean(a[s]["delta_m"] for s in both) if both else nan,
+                     "delta_m": statistics.mean(b[s]["delta_m"] for s in both) if both else nan,
+                     "seeds": both if set(both) != set(a) | set(b) else None}  # None: the same seeds in both
             lengths = (_trained_steps(a), _trained_steps(b))
             if lengths[0] != lengths[1]:  # a change of training length, not of the regime: no test, no mark
-                nan = float("nan")
-                out.append({"regime": name, "reference": names[0], "method": r["method"],
-                            "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"],
-                            "change": statistics.mean(diffs) if diffs else nan, "change_lo": nan, "change_hi": nan,
-                            "change_p": nan, "_diffs": [], "untested": lengths})
+                out.append({**entry, "change": statistics.mean(diffs) if diffs else nan, "change_lo": nan,
+                            "change_hi": nan, "change_p": nan, "_diffs": [], "untested": lengths})
                 continue
             t = paired_test(diffs, alpha, bench_options(cfg).test)
-            out.append({"regime": name, "reference": names[0], "method": r["method"],
-                        "delta_m_ref": ref[r["method"]]["delta_m"], "delta_m": r["delta_m"], "change": t["mean"],
-                        "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"], "_diffs": diffs})
+            out.append({**entry, "change": t["mean"], "change_lo": t["lo"], "change_hi": t["hi"], "change_p": t["p"],
+                        "_diffs": diffs})
     for name in names[1:]:  # Holm across the methods of each regime's comparison
         adjust([e for e in out if e["regime"] == name], "change", alpha)
     return out

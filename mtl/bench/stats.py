@@ -18,9 +18,13 @@ The design of a table (``power_holm``, ``seeds_needed``): the power of each of m
 strictest level alpha / m, a lower bound of its power under Holm's step-down (a comparison tested later in the
 order gets a larger level).
 
-Convergence (``still_improving``): per run the change of a metric over its last evaluations (the least-squares
-slope times the window's span), and over seeds a one-sided test: a metric is still improving when the 95% lower
-bound of its mean improvement over the window exceeds a tolerance. The seeds' spread carries the evaluation noise.
+Convergence (``convergence_verdict``): per run the change of a metric over its last evaluations (the least-squares
+slope times the window's span), and over seeds two one-sided t bounds of the mean improvement over the window
+(``window_bounds``), each at 95%: **improving** when the lower bound exceeds a tolerance, **converged** when the
+upper bound is below it (a one-sided test of "the improvement is at least the tolerance", as in the two one-sided
+tests of equivalence), **undetermined** when neither (too few seeds or too much noise to say). The seeds' spread
+carries the evaluation noise. Each error is at most 5%: an improvement of at least the tolerance is called converged
+at most 5% of the time, none called improving at most 5% (tests/test_bench_stats.py simulates both).
 
 Pure functions of lists of floats (no torch, no files), tested on known inputs and by simulation.
 """
@@ -29,11 +33,13 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 
 import numpy as np
 from scipy import optimize, stats
 
 TESTS = ("t", "signflip")  # bench.test: the paired t-test, or the exact sign-flip permutation test
+VERDICTS = ("converged", "improving", "undetermined")  # the convergence verdicts (``convergence_verdict``)
 
 
 def _finite(values) -> list[float]:
@@ -183,17 +189,36 @@ def window_change(points, last_k: int) -> tuple[float, int]:
     return slope_per_100(pts, last_k) * span / 100, span
 
 
-def still_improving(improvements, tol: float, level: float = 0.95) -> bool | None:
-    """Whether a metric is still improving at the end of its runs: the per-seed improvements over the window
-    (``window_change`` with the sign that makes an improvement positive) show a mean improvement above ``tol``
-    at one-sided level ``level`` (the t lower bound over seeds exceeds ``tol``). The seeds' spread carries the
-    evaluation noise, so a noisy flat curve is not called improving, and a clear fall is. None with fewer than two
-    seeds. A spread of 0: the mean against ``tol``."""
+def window_bounds(improvements, level: float = 0.95):
+    """(lower, upper): the one-sided ``level`` t bounds over seeds of the mean improvement over the window
+    (``scipy.stats.ttest_1samp(...).confidence_interval`` with ``alternative="greater"`` and ``"less"``), along the
+    last axis of ``improvements`` (one value per seed, at least two, finite): floats for one metric, arrays for many
+    (a simulation). A spread of 0 (every seed the same): both bounds are the mean."""
+    x = np.asarray(improvements, dtype=float)
+    with warnings.catch_warnings():  # a spread of 0 (or to rounding): scipy warns, and its bound is the mean
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lo = stats.ttest_1samp(x, 0.0, axis=-1, alternative="greater").confidence_interval(level).low
+        hi = stats.ttest_1samp(x, 0.0, axis=-1, alternative="less").confidence_interval(level).high
+    return lo, hi
+
+
+def verdicts(lo, hi, tol: float):
+    """The verdict of each pair of bounds (``window_bounds``): "improving" where the lower bound exceeds ``tol``,
+    "converged" where the upper bound is below it, "undetermined" where neither (the interval reaches across
+    ``tol``). Both cannot hold: the lower bound is never above the upper."""
+    return np.where(np.asarray(lo) > tol, VERDICTS[1], np.where(np.asarray(hi) < tol, VERDICTS[0], VERDICTS[2]))
+
+
+def convergence_verdict(improvements, tol: float, level: float = 0.95) -> str | None:
+    """Whether a metric has converged at the end of its runs, from the per-seed improvements over the window
+    (``window_change`` with the sign that makes an improvement positive): "converged" (the one-sided ``level``
+    upper bound over seeds of the mean improvement is below ``tol``: shown to improve by less than the tolerance),
+    "improving" (the lower bound is above ``tol``) or "undetermined" (neither: these seeds cannot tell; never read as
+    converged). None with fewer than two seeds. A spread of 0: the mean against ``tol``."""
     v = _finite(improvements)
     if len(v) < 2:
         return None
-    mean, sd = statistics.mean(v), statistics.stdev(v)
-    return mean - t_quantile(level, len(v) - 1) * sd / math.sqrt(len(v)) > tol
+    return str(verdicts(*window_bounds(v, level), tol))
 
 
 def rank_correlation(x, y, level: float = 0.95) -> dict:

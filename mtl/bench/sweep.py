@@ -42,9 +42,9 @@ Definitions (mtl/bench/stats.py holds the statistics):
   mark, where its runs trained a different number of steps in the two: that difference is the training length's);
 - convergence: per run the change of each validation metric over its last ``last_k`` evaluations (the
   least-squares slope times the window's span; with ``bench.plateau_relative``: in % of the metric's single-task
-  baseline); a metric is still improving when the one-sided 95% lower bound over seeds of its improvement over the
-  window exceeds ``bench.plateau_tol`` (the seeds' spread carries the evaluation noise); converged otherwise,
-  which means "not shown to improve by more than the tolerance", not "shown flat";
+  baseline); over seeds the one-sided 95% t bounds of its improvement over the window (the seeds' spread carries
+  the evaluation noise): **converged** when the upper bound is below ``bench.plateau_tol``, **improving** when the
+  lower bound is above it, **undetermined** when neither (never read as converged); each table counts the verdicts;
 - read against numbers from elsewhere (mtl/bench/compare.py): Δm against ``bench.reference`` (single-task
   metrics given in the config) in a second column; a paper's Δm per method (``bench.published``) beside ours, with
   Spearman's rank correlation and its Fisher-z interval; step time and memory of both gradient sources side by side;

@@ -14,6 +14,7 @@ from mtl.bench.design import comparisons_table
 from mtl.bench.options import bench_options
 from mtl.bench.record import provenance_lines
 from mtl.bench.results import detectable, regime_effects
+from mtl.bench.stats import VERDICTS
 from mtl.delta_m import metric_specs  # the one Δm, in the core
 
 MARK = {1: "▲", -1: "▼", 0: ""}
@@ -99,29 +100,7 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
             f"| {r['seeds_better']} | {r['mean_rank']:.1f} "
             f"| {r['time_vs_equal']:.2f}x | {mem} | {r['combine_s'] * 1e3:.2f} | {r['allreduce_mb']:.1f} "
             f"| {r['wall_s']:.0f} |")
-    window, steps = eval_window(rows, b.last_k)
-    unit = " %" if b.plateau_relative else ""
-    lines += ["", f"Convergence in `{regime}`: the change of each validation metric over the last {window} evaluations"
-              + (f" (steps {', '.join(map(str, steps))})" if steps else "") + " (its least-squares slope times the "
-              f"window's span; mean ± 95% t-interval over seeds{'; in % of the single-task baseline' if b.plateau_relative else ''}"
-              f"; negative: falling). Still improving: the one-sided 95% lower bound over seeds of the improvement "
-              f"over the window exceeds {b.plateau_tol:g}{unit}; converged otherwise, i.e. not shown to improve by "
-              f"more than {b.plateau_tol:g}{unit} (with this spread and these seeds, not shown flat). The selected "
-              "evaluation's step is the median over seeds. \"no\" lists the metrics still improving.",
-              "", "| run | steps | selected step | "
-              + " | ".join(f"{k} change{unit} over the window" for k in keys)
-              + " | converged |", "|---|---|---|" + "---|" * len(keys) + "---|"]
-    for r in rows:
-        if not r["runs_ok"]:
-            continue  # listed under the failed runs
-        steps_run = max((d["steps"] for d in r["_seeds"].values()), default=0)
-        verdict = ("not decided (one seed or one evaluation)" if r["plateau"] is None else "yes" if r["plateau"]
-                   else "no: " + ", ".join(r["moving"]))
-        sel = "" if r["selected_step"] != r["selected_step"] else f"{r['selected_step']:.0f}"
-        lines.append(f"| `{r['method']}` | {steps_run} | {sel} | "
-                     + " | ".join(_pm(r[k + "_window"], r[k + "_window_ci"], 3) if k in base and r[k] == r[k] else "—"
-                                  for k in keys)
-                     + f" | {verdict} |")
+    lines += ["", *convergence_lines(cfg, regime, rows, base, keys)]
     notes = [f"- `{r['method']}`: {r['meta_cost']}" for r in methods if r.get("meta_cost")]
     if notes:
         lines += ["", "Bilevel methods: what each meta update adds to a step (declared by the class, "
@@ -131,6 +110,55 @@ def regime_table(cfg, rcfg, regime: str, spec: dict, rows: list[dict], base: dic
         lines += ["", "Failed or missing runs (the errors: runs.jsonl, errors.log; missing: not finished with this "
                       "configuration when analysed):", *failures]
     return "\n".join(lines)
+
+
+def convergence_lines(cfg, regime: str, rows: list[dict], base: dict, keys: list[str]) -> list[str]:
+    """The convergence table of one regime: each run's change of each metric over the window, its verdict
+    (``results.converged``), and how many runs and metrics each verdict holds."""
+    b = bench_options(cfg)
+    window, steps = eval_window(rows, b.last_k)
+    unit = " %" if b.plateau_relative else ""
+    tol = f"{b.plateau_tol:g}{unit}"
+    shown = [r for r in rows if r["runs_ok"]]  # the failed runs are listed under the failed runs
+    lines = [f"Convergence in `{regime}`: the change of each validation metric over the last {window} evaluations"
+             + (f" (steps {', '.join(map(str, steps))})" if steps else "") + " (its least-squares slope times the "
+             f"window's span; mean ± 95% t-interval over seeds{'; in % of the single-task baseline' if b.plateau_relative else ''}"
+             "; negative: falling). Each metric's verdict, from the one-sided 95% t bounds over seeds of its "
+             "improvement over the window (the change, negated where lower is better): **converged** where the upper "
+             f"bound is below {tol} (shown to improve by less than {tol}), **improving** where the lower bound is "
+             f"above {tol}, **undetermined** where neither (these seeds and this noise cannot tell: not converged). "
+             "A run converged when all its metrics did, is improving when any metric is, undetermined otherwise. The "
+             "selected evaluation's step is the median over seeds.", "", verdict_counts(shown), "",
+             "| run | steps | selected step | " + " | ".join(f"{k} change{unit} over the window" for k in keys)
+             + " | verdict |", "|---|---|---|" + "---|" * len(keys) + "---|"]
+    for r in shown:
+        steps_run = max((d["steps"] for d in r["_seeds"].values()), default=0)
+        sel = "" if r["selected_step"] != r["selected_step"] else f"{r['selected_step']:.0f}"
+        lines.append(f"| `{r['method']}` | {steps_run} | {sel} | "
+                     + " | ".join(_pm(r[k + "_window"], r[k + "_window_ci"], 3) if k in base and r[k] == r[k] else "—"
+                                  for k in keys)
+                     + f" | {verdict_cell(r)} |")
+    return lines
+
+
+def verdict_cell(row: dict) -> str:
+    """"converged", "improving: homo, lumo; undetermined: mu", "undetermined: mu" or "not decided (...)"."""
+    if row["plateau"] is None:
+        return "not decided (one seed or one evaluation)"
+    if row["plateau"] == "converged":
+        return "converged"
+    named = {v: [k for k, x in row["verdicts"].items() if x == v] for v in ("improving", "undetermined")}
+    return "; ".join(f"{v}: {', '.join(ks)}" for v, ks in named.items() if ks)
+
+
+def verdict_counts(rows: list[dict]) -> str:
+    """How many rows (a method or baseline over its seeds) and metrics (row x metric) each verdict holds."""
+    runs = [r["plateau"] for r in rows]
+    metrics = [v for r in rows for v in (r.get("verdicts") or {}).values()]
+    undecided = sum(v is None for v in runs)
+    return (f"Verdicts: {len(runs)} methods and baselines (each over its seeds), " + ", ".join(f"{runs.count(v)} {v}" for v in VERDICTS)
+            + (f", {undecided} not decided" if undecided else "") + f"; {len(metrics)} metrics, "
+            + ", ".join(f"{metrics.count(v)} {v}" for v in VERDICTS) + ".")
 
 
 def _not_ok_note(row: dict) -> str:
@@ -187,7 +215,8 @@ def effects_table(cfg, effects: list[dict]) -> str:
     if not effects:
         return ""
     tested = [e for e in effects if not e.get("untested")]
-    what = "Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds"
+    what = ("Each method's Δm in a regime minus its Δm in the reference regime, on the same seeds: both Δm columns "
+            "are means over the seeds finished in both regimes (named where some finished in one only)")
     sentence = test_sentence(cfg, tested, what) if tested else what + "."
     if len(tested) < len(effects):
         sentence += (" Not tested where the method's runs trained a different number of steps in the two regimes: "
@@ -201,8 +230,10 @@ def effects_table(cfg, effects: list[dict]) -> str:
                       else f"not tested: {steps} steps against {ref_steps}")
         else:
             change = _interval(e["change"], e["change_lo"], e["change_hi"], e["change_sig"], e["change_p_holm"])
-        lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}` | {e['delta_m_ref']:.2f} "
-                     f"| {e['delta_m']:.2f} | {change} |")
+        only = ("" if e.get("seeds") is None else f" (seeds {', '.join(map(str, e['seeds']))}: those finished in both)"
+                if e["seeds"] else " (no seed finished in both)")
+        lines.append(f"| `{e['regime']}` vs `{e['reference']}` | `{e['method']}`{only} | {_pm(e['delta_m_ref'], float('nan'), 2)} "
+                     f"| {_pm(e['delta_m'], float('nan'), 2)} | {change} |")
     return "\n".join(lines)
 
 
