@@ -93,8 +93,19 @@ class QM9Config:
 
 
 @dataclass
+class WebDatasetConfig:
+    """``data.source: webdataset``: tar shards streamed by every rank and loader worker (docs/data.md)."""
+
+    train_shards: Any = None  # brace pattern (train-{000000..000127}.tar), a list of them, or a .txt list file
+    val_shards: Any = None  # the same for the validation split (streamed in order, every sample once)
+    class_names: str | None = None  # JSON list (or .txt, a name a line); null: class_names.json beside train shards
+    shuffle_buffer: int = 1000  # samples in each worker's seeded shuffle buffer (training)
+    verify_images: bool = True  # decode every image once at start (data.on_error applies); false: only read labels
+
+
+@dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9
+    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9 | webdataset
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
     eval_batch_size: int = 64
     num_workers: int = 0
@@ -104,6 +115,7 @@ class DataConfig:
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     qm9: QM9Config = field(default_factory=QM9Config)
+    webdataset: WebDatasetConfig = field(default_factory=WebDatasetConfig)
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
     val_path: str | None = None
