@@ -34,6 +34,7 @@ import re
 import tarfile
 from dataclasses import dataclass, field
 
+import torch
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -110,7 +111,7 @@ def _captions(members: dict, where: str) -> list[str] | None:
     return [c.strip() for c in obj]
 
 
-def _check_sample(key: str, members: dict, where: str, verify: bool) -> tuple[int | None, list[str] | None]:
+def _verify_sample(key: str, members: dict, where: str, verify: bool) -> tuple[int | None, list[str] | None]:
     """(label, captions) of one sample; ValueError saying what is wrong with it."""
     images = [e for e in IMAGE_EXTS if e in members]
     if not images:
@@ -145,7 +146,7 @@ def scan_shard(path: str, key: str, on_error: str, verify: bool, reasons: list[s
             return
         where = f"shard {path} sample {current!r}"
         try:
-            label, caps = _check_sample(current, members, where, verify)
+            label, caps = _verify_sample(current, members, where, verify)
         except (ValueError, UnicodeDecodeError) as e:
             if on_error == "raise":
                 raise ConfigError(f"{key}: {e} — fix or drop the sample, or set data.on_error=skip") from None
@@ -390,7 +391,7 @@ class StreamPosition:
         ds = self.dataset
         return {"world_size": ds.world, "num_workers": ds.workers}
 
-    def check_resume(self, saved: dict | None) -> None:
+    def verify_resume(self, saved: dict | None) -> None:
         """Refuse a resume whose stream was split over another number of processes or workers."""
         if not saved or saved == self.stream_state():
             return
@@ -406,7 +407,9 @@ def stream_loader_kwargs(ds: ShardStream, rank: int, world_size: int, kwargs: di
     """Place ``ds`` at ``rank`` of ``world_size`` for a loader of ``kwargs`` (batch size, workers, collate ...).
     Workers are started anew for each epoch (and a resume), so each reads the stream's current position."""
     ds.place(rank, world_size, kwargs["num_workers"], kwargs["batch_size"])
-    return {**kwargs, "persistent_workers": False}
+    # the loader's own generator: making an iterator (each epoch, a resume) must not draw from the global torch RNG,
+    # or a resumed run's dropout would see a shifted random stream
+    return {**kwargs, "persistent_workers": False, "generator": torch.Generator().manual_seed(ds.seed)}
 
 
 def webdataset_splits(cfg, augment: Augment | None) -> tuple[ShardStream, ShardStream]:
@@ -424,7 +427,7 @@ def webdataset_splits(cfg, augment: Augment | None) -> tuple[ShardStream, ShardS
         if split == "train":
             names = _class_names(w.class_names, [s.path for s in shards], shards)
         else:
-            _check_labels(shards, names, key)
+            _verify_labels(shards, names, key)
         out.append(ShardStream(shards, key, d.image_size, d.on_error, split == "train", cfg.seed, w.shuffle_buffer,
                                augment if split == "train" else None, names, reasons))
     return out[0], out[1]
@@ -440,11 +443,11 @@ def _class_names(path: str | None, paths: list[str], shards: list[Shard]) -> lis
                 f"{CLASS_NAMES_FILE} (a JSON list, the class index its position) beside the training shards, or set "
                 "data.webdataset.class_names to such a file")
         return []
-    _check_labels(shards, names, "data.webdataset.train_shards")
+    _verify_labels(shards, names, "data.webdataset.train_shards")
     return names
 
 
-def _check_labels(shards: list[Shard], names: list[str] | None, key: str) -> None:
+def _verify_labels(shards: list[Shard], names: list[str] | None, key: str) -> None:
     for s in shards:
         for k, x in zip(s.keys, s.labels):
             if x is not None and x >= len(names or []):

@@ -72,8 +72,8 @@ class LoaderFeed:
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Continue where ``state["data"]`` says, at this run's batch size and world size; returns notes."""
-        if hasattr(self.loader, "check_resume"):  # a stream continues on its own split only, else refused by name
-            self.loader.check_resume(state.get("stream") or {"world_size": None, "num_workers": None})
+        if hasattr(self.loader, "verify_resume"):  # a stream continues on its own split only, else refused by name
+            self.loader.verify_resume(state.get("stream") or {"world_size": None, "num_workers": None})
         self.epoch, self.batch_in_epoch, again = resume_position(state["data"], self.batch_size, self.world)
         return [f"resume: the checkpoint's position falls inside a batch of this run's global batch; its last "
                 f"{again} sample(s) are seen again"] if again else []
