@@ -232,3 +232,31 @@ def test_reading_a_stream_leaves_the_global_random_stream_alone(tmp_path, worker
     epoch(train, 0, 1, workers, 6, e=0)
     epoch(train, 0, 1, workers, 6, e=0, start=2)
     assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.slow
+def test_two_processes_on_uneven_shards_run_the_same_steps_across_epochs(tmp_path):
+    """2 processes (gloo) on shards of unequal sizes: every rank is cut to the same batches an epoch, so the run
+    goes through several epochs to its last step instead of hanging in an all-reduce."""
+    from .resume_check import metrics_records
+
+    out = tmp_path / "run"
+    sizes = [7, 5, 9, 6, 4, 8, 6, 3]
+    run_train(["--config", TINY, *overrides(str(tmp_path / "shards"), sizes, [5, 4, 3]), "data.batch_size=4",
+               "trainer.max_steps=14", "trainer.eval_every=7", "trainer.log_every=1", f"output_dir={out}"],
+              nproc=2, timeout=240)
+    epochs = [r["epoch"] for r in metrics_records(str(out)) if r.get("kind") == "train"]
+    assert len(epochs) == 14 and max(epochs) >= 2, epochs  # epochs of 4 to 6 steps (48 samples, some cut)
+
+
+def test_persistent_workers_read_each_new_position(tmp_path):
+    """One loader (its 2 workers persist) moved from epoch to epoch and into one part-way, after an epoch left
+    half-read: each iterator gives what a fresh loader at that position gives."""
+    train, _ = build_datasets(config(tmp_path, [6] * 8))
+    loader = build_train_loader(train, collate, 3, 0, 2, seed=0, num_workers=2)
+    assert loader.persistent_workers
+    for e, k, stop in ((0, 0, None), (1, 0, 2), (1, 3, None), (2, 5, None)):
+        start_at(loader, e, k)
+        got = [b["index"].tolist() for _, b in zip(range(stop or 99), loader)]
+        want = [b["index"].tolist() for b in epoch(train, 0, 2, 2, 3, e, k)][: stop or 99]
+        assert got == want, (e, k)

@@ -228,7 +228,17 @@ class ShardStream(IterableDataset):
         self.class_names = list(class_names or [])
         self.num_classes = len(self.class_names)
         self.rank, self.world, self.workers, self.batch = 0, 1, 0, 1
-        self.epoch = self.start = 0
+        # the position (epoch, batches into it) in shared memory: the loader's persistent workers read the one the
+        # training process sets before each epoch (and a resume) when they start the epoch's stream
+        self.position = torch.zeros(2, dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self.position[0])
+
+    @property
+    def start(self) -> int:
+        return int(self.position[1])
 
     def __len__(self) -> int:
         return self.size
@@ -273,11 +283,11 @@ class ShardStream(IterableDataset):
                 "so no rank could run a step — write larger or more equal shards, or lower data.batch_size")
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.start = int(epoch), 0
+        self.position[0], self.position[1] = int(epoch), 0
 
     def set_start(self, batches: int) -> None:
         """Begin the epoch after its first ``batches`` batches on this rank (a resume)."""
-        self.start = int(batches)
+        self.position[1] = int(batches)
 
     def streams(self, epoch: int) -> list[list[list[Shard]]]:
         """[rank][worker] -> the shards it streams in ``epoch``."""
@@ -302,18 +312,18 @@ class ShardStream(IterableDataset):
         physical, n = (info.id, info.num_workers) if info is not None else (0, 1)
         # a resumed epoch starts at batch `start`, which worker (start mod n) made: the loader asks its worker 0
         # first, so worker p plays the part of worker (p + start) mod n
-        worker = (physical + self.start) % n
-        return self._records(worker, n)
+        epoch, start = self.epoch, self.start  # read once, as the epoch's iterator starts
+        return self._records((physical + start) % n, n, epoch, start)
 
-    def _records(self, worker: int, n: int):
+    def _records(self, worker: int, n: int, epoch: int, start: int):
         wds = need_webdataset()
-        epoch, rank = self.epoch, self.rank
+        rank = self.rank
         order = [self.shards[i].path for i in epoch_order(len(self.shards), self.seed, epoch, self.train)]
         stages = [wds.SimpleShardList(order), _node_split(rank, self.world), _worker_split(worker, n),
                   wds.tarfile_to_samples(), _known(self.index)]
         if self.train:
             cut = self.epoch_batches(epoch) * self.batch
-            done = (max(0, self.start - worker) + n - 1) // n * self.batch  # this worker's samples already trained on
+            done = (max(0, start - worker) + n - 1) // n * self.batch  # this worker's samples already trained on
             rng = random.Random(f"{self.seed}/{epoch}/{rank}/{worker}")
             stages += [wds.shuffle(self.buffer, initial=min(self.buffer, 100), rng=rng), _window(done, cut)]
         for sample in wds.DataPipeline(*stages):
@@ -405,11 +415,11 @@ class StreamPosition:
 
 def stream_loader_kwargs(ds: ShardStream, rank: int, world_size: int, kwargs: dict) -> dict:
     """Place ``ds`` at ``rank`` of ``world_size`` for a loader of ``kwargs`` (batch size, workers, collate ...).
-    Workers are started anew for each epoch (and a resume), so each reads the stream's current position."""
+    Its workers may persist: each reads the stream's position (shared memory) when an epoch's iterator starts."""
     ds.place(rank, world_size, kwargs["num_workers"], kwargs["batch_size"])
     # the loader's own generator: making an iterator (each epoch, a resume) must not draw from the global torch RNG,
     # or a resumed run's dropout would see a shifted random stream
-    return {**kwargs, "persistent_workers": False, "generator": torch.Generator().manual_seed(ds.seed)}
+    return {**kwargs, "generator": torch.Generator().manual_seed(ds.seed)}
 
 
 def webdataset_splits(cfg, augment: Augment | None) -> tuple[ShardStream, ShardStream]:
