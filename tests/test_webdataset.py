@@ -102,6 +102,17 @@ def test_records_follow_the_open_clip_layout(tmp_path):
     assert got == list(range(10))  # validation: every sample once, in order
 
 
+def test_shards_named_by_a_list_file_or_joined_patterns(tmp_path):
+    from mtl.data.streamed import shard_paths
+
+    pattern = write_shards(str(tmp_path), [2] * 4)
+    (tmp_path / "list.txt").write_text("# the first two\ntrain-000000.tar\ntrain-000001.tar\n")
+    assert shard_paths(str(tmp_path / "list.txt"), "k") == [str(tmp_path / f"train-00000{i}.tar") for i in (0, 1)]
+    joined = f"{tmp_path}/train-{{000000..000001}}.tar::{tmp_path}/train-000003.tar"
+    assert [os.path.basename(p) for p in shard_paths(joined, "k")] == [f"train-00000{i}.tar" for i in (0, 1, 3)]
+    assert len(shard_paths(pattern, "k")) == 4
+
+
 def test_a_resume_on_another_split_is_refused_by_name(tmp_path):
     train, _ = build_datasets(config(tmp_path, [6] * 8))
     loader = build_train_loader(train, collate, 3, 0, 1, seed=0, num_workers=0)
@@ -242,9 +253,11 @@ def test_two_processes_on_uneven_shards_run_the_same_steps_across_epochs(tmp_pat
 
     out = tmp_path / "run"
     sizes = [7, 5, 9, 6, 4, 8, 6, 3]
-    run_train(["--config", TINY, *overrides(str(tmp_path / "shards"), sizes, [5, 4, 3]), "data.batch_size=4",
-               "trainer.max_steps=14", "trainer.eval_every=7", "trainer.log_every=1", f"output_dir={out}"],
-              nproc=2, timeout=240)
+    done = run_train(["--config", TINY, *overrides(str(tmp_path / "shards"), sizes, [5, 4, 3]), "data.batch_size=4",
+                      "trainer.max_steps=14", "trainer.eval_every=7", "trainer.log_every=1", f"output_dir={out}"],
+                     nproc=2, timeout=240)
+    assert "streamed: 5 batches a process in epoch 0 (2 process(es) x 1 worker stream(s); 8 of 48 samples left out" \
+        in done.stdout + done.stderr
     epochs = [r["epoch"] for r in metrics_records(str(out)) if r.get("kind") == "train"]
     assert len(epochs) == 14 and max(epochs) >= 2, epochs  # epochs of 4 to 6 steps (48 samples, some cut)
 

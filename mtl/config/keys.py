@@ -96,8 +96,8 @@ class QM9Config:
 class WebDatasetConfig:
     """``data.source: webdataset``: tar shards streamed by every rank and loader worker (docs/data.md)."""
 
-    train_shards: Any = None  # brace pattern (train-{000000..000127}.tar), a list of them, or a .txt list file
-    val_shards: Any = None  # the same for the validation split (streamed in order, every sample once)
+    train_shards: str | None = None  # brace pattern (train-{000000..000127}.tar), several joined by ::, or a .txt list
+    val_shards: str | None = None  # the same for the validation split (streamed in order, every sample once)
     class_names: str | None = None  # JSON list (or .txt, a name a line); null: class_names.json beside train shards
     shuffle_buffer: int = 1000  # samples in each worker's seeded shuffle buffer (training)
     verify_images: bool = True  # decode every image once at start (data.on_error applies); false: only read labels

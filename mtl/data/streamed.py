@@ -57,16 +57,14 @@ def need_webdataset():
 
 
 def shard_paths(spec, key: str) -> list[str]:
-    """The shard files ``spec`` names: a brace pattern (``train-{000000..000127}.tar``, expanded by webdataset), a
-    list of paths or patterns, or a list file (``.txt``: one path a line, relative to the file's folder)."""
+    """The shard files ``spec`` names: a brace pattern (``train-{000000..000127}.tar``, expanded by webdataset),
+    several joined by ``::``, or a list file (``.txt``: one path a line, relative to the file's folder)."""
     wds = need_webdataset()
     if not spec:
         raise ConfigError(f"{key} is required for data.source=webdataset (a brace pattern such as "
                           "'shards/train-{000000..000015}.tar', or a .txt file listing the shards)")
-    specs = [str(s) for s in spec] if isinstance(spec, (list, tuple)) or hasattr(spec, "__len__") and not isinstance(
-        spec, str) else [str(spec)]
     paths: list[str] = []
-    for s in specs:
+    for s in str(spec).split("::"):
         if s.endswith(".txt") and os.path.isfile(s):
             with open(s) as f:
                 lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
@@ -306,6 +304,13 @@ class ShardStream(IterableDataset):
     def left_out(self, epoch: int) -> int:
         """Samples no rank trains on in ``epoch`` (the cut of the longer streams)."""
         return self.size - self.batches_per_epoch(epoch) * self.batch * self.world
+
+    def epoch_text(self) -> str:
+        """The first epoch as the run's first line gives it: its batches, and the samples its cut leaves out."""
+        left = self.left_out(0)
+        return (f"streamed: {self.batches_per_epoch(0)} batches a process in epoch 0 ({self.world} process(es) x "
+                f"{max(1, self.workers)} worker stream(s)" + (f"; {left} of {self.size} samples left out by the cut "
+                "to equal streams" if left else "; every sample once") + ")")
 
     def __iter__(self):
         info = get_worker_info()

@@ -148,6 +148,9 @@ class Feed:
         else:
             text = (f"multi-input, sampling.policy={d.sampling.policy}, per-task rows per process: "
                     + ", ".join(f"{t}={n}" for t, n in self.plan.batch_sizes.items()))
+        stream = getattr(getattr(self.train, "loader", None), "dataset", None)
+        if hasattr(stream, "epoch_text"):  # a streamed source (mtl/data/streamed.py): its epoch's length and cut
+            text += f", {stream.epoch_text()}"
         if self.heldout is not None:
             text += f", {d.heldout} training items held out for {cfg.weighting.method}'s meta update"
         return text
