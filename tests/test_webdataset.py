@@ -258,3 +258,14 @@ def test_persistent_workers_read_each_new_position(tmp_path):
         got = [b["index"].tolist() for _, b in zip(range(stop or 99), loader)]
         want = [b["index"].tolist() for b in epoch(train, 0, 2, 2, 3, e, k)][: stop or 99]
         assert got == want, (e, k)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reading_a_stream_leaves_the_global_random_stream_alone(tmp_path, workers):
+    """Making a stream's iterator (each epoch, a resume) must not draw from torch's global generator: a resumed
+    run's dropout would see a shifted stream and end with other weights."""
+    train, _ = build_datasets(config(tmp_path, [6] * 8))
+    state = torch.get_rng_state()
+    epoch(train, 0, 1, workers, 6, e=0)
+    epoch(train, 0, 1, workers, 6, e=0, start=2)
+    assert torch.equal(state, torch.get_rng_state())
