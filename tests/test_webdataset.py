@@ -269,3 +269,14 @@ def test_reading_a_stream_leaves_the_global_random_stream_alone(tmp_path, worker
     epoch(train, 0, 1, workers, 6, e=0)
     epoch(train, 0, 1, workers, 6, e=0, start=2)
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_evaluate_reads_the_validation_shards_alone_with_the_model_s_classes(tmp_path):
+    from mtl.inference.evaluate import eval_dataset
+
+    cfg = config(tmp_path, [6] * 8)
+    cfg.data.webdataset.train_shards = str(tmp_path / "gone-{0..3}.tar")  # an evaluation never reads them
+    ds = eval_dataset(cfg, CLASSES)
+    assert len(ds) == 10 and ds.class_names == CLASSES
+    with pytest.raises(ConfigError, match="class index 2, beyond the 2 class names"):
+        eval_dataset(cfg, CLASSES[:2])

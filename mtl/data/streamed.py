@@ -430,22 +430,26 @@ def stream_loader_kwargs(ds: ShardStream, rank: int, world_size: int, kwargs: di
 def webdataset_splits(cfg, augment: Augment | None) -> tuple[ShardStream, ShardStream]:
     """(train, val) streams from ``data.webdataset``: both scanned, the class names read, everything refused
     before a run writes anything."""
+    train = webdataset_split(cfg, "train", None, augment)
+    return train, webdataset_split(cfg, "val", train.class_names)
+
+
+def webdataset_split(cfg, split: str, class_names: list[str] | None, augment: Augment | None = None) -> ShardStream:
+    """One split's stream (``split``: train or val), scanned; the training split reads the class names, another
+    split's labels are checked against ``class_names`` (the training split's, or a trained model's)."""
     d, w = cfg.data, cfg.data.webdataset
-    out, names = [], None
-    for split, spec in (("train", w.train_shards), ("val", w.val_shards)):
-        key = f"data.webdataset.{split}_shards"
-        reasons: list[str] = []
-        shards = [scan_shard(p, key, d.on_error, bool(w.verify_images), reasons) for p in shard_paths(spec, key)]
-        if not any(shards):
-            raise ConfigError(f"{key}: its shards hold no usable sample" + (f" ({reasons[0]})" if reasons else "")
-                              + " — write samples with an image (jpg, png or webp)")
-        if split == "train":
-            names = _class_names(w.class_names, [s.path for s in shards], shards)
-        else:
-            _verify_labels(shards, names, key)
-        out.append(ShardStream(shards, key, d.image_size, d.on_error, split == "train", cfg.seed, w.shuffle_buffer,
-                               augment if split == "train" else None, names, reasons))
-    return out[0], out[1]
+    key, reasons = f"data.webdataset.{split}_shards", []
+    shards = [scan_shard(p, key, d.on_error, bool(w.verify_images), reasons) for p in shard_paths(w.get(
+        f"{split}_shards"), key)]
+    if not any(shards):
+        raise ConfigError(f"{key}: its shards hold no usable sample" + (f" ({reasons[0]})" if reasons else "")
+                          + " — write samples with an image (jpg, png or webp)")
+    if split == "train":
+        class_names = _class_names(w.class_names, [s.path for s in shards], shards)
+    else:
+        _verify_labels(shards, class_names, key)
+    return ShardStream(shards, key, d.image_size, d.on_error, split == "train", cfg.seed, w.shuffle_buffer,
+                       augment if split == "train" else None, class_names, reasons)
 
 
 def _class_names(path: str | None, paths: list[str], shards: list[Shard]) -> list[str]:
