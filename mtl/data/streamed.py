@@ -1,9 +1,11 @@
 """``data.source: webdataset``: tar shards (open_clip's and timm's layout) streamed by every rank and loader worker.
 
 A sample is the tar members that share a key: the image under ``jpg``/``jpeg``/``png``/``webp``, the class index
-under ``cls``, the caption under ``txt`` or a list of captions under ``json``. The ``webdataset`` library reads them
-(``SimpleShardList``, ``split_by_worker``, ``tarfile_to_samples``, its seeded ``shuffle`` buffer); this module plans
-which shards each rank and worker streams and how long an epoch is.
+under ``cls``, the caption under ``txt`` or a list of captions under ``json``. A ``webdataset`` pipeline reads them
+(``DataPipeline``: ``SimpleShardList``, a node and a worker splitter, ``tarfile_to_samples``, its seeded ``shuffle``
+buffer); this module plans which shards each rank and worker streams and how long an epoch is. The two splitters
+are ``split_by_node``'s and ``split_by_worker``'s slicing with the rank and the worker passed in rather than read
+from the environment: a test builds another rank's stream, and a resumed epoch renumbers the workers.
 
 At start every shard is scanned once (tar headers, the small text members and, with
 ``data.webdataset.verify_images``, every image decoded, as the manifest source does): a truncated shard, a pattern
@@ -11,7 +13,7 @@ that matches nothing or a bad sample is refused before anything is written (a ba
 skipped samples are counted and never streamed).
 
 Epochs (training). Epoch e shuffles the shard list with ``seed + e``; rank r of W takes every W-th shard from r
-(the node split), worker w of N of those every N-th from w (``wds.split_by_worker``), and mixes its samples in a
+(the node split), worker w of N of those every N-th from w (the worker split), and mixes its samples in a
 shuffle buffer seeded by (seed, e, r, w). Every (rank, worker) stream is cut to the same number of batches: the
 least any of them can fill (``epoch_batches``). So every rank runs the same number of steps (DDP cannot hang), and
 when the shards divide evenly (equal sizes, a multiple of W x N shards, a shard a multiple of data.batch_size) every
