@@ -60,3 +60,24 @@ def overrides(folder: str, train: list[int], val: list[int]) -> list[str]:
     """Config overrides of a run on fresh shards in ``folder``."""
     return ["data.source=webdataset", f"data.webdataset.train_shards={write_shards(folder, train)}",
             f"data.webdataset.val_shards={write_shards(folder, val, 'val', start=10_000)}"]
+
+
+def write_parquet(folder: str, sizes: list[int], prefix: str = "train", start: int = 0) -> str:
+    """The same samples as Parquet files ``prefix-00.parquet`` ... written by ``datasets`` (an Image column, a
+    ClassLabel ``label``, ``caption`` a list of captions); returns the glob naming them."""
+    import datasets
+
+    os.makedirs(folder, exist_ok=True)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES),
+                                  "caption": datasets.Sequence(datasets.Value("string"))})
+    i = start
+    for k, n in enumerate(sizes):
+        rows = {"image": [], "label": [], "caption": []}
+        for _ in range(n):
+            s = sample(i)
+            rows["image"].append({"bytes": s["jpg"], "path": None})
+            rows["label"].append(int(s["cls"]))
+            rows["caption"].append(json.loads(s["json"]) if "json" in s else [s["txt"].decode()])
+            i += 1
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(os.path.join(folder, f"{prefix}-{k:02d}.parquet"))
+    return os.path.join(folder, f"{prefix}-*.parquet")

@@ -104,8 +104,21 @@ class WebDatasetConfig:
 
 
 @dataclass
+class HFStreamConfig:
+    """``data.source: hf_stream``: Parquet files streamed through datasets' IterableDataset (docs/data.md)."""
+
+    train_files: str | None = None  # a glob (data/train-*.parquet), several joined by ::, or a .txt list
+    val_files: str | None = None  # the same for the validation split
+    image_column: str = "image"  # an Image feature (or image bytes)
+    label_column: str | None = "label"  # a ClassLabel (its names are the class names); null: none
+    caption_column: str | None = "caption"  # a string, or a list of strings; null: none
+    shuffle_buffer: int = 1000  # rows in each worker's seeded shuffle buffer (training)
+    verify_images: bool = True  # decode every image once at start (data.on_error applies); false: only read labels
+
+
+@dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9 | webdataset
+    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9 | webdataset | hf_stream
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
     eval_batch_size: int = 64
     num_workers: int = 0
@@ -116,6 +129,7 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     qm9: QM9Config = field(default_factory=QM9Config)
     webdataset: WebDatasetConfig = field(default_factory=WebDatasetConfig)
+    hf_stream: HFStreamConfig = field(default_factory=HFStreamConfig)
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
     val_path: str | None = None

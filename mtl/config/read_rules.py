@@ -214,8 +214,9 @@ DATA = ("data.source", "data.per_task")
 READS: tuple[Reads, ...] = (
     Reads(("data.source",), lambda s, t, key=None: MULTI if s.multi_input else None, ("data.per_task",)),
     Reads(("data.val_path",), one_set(*IMAGE_FILES), DATA),
-    Reads(("data.on_error",), one_set(*IMAGE_FILES, "webdataset"), DATA),
+    Reads(("data.on_error",), one_set(*IMAGE_FILES, "webdataset", "hf_stream"), DATA),
     Reads(("data.webdataset.",), one_set("webdataset"), DATA),
+    Reads(("data.hf_stream.",), one_set("hf_stream"), DATA),
     Reads(("data.train_path", "data.test_path", "data.num_classes"), one_set(*IMAGE_FILES), DATA, training_only=True),
     Reads(("data.image_root",), one_set("manifest"), DATA),
     Reads(("data.synthetic.val_size", "data.synthetic.val_seed_offset"), one_set("synthetic"), DATA),
@@ -227,7 +228,7 @@ READS: tuple[Reads, ...] = (
            "data.qm9.split_seed", "data.qm9.graph"), one_set("qm9"), DATA),
     Reads(("data.qm9.train_size",), one_set("qm9"), DATA, training_only=True),
     Reads(("data.image_size", "data.normalize"), images, DATA),
-    Reads(("data.augment.",), any_set(*IMAGE_FILES, "webdataset"), DATA, training_only=True),
+    Reads(("data.augment.",), any_set(*IMAGE_FILES, "webdataset", "hf_stream"), DATA, training_only=True),
     Reads(("data.batch_size",), batch_size, ("data.per_task", "data.sampling.policy"), training_only=True),
     Reads(("data.sampling.policy",), sampling, ("data.per_task",), training_only=True),
     # mixed draws each row's task by the weights too (mtl/data/multi_input.py, SamplingPlan.from_config)

@@ -12,12 +12,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from mtl.data.images import Augment, Normalized, image_normalization
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
 from mtl.data.packing import PackedCollate, unpacked
+from mtl.data.parquet_stream import hf_stream_splits
 from mtl.data.qm9_source import batch_graphs, qm9_splits
 from mtl.data.streamed import StreamPosition, stream_loader_kwargs, streamed, webdataset_splits
 from mtl.data.synthetic import MIN_CLASSES, SyntheticShapes
 from mtl.errors import ConfigError, DataError
 
-SOURCES = ("synthetic", "manifest", "imagefolder", "qm9", "webdataset")
+SOURCES = ("synthetic", "manifest", "imagefolder", "qm9", "webdataset", "hf_stream")
 
 
 def build_datasets(cfg) -> tuple[Dataset, Dataset]:
@@ -42,7 +43,7 @@ def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
     if d.source == "qm9":  # the papers' test split (data.qm9.test_size)
 
         return qm9_splits(cfg)["test"] if d.qm9.test_size else None
-    if d.source == "webdataset":  # no test split for streamed shards (yet)
+    if d.source in ("webdataset", "hf_stream"):  # no test split for streamed sources (yet)
         return None
     if d.source == "synthetic":
         if not d.synthetic.test_size:
@@ -70,6 +71,8 @@ def _datasets(cfg) -> tuple[Dataset, Dataset]:
     d = cfg.data
     if d.source == "webdataset":  # streamed tar shards (mtl/data/streamed.py)
         return webdataset_splits(cfg, Augment.from_config(cfg))
+    if d.source == "hf_stream":  # Parquet streamed through datasets (mtl/data/parquet_stream.py)
+        return hf_stream_splits(cfg, Augment.from_config(cfg))
     if d.source == "synthetic":
         s = d.synthetic
         return _synthetic_split(cfg, s.train_size, s.train_seed_offset), _synthetic_split(cfg, s.val_size,

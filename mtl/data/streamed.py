@@ -322,12 +322,19 @@ class ShardStream(IterableDataset):
         epoch, start = self.epoch, self.start  # read once, as the epoch's iterator starts
         return self._records((physical + start) % n, n, epoch, start)
 
+    def read(self, order: list[str], worker: int, n: int):
+        """The samples (webdataset's dicts: ``__url__``, ``__key__``, the image under its extension) of the shards
+        that this rank's worker ``worker`` of ``n`` streams from the epoch's shard ``order``, in their order."""
+        wds = need_webdataset()
+        return wds.DataPipeline(wds.SimpleShardList(order), _node_split(self.rank, self.world),
+                                _worker_split(worker, n), wds.tarfile_to_samples())
+
     def _records(self, worker: int, n: int, epoch: int, start: int):
         wds = need_webdataset()
         rank = self.rank
         order = [self.shards[i].path for i in epoch_order(len(self.shards), self.seed, epoch, self.train)]
-        stages = [wds.SimpleShardList(order), _node_split(rank, self.world), _worker_split(worker, n),
-                  wds.tarfile_to_samples(), _known(self.index)]
+        source = self.read(order, worker, n)
+        stages = [lambda: source, _known(self.index)]
         if self.train:
             cut = self.epoch_batches(epoch) * self.batch
             done = (max(0, start - worker) + n - 1) // n * self.batch  # this worker's samples already trained on

@@ -12,6 +12,7 @@ from mtl.data.images import image_normalization
 from mtl.data.loader import build_datasets, verify_task_fields
 from mtl.data.manifest import ImageFolderCaptions, ManifestDataset
 from mtl.data.multi_input import build_task_val_sets
+from mtl.data.parquet_stream import hf_stream_split
 from mtl.data.streamed import webdataset_split
 from mtl.errors import ConfigError
 from mtl.inference.model import Predictor, model_config
@@ -67,12 +68,12 @@ def eval_dataset(cfg, class_names: list[str]):
             raise ConfigError(f"data.synthetic.num_classes: {ds.num_classes} shape kinds, but the model knows "
                               f"{len(class_names)}; set it to {len(class_names)}")
         return ds
-    if d.source == "webdataset":  # the validation shards only, labelled with the model's classes
-        ds = webdataset_split(cfg, "val", list(class_names))
+    if d.source in ("webdataset", "hf_stream"):  # the validation split only, labelled with the model's classes
+        ds = (webdataset_split if d.source == "webdataset" else hf_stream_split)(cfg, "val", list(class_names))
         ds.normalization = image_normalization(cfg)
         return ds
     if d.source not in ("manifest", "imagefolder"):
-        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder, qm9, webdataset")
+        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder, qm9, webdataset, hf_stream")
     if not d.val_path:
         raise ConfigError(f"data.val_path: set it to the {d.source} to evaluate on")
     if d.source == "manifest":

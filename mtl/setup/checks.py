@@ -21,6 +21,7 @@ from mtl.config.keys import check_options, config_keys
 from mtl.config.load import interpolation_errors, load_config_collecting
 from mtl.config.read_rules import unread_errors
 from mtl.data.images import NORMALIZE, resolve_image_size
+from mtl.data.parquet_stream import hf_stream_errors
 from mtl.data.streamed import webdataset_errors
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
@@ -102,7 +103,8 @@ def _choices(errors, cfg) -> None:
     """The keys that name one of a fixed set of values (and data.augment's ranges), and the seed's range."""
     _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
-    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9", "webdataset"))
+    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9", "webdataset",
+                                                       "hf_stream"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
     _choice(errors, "data.normalize", cfg.data.normalize, NORMALIZE)
     _augment(errors, cfg)
@@ -186,8 +188,8 @@ def _size_errors(errors, cfg, backbone) -> None:
             errors.append(problem)
     elif cfg.data.source == "qm9":
         errors += qm9_errors(cfg, backbone)
-    elif cfg.data.source == "webdataset":
-        errors += webdataset_errors(cfg)
+    elif cfg.data.source in ("webdataset", "hf_stream"):
+        errors += (webdataset_errors if cfg.data.source == "webdataset" else hf_stream_errors)(cfg)
     elif cfg.data.train_path is None or cfg.data.val_path is None:
         errors.append(f"data.train_path / data.val_path: data.source={cfg.data.source} needs both paths")
     if not 0.0 <= cfg.model.decoder.dropout < 1.0:
