@@ -114,3 +114,17 @@ def test_a_killed_hf_stream_run_resumes_bitwise_identical(tmp_path):
     run_train([*args, f"output_dir={cut}"], env=env)
     check_resume(cut, before, last_step=10)
     assert model_bytes(ref, 10) == model_bytes(cut, 10)
+
+
+def test_datasets_not_installed_names_the_extra(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from .test_bad_input import main_of
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
+    out = tmp_path / "run"
+    code, err = main_of(["--config", TINY, "data.source=hf_stream", "data.hf_stream.train_files=t-*.parquet",
+                         "data.hf_stream.val_files=v.parquet", f"output_dir={out}"], capsys)
+    assert code == 2 and "datasets library" in err and "pip install -e '.[data]'" in err, err
+    assert not out.exists() or not any(out.iterdir())
