@@ -320,7 +320,8 @@ def test_readme_s_own_images_block_trains_on_the_folders_its_comment_describes(t
 
     import train
 
-    (block,) = [b for b in ALL if b.path == "README.md" and b.section == "Train on your own images" and b.lang == "bash"]
+    (block,) = [b for b in ALL if b.path == "README.md" and b.section == "Train on your own images" and b.lang == "bash"
+                and "data.source=imagefolder" in b.text]  # the section's other blocks: the other sources
     (argv,) = commands(block.text)
     kind, args = target(argv)
     assert kind == "train", argv

@@ -43,6 +43,8 @@ SETUPS = {
     "imagefolder": ["data.source=imagefolder", "data.train_path=tr", "data.val_path=va"],
     "qm9": ["data.source=qm9", "model.backbone.name=mpnn"],
     "hf": ["data.source=hf", "data.hf.path=h"],
+    "webdataset": ["data.source=webdataset", "data.webdataset.train_shards=t-{0..1}.tar", "data.webdataset.val_shards=v.tar"],
+    "hf_stream": ["data.source=hf_stream", "data.hf_stream.train_files=t-*.parquet", "data.hf_stream.val_files=v.parquet"],
     "multi": [MULTI_SYN],  # every task its own synthetic set, sampling.policy=all
     "multi_files": ["data.per_task={cls: {source: imagefolder, train_path: a, val_path: b}, gen: {source: manifest, "
                     "train_path: c.jsonl, val_path: d.jsonl}}", "data.sampling.policy=weighted"],
@@ -58,24 +60,30 @@ SETUPS = {
     "fsdp2": ["parallel.engine=fsdp2"],
 }
 MULTI = {"multi", "multi_files", "multi_mixed", "multi_temperature"}
-ONE_SYNTHETIC = set(SETUPS) - MULTI - {"manifest", "imagefolder", "qm9", "hf"}  # one synthetic data set
+STREAMS = {"webdataset", "hf_stream"}  # streamed sources (mtl/data/streamed.py, mtl/data/parquet_stream.py)
+ONE_SYNTHETIC = set(SETUPS) - MULTI - {"manifest", "imagefolder", "qm9", "hf"} - STREAMS  # one synthetic data set
 EVERY = set(SETUPS)
 
 # key -> the set-ups whose run does not read it (train.py). A key not here is read by every run: ALWAYS.
 NOT_READ = {
     "data.source": MULTI,
-    "data.val_path": ONE_SYNTHETIC | {"qm9", "hf"} | MULTI,
+    "data.val_path": ONE_SYNTHETIC | STREAMS | {"qm9", "hf"} | MULTI,
     "data.on_error": ONE_SYNTHETIC | {"qm9"} | MULTI,
-    "data.train_path": ONE_SYNTHETIC | {"qm9", "hf"} | MULTI,
-    "data.test_path": ONE_SYNTHETIC | {"qm9", "hf"} | MULTI,
-    "data.num_classes": ONE_SYNTHETIC | {"qm9"} | MULTI,
-    "data.image_root": ONE_SYNTHETIC | {"imagefolder", "qm9", "hf"} | MULTI,
+    "data.train_path": ONE_SYNTHETIC | STREAMS | {"qm9", "hf"} | MULTI,
+    "data.test_path": ONE_SYNTHETIC | STREAMS | {"qm9", "hf"} | MULTI,
+    "data.num_classes": ONE_SYNTHETIC | STREAMS | {"qm9"} | MULTI,
+    "data.image_root": ONE_SYNTHETIC | STREAMS | {"imagefolder", "qm9", "hf"} | MULTI,
     **{f"data.hf.{k}": EVERY - {"hf"} for k in ("path", "builder", "data_files", "train_split", "val_split",
                                                   "test_split", "image_column", "label_column", "caption_column",
                                                   "verify", "cache_dir")},
-    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9", "hf"} | MULTI
+    **{f"data.webdataset.{k}": EVERY - {"webdataset"}
+       for k in ("train_shards", "val_shards", "class_names", "shuffle_buffer", "verify_images")},
+    **{f"data.hf_stream.{k}": EVERY - {"hf_stream"} for k in ("train_files", "val_files", "image_column",
+                                                             "label_column", "caption_column", "shuffle_buffer",
+                                                             "verify_images")},
+    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9", "hf"} | STREAMS | MULTI
        for k in ("train_size", "val_size", "train_seed_offset", "val_seed_offset", "test_size", "test_seed_offset")},
-    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9", "hf", "multi_files"}
+    **{f"data.synthetic.{k}": {"manifest", "imagefolder", "qm9", "hf", "multi_files"} | STREAMS
        for k in ("num_classes", "max_count", "noise", "clutter")},
     **{f"data.qm9.{k}": EVERY - {"qm9"}
        for k in ("root", "cache_dir", "molecules", "test_size", "val_size", "train_size", "split_seed", "graph")},

@@ -112,8 +112,32 @@ class QM9Config:
 
 
 @dataclass
+class WebDatasetConfig:
+    """``data.source: webdataset``: tar shards streamed by every rank and loader worker (docs/data.md)."""
+
+    train_shards: str | None = None  # brace pattern (train-{000000..000127}.tar), several joined by ::, or a .txt list
+    val_shards: str | None = None  # the same for the validation split (streamed in order, every sample once)
+    class_names: str | None = None  # JSON list (or .txt, a name a line); null: class_names.json beside train shards
+    shuffle_buffer: int = 1000  # samples in each worker's seeded shuffle buffer (training)
+    verify_images: bool = True  # decode every image once at start (data.on_error applies); false: only read labels
+
+
+@dataclass
+class HFStreamConfig:
+    """``data.source: hf_stream``: Parquet files streamed through datasets' IterableDataset (docs/data.md)."""
+
+    train_files: str | None = None  # a glob (data/train-*.parquet), several joined by ::, or a .txt list
+    val_files: str | None = None  # the same for the validation split
+    image_column: str = "image"  # an Image feature (or image bytes)
+    label_column: str | None = "label"  # a ClassLabel (its names are the class names); null: none
+    caption_column: str | None = "caption"  # a string, or a list of strings; null: none
+    shuffle_buffer: int = 1000  # rows in each worker's seeded shuffle buffer (training)
+    verify_images: bool = True  # decode every image once at start (data.on_error applies); false: only read labels
+
+
+@dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9 | hf
+    source: str = "synthetic"  # synthetic | manifest | imagefolder | qm9 | hf | webdataset | hf_stream
     batch_size: int = 32  # PER PROCESS: the global batch is batch_size * world_size
     eval_batch_size: int = 64
     num_workers: int = 0
@@ -126,6 +150,8 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     qm9: QM9Config = field(default_factory=QM9Config)
     hf: HFConfig = field(default_factory=HFConfig)  # source: hf (a Hugging Face datasets data set)
+    webdataset: WebDatasetConfig = field(default_factory=WebDatasetConfig)
+    hf_stream: HFStreamConfig = field(default_factory=HFStreamConfig)
     # user data (source: manifest | imagefolder)
     train_path: str | None = None  # manifest .jsonl, or an ImageFolder root
     val_path: str | None = None

@@ -223,10 +223,12 @@ DATA = ("data.source", "data.per_task")
 READS: tuple[Reads, ...] = (
     Reads(("data.source",), lambda s, t, key=None: MULTI if s.multi_input else None, ("data.per_task",)),
     Reads(("data.val_path",), one_set(*IMAGE_FILES), DATA),
-    Reads(("data.on_error",), one_set(*IMAGE_FILES, "hf"), DATA),
+    Reads(("data.on_error",), one_set(*IMAGE_FILES, "hf", "webdataset", "hf_stream"), DATA),
     Reads(("data.train_path", "data.test_path"), one_set(*IMAGE_FILES), DATA, training_only=True),
     Reads(("data.num_classes",), one_set(*IMAGE_FILES, "hf"), DATA, training_only=True),
     Reads(("data.hf.",), one_set("hf"), DATA),  # mtl/data/hf_source.py
+    Reads(("data.webdataset.",), one_set("webdataset"), DATA),  # mtl/data/streamed.py
+    Reads(("data.hf_stream.",), one_set("hf_stream"), DATA),  # mtl/data/parquet_stream.py
     Reads(("data.image_root",), one_set("manifest"), DATA),
     Reads(("data.synthetic.val_size", "data.synthetic.val_seed_offset"), one_set("synthetic"), DATA),
     Reads(("data.synthetic.train_size", "data.synthetic.train_seed_offset", "data.synthetic.test_size",
@@ -237,7 +239,7 @@ READS: tuple[Reads, ...] = (
            "data.qm9.split_seed", "data.qm9.graph"), one_set("qm9"), DATA),
     Reads(("data.qm9.train_size",), one_set("qm9"), DATA, training_only=True),
     Reads(("data.image_size", "data.normalize"), images, DATA),
-    Reads(("data.augment.",), any_set(*IMAGE_FILES, "hf"), DATA, training_only=True),
+    Reads(("data.augment.",), any_set(*IMAGE_FILES, "hf", "webdataset", "hf_stream"), DATA, training_only=True),
     Reads(("data.batch_size",), batch_size, ("data.per_task", "data.sampling.policy"), training_only=True),
     Reads(("data.sampling.policy",), sampling, ("data.per_task",), training_only=True),
     # mixed draws each row's task by the weights too (mtl/data/multi_input.py, SamplingPlan.from_config)

@@ -13,11 +13,13 @@ from mtl.data.hf_source import hf_datasets, hf_test
 from mtl.data.images import Augment, Normalized, prepare_images
 from mtl.data.manifest import CaptionedImages, ImageFolderCaptions, ManifestDataset
 from mtl.data.packing import PackedCollate, unpacked
+from mtl.data.parquet_stream import hf_stream_splits
 from mtl.data.qm9_source import batch_graphs, qm9_splits
+from mtl.data.streamed import StreamPosition, stream_loader_kwargs, streamed, webdataset_splits
 from mtl.data.synthetic import MIN_CLASSES, SyntheticShapes
 from mtl.errors import ConfigError, DataError
 
-SOURCES = ("synthetic", "manifest", "imagefolder", "qm9", "hf")
+SOURCES = ("synthetic", "manifest", "imagefolder", "qm9", "hf", "webdataset", "hf_stream")
 
 
 def build_datasets(cfg) -> tuple[Dataset, Dataset]:
@@ -43,6 +45,8 @@ def build_test_dataset(cfg, train: Dataset) -> Dataset | None:
     if d.source == "qm9":  # the papers' test split (data.qm9.test_size)
 
         return qm9_splits(cfg)["test"] if d.qm9.test_size else None
+    if d.source in ("webdataset", "hf_stream"):  # no test split for streamed sources (yet)
+        return None
     if d.source == "synthetic":
         if not d.synthetic.test_size:
             return None
@@ -71,6 +75,10 @@ def _synthetic_split(cfg, size: int, offset: int) -> SyntheticShapes:
 
 def _datasets(cfg) -> tuple[Dataset, Dataset]:
     d = cfg.data
+    if d.source == "webdataset":  # streamed tar shards (mtl/data/streamed.py)
+        return webdataset_splits(cfg, Augment.from_config(cfg))
+    if d.source == "hf_stream":  # Parquet streamed through datasets (mtl/data/parquet_stream.py)
+        return hf_stream_splits(cfg, Augment.from_config(cfg))
     if d.source == "synthetic":
         s = d.synthetic
         return _synthetic_split(cfg, s.train_size, s.train_seed_offset), _synthetic_split(cfg, s.val_size,
@@ -120,7 +128,7 @@ def all_captions(ds: Dataset) -> list[str]:
     """Every caption of ``ds`` (for training a tokenizer), without decoding images where possible."""
     if isinstance(ds, SyntheticShapes):
         return [ds.caption(i) for i in range(len(ds))]
-    if isinstance(ds, CaptionedImages) or hasattr(ds, "all_captions"):
+    if isinstance(ds, CaptionedImages) or hasattr(ds, "all_captions") or streamed(ds):  # read without decoding an image
         return ds.all_captions()
     if "captions" not in provided_fields(ds):  # QM9's molecules: none (the run's tokenizer then has no words)
         return []
@@ -313,6 +321,11 @@ class TrainLoader(Loader):
         return super().__iter__()
 
 
+class StreamLoader(StreamPosition, Loader):
+    """A loader over a streamed data set (``data.source: webdataset``, mtl/data/streamed.py): no sampler; each
+    worker batches its own part of the shards."""
+
+
 def normalizing(collate, ds: Dataset):
     norm = getattr(ds, "normalization", None)
     return Normalized(collate, *norm) if norm else collate
@@ -344,6 +357,9 @@ def build_train_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank
     ``pack=False`` (for ``mtl.tools.bench.qm9_loader``'s comparison only): the workers send each tensor on its own.
     """
     verify_train_size(len(ds) - heldout, batch_size, world_size)
+    if streamed(ds):  # a stream splits its shards by rank and worker (mtl/data/streamed.py)
+        return StreamLoader(ds, **stream_loader_kwargs(ds, rank, world_size, _loader_kwargs(
+            ds, collate, batch_size, num_workers, pin_memory, pack)))
     # data sets with set_epoch (ours) take (index, epoch) keys; any other gets plain indices
     cls = EpochDistributedSampler if hasattr(ds, "set_epoch") else ResumableDistributedSampler
     # the sampler reads only the length of what it is given: the first len(ds) - heldout indices
@@ -363,8 +379,18 @@ def build_eval_loader(ds: Dataset, collate: BatchCollate, batch_size: int, rank:
     twice in the metrics.) Ranks may therefore get one batch more or less than each other, so eval
     code must reduce sums and counts, not per-rank means, and must not run a collective per batch.
     """
+    if streamed(ds):  # each rank and worker streams its own shards, in order
+        return StreamLoader(ds, **stream_loader_kwargs(ds, rank, world_size, _loader_kwargs(
+            ds, collate, batch_size, num_workers, pin_memory)))
     return Loader(ds, sampler=list(range(rank, len(ds), world_size)), shuffle=False, drop_last=False,
                       **_loader_kwargs(ds, collate, batch_size, num_workers, pin_memory))
+
+
+def start_at(loader: DataLoader, epoch: int, batches: int) -> None:
+    """Put a train loader at ``batches`` batches into ``epoch`` (its sampler, or a stream's own position)."""
+    set_epoch(loader, epoch)
+    target = loader.dataset if streamed(loader.dataset) else loader.sampler
+    target.set_start(batches if streamed(loader.dataset) else batches * loader.batch_size)
 
 
 def set_epoch(loader: DataLoader, epoch: int) -> None:

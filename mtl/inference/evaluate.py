@@ -13,6 +13,8 @@ from mtl.data.images import prepare_images
 from mtl.data.loader import build_datasets, verify_task_fields
 from mtl.data.manifest import ImageFolderCaptions, ManifestDataset
 from mtl.data.multi_input import build_task_val_sets
+from mtl.data.parquet_stream import hf_stream_split
+from mtl.data.streamed import webdataset_split
 from mtl.errors import ConfigError
 from mtl.inference.model import Predictor, model_config
 from mtl.run.evaluate import evaluate_run
@@ -71,8 +73,13 @@ def eval_dataset(cfg, class_names: list[str]):
         ds = hf_split(cfg, "val", train=SimpleNamespace(class_names=list(class_names)))
         prepare_images(cfg, ds)  # the model's transform, and the eval loader normalises, as training did
         return ds
+    if d.source in ("webdataset", "hf_stream"):  # the validation split only, labelled with the model's classes
+        ds = (webdataset_split if d.source == "webdataset" else hf_stream_split)(cfg, "val", list(class_names))
+        prepare_images(cfg, ds)  # the model's transform, and the eval loader normalises, as training did
+        return ds
     if d.source not in ("manifest", "imagefolder"):
-        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder, qm9, hf")
+        raise ConfigError(f"data.source: {d.source!r} is not one of synthetic, manifest, imagefolder, qm9, hf, "
+                          "webdataset, hf_stream")
     if not d.val_path:
         raise ConfigError(f"data.val_path: set it to the {d.source} to evaluate on")
     if d.source == "manifest":

@@ -31,7 +31,7 @@ from mtl.data.loader import (
     data_position,
     normalizing,
     resume_position,
-    set_epoch,
+    start_at,
     to_device,
     verify_train_size,
 )
@@ -54,8 +54,7 @@ class LoaderFeed:
     def batches(self) -> Iterator[tuple[int, dict]]:
         """(index in the epoch, batch) from the current position on; the position follows what is handed out."""
         while True:
-            set_epoch(self.loader, self.epoch)
-            self.loader.sampler.set_start(self.batch_in_epoch * self.batch_size)
+            start_at(self.loader, self.epoch, self.batch_in_epoch)
             for i, batch in enumerate(self.loader, start=self.batch_in_epoch):
                 self.batch_in_epoch = i + 1
                 yield i, batch
@@ -67,10 +66,14 @@ class LoaderFeed:
         return next(self._stream)
 
     def state_dict(self) -> dict:
-        return {"data": data_position(self.epoch, self.batch_in_epoch, self.batch_size, self.world)}
+        stream = getattr(self.loader, "stream_state", None)  # a streamed source: the split its position needs
+        return {"data": data_position(self.epoch, self.batch_in_epoch, self.batch_size, self.world),
+                **({"stream": stream()} if stream else {})}
 
     def load_state_dict(self, state: dict) -> list[str]:
         """Continue where ``state["data"]`` says, at this run's batch size and world size; returns notes."""
+        if hasattr(self.loader, "verify_resume"):  # a stream continues on its own split only, else refused by name
+            self.loader.verify_resume(state.get("stream") or {"world_size": None, "num_workers": None})
         self.epoch, self.batch_in_epoch, again = resume_position(state["data"], self.batch_size, self.world)
         return [f"resume: the checkpoint's position falls inside a batch of this run's global batch; its last "
                 f"{again} sample(s) are seen again"] if again else []
@@ -145,6 +148,9 @@ class Feed:
         else:
             text = (f"multi-input, sampling.policy={d.sampling.policy}, per-task rows per process: "
                     + ", ".join(f"{t}={n}" for t, n in self.plan.batch_sizes.items()))
+        stream = getattr(getattr(self.train, "loader", None), "dataset", None)
+        if hasattr(stream, "epoch_text"):  # a streamed source (mtl/data/streamed.py): its epoch's length and cut
+            text += f", {stream.epoch_text()}"
         if self.heldout is not None:
             text += f", {d.heldout} training items held out for {cfg.weighting.method}'s meta update"
         return text

@@ -21,6 +21,8 @@ from mtl.config.keys import check_options, config_keys
 from mtl.config.load import interpolation_errors, load_config_collecting
 from mtl.config.read_rules import unread_errors
 from mtl.data.images import normalize_problem, resolve_image_size
+from mtl.data.parquet_stream import hf_stream_errors
+from mtl.data.streamed import webdataset_errors
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
 from mtl.models.backbones import backbone_types, unknown_backbone
@@ -91,7 +93,8 @@ def _choices(errors, cfg) -> None:
     """The keys that name one of a fixed set of values (and data.augment's ranges), and the seed's range."""
     _choice(errors, "precision", cfg.precision, ("fp32", "bf16", "fp16"))
     _choice(errors, "device", cfg.device, ("auto", "cpu", "cuda"))
-    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9", "hf"))
+    _choice(errors, "data.source", cfg.data.source, ("synthetic", "manifest", "imagefolder", "qm9", "hf", "webdataset",
+                                                       "hf_stream"))
     _choice(errors, "data.on_error", cfg.data.on_error, ("raise", "skip"))
     if normalize_problem(cfg.data.normalize):  # auto | none | imagenet | {mean: [...], std: [...]}
         errors.append(normalize_problem(cfg.data.normalize))
@@ -188,6 +191,8 @@ def _size_errors(errors, cfg, backbone) -> None:
         errors += qm9_errors(cfg, backbone)
     elif cfg.data.source == "hf":
         errors += hf_errors(cfg)
+    elif cfg.data.source in ("webdataset", "hf_stream"):
+        errors += (webdataset_errors if cfg.data.source == "webdataset" else hf_stream_errors)(cfg)
     elif cfg.data.train_path is None or cfg.data.val_path is None:
         errors.append(f"data.train_path / data.val_path: data.source={cfg.data.source} needs both paths")
     if not 0.0 <= cfg.model.decoder.dropout < 1.0:
