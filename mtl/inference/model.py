@@ -104,8 +104,8 @@ class Predictor:
     def _predict_batch(self, x: torch.Tensor, num_beams: int) -> list[dict]:
         rows: list[dict] = [{} for _ in range(x.shape[0])]
         with self.model.autocast(self.device.type):
-            features = self.model.backbone(x)
-            for t, head in self.model.heads.items():  # each task says what it predicts (TaskHead.predict)
+            for t, features in self.model.features_by_task(x, list(self.model.heads)):  # per-task adapters: each its own
+                head = self.model.heads[t]  # each task says what it predicts (TaskHead.predict)
                 for row, part in zip(rows, head.predict(self.model.task_features(t, features), num_beams=num_beams)):
                     row.update(part)
         return rows
