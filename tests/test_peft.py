@@ -1,0 +1,180 @@
+"""``model.peft`` (mtl/models/peft_adapters.py): LoRA adapters through peft on the hf_vision encoder, the GPT-2 caption
+decoder and the timm backbone, the base frozen; per-task adapters each active only in its task's forward, with a shared
+adapter beside them; the parameters source of a gradient-level method covers the trainable parameters only; bad input
+is one message naming the key and the fix, exit 2, nothing written.
+
+The 2-processes-equal-1-process proofs (DDP and FSDP2), the naive setup's DDP failure and kill-then-resume are in
+tests/test_peft_ddp.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import train
+from mtl.setup.build import build_run_inputs
+from mtl.setup.checks import load_run_config
+
+from .conftest import ROOT
+from .pretrained_folders import local_pretrained
+
+VIT_GPT2 = os.path.join(ROOT, "configs", "vit_gpt2.yaml")
+SMALL = ["data.batch_size=4", "data.eval_batch_size=4", "data.synthetic.train_size=8", "data.synthetic.val_size=4",
+         "trainer.max_steps=1", "trainer.eval_every=1", "trainer.eval_max_batches=1", "trainer.num_samples=0",
+         "checkpoint.every_steps=1", "trainer.progress=false", "optim.warmup_steps=0", "model.decoder.dropout=0.0"]
+LORA = ["model.peft.method=lora", "model.peft.r=4", "model.peft.alpha=8"]
+PER_TASK = [*LORA, "model.peft.per_task=true", "model.peft.shared=true", "ddp.strategy=find_unused"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The overrides pointing configs/vit_gpt2.yaml at a tiny ViT and GPT-2 written into a temporary folder."""
+    from mtl.config.schema import load_config
+
+    return local_pretrained(load_config(VIT_GPT2), tmp_path_factory.mktemp("pretrained"))
+
+
+def model_of(folders, tmp_path, *extra):
+    cfg = load_run_config(VIT_GPT2, [*folders, *SMALL, f"output_dir={tmp_path / 'run'}", *extra], announce=False)
+    return build_run_inputs(cfg)
+
+
+def test_lora_comes_from_peft_and_freezes_the_base_of_the_encoder_and_the_decoder(folders, tmp_path):
+    from peft.tuners.lora import LoraLayer
+
+    model = model_of(folders, tmp_path, *LORA).model
+    lora = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    assert any(n.startswith("backbone.model.") for n in lora)  # the ViT's query/value projections
+    assert any(n.startswith("heads.gen.decoder.lm.") and n.endswith("attn.c_attn") for n in lora)  # GPT-2's
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    for n, _ in model.named_parameters():
+        if n.startswith("backbone.") or (n.startswith("heads.gen.decoder.lm.") and "cross" not in n):
+            assert (n in trainable) == ("lora_" in n), n  # the pretrained base: frozen; the adapters: trained
+    assert any(n.startswith("heads.cls.") for n in trainable)  # the heads train
+    assert any("crossattention" in n and "lora_" not in n for n in trainable)  # GPT-2 has none: trained as a head
+    notes = model.peft_notes
+    total, train_n = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters()
+                                                                     if p.requires_grad)
+    assert notes[-1] == (f"model.peft: {train_n:,} trainable of {total:,} parameters "
+                         f"({100 * train_n / total:.2f}%)")
+
+
+def test_the_main_job_is_unchanged_peft_is_off_by_default():
+    cfg = load_run_config(os.path.join(ROOT, "configs", "default.yaml"), [], announce=False)
+    assert cfg.model.peft.method is None
+    model = build_run_inputs(load_run_config(os.path.join(ROOT, "configs", "tiny.yaml"), [], announce=False)).model
+    assert model.adapters is None and model.peft_notes == []
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_the_start_up_prints_the_trainable_and_total_counts(folders, tmp_path, capsys):
+    assert train.main(["--config", VIT_GPT2, *folders, *SMALL, *LORA, "ddp.strategy=combined",
+                       f"output_dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert "model.peft: LoRA r=4 alpha=8.0 on 4 encoder layers, adapters default" in out
+    assert "trainable of" in out and "parameters (" in out
+
+
+def test_each_task_s_adapter_is_active_only_in_its_task_s_forward(folders, tmp_path):
+    """per_task + shared: task t's forward reaches its own adapter and the shared one, never another task's; the
+    encoder runs once per task, and each task's features differ (its adapter is in them)."""
+    inputs = model_of(folders, tmp_path, *PER_TASK)
+    model = inputs.model
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # LoRA starts at B = 0: an adapter adds nothing until B moves; move it to see it
+            torch.nn.init.normal_(p, std=0.1)
+    batch = next(iter(inputs.train_loader()))
+    for task in ("cls", "gen"):
+        model.zero_grad(set_to_none=True)
+        model(batch, tasks=[task])["losses"][task].backward()
+        got = {n.split(".lora_")[1].split(".")[1] for n, p in model.backbone.named_parameters()
+               if "lora_" in n and p.grad is not None and p.grad.abs().sum() > 0}
+        assert got == {f"task_{task}", "default"}, (task, got)
+    x = batch["image"]
+    feats = dict(model.features_by_task(x, ["cls", "gen"]))
+    assert not torch.allclose(feats["cls"], feats["gen"])
+    with model.adapters.active("cls"):
+        assert torch.equal(model.backbone(x), feats["cls"])
+    assert not torch.allclose(model.backbone(x), feats["cls"])  # outside a task: the shared adapter alone
+
+
+def test_the_timm_backbone_gets_peft_s_layers(tmp_path):
+    pytest.importorskip("timm")
+    from peft.tuners.lora import LoraLayer
+
+    inputs = build_run_inputs(load_run_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
+        "model.backbone.name=timm", "model.backbone.options.model=vit_tiny_patch16_224",
+        "model.backbone.options.img_size=32", "model.backbone.options.patch_size=8",
+        "model.backbone.options.embed_dim=32", "model.backbone.options.depth=2", "model.backbone.options.num_heads=2",
+        *LORA, "ddp.strategy=combined", f"output_dir={tmp_path}"], announce=False))
+    model = inputs.model
+    lora = [n for n, m in model.backbone.named_modules() if isinstance(m, LoraLayer)]
+    assert lora and all(n.endswith(".qkv") for n in lora)  # auto: timm's qkv
+    assert not any(p.requires_grad for n, p in model.backbone.named_parameters() if "lora_" not in n)
+    batch = next(iter(inputs.train_loader()))
+    sum(model(batch)["losses"].values()).backward()
+    assert all(p.grad is not None for n, p in model.backbone.named_parameters() if "lora_A" in n)
+
+
+def test_the_parameters_source_covers_the_trainable_parameters_only(folders, tmp_path):
+    """task_grads with a gradient-level method: its K x P matrix holds the adapters' gradients alone."""
+    from mtl.run.trainer import Trainer
+
+    trainer = Trainer.from_config(VIT_GPT2, [*folders, *SMALL, *LORA, "ddp.strategy=task_grads",
+                                             "weighting.method=mgda", f"output_dir={tmp_path / 'run'}"])
+    try:
+        trainer.step_once()
+        backbone = list(trainer.bare.backbone.named_parameters())
+        adapters = sum(p.numel() for n, p in backbone if "lora_" in n)
+        frozen = sum(p.numel() for n, p in backbone if "lora_" not in n)
+        k = len(trainer.tasks)
+        assert trainer.strategy._buf.numel() == k + k * adapters  # [K losses, G (K x P)]: P the adapters' count
+        assert frozen > 10 * adapters  # and the frozen base, ten times more, is not in it
+        assert all(p.grad is None for n, p in backbone if "lora_" not in n)
+    finally:
+        trainer.close()
+
+
+# ------------------------------------------------------------------ bad input: one message, exit 2, nothing written
+
+
+@pytest.mark.parametrize("extra, says", [
+    ([*LORA, "model.peft.target_modules=[nothing_here]"],
+     ["model.peft.target_modules: ['nothing_here'] match no layer of the hf_vision encoder", "q_proj",
+      "model.peft.target_modules=auto"]),
+    ([*LORA, "model.peft.per_task=true", "ddp.strategy=feature_leaf"],
+     ["model.peft.per_task: true needs one encoder forward per task", "ddp.strategy=feature_leaf",
+      "set ddp.strategy to combined, find_unused, accumulate or placeholder"]),
+    ([*LORA, "model.peft.per_task=true", "ddp.strategy=task_grads", "weighting.method=mgda"],
+     ["model.peft.per_task: true needs one encoder forward per task", "ddp.strategy=task_grads"]),
+    ([*LORA, "model.peft.shared=true", "ddp.strategy=combined"], ["model.peft.shared: true", "model.peft.per_task=true"]),
+])
+def test_bad_peft_input_is_one_message_exit_2_and_nothing_written(folders, tmp_path, capsys, extra, says):
+    out = tmp_path / "run"
+    code = train.main(["--config", VIT_GPT2, *folders, *SMALL, *extra, f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and "Traceback" not in err, err
+    for s in says:
+        assert s in err, (s, err)
+
+
+def test_peft_on_a_backbone_it_cannot_wrap_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = train.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), *LORA, f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists() and "Traceback" not in err, err
+    assert "model.peft: the 'resnet18' backbone cannot be wrapped by peft here" in err
+    assert "set model.backbone.name to one of them, or remove model.peft.method" in err
+
+
+def test_without_the_peft_library_one_message_names_the_extra(tmp_path, capsys, monkeypatch):
+    from mtl.models import peft_adapters
+
+    monkeypatch.setattr(peft_adapters, "installed", lambda: False)
+    out = tmp_path / "run"
+    code = train.main(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), *LORA, f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 2 and not out.exists()
+    assert err.count("pip install -e '.[peft]'") == 1 and "model.peft: the peft library is not installed" in err
