@@ -184,23 +184,24 @@ def test_the_naive_setup_with_per_task_adapters_fails_under_ddp_and_the_strategi
 
 @pytest.mark.slow
 def test_sigkill_then_resume_with_per_task_lora_is_bitwise_identical(tmp_path, folders):
-    """tests/test_reliability.py's kill test on per-task + shared LoRA (2 ranks, DDP, accumulate): the job SIGKILLed
+    """tests/test_reliability.py's kill test on per-task + shared LoRA (one process, accumulate; the DDP side of the
+    per-task step is the parity run's, and of the checkpoint tests/test_reliability.py's): the job SIGKILLed
     past its step-4 checkpoint, then resumed; it continues from that checkpoint and ends byte for byte where the
     uninterrupted run ends."""
     from .resume_check import check_resume, snapshot
     from .test_reliability import FAST, kill_job, model_bytes, start, wait_for_step
 
-    args = ["--config", VIT_GPT2, *folders, *LAYOUTS["per_task"], "ddp.strategy=accumulate", "trainer.max_steps=10",
+    args = ["--config", VIT_GPT2, *folders, *LAYOUTS["per_task"], "ddp.strategy=accumulate", "trainer.max_steps=8",
             "model.decoder.dropout=0.1", "model.peft.dropout=0.1", "data.batch_size=4",
             "data.synthetic.train_size=64", "data.synthetic.val_size=4", "trainer.num_samples=0",
             "data.num_workers=0", *FAST]
     ref, cut = str(tmp_path / "ref"), str(tmp_path / "cut")
-    run_train([*args, f"output_dir={ref}"], nproc=2)
-    proc = start([*args, f"output_dir={cut}"], nproc=2)
+    run_train([*args, f"output_dir={ref}"])
+    proc = start([*args, f"output_dir={cut}"])
     wait_for_step(proc, cut, 5)  # past the step-4 checkpoint
-    assert len(kill_job(proc)) >= 3
+    assert kill_job(proc)
     before = snapshot(cut)
-    assert 0 < before.step < 10
-    run_train([*args, f"output_dir={cut}"], nproc=2)
-    check_resume(cut, before, last_step=10)
-    assert model_bytes(ref, 10) == model_bytes(cut, 10)
+    assert 0 < before.step < 8
+    run_train([*args, f"output_dir={cut}"])
+    check_resume(cut, before, last_step=8)
+    assert model_bytes(ref, 8) == model_bytes(cut, 8)
