@@ -178,3 +178,65 @@ def test_without_the_peft_library_one_message_names_the_extra(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert code == 2 and not out.exists()
     assert err.count("pip install -e '.[peft]'") == 1 and "model.peft: the peft library is not installed" in err
+
+
+# ------------------------------------------------------------------ checkpoint.trainable_only
+
+TRAINABLE_ONLY = [*PER_TASK, "ddp.strategy=accumulate", "checkpoint.trainable_only=true", "checkpoint.every_steps=2",
+                  "trainer.max_steps=4", "trainer.eval_every=100", "model.decoder.dropout=0.1", "trainer.log_every=1",
+                  "data.synthetic.train_size=16"]
+
+
+@pytest.mark.slow  # three short training runs in this process
+def test_trainable_only_checkpoints_hold_adapters_and_heads_and_resume_exactly(folders, tmp_path, capsys):
+    """The checkpoint holds the trained parameters and buffers alone, names its base by folder and hash, and a run
+    resumed from its step 2 ends byte for byte where the uninterrupted run ends; predict loads it onto the base."""
+    from safetensors.torch import load_file
+
+    from mtl.checkpoint.folder import read_trainer_state
+    from mtl.inference import load_model
+
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    assert train.main(["--config", VIT_GPT2, *folders, *SMALL, *TRAINABLE_ONLY, f"output_dir={ref}"]) == 0
+    assert train.main(["--config", VIT_GPT2, *folders, *SMALL, *TRAINABLE_ONLY, f"output_dir={cut}",
+                       f"resume={ref / 'checkpoints' / 'step_2'}"]) == 0
+    capsys.readouterr()
+    step4 = ref / "checkpoints" / "step_4"
+    assert (step4 / "model.safetensors").read_bytes() == (cut / "checkpoints" / "step_4" / "model.safetensors").read_bytes()
+    saved = load_file(str(step4 / "model.safetensors"))
+    model = model_of(folders, tmp_path, *TRAINABLE_ONLY).model
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained <= set(saved) and not any(n in saved for n, p in model.named_parameters() if not p.requires_grad)
+    assert any(".lora_A.task_cls." in k for k in saved) and "backbone.model.layers.0.attention.q_proj.base_layer.weight" \
+        not in saved
+    base = read_trainer_state(str(step4))["base"]
+    assert set(base) == {"model.backbone.pretrained", "model.decoder.pretrained"}
+    assert all(len(b["sha256"]) == 64 for b in base.values())
+    predictor = load_model(str(step4))
+    image = torch.rand(2, 3, 32, 32)
+    assert predictor.predict(image) == load_model(str(cut / "checkpoints" / "step_4")).predict(image)
+
+
+@pytest.mark.slow  # three short training runs in this process
+def test_a_trainable_only_checkpoint_on_another_base_is_refused_and_nothing_written(folders, tmp_path, capsys):
+    """The base folder's weights replaced (same path, other weights): the resume is one message naming the key and
+    the fix, exit 2, and the run folder is left as it was."""
+    import shutil
+
+    from .pretrained_folders import tiny_pretrained
+
+    vit = [f for f in folders if f.startswith("model.backbone.pretrained=")][0].split("=", 1)[1]
+    base = tmp_path / "vit"
+    shutil.copytree(vit, base)
+    args = ["--config", VIT_GPT2, *folders, *SMALL, *TRAINABLE_ONLY, f"model.backbone.pretrained={base}",
+            "trainer.max_steps=2", f"output_dir={tmp_path / 'run'}"]
+    assert train.main(args) == 0
+    other = tiny_pretrained().write_vit(str(tmp_path / "other"), seed=1)
+    shutil.copy(os.path.join(other, "model.safetensors"), base / "model.safetensors")
+    before = sorted(str(p) + str(p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*"))
+    capsys.readouterr()
+    assert train.main([*args[:-2], "trainer.max_steps=4", f"output_dir={tmp_path / 'run'}", "resume=auto"]) == 2
+    err = capsys.readouterr().err
+    assert "model.backbone.pretrained:" in err and "checkpoint.trainable_only" in err and "Traceback" not in err
+    assert "point model.backbone.pretrained at that base folder" in err
+    assert sorted(str(p) + str(p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == before

@@ -266,6 +266,9 @@ class CheckpointConfig:
     # pruning never removes (mtl/run/best.py); null: none
     best_metric: str | None = None
     best_mode: str = "max"  # max | min: whether a higher or a lower value of best_metric is better
+    # model.peft runs: checkpoints hold the trained parameters (adapters, heads) alone, the frozen base named by its
+    # folder and hash (model.backbone.pretrained, model.decoder.pretrained); resume, predict and export read that base
+    trainable_only: bool = False
 
 
 @dataclass

@@ -163,6 +163,9 @@ def count_note(model: nn.Module) -> str:
 def check(cfg, strategy: type | None) -> list[str]:
     """Static problems of ``model.peft`` (no model built): the library, the method, the backbone, per_task's strategy."""
     if not peft_on(cfg):
+        if cfg.get("checkpoint") is not None and cfg.checkpoint.get("trainable_only"):
+            return ["checkpoint.trainable_only: true keeps the adapters and heads alone, and this run trains no "
+                    "adapters; set model.peft.method=lora, or checkpoint.trainable_only=false"]
         return []
     p, errors = cfg.model.peft, []
     if not installed():
