@@ -9,6 +9,7 @@ tests/test_peft_ddp.py."""
 from __future__ import annotations
 
 import os
+import textwrap
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from mtl.setup.checks import load_run_config
 
 from .conftest import ROOT
 from .pretrained_folders import local_pretrained
+from .test_interop import NO_MTL
 
 VIT_GPT2 = os.path.join(ROOT, "configs", "vit_gpt2.yaml")
 SMALL = ["data.batch_size=4", "data.eval_batch_size=4", "data.synthetic.train_size=8", "data.synthetic.val_size=4",
@@ -240,3 +242,68 @@ def test_a_trainable_only_checkpoint_on_another_base_is_refused_and_nothing_writ
     assert "model.backbone.pretrained:" in err and "checkpoint.trainable_only" in err and "Traceback" not in err
     assert "point model.backbone.pretrained at that base folder" in err
     assert sorted(str(p) + str(p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")) == before
+
+
+# ------------------------------------------------------------------ export: merged into today's plain folders
+
+MERGED_CHECK = NO_MTL + textwrap.dedent('''
+    import torch
+    import transformers
+    transformers.utils.logging.set_verbosity_error()
+    export, expected_file = sys.argv[1], sys.argv[2]
+    expected = torch.load(expected_file, weights_only=True)
+    captioner = transformers.VisionEncoderDecoderModel.from_pretrained(f"{export}/hf_captioner").eval()
+    assert not any("lora" in n for n, _ in captioner.named_parameters())  # merged: a plain model
+    tokenizer = transformers.AutoProcessor.from_pretrained(f"{export}/hf_captioner").tokenizer
+    with torch.no_grad():
+        ids = captioner.generate(pixel_values=expected["pixel_values"], num_beams=1, do_sample=False,
+                                 max_new_tokens=expected["max_new_tokens"])
+        captions = [" ".join(t.split()) for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+        assert captions == expected["captions"], (captions, expected["captions"])
+        program = torch.export.load(f"{export}/image_program.pt2").module()
+        _, logits = program(expected["images"])
+    assert logits.argmax(1).tolist() == expected["classes"], (logits.argmax(1).tolist(), expected["classes"])
+    assert (logits.softmax(1).max(1).values - torch.tensor(expected["probs"])).abs().max() < 1e-4
+    print(json.dumps({"captions": len(captions)}))
+''')
+
+
+@pytest.mark.slow  # trains, exports, and loads the export in a process without mtl
+@pytest.mark.parametrize("layout", ["shared", "per_task"])
+def test_a_merged_lora_export_gives_mtl_s_classes_and_captions_without_mtl(folders, tmp_path, layout):
+    """The adapters merged into the base (with per-task adapters: the caption task's into the captioner's encoder,
+    the class task's into the image program's) and peft's layers gone: transformers' VisionEncoderDecoderModel and
+    the torch image program give what mtl's predict gives, in a process that cannot import mtl."""
+    import json
+    import subprocess
+    import sys
+
+    from mtl.data.images import normalize_images
+    from mtl.inference import load_model
+    from mtl.tools import export as export_tool
+
+    extra = PER_TASK if layout == "per_task" else [*LORA, "ddp.strategy=combined"]
+    run = tmp_path / "run"
+    assert train.main(["--config", VIT_GPT2, *folders, *SMALL, *extra, "trainer.max_steps=3", "optim.lr=0.05",
+                       "checkpoint.every_steps=3", f"output_dir={run}"]) == 0
+    for n, p in load_model(str(run / "checkpoints" / "step_3")).model.named_parameters():
+        if "lora_B" in n:
+            assert float(p.abs().max()) > 0, n  # the adapters trained: merging them changes the weights
+    export = tmp_path / "export"
+    assert export_tool.main(["--checkpoint", str(run), "--out", str(export)]) == 0
+    predictor = load_model(str(export))
+    images = torch.rand(4, 3, 32, 32)
+    got = predictor.predict(images)
+    expected = {"images": images, "pixel_values": normalize_images(images, predictor.normalization),
+                "max_new_tokens": predictor.model.heads["gen"].max_new_tokens,
+                "captions": [p["caption"] for p in got], "classes": [p["class_index"] for p in got],
+                "probs": [p["prob"] for p in got]}
+    assert any(expected["captions"]), "empty captions only would make the comparison meaningless"
+    torch.save(expected, tmp_path / "expected.pt")
+    script = tmp_path / "check.py"
+    script.write_text(MERGED_CHECK)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-I", str(script), str(export), str(tmp_path / "expected.pt")],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["captions"] == 4

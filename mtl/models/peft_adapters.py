@@ -200,3 +200,30 @@ def target_errors(cfg, module: nn.Module, where: str) -> list[str]:
     tails = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, kinds)})
     return [f"model.peft.target_modules: {cfg.model.peft.target_modules} match no layer of the {where} that peft can "
             f"adapt; name some of its layers ({', '.join(tails[:12])}), or set model.peft.target_modules=auto"]
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return installed() and bool(tuner_layers(model))
+
+
+def merged_copy(model: nn.Module, task: str | None = None) -> nn.Module:
+    """A copy of ``model`` whose LoRA adapters are merged into the base weights and peft's layers replaced by their
+    base layers (peft's ``merge_and_unload``, layer by layer, with peft's own ``merge``): a plain model for export.
+    Per-task adapters: ``task``'s and the shared one merged into the encoder (no task: the shared one alone)."""
+    import copy
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out = copy.deepcopy(model)
+    switch, encoder = getattr(out, "adapters", None), set(map(id, tuner_layers(out.backbone)))
+    for name, layer in list(out.named_modules()):
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        names = (switch.names(task) if task else switch.idle()) if switch is not None and id(layer) in encoder \
+            else [SHARED]
+        if names:
+            layer.merge(adapter_names=names)
+        parent, _, child = name.rpartition(".")
+        setattr(out.get_submodule(parent) if parent else out, child, layer.get_base_layer())
+    out.adapters = None
+    return out
