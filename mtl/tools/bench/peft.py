@@ -40,7 +40,7 @@ VARIANTS = {"full": ["ddp.strategy=combined"], "lora": [*LORA, "ddp.strategy=com
 
 
 def _trainer(args, out: str, extra: list[str]):
-    from mtl.run.trainer import Trainer
+    from mtl.run.trainer import Trainer  # import here: --help answers without loading the trainer
 
     p = args.pretrained
     return Trainer.from_config(CONFIG, [f"output_dir={out}", f"model.backbone.pretrained={p}/vit",
