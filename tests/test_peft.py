@@ -264,16 +264,34 @@ MERGED_CHECK = NO_MTL + textwrap.dedent('''
         _, logits = program(expected["images"])
     assert logits.argmax(1).tolist() == expected["classes"], (logits.argmax(1).tolist(), expected["classes"])
     assert (logits.softmax(1).max(1).values - torch.tensor(expected["probs"])).abs().max() < 1e-4
+    # the adapters apart: peft's own folders onto the base folder, the class head from mtl's model.safetensors
+    import peft
+    from safetensors.torch import load_file
+    base = transformers.AutoModel.from_pretrained(expected["base"], add_pooling_layer=False).eval()
+    first, *more = expected["adapters"]
+    encoder = peft.PeftModel.from_pretrained(base, f"{export}/peft_adapters/encoder/{first[1]}",
+                                             adapter_name=first[0]).eval()
+    for name, sub in more:
+        encoder.load_adapter(f"{export}/peft_adapters/encoder/{sub}", adapter_name=name)
+    encoder.base_model.set_adapter([name for name, _ in expected["adapters"]])
+    head = load_file(f"{export}/model.safetensors")
+    with torch.no_grad():
+        h = encoder(pixel_values=expected["pixel_values"]).last_hidden_state[:, 0]
+        logits = h @ head["heads.cls.fc.weight"].T + head["heads.cls.fc.bias"]
+    assert logits.argmax(1).tolist() == expected["classes"], (logits.argmax(1).tolist(), expected["classes"])
+    assert (logits.softmax(1).max(1).values - torch.tensor(expected["probs"])).abs().max() < 1e-4
     print(json.dumps({"captions": len(captions)}))
 ''')
 
 
 @pytest.mark.slow  # trains, exports, and loads the export in a process without mtl
 @pytest.mark.parametrize("layout", ["shared", "per_task"])
-def test_a_merged_lora_export_gives_mtl_s_classes_and_captions_without_mtl(folders, tmp_path, layout):
-    """The adapters merged into the base (with per-task adapters: the caption task's into the captioner's encoder,
-    the class task's into the image program's) and peft's layers gone: transformers' VisionEncoderDecoderModel and
-    the torch image program give what mtl's predict gives, in a process that cannot import mtl."""
+def test_a_lora_export_gives_mtl_s_classes_and_captions_without_mtl(folders, tmp_path, layout):
+    """Merged: the adapters merged into the base (with per-task adapters: the caption task's into the captioner's
+    encoder, the class task's into the image program's) and peft's layers gone: transformers' VisionEncoderDecoderModel
+    and the torch image program give what mtl's predict gives. Apart: peft's adapter folders of the encoder, loaded by
+    PeftModel.from_pretrained onto the base folder (the class task's and the shared one active), with the class head
+    from model.safetensors, give mtl's classes. All in a process that cannot import mtl."""
     import json
     import subprocess
     import sys
@@ -291,13 +309,22 @@ def test_a_merged_lora_export_gives_mtl_s_classes_and_captions_without_mtl(folde
             assert float(p.abs().max()) > 0, n  # the adapters trained: merging them changes the weights
     export = tmp_path / "export"
     assert export_tool.main(["--checkpoint", str(run), "--out", str(export)]) == 0
+    from safetensors.torch import load_file
+
+    for _, sub in ([("task_cls", "task_cls"), ("default", "default")] if layout == "per_task" else [("", "")]):
+        saved = load_file(str(export / "peft_adapters" / "encoder" / sub / "adapter_model.safetensors"))
+        assert all(k.startswith("base_model.model.layers.") for k in saved)  # onto the ViT as transformers loads it
+        assert any(".lora_B." in k and float(v.abs().max()) > 0 for k, v in saved.items())  # the trained adapter
     predictor = load_model(str(export))
     images = torch.rand(4, 3, 32, 32)
     got = predictor.predict(images)
     expected = {"images": images, "pixel_values": normalize_images(images, predictor.normalization),
                 "max_new_tokens": predictor.model.heads["gen"].max_new_tokens,
                 "captions": [p["caption"] for p in got], "classes": [p["class_index"] for p in got],
-                "probs": [p["prob"] for p in got]}
+                "probs": [p["prob"] for p in got],
+                "base": [f for f in folders if f.startswith("model.backbone.pretrained=")][0].split("=", 1)[1],
+                "adapters": [("task_cls", "task_cls"), ("default", "default")] if layout == "per_task"
+                else [("default", "")]}
     assert any(expected["captions"]), "empty captions only would make the comparison meaningless"
     torch.save(expected, tmp_path / "expected.pt")
     script = tmp_path / "check.py"

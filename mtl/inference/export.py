@@ -72,6 +72,8 @@ def export_model(path: str, out: str, trust_plugins: bool = False) -> str:
                 f.write(data)
         # the decoder for transformers, the backbone for torchvision (interop.py); model.peft: the adapters merged
         write_interop(tmp, predictor, merged_for_task(predictor))
+        if peft_adapters.has_adapters(predictor.model):  # and the adapters apart, for PeftModel.from_pretrained
+            peft_adapters.write_encoder_adapters(tmp, predictor.model)
         write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above

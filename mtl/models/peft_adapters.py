@@ -227,3 +227,38 @@ def merged_copy(model: nn.Module, task: str | None = None) -> nn.Module:
         setattr(out.get_submodule(parent) if parent else out, child, layer.get_base_layer())
     out.adapters = None
     return out
+
+
+ADAPTERS_DIR = "peft_adapters"  # an export's adapters, apart from the base: one peft adapter folder each
+
+
+def write_encoder_adapters(folder: str, model: nn.Module) -> list[str]:
+    """``folder/peft_adapters/encoder[/<adapter>]``: each encoder adapter as peft saves one (``adapter_config.json``,
+    ``adapter_model.safetensors``), which ``PeftModel.from_pretrained`` loads onto the base folder
+    (``model.backbone.pretrained``'s model). One adapter: ``encoder/``; per-task ones: ``encoder/<adapter>/``.
+    Returns the folders written (none where the encoder has no adapters)."""
+    import os
+
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    encoder = getattr(model.backbone, "model", None)  # the library's model: the base folder's
+    layers = tuner_layers(encoder) if encoder is not None and hasattr(model.backbone, "peft_config") else []
+    if not layers:
+        return []
+    names = sorted({n for layer in layers for n in layer.lora_A.keys()})
+    targets = [n for n, m in encoder.named_modules() if m in layers]
+    written = []
+    for name in names:
+        out = os.path.join(folder, ADAPTERS_DIR, "encoder", *([] if names == [SHARED] else [name]))
+        os.makedirs(out, exist_ok=True)
+        first = layers[0]
+        config = LoraConfig(r=int(first.r[name]), lora_alpha=float(first.lora_alpha[name]), target_modules=targets,
+                            lora_dropout=0.0, bias="none")
+        config.save_pretrained(out)
+        state = get_peft_model_state_dict(model.backbone, adapter_name=name)  # peft_config is the backbone's
+        save_file({f"base_model.model.{k.removeprefix('model.')}": v.detach().cpu().contiguous()
+                   for k, v in state.items()},
+                  os.path.join(out, "adapter_model.safetensors"))
+        written.append(out)
+    return written
