@@ -280,6 +280,26 @@ MERGED_CHECK = NO_MTL + textwrap.dedent('''
         logits = h @ head["heads.cls.fc.weight"].T + head["heads.cls.fc.bias"]
     assert logits.argmax(1).tolist() == expected["classes"], (logits.argmax(1).tolist(), expected["classes"])
     assert (logits.softmax(1).max(1).values - torch.tensor(expected["probs"])).abs().max() < 1e-4
+    # captions: the caption task's encoder adapters and the decoder's adapter (with its cross-attention), merged by peft
+    encoder = peft.PeftModel.from_pretrained(
+        transformers.AutoModel.from_pretrained(expected["base"], add_pooling_layer=False),
+        f"{export}/peft_adapters/encoder/{expected['gen_adapters'][0][1]}", adapter_name=expected["gen_adapters"][0][0])
+    for name, sub in expected["gen_adapters"][1:]:
+        encoder.load_adapter(f"{export}/peft_adapters/encoder/{sub}", adapter_name=name)
+    encoder.base_model.set_adapter([name for name, _ in expected["gen_adapters"]])
+    decoder = peft.PeftModel.from_pretrained(
+        transformers.GPT2LMHeadModel.from_pretrained(expected["decoder_base"], add_cross_attention=True),
+        f"{export}/peft_adapters/decoder")
+    ved = transformers.VisionEncoderDecoderModel(encoder=encoder.merge_and_unload(),
+                                                 decoder=decoder.merge_and_unload()).eval()
+    ved.generation_config = transformers.GenerationConfig.from_pretrained(f"{export}/hf_captioner")
+    ved.config.decoder_start_token_id = ved.generation_config.decoder_start_token_id
+    ved.config.pad_token_id = ved.generation_config.pad_token_id
+    with torch.no_grad():
+        ids = ved.generate(pixel_values=expected["pixel_values"], num_beams=1, do_sample=False,
+                           max_new_tokens=expected["max_new_tokens"])
+    apart = [" ".join(t.split()) for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+    assert apart == expected["captions"], (apart, expected["captions"])
     print(json.dumps({"captions": len(captions)}))
 ''')
 
@@ -291,7 +311,9 @@ def test_a_lora_export_gives_mtl_s_classes_and_captions_without_mtl(folders, tmp
     encoder, the class task's into the image program's) and peft's layers gone: transformers' VisionEncoderDecoderModel
     and the torch image program give what mtl's predict gives. Apart: peft's adapter folders of the encoder, loaded by
     PeftModel.from_pretrained onto the base folder (the class task's and the shared one active), with the class head
-    from model.safetensors, give mtl's classes. All in a process that cannot import mtl."""
+    from model.safetensors, give mtl's classes; the caption task's and the GPT-2 decoder's (its cross-attention
+    in modules_to_save) onto the base ViT and GPT-2 folders, merged by peft's merge_and_unload into a
+    VisionEncoderDecoderModel, give mtl's captions. All in a process that cannot import mtl."""
     import json
     import subprocess
     import sys
@@ -315,6 +337,8 @@ def test_a_lora_export_gives_mtl_s_classes_and_captions_without_mtl(folders, tmp
         saved = load_file(str(export / "peft_adapters" / "encoder" / sub / "adapter_model.safetensors"))
         assert all(k.startswith("base_model.model.layers.") for k in saved)  # onto the ViT as transformers loads it
         assert any(".lora_B." in k and float(v.abs().max()) > 0 for k, v in saved.items())  # the trained adapter
+    decoder = load_file(str(export / "peft_adapters" / "decoder" / "adapter_model.safetensors"))
+    assert any(".crossattention." in k for k in decoder) and any(".attn.c_attn.lora_B." in k for k in decoder)
     predictor = load_model(str(export))
     images = torch.rand(4, 3, 32, 32)
     got = predictor.predict(images)
@@ -324,7 +348,10 @@ def test_a_lora_export_gives_mtl_s_classes_and_captions_without_mtl(folders, tmp
                 "probs": [p["prob"] for p in got],
                 "base": [f for f in folders if f.startswith("model.backbone.pretrained=")][0].split("=", 1)[1],
                 "adapters": [("task_cls", "task_cls"), ("default", "default")] if layout == "per_task"
-                else [("default", "")]}
+                else [("default", "")],
+                "gen_adapters": [("task_gen", "task_gen"), ("default", "default")] if layout == "per_task"
+                else [("default", "")],
+                "decoder_base": [f for f in folders if f.startswith("model.decoder.pretrained=")][0].split("=", 1)[1]}
     assert any(expected["captions"]), "empty captions only would make the comparison meaningless"
     torch.save(expected, tmp_path / "expected.pt")
     script = tmp_path / "check.py"

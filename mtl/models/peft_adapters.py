@@ -75,11 +75,12 @@ def lora_config(cfg, targets: list[str]):
                       bias="none")
 
 
-def inject(cfg, module: nn.Module, names: list[str], where: str) -> int:
-    """Adapters ``names`` on ``module`` (its base frozen); the number of layers adapted."""
+def inject(cfg, module: nn.Module, names: list[str], where: str, skip: tuple[str, ...] = ()) -> int:
+    """Adapters ``names`` on ``module`` (its base frozen; ``skip``: layers inside modules of these names, which train
+    whole, get none); the number of layers adapted."""
     from peft import inject_adapter_in_model
 
-    layers = matching(module, targets_of(cfg))
+    layers = [n for n in matching(module, targets_of(cfg)) if not set(n.split(".")) & set(skip)]
     if not layers:
         raise ConfigError(target_errors(cfg, module, where))
     for name in names:  # the exact layer names: one target list per model, the same for each adapter
@@ -141,7 +142,7 @@ def apply(cfg, backbone: nn.Module, heads: dict, tasks: list[str]) -> tuple[Task
     notes.append(f"model.peft: LoRA r={p.r} alpha={p.alpha} on {n} encoder layers, adapters {', '.join(names)}")
     for head_name, head in heads.items():
         for dname, dec in _pretrained_decoders(head):
-            n = inject(cfg, dec.lm, [SHARED], f"heads.{head_name}.{dname} GPT-2 decoder")
+            n = inject(cfg, dec.lm, [SHARED], f"heads.{head_name}.{dname} GPT-2 decoder", skip=NEW_IN_DECODER)
             for pname, param in dec.lm.named_parameters():
                 if any(part in pname.split(".") for part in NEW_IN_DECODER) and "lora_" not in pname:
                     param.requires_grad_(True)  # cross-attention: not in a GPT-2 folder, trained as a head is
@@ -242,13 +243,13 @@ def write_encoder_adapters(folder: str, model: nn.Module) -> list[str]:
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import save_file
 
+    written = _write_decoder_adapter(folder, model)
     encoder = getattr(model.backbone, "model", None)  # the library's model: the base folder's
     layers = tuner_layers(encoder) if encoder is not None and hasattr(model.backbone, "peft_config") else []
     if not layers:
-        return []
+        return written
     names = sorted({n for layer in layers for n in layer.lora_A.keys()})
     targets = [n for n, m in encoder.named_modules() if m in layers]
-    written = []
     for name in names:
         out = os.path.join(folder, ADAPTERS_DIR, "encoder", *([] if names == [SHARED] else [name]))
         os.makedirs(out, exist_ok=True)
@@ -261,4 +262,32 @@ def write_encoder_adapters(folder: str, model: nn.Module) -> list[str]:
                    for k, v in state.items()},
                   os.path.join(out, "adapter_model.safetensors"))
         written.append(out)
+    return written
+
+
+def _write_decoder_adapter(folder: str, model: nn.Module) -> list[str]:
+    """``folder/peft_adapters/decoder/``: the caption head's GPT-2 adapter, with its cross-attention (which a GPT-2
+    folder lacks, trained whole) as peft's ``modules_to_save``: ``PeftModel.from_pretrained`` loads it onto
+    ``GPT2LMHeadModel.from_pretrained(base, add_cross_attention=True)``."""
+    import os
+
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    written = []
+    for hname, head in getattr(model, "heads", {}).items():
+        for _, dec in _pretrained_decoders(head):
+            layers = tuner_layers(dec.lm)
+            if not layers or not hasattr(dec.lm, "peft_config"):
+                continue
+            out = os.path.join(folder, ADAPTERS_DIR, "decoder" if hname == "gen" else f"decoder_{hname}")
+            os.makedirs(out, exist_ok=True)
+            targets = [n for n, m in dec.lm.named_modules() if m in layers]
+            LoraConfig(r=int(layers[0].r[SHARED]), lora_alpha=float(layers[0].lora_alpha[SHARED]), bias="none",
+                       target_modules=targets, modules_to_save=list(NEW_IN_DECODER)).save_pretrained(out)
+            state = get_peft_model_state_dict(dec.lm, adapter_name=SHARED)
+            state.update({k: v for k, v in dec.lm.state_dict().items() if set(k.split(".")) & set(NEW_IN_DECODER)})
+            save_file({f"base_model.model.{k}": v.detach().cpu().contiguous() for k, v in state.items()},
+                      os.path.join(out, "adapter_model.safetensors"))
+            written.append(out)
     return written
