@@ -9,7 +9,8 @@ Variants, each a ``Trainer.from_config(configs/vit_gpt2.yaml)`` (cls + gen, equa
 forwards). Columns:
 
 - trainable / total parameters;
-- step: the median of ``--steps`` timed ``Trainer.step_once`` calls on one batch, after ``--warmup``;
+- step: the median of ``--steps`` timed ``Trainer.step_once`` calls on one batch, after ``--warmup``; the variants
+  step in turn (full, lora, lora per task, full, ...), so that a load on the machine falls on each alike;
 - peak memory: ``mtl.bench.step_memory`` (CPU: the parameters, gradients and optimizer state held at the step's start
   plus the peak of the step's allocations net of frees, from torch.profiler);
 - checkpoint: the bytes of one checkpoint folder (model.safetensors, the sharded state/ with the optimizer, the rest),
@@ -23,6 +24,7 @@ forwards). Columns:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -50,6 +52,10 @@ def _trainer(args, out: str, extra: list[str]):
                                         f"trainer.max_steps={args.steps + args.warmup + 5}", *extra])
 
 
+def _step(trainer, batch: dict):
+    return trainer.step_once(dict(batch))
+
+
 def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
@@ -69,34 +75,43 @@ def _grad_cost(trainer, batch, k: int, rounds: int = 5) -> tuple[float, int]:
     return statistics.median(times), rows.numel() * rows.element_size()
 
 
-def measure(args, name: str, extra: list[str], out: str) -> dict:
-    trainer = _trainer(args, os.path.join(out, name.replace(" ", "_")), extra)
+def measure(args, out: str) -> list[dict]:
+    """Every variant's row; the variants built first and then timed in turn, step by step (and the gradient cost
+    round by round), so that a load on the machine falls on each alike."""
+    trainers = {name: _trainer(args, os.path.join(out, name.replace(" ", "_")), extra)
+                for name, extra in VARIANTS.items()}
     try:
-        batch = next(trainer.batches())[1]
-        step = lambda b: trainer.step_once(dict(b))  # noqa: E731
-        for _ in range(args.warmup):
-            step(batch)
-        times = []
+        batches = {n: next(t.batches())[1] for n, t in trainers.items()}
+        steps = {n: functools.partial(_step, t) for n, t in trainers.items()}
+        times = {n: [] for n in trainers}
+        for i in range(args.warmup + args.steps):
+            for n in trainers:
+                tic = time.perf_counter()
+                steps[n](batches[n])
+                if i >= args.warmup:
+                    times[n].append(time.perf_counter() - tic)
+        grads = {(n, k): [] for n, t in trainers.items() if t.bare.adapters is None for k in (2, 11)}
         for _ in range(args.steps):
-            tic = time.perf_counter()
-            step(batch)
-            times.append(time.perf_counter() - tic)
-        peak = step_peak_bytes(step, batch, lambda: held_bytes([trainer.bare], trainer.optimizer))
-        params = list(trainer.bare.parameters())
-        row = {"variant": name, "trainable": sum(p.numel() for p in params if p.requires_grad),
-               "total": sum(p.numel() for p in params), "step_ms": 1e3 * statistics.median(times), "peak": peak}
-        row["ckpt"] = _folder_bytes(trainer.folder.save(trainer.step, trainer.parts, trainer.feed)[0])
-        if name != "full":
-            trainer.cfg.checkpoint.trainable_only = True
-            trainer.folder.saved_step = None
-            row["ckpt_trainable"] = _folder_bytes(trainer.folder._write(trainer.step + 1, trainer.parts, trainer.feed,
-                                                                        0, 0))
-        if trainer.bare.adapters is None:
+            for n, k in grads:
+                grads[n, k].append(_grad_cost(trainers[n], batches[n], k, rounds=1))
+        rows = []
+        for n, t in trainers.items():
+            params = list(t.bare.parameters())
+            row = {"variant": n, "trainable": sum(p.numel() for p in params if p.requires_grad),
+                   "total": sum(p.numel() for p in params), "step_ms": 1e3 * statistics.median(times[n]),
+                   "peak": step_peak_bytes(steps[n], batches[n], lambda t=t: held_bytes([t.bare], t.optimizer))}
+            row["ckpt"] = _folder_bytes(t.folder.save(t.step, t.parts, t.feed)[0])
+            if n != "full":
+                t.cfg.checkpoint.trainable_only = True
+                row["ckpt_trainable"] = _folder_bytes(t.folder._write(t.step + 1, t.parts, t.feed, 0, 0))
             for k in (2, 11):
-                row[f"grad{k}"] = _grad_cost(trainer, batch, k)
-        return row
+                if (n, k) in grads:
+                    row[f"grad{k}"] = (statistics.median(s for s, _ in grads[n, k]), grads[n, k][0][1])
+            rows.append(row)
+        return rows
     finally:
-        trainer.close()
+        for t in trainers.values():
+            t.close()
 
 
 def table(rows: list[dict]) -> str:
@@ -125,7 +140,7 @@ def main(argv=None) -> int:
         return 2
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out:
-        rows = [measure(args, name, extra, out) for name, extra in VARIANTS.items()]
+        rows = measure(args, out)
     print(table(rows))
     return 0
 
