@@ -1,7 +1,8 @@
 """``model.peft`` proven under DDP and FSDP2: 2 processes x batch B == 1 process x batch 2B, with one shared LoRA
 adapter and with per-task adapters (plus the shared one, MTLoRA's layout), for every strategy that runs the layout and
-both gradient sources; the naive setup's failure (plain DDP, per-task adapters, one backward per task) reproduced; and
-a SIGKILLed per-task LoRA run resumed byte for byte.
+both gradient sources; the naive setup's failure (plain DDP, per-task adapters, one backward per task) reproduced; a
+checkpoint.trainable_only checkpoint resumed exactly under FSDP2; and a SIGKILLed per-task LoRA run resumed byte for
+byte.
 
 ONE spawn of three workers (tests/test_strategies_ddp.py's harness): workers 0 and 1 are a 2-rank gloo run (batch B
 each), worker 2 has no process group and runs the references on batch 2B. Per-task adapters need one encoder forward
@@ -81,10 +82,35 @@ def _runs(world, out_dir, folders=()):
         state = full_model_state(trainer.bare) if is_sharded(trainer.bare) else trainer.bare.state_dict()
         results[key] = {k: v.detach().cpu().clone() for k, v in state.items() if v.is_floating_point()}
         trainer.close()
+    if world > 1:  # FSDP2, per-task adapters, a trainable-only checkpoint after step 1, resumed for step 2
+        results[RESUMED] = _resumed(out_dir, folders)
     if world > 1:  # last: the naive setup, which leaves DDP's reducer in error
         for layout in LAYOUTS:
             results[f"naive/{layout}"] = _naive(layout, os.path.join(out_dir, "naive", layout), folders)
     return results
+
+
+RESUMED = "fsdp2/per_task/accumulate/trainable_only_resumed"
+
+
+def _resumed(out_dir: str, folders) -> dict:
+    """``fsdp2/per_task/accumulate`` cut after step 1 (a checkpoint.trainable_only checkpoint, sharded state of the
+    adapters and heads alone) and resumed for step 2: its full state on rank 0."""
+    from mtl.parallel.fsdp import full_model_state
+    from mtl.run.trainer import Trainer
+
+    args = [*folders, *COMMON, *LAYOUTS["per_task"], "parallel.engine=fsdp2", "ddp.strategy=accumulate",
+            "checkpoint.trainable_only=true", f"data.batch_size={B}", f"output_dir={os.path.join(out_dir, 'resumed')}"]
+    trainer = Trainer.from_config(VIT_GPT2, args)
+    trainer.step_once()
+    path, _ = trainer.folder.save(trainer.step, trainer.parts, trainer.feed)
+    trainer.close()
+    trainer = Trainer.from_config(VIT_GPT2, [*args, f"resume={path}"])
+    assert trainer.step == 1
+    trainer.step_once()
+    state = {k: v.detach().cpu().clone() for k, v in full_model_state(trainer.bare).items() if v.is_floating_point()}
+    trainer.close()
+    return state
 
 
 def _naive(layout: str, out_dir: str, folders) -> str:
@@ -143,7 +169,7 @@ def test_the_cases_cover_every_strategy_layout_engine_and_source():
 @pytest.mark.slow
 def test_two_processes_equal_one_process_with_lora_shared_and_per_task_under_ddp_and_fsdp2(runs):
     failed = {}
-    for key in [k for k in runs["rank0"] if not k.startswith("naive/")]:
+    for key in [k for k in runs["rank0"] if not k.startswith("naive/") and k != RESUMED]:
         got, other = runs["rank0"][key], runs["rank1"][key]
         if key.startswith("ddp/"):  # DDP's replicas are equal; FSDP2 gathers the full state on rank 0 only
             assert all(torch.equal(got[k], other[k]) for k in got), f"{key}: the two ranks' replicas differ"
@@ -151,7 +177,7 @@ def test_two_processes_equal_one_process_with_lora_shared_and_per_task_under_ddp
         if bad:
             failed[key] = bad[:3]
     assert not failed, failed
-    assert len(runs["rank0"]) == len(cases(2)) + len(LAYOUTS)
+    assert len(runs["rank0"]) == len(cases(2)) + len(LAYOUTS) + 1
 
 
 @pytest.mark.slow
@@ -168,6 +194,14 @@ def test_the_bar_is_not_trivial_the_adapters_moved_and_each_task_s_is_its_own(ru
     shared = runs["single"]["shared/combined"]
     assert close({k: v for k, v in shared.items() if k.startswith("heads.")}, ref)
     assert len(close(runs["single"]["shared/combined"], runs["single"]["shared/detach"])) > 0
+
+
+@pytest.mark.slow
+def test_a_trainable_only_checkpoint_resumes_fsdp2_per_task_lora_exactly(runs):
+    """Under FSDP2 with per-task adapters: one step, a checkpoint of the adapters and heads alone, a fresh trainer
+    resumed from it for the second step: the same model, bit for bit, as the uninterrupted two steps."""
+    got, ref = runs["rank0"][RESUMED], runs["rank0"]["fsdp2/per_task/accumulate"]
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 @pytest.mark.slow
