@@ -152,6 +152,8 @@ def test_the_parameters_source_covers_the_trainable_parameters_only(folders, tmp
     ([*LORA, "model.peft.per_task=true", "ddp.strategy=task_grads", "weighting.method=mgda"],
      ["model.peft.per_task: true needs one encoder forward per task", "ddp.strategy=task_grads"]),
     ([*LORA, "model.peft.shared=true", "ddp.strategy=combined"], ["model.peft.shared: true", "model.peft.per_task=true"]),
+    (["model.peft.r=4"], ["model.peft.r: set (command line) but not read: model.peft.method is null",
+                          "Set model.peft.method=lora, or remove model.peft.r"]),
 ])
 def test_bad_peft_input_is_one_message_exit_2_and_nothing_written(folders, tmp_path, capsys, extra, says):
     out = tmp_path / "run"
