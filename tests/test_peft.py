@@ -71,6 +71,7 @@ def test_the_main_job_is_unchanged_peft_is_off_by_default():
     assert all(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.slow  # a whole (one-step) run through train.py; the counts' text is checked fast above
 def test_the_start_up_prints_the_trainable_and_total_counts(folders, tmp_path, capsys):
     assert train.main(["--config", VIT_GPT2, *folders, *SMALL, *LORA, "ddp.strategy=combined",
                        f"output_dir={tmp_path / 'run'}"]) == 0
