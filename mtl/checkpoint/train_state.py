@@ -53,7 +53,7 @@ def _quiet():
         yield
 
 
-def sharded_state(model: nn.Module, weighting: nn.Module, optimizer) -> dict:
+def sharded_state(model: nn.Module, weighting: nn.Module, optimizer, kept: set[str] | None = None) -> dict:
     """This rank's part of the model and optimizer state (tensors shared with the live ones: no copy). An
     optimizer that has not stepped yet is saved with no per-parameter state, as it is (DCP's getter would
     otherwise fill it in with a zero-learning-rate step, which is not the state of this run)."""
@@ -64,7 +64,10 @@ def sharded_state(model: nn.Module, weighting: nn.Module, optimizer) -> dict:
     if fresh:
         optimizer.state.clear()
         optim["state"] = {}
-    return {MODEL: get_model_state_dict(model), OPTIM: optim}
+    state = get_model_state_dict(model)
+    if kept is not None:  # checkpoint.trainable_only: the trained parameters and buffers alone
+        state = {k: v for k, v in state.items() if k in kept}
+    return {MODEL: state, OPTIM: optim}
 
 
 def write_sharded(folder: str, state: dict) -> None:
@@ -255,8 +258,24 @@ def load_sharded(folder: str, model: nn.Module, weighting: nn.Module, optimizer)
     state = {MODEL: get_model_state_dict(model), OPTIM: get_optimizer_state_dict(owner, optimizer)}
     stepped = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in keys if k.startswith(f"{OPTIM}.state.")}
     state[OPTIM]["state"] = {p: v for p, v in state[OPTIM]["state"].items() if p in stepped}
+    partial = _trainable_only(state, keys, model)
     with _quiet():
         dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner(folder), no_dist=_no_dist())
-    set_model_state_dict(model, state[MODEL])
+    set_model_state_dict(model, state[MODEL], options=StateDictOptions(strict=not partial))
     # strict=False: a parameter without saved state (it had not stepped) is left without state, not refused
     set_optimizer_state_dict(owner, optimizer, state[OPTIM], options=StateDictOptions(strict=False))
+
+
+def _trainable_only(state: dict, keys: set[str], model: nn.Module) -> bool:
+    """A checkpoint.trainable_only checkpoint (its model state lacks frozen parameters only): drop those from the
+    template, so that they keep the base's values; True if it is one. A trained parameter missing is refused."""
+    missing = [k for k in state[MODEL] if f"{MODEL}.{k}" not in keys]
+    if not missing:
+        return False
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    lost = [k for k in missing if k in trained]
+    if lost:
+        raise CheckpointError(f"the checkpoint's state lacks trained parameters ({', '.join(lost[:3])}); it was written "
+                              "by another model. Resume from a checkpoint of this run's model")
+    state[MODEL] = {k: v for k, v in state[MODEL].items() if k not in missing}
+    return True

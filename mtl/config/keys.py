@@ -201,6 +201,21 @@ class DecoderConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning through the peft library (extra `peft`; docs/pretrained.md#lora)."""
+
+    method: str | None = None  # null: off (every weight trains) | lora: the base frozen, LoRA adapters trained
+    r: int = 8  # the adapters' rank
+    alpha: float = 16.0  # LoRA's scale numerator (the update is alpha / r * B A)
+    dropout: float = 0.0  # dropout on the adapters' input
+    # the layers adapted, by name or name tail (peft's rule); auto: the attention's query and value projections
+    # (q_proj/v_proj, query/value, timm's qkv, GPT-2's c_attn); each adapted model must match one
+    target_modules: Any = "auto"
+    per_task: bool = False  # one adapter per task on the encoder, active only in its task's forward (K encoder forwards)
+    shared: bool = False  # with per_task: a task-agnostic adapter beside them, active in every forward (MTLoRA)
+
+
+@dataclass
 class ArchitectureConfig:
     name: str = "hps"  # how the features reach the heads: a file in mtl/architectures/ (hps, mmoe, cgc, ple, dselect_k, mtan, cross_stitch)
     options: dict[str, Any] = field(default_factory=dict)  # the architecture's own options (its Options dataclass)
@@ -211,6 +226,7 @@ class ModelConfig:
     backbone: BackboneConfig = field(default_factory=BackboneConfig)
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # LoRA adapters on the encoder and a pretrained decoder
     activation_checkpointing: bool = False  # recompute each backbone and decoder block in the backward pass
     compile: bool = False  # torch.compile each backbone and decoder block (regional compilation)
 
@@ -301,6 +317,9 @@ class CheckpointConfig:
     # pruning never removes (mtl/run/best.py); null: none
     best_metric: str | None = None
     best_mode: str = "max"  # max | min: whether a higher or a lower value of best_metric is better
+    # model.peft runs: checkpoints hold the trained parameters (adapters, heads) alone, the frozen base named by its
+    # folder and hash (model.backbone.pretrained, model.decoder.pretrained); resume, predict and export read that base
+    trainable_only: bool = False
 
 
 @dataclass

@@ -36,6 +36,7 @@ class RunShape:
     best_metric: bool = False  # checkpoint.best_metric is set (a best checkpoint is kept)
     early_stopping: bool = False  # trainer.early_stopping.metric is set
     trackers: tuple[str, ...] = ()  # logging.trackers
+    peft: bool = False  # model.peft.method is set (LoRA adapters)
 
     @property
     def sources(self) -> set[str]:
@@ -168,6 +169,11 @@ def tracker_listed(name: str) -> When:
     return when
 
 
+def peft_on(s, t, key=None):
+    """Read when model.peft.method is set."""
+    return None if s.peft else ("model.peft.method is null (no adapters)", "set model.peft.method=lora, or remove {key}")
+
+
 def choice_is(field: str, key: str, name: str) -> When:
     """Read when the choice ``key`` (RunShape's ``field``) is ``name``."""
     def when(s, t, k=None):
@@ -270,6 +276,8 @@ READS: tuple[Reads, ...] = (
     # sample captions at each evaluation (the caption task declares it); 0 asks for none
     Reads(("trainer.num_samples",), task, ("tasks", "task_modules", "task_instances"), off=(0,)),
     Reads(("optim.plateau.",), scheduler_is("plateau"), ("optim.scheduler",)),
+    Reads(("model.peft.r", "model.peft.alpha", "model.peft.dropout", "model.peft.target_modules", "model.peft.per_task",
+           "model.peft.shared"), peft_on, ("model.peft.method",), off=(False,)),
     Reads(("optim.betas",), optimizer_is("adamw"), ("optim.name",)),
     Reads(("init_from_fresh_class_head",), warm_start, ("init_from",), training_only=True),
     Reads(("logging.",), lambda s, t, key=None: None, (), training_only=True),  # the trackers: training only

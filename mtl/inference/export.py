@@ -4,6 +4,7 @@ the parts in other libraries' layouts from ``mtl.inference.interop``, a manifest
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ from mtl.errors import CheckpointError, ConfigError
 from mtl.files import free_bytes
 from mtl.inference.interop import interop_bytes, write_interop
 from mtl.inference.model import Predictor, load_model
+from mtl.models import peft_adapters
 from mtl.models.backbones.hf_vision import carried_files
 from mtl.registry import PLUGIN_KEYS, copy_names
 from mtl.run.runlock import alive  # the run lock's own test of a PID
@@ -68,7 +70,10 @@ def export_model(path: str, out: str, trust_plugins: bool = False) -> str:
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
-        write_interop(tmp, predictor)  # the decoder for transformers, the backbone for torchvision (interop.py)
+        # the decoder for transformers, the backbone for torchvision (interop.py); model.peft: the adapters merged
+        write_interop(tmp, predictor, merged_for_task(predictor))
+        if peft_adapters.has_adapters(predictor.model):  # and the adapters apart, for PeftModel.from_pretrained
+            peft_adapters.write_encoder_adapters(tmp, predictor.model)
         write_manifest(tmp)  # last: the size and SHA-256 of every file, checked wherever the folder is loaded
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
@@ -87,6 +92,23 @@ def export_model(path: str, out: str, trust_plugins: bool = False) -> str:
 
 
 EXPORT_MARGIN = 1.05, 1 << 20  # x1.05 + 1 MiB over the known sizes: headers, JSON files, the exported program's graph
+
+
+def merged_for_task(predictor: Predictor):
+    """``model.peft``: task -> a copy of ``predictor`` whose model has the adapters merged into its base weights
+    (with per-task adapters, that task's and the shared one), for the plain transformers/torch folders; else None."""
+    if not peft_adapters.has_adapters(predictor.model):
+        return None
+    cache: dict = {}
+
+    def pick(task: str) -> Predictor:
+        key = task if predictor.model.adapters is not None else None
+        if key not in cache:
+            cache[key] = copy.copy(predictor)
+            cache[key].model = peft_adapters.merged_copy(predictor.model, key).eval()
+        return cache[key]
+
+    return pick
 
 
 def export_bytes(predictor: Predictor) -> int:

@@ -382,19 +382,21 @@ def write_image_program(folder: str, predictor) -> bool:
     return True
 
 
-def write_interop(folder: str, predictor) -> list[str]:
+def write_interop(folder: str, predictor, for_task=None) -> list[str]:
     """Each part where the model allows it, and README.md; returns the files and folders written. A model whose
     architecture puts modules of its own between the backbone and the heads (``model.architecture`` other than
-    ``hps``: ``towers``) has no layout in torchvision or transformers: only its image program (which runs them)."""
-    written = []
+    ``hps``: ``towers``) has no layout in torchvision or transformers: only its image program (which runs them).
+    ``for_task(task)``: the predictor whose model a task's parts are written from (``model.peft``: the adapters
+    merged, with per-task adapters that task's), else ``predictor``."""
+    written, pick = [], for_task or (lambda task: predictor)
     plain = getattr(predictor.model, "towers", None) is None
-    if plain and write_torchvision_backbone(folder, predictor.cfg, predictor.model.backbone):
+    if plain and write_torchvision_backbone(folder, predictor.cfg, pick("cls").model.backbone):
         written.append(TV_DIR)
-    if plain and "gen" in predictor.model.heads and write_hf_decoder(folder, predictor.model.heads["gen"]):
+    if plain and "gen" in predictor.model.heads and write_hf_decoder(folder, pick("gen").model.heads["gen"]):
         written.append(HF_DIR)
-    if plain and write_hf_captioner(folder, predictor):
+    if plain and write_hf_captioner(folder, pick("gen")):
         written.append(CAPTIONER_DIR)
-    if write_image_program(folder, predictor):
+    if write_image_program(folder, pick("cls")):
         written.append(PROGRAM_FILE)
     if written:  # the sections of the parts written, each using what the ones before it computed
         parts = [(PROGRAM_FILE, PROGRAM_INTERFACE), (TV_DIR, BACKBONE_INTERFACE), (HF_DIR, DECODER_INTERFACE),

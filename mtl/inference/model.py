@@ -13,6 +13,8 @@ import sys
 import torch
 
 from mtl.checkpoint.finite import first_nonfinite
+from mtl.checkpoint.folder import read_trainer_state
+from mtl.checkpoint.trainable import refuse_other_base, trainable_only
 from mtl.config.schema import config_from_data
 from mtl.data.images import UnusableImage, image_normalization, model_transform, normalize_images
 from mtl.data.loader import build_datasets
@@ -105,8 +107,8 @@ class Predictor:
     def _predict_batch(self, x: torch.Tensor, num_beams: int) -> list[dict]:
         rows: list[dict] = [{} for _ in range(x.shape[0])]
         with self.model.autocast(self.device.type):
-            features = self.model.backbone(x)
-            for t, head in self.model.heads.items():  # each task says what it predicts (TaskHead.predict)
+            for t, features in self.model.features_by_task(x, list(self.model.heads)):  # per-task adapters: each its own
+                head = self.model.heads[t]  # each task says what it predicts (TaskHead.predict)
                 for row, part in zip(rows, head.predict(self.model.task_features(t, features), num_beams=num_beams)):
                     row.update(part)
         return rows
@@ -232,7 +234,13 @@ def load_model(path: str, device="cpu", trust_plugins: bool = False) -> Predicto
     cfg = model_config(saved, files.config)  # keys and types only: paths in it (data, resume) may not exist here
     code = use_folder_copies(cfg, files.folder, listed)  # its own plug-in files only, inside it and in its manifest
     why = refuse_untrusted(code, files.folder, trust_plugins)  # before anything imports them
-    use_carried_copy(cfg, files.folder)  # hf_vision: its backbone/config.json and processor, not the pretrained folder
+    partial = trainable_only(cfg)  # checkpoint.trainable_only: the base comes from its pretrained folders, checked
+    if partial:
+        held = os.path.join(files.folder, "trainer_state.pt")  # a checkpoint's record of its base
+        refuse_other_base(read_trainer_state(files.folder).get("base") if os.path.isfile(held) else None, cfg,
+                          f"{files.folder!r}")
+    else:
+        use_carried_copy(cfg, files.folder)  # hf_vision: its backbone/config.json and processor, not the pretrained one
     if code:
         print(f"note: {files.folder!r}: the model imports its plug-in code "
               f"({', '.join(_rel(c, files.folder) for c in code)}), {why}", file=sys.stderr)
@@ -245,6 +253,8 @@ def load_model(path: str, device="cpu", trust_plugins: bool = False) -> Predicto
     unweighted = copy.deepcopy(cfg)
     unweighted.model.backbone.weights = None
     model = build_model(unweighted, num_classes, class_names, tokenizer)
+    if partial:  # the base's weights are the pretrained folders'; the file holds the rest
+        state = {**{k: v for k, v in model.state_dict().items() if k not in state}, **state}
     load_model_weights(model, state, f"model {files.weights!r}", LOAD_FIX)
     dev = resolve_device(device)
     model.autocast_dtype = DTYPES.get(cfg.precision)  # as the run's own evaluation

@@ -58,6 +58,7 @@ class CaptionDecoder(nn.Module):
         else:
             cfg = _gpt2_config(vocab_size, n_layer, n_embd, n_head, dropout, max_positions, bos_id, eos_id, pad_id)
             self.lm = GPT2LMHeadModel(cfg)
+        self.pretrained_base = bool(pretrained)  # model.peft adapts a pretrained GPT-2 (mtl/models/peft_adapters.py)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.lm.generation_config.pad_token_id = pad_id
         self.lm.generation_config.bos_token_id = bos_id

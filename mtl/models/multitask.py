@@ -31,8 +31,10 @@ from mtl.models.backbones.base import input_device_type
 
 class MultiTaskModel(nn.Module):
     def __init__(self, backbone: nn.Module, heads: dict[str, nn.Module], loss_scale: dict[str, float] | None = None,
-                 towers: dict[str, nn.Module] | None = None):
+                 towers: dict[str, nn.Module] | None = None, adapters=None):
         super().__init__()
+        # model.peft.per_task: each task's adapters on the encoder (mtl/models/peft_adapters.py), else None
+        self.adapters = adapters
         self.backbone = backbone  # the trunk: every module more than one task reaches (mtl/architectures/base.py)
         self.heads = nn.ModuleDict(heads)
         if towers:  # each task's own modules between the shared tensor and its head (none: hps)
@@ -60,9 +62,24 @@ class MultiTaskModel(nn.Module):
         mods = [self.heads[task]] + ([towers[task]] if towers is not None and task in towers else [])
         return [p for m in mods for p in m.parameters() if p.requires_grad]
 
+    def features_by_task(self, x: torch.Tensor, tasks: Iterable[str]):
+        """(task, the shared features it reads) for each of ``tasks``: one backbone forward for all, or with per-task
+        adapters (``model.peft.per_task``) one each, under that task's adapters."""
+        if self.adapters is None:
+            features = self.backbone(x)
+            for t in tasks:
+                yield t, features
+            return
+        for t in tasks:
+            with self.adapters.active(t):
+                features = self.backbone(x)
+            yield t, features
+
     def forward(self, batch: dict, tasks: Iterable[str] | None = None, detach: Iterable[str] = (),
                 feature_leaf: bool = False, leaf_per_task: bool = False) -> dict:
         x = batch[getattr(self.backbone, "consumes", "image")]  # a bare nn.Module backbone reads images
+        if self.adapters is not None:
+            return self._forward_per_task(batch, x, tasks, bool(detach) or feature_leaf or leaf_per_task)
         with self.autocast(input_device_type(x)):
             features = self.backbone(x)
             leaf = features.detach().requires_grad_() if feature_leaf else None
@@ -78,3 +95,16 @@ class MultiTaskModel(nn.Module):
                 if name in self.loss_scale:
                     losses[name] = losses[name] * self.loss_scale[name]
         return {"losses": losses, "features": features, "leaf": leaf, "leaves": leaves}
+
+    def _forward_per_task(self, batch: dict, x: torch.Tensor, tasks: Iterable[str] | None, shared_graph: bool) -> dict:
+        """Per-task adapters: one encoder forward per task, each under its task's adapters (``features``: the last's)."""
+        if shared_graph:
+            raise RuntimeError("model.peft.per_task: every task reads its own features; a strategy that shares one "
+                               "forward (detach, feature_leaf, task_grads) is refused at config time")
+        rows, losses, features = task_rows(batch), {}, None
+        with self.autocast(input_device_type(x)):
+            for name, features in self.features_by_task(x, rows.present(self.task_names) if tasks is None else tasks):
+                losses[name] = rows.loss(self.heads[name], self.task_features(name, features), name, batch).float()
+                if name in self.loss_scale:
+                    losses[name] = losses[name] * self.loss_scale[name]
+        return {"losses": losses, "features": features, "leaf": None, "leaves": {}}

@@ -41,8 +41,8 @@ def _evaluate(model, loader, tasks: list[str], device: torch.device, max_batches
                 break
             batch = to_device(batch, device)
             with model.autocast(device.type):
-                features = model.backbone(batch[getattr(model.backbone, "consumes", "image")])
-                for t in tasks:
+                x = batch[getattr(model.backbone, "consumes", "image")]
+                for t, features in model.features_by_task(x, tasks):  # per-task adapters: one forward each
                     parts[t].append(model.heads[t].eval_batch(model.task_features(t, features), batch))
     finally:
         model.train(was_training)

@@ -39,6 +39,7 @@ import uuid
 from omegaconf import OmegaConf
 
 from mtl.checkpoint import folder as ckpt
+from mtl.checkpoint import trainable
 from mtl.checkpoint.train_state import sharded_state
 from mtl.config.schema import config_summary, to_yaml
 from mtl.data.loader import data_position
@@ -320,7 +321,15 @@ class RunFolder:
                 "engine": "fsdp2" if is_sharded(parts.bare) else "ddp", **feed.state_dict(),
                 "scheduler": parts.scheduler.state_dict(), "scaler": parts.amp.state_dict(),
                 "weighting": parts.weighting.state_dict(), "run_id": self.run_id, "bad_steps": bad_steps,
-                "watch": self.watch.state_dict()}
+                "watch": self.watch.state_dict(), **self._base()}
+
+    def _base(self) -> dict:
+        """checkpoint.trainable_only: {"base": the pretrained folders and their hashes}, computed once."""
+        if not trainable.trainable_only(self.cfg):
+            return {}
+        if getattr(self, "_base_record", None) is None:
+            self._base_record = trainable.base_record(self.cfg)
+        return {"base": self._base_record}
 
     def save(self, step: int, parts: StepParts, feed, bad_steps: int = 0) -> tuple[str, bool]:
         """(the checkpoint of ``step``, whether it was written now): not when this folder already holds exactly
@@ -337,9 +346,13 @@ class RunFolder:
                extra: dict | None = None) -> str:
         sharded = is_sharded(parts.bare)
         model = full_model_state(parts.bare) if sharded else parts.bare  # FSDP2: gathered on rank 0 (collective)
+        # checkpoint.trainable_only: the trained parameters and buffers alone (mtl/checkpoint/trainable.py)
+        kept = trainable.kept_names(parts.bare) if trainable.trainable_only(self.cfg) else None
+        if kept is not None:
+            model = trainable.keep(model if isinstance(model, dict) else model.state_dict(), kept)
         return ckpt.save_checkpoint(self.cfg.output_dir, step, model, self.trainer_state(step, parts, feed, bad_steps),
                                     to_yaml(self.cfg), self.dist.rank, keep_last, {**self.files, **(extra or {})},
-                                    sharded=sharded_state(parts.bare, parts.weighting, parts.optimizer), name=name)
+                                    sharded=sharded_state(parts.bare, parts.weighting, parts.optimizer, kept), name=name)
 
     def evaluated(self, step: int, metrics: dict, parts: StepParts, feed, bad_steps: int = 0) -> tuple[dict | None,
                                                                                                         list[str]]:
@@ -370,6 +383,7 @@ class RunFolder:
             note = "resume_reshard=true: resuming although the run will differ from the interrupted one: " + "; ".join(
                 problems)
         notes = [note] if note else []
+        trainable.refuse_other_base(state.get("base"), cfg, f"the checkpoint {path!r}")  # its base: the same weights
         rng = ckpt.load_model_and_optimizer(path, state, parts.bare, parts.weighting, parts.optimizer, self.dist.rank)
         try:
             parts.scheduler.load_state_dict(state["scheduler"])

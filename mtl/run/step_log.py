@@ -60,7 +60,7 @@ class StepLog:
         self.log.info(f"mtl: {self.world_size} process(es) on {self.device} ({backend or 'no process group'}), "
                       f"strategy={cfg.ddp.strategy}, weighting={cfg.weighting.method}, precision={cfg.precision}, "
                       f"{feed}, {sum(p.numel() for p in self.parts.params):,} parameters")
-        for line in [*bare.block_notes, *blocks_frozen(bare), describe_groups(self.parts.optimizer)]:
+        for line in [*getattr(bare, "peft_notes", []), *bare.block_notes, *blocks_frozen(bare), describe_groups(self.parts.optimizer)]:
             self.log.info(line)  # per-block settings and the optimizer's groups (mtl/optim/layer_groups.py)
         self.log.info(data)
 

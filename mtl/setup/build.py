@@ -28,7 +28,7 @@ from mtl.data.multi_input import build_task_datasets, class_source
 from mtl.data.tokenizer import CaptionTokenizer, extend_to_texts, train_tokenizer
 from mtl.delta_m import metric_specs
 from mtl.errors import ConfigError
-from mtl.models import blockwise
+from mtl.models import blockwise, peft_adapters
 from mtl.models.backbones import build_backbone
 from mtl.models.backbones.base import feature_channels, feature_kind
 from mtl.models.multitask import MultiTaskModel
@@ -101,11 +101,16 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
                      feature_shape=tuple(shape), pool=getattr(backbone, "pool", "mean"))
     types = run_task_types(cfg)
     scale = cfg.get("loss_scale") or {}
+    heads = {t: types[t].build(info) for t in cfg.tasks}
+    switch, notes = None, []
+    if peft_adapters.peft_on(cfg):  # model.peft: LoRA on the encoder (and a pretrained decoder), the base frozen
+        switch, notes = peft_adapters.apply(cfg, backbone, heads, list(cfg.tasks))
     # model.architecture: the trunk (every shared module) and a tower per task before its head (mtl/architectures/)
     trunk, towers = architecture_of(cfg).build(backbone, list(cfg.tasks), tuple(shape),
                                                architecture_options(cfg), cfg)
-    model = MultiTaskModel(trunk, {t: types[t].build(info) for t in cfg.tasks},
-                           loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale}, towers=towers)
+    model = MultiTaskModel(trunk, heads, loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale},
+                           towers=towers, adapters=switch)
+    model.peft_notes = [*notes, peft_adapters.count_note(model)] if notes else []
     # model.backbone.freeze: the whole backbone trains no more (a linear probe); freeze_blocks: the first N blocks and
     # what runs before them (mtl/models/blockwise.py)
     model.frozen_blocks = (blockwise.freeze_backbone(model) if cfg.model.backbone.get("freeze") else

@@ -25,6 +25,7 @@ from mtl.data.parquet_stream import hf_stream_errors
 from mtl.data.streamed import webdataset_errors
 from mtl.data.synthetic import num_classes_problem
 from mtl.errors import ConfigError
+from mtl.models import peft_adapters
 from mtl.models.backbones import backbone_types, unknown_backbone
 from mtl.models.backbones.base import Backbone
 from mtl.parallel.fsdp import ENGINES
@@ -78,6 +79,7 @@ def validate(cfg) -> list[str]:
     _task_names(errors, cfg, tasks)
     strategies, strategy = _strategy(errors, cfg)
     methods, method = _method(errors, cfg, strategy, strategies)
+    errors += peft_adapters.check(cfg, strategy)  # model.peft (mtl/models/peft_adapters.py)
     errors += multi_input_check(cfg, strategy, method, methods)  # data.per_task, data.sampling (mtl/setup/multi_input.py)
     _options(errors, cfg, tasks, method, backbone)
     errors += architecture_errors(cfg, method)

@@ -93,7 +93,8 @@ def run_shape(cfg, tool: str = "train") -> RunShape:
         plugins=plugins, tool=tool, init_from=cfg.get("init_from") is not None, engine=str(cfg.parallel.engine),
         best_metric=OmegaConf.select(cfg, "checkpoint.best_metric") is not None,
         early_stopping=OmegaConf.select(cfg, "trainer.early_stopping.metric") is not None,
-        trackers=tuple(OmegaConf.select(cfg, "logging.trackers", default=None) or ()))
+        trackers=tuple(OmegaConf.select(cfg, "logging.trackers", default=None) or ()),
+        peft=bool(OmegaConf.select(cfg, "model.peft.method", default=None)))
 
 
 def _plugin(types, name):

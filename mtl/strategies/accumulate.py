@@ -17,6 +17,7 @@ class Accumulate(Strategy):
     name = "accumulate"
     summary = "per-task forward+backward, all but the last inside no_sync(); one all-reduce"
     find_unused_parameters = True
+    per_task_forwards = True
     forwards = "K"
     backbone_backwards = "K"
 

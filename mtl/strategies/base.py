@@ -66,6 +66,9 @@ class Strategy:
     # the weighting.source values it serves a gradient-level method: "parameters" (each task's gradient of the
     # shared parameters) and/or "features" (of the shared features, through their Gram matrix)
     gradient_sources: tuple[str, ...] = ()
+    # model.peft.per_task: every task's forward is its own (the encoder runs under each task's adapters), so each task
+    # reads features of its own; False where the heads share one forward's features (detach, feature_leaf, task_grads)
+    per_task_forwards: bool = False
     # parallel.engine=fsdp2: None if the strategy runs under FSDP2 (and is in its parity test), else why it does not
     fsdp2_refusal: str | None = None
 

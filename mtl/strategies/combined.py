@@ -11,6 +11,7 @@ class Combined(Strategy):
     name = "combined"
     summary = "one forward, one backward on the weighted sum"
     supports_static_graph = True  # one backward per forward
+    per_task_forwards = True  # the model runs the encoder once per task (per-task adapters)
 
     @classmethod
     def tolerates_find_unused(cls, value):

@@ -13,6 +13,7 @@ class FindUnused(Strategy):
     name = "find_unused"
     summary = "per-task forward+backward, find_unused_parameters=True"
     find_unused_parameters = True
+    per_task_forwards = True
     forwards = "K"
     backbone_backwards = "K"
     allreduces = "K"

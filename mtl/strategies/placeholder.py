@@ -33,6 +33,7 @@ class Placeholder(Strategy):
     name = "placeholder"
     summary = "per-task forward+backward, zero term over unreached params, find_unused_parameters=False"
     forwards = "K"
+    per_task_forwards = True
     backbone_backwards = "K"
     allreduces = "K"
     covers_unused_parameters = True  # the zero term: a head a step does not use still gets a (zero) gradient
