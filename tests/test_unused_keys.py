@@ -112,7 +112,9 @@ NOT_READ = {
     # the drive sets the watched metric too (a filler): tests/test_best_and_early_stop.py refuses them without it
     "checkpoint.best_mode": set(), "trainer.early_stopping.patience": set(), "trainer.early_stopping.min_delta": set(),
     "trainer.early_stopping.mode": set(),
-    "logging.mlflow_dir": EVERY,  # no set-up lists mlflow in logging.trackers: see test_mlflow_dir_is_read_with_mlflow
+    "logging.mlflow_dir": EVERY,
+    # the drive sets model.peft.method too (a filler): tests/test_peft.py refuses them without it
+    **{f"model.peft.{k}": set() for k in ("r", "alpha", "dropout", "target_modules", "per_task", "shared")},  # no set-up lists mlflow in logging.trackers: see test_mlflow_dir_is_read_with_mlflow
     # sections named by task: the section of a task the run does not train (test_sections_of_other_tasks)
     "task_options": set(), "task_instances": set(), "loss_scale": set(),
 }
@@ -128,6 +130,7 @@ ALWAYS = {"output_dir", "seed", "precision", "device", "resume", "resume_reshard
           "trainer.max_steps", "trainer.log_every", "trainer.eval_every",
           "trainer.eval_max_batches", "trainer.max_bad_steps", "trainer.poison",
           "trainer.progress", "checkpoint.every_steps", "checkpoint.keep_last", "bench", "checkpoint.best_metric",
+          "model.peft.method", "checkpoint.trainable_only",
           "trainer.early_stopping.metric", "logging.trackers", "logging.group"}
 # data.per_task.<task>.<key> -> the multi-input set-ups (and task) whose run does not read it
 PER_TASK_NOT_READ = {
