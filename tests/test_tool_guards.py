@@ -190,7 +190,7 @@ def test_an_export_that_fails_while_writing_is_one_message_and_leaves_nothing(ru
 
 
 def test_an_export_removes_what_a_killed_export_left(run, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(inference.export, "write_interop", lambda folder, predictor: [])  # the parts: not needed here
+    monkeypatch.setattr(inference.export, "write_interop", lambda folder, predictor, for_task=None: [])  # the parts: not needed here
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # its PID is gone: what a SIGKILLed export leaves is named after a dead process
     stale, alive = tmp_path / f"exp.{child.pid}.tmp", tmp_path / "exp.1.tmp"  # PID 1 never dies
