@@ -1,7 +1,8 @@
 """Gram-matrix solvers on Gram matrices from float32 rows (issue 44 §3): ``gram_matrix`` is exactly symmetric, and
 CAGrad's and MGDA's solves converge on such matrices (their own flags: CAGrad's ``DualSolve``, MGDA's NNLS answer
 certified without its Frank-Wolfe fallback) to a point that meets each paper's optimality conditions. Before the fix
-the float32 product was asymmetric by up to ~2e-6 of its entries and neither solver could meet its 1e-12 check."""
+the float32 product was asymmetric by up to ~2e-6 of its entries and neither solver could meet its 1e-12 check.
+Nash-MTL and UPGrad, checked for the same defect, meet their conditions on such matrices (they did before too)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 
 from mtl.tools.bench.solve_cost import rows_for
 from mtl.weighting import mgda as mgda_module
+from mtl.weighting import qp
 from mtl.weighting.base import gram_matrix, gram_numpy
 from mtl.weighting.cagrad import CAGRAD_MAX_ITER, cagrad_solve, cagrad_weights, kkt_tol
+from mtl.weighting.nashmtl import default_exists_tol, nashmtl_weights
+from mtl.weighting.upgrad import upgrad_projections
 
 from .weighting_cases import make
 
@@ -86,3 +90,22 @@ def test_mgda_certifies_float32_gram_matrices_without_frank_wolfe(kind, k, seed,
     dots, sq = m @ alpha, float(alpha @ m @ alpha)
     limit = torch.finfo(torch.float32).eps * float(np.max(np.diag(m)))
     assert (dots >= sq - limit).all() and (np.abs(dots[alpha > 0] - sq) <= limit).all()
+
+
+@pytest.mark.parametrize("k,seed", [(k, seed) for k in (3, 11, 40) for seed in range(3)])
+def test_nashmtl_and_upgrad_meet_their_conditions_on_float32_gram_matrices(k, seed):
+    """The other Gram solvers checked for the same defect (they symmetrised their matrices already; IMTL-G and
+    Aligned-MTL are closed forms): on float32 rows Nash-MTL solves its bargaining equation (M alpha)_t alpha_t = 1
+    (random rows: a solution exists), and each of UPGrad's projections v_i >= e_i meets the non-negative QP's
+    optimality conditions at the 1e-12 bar of ``nonneg_qp``."""
+    rows = rows_for("random", k, seed).float()
+    gram = gram_matrix(rows)
+    m = gram_numpy(gram)
+    alpha = nashmtl_weights(gram, exists_tol=default_exists_tol(torch.float32)).numpy()
+    assert np.allclose((m @ alpha) * alpha, 1.0, rtol=0, atol=1e-9)
+    for kind in ("random", "ill"):
+        m = gram_numpy(gram_matrix(rows_for(kind, k, seed).float()))
+        v = upgrad_projections(torch.from_numpy(m)).numpy()
+        for i in range(k):
+            lower = np.eye(k)[i]
+            assert qp.qp_optimal(m, m @ lower, v[i] - lower, 1e-12), (kind, i)
