@@ -3,6 +3,7 @@ like), and the tool prints its table. The timings themselves are the benchmark's
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mtl.tools.bench import solve_cost as sc
@@ -30,6 +31,24 @@ def test_the_references_compute_our_weights():
         # CAGrad: LibMTL's SLSQP reaches the dual's optimum to its own tolerance; the update directions agree
         ours, ref = _ours("cagrad", rows) @ rows, torch.as_tensor(sc.libmtl_cagrad(gram, rows)) @ rows
         assert float((ours - ref).norm() / ours.norm()) < 1e-3, k
+
+
+def test_torchjds_own_cagrad_computes_our_weights():
+    """TorchJD 0.18's CAGrad (the library itself, the dev extra) solves the same dual with Clarabel: on random and
+    ill-conditioned rows, in float32 and float64, its update is ours to its interior-point solver's tolerance."""
+    pytest.importorskip("torchjd")
+    assert sc.torchjd_installed(), "the dev extra installs torchjd[cagrad] (cvxpy, clarabel)"
+    assert "TorchJD 0.18 (Clarabel)" in sc.REFERENCES["cagrad"]
+    for kind in ("random", "ill"):
+        for k in (2, 11):
+            for dtype in (torch.float32, torch.float64):
+                rows = sc.rows_for(kind, k, 0).to(dtype)
+                gram = gram_matrix(rows)
+                ours = sc.build("cagrad", k)
+                ours.begin_step(0)
+                d = ours.weights_for_gram(gram, None, dtype) @ rows.double()
+                ref = sc.update(sc.torchjd_cagrad(gram.to(dtype), rows), rows)
+                assert sc.ref_error("cagrad", d, ref) < 2e-3, (kind, k, dtype)
 
 
 def test_the_tool_prints_a_row_per_case(capsys):

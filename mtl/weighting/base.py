@@ -270,10 +270,21 @@ def k_softmax(scores: list[float]) -> list[float]:
 
 
 def gram_matrix(grads: Tensor) -> Tensor:
-    """The K x K Gram matrix ``grads @ grads.T`` in float64 (the product in float32 for lower precisions)."""
+    """The K x K Gram matrix ``grads @ grads.T`` in float64 (the product in float32 for lower precisions), exactly
+    symmetric: a matrix product does not sum entry (i, j) in the order it sums (j, i), so the float32 product is
+    asymmetric by up to ~1e-6 of its entries (issue 44), which no solver's optimality conditions can meet to 1e-12.
+    The mean of the product and its transpose, taken in float64 (exact for float32 entries)."""
     g = grads.detach()
     g = g if g.dtype == torch.float64 else g.float()
-    return (g @ g.T).double()
+    m = (g @ g.T).double()
+    return (m + m.T) / 2
+
+
+def gram_round_off(dtype: torch.dtype) -> float:
+    """The relative round-off of a Gram matrix computed from rows of ``dtype``: float64's machine epsilon for
+    float64 rows, float32's for anything else (``gram_matrix`` forms their product in float32). A solver's
+    optimality conditions cannot be met more tightly than this relative to the entries."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
 def apply_weights(alpha: Tensor, grads: Tensor) -> Tensor:
@@ -294,9 +305,11 @@ def all_finite(x: Tensor) -> bool:
 
 
 def gram_numpy(gram: Tensor) -> np.ndarray | None:
-    """The Gram matrix as a float64 numpy array for the small K x K solvers; None if an entry is not finite."""
+    """The Gram matrix as a float64 numpy array for the small K x K solvers, symmetrised (a Gram matrix given by a
+    caller, or summed over ranks chunk by chunk, need not be exactly symmetric; ``gram_matrix``'s is); None if an
+    entry is not finite."""
     m = gram.detach().cpu().double().numpy()
-    return m if np.isfinite(m).all() else None
+    return (m + m.T) / 2 if np.isfinite(m).all() else None
 
 
 def like_gram(x, gram: Tensor) -> Tensor:

@@ -16,8 +16,11 @@ their experiments, also LibMTL's default) divides it by (1 + c^2). We follow the
 
 Everything is a function of the K x K Gram matrix (||g_0||^2 = mean(GG^T), g_w . g_0 = w^T GG^T 1/K,
 ||g_w||^2 = w^T GG^T w), so the dual is solved in float64 on the CPU: for K = 2 exactly (to 1e-15 in
-w) by golden-section search on the convex F(x, 1 - x); for K > 2 by projected gradient descent on the
-simplex with a backtracking line search. d is then ``alpha @ grads`` with
+w) by golden-section search on the convex F(x, 1 - x); for K > 2 through its KKT system (a few non-negative QPs
+along a parametric path, each support solved in closed form), with projected gradient descent on the simplex
+(a backtracking line search) where that is not certified. A candidate is accepted where its KKT gap is below
+``CAGRAD_KKT_TOL`` of the gradient's scale for float64 rows, and below the Gram matrix's own round-off for float32
+rows (``kkt_tol``: ~1e-7, which 1e-12 asked for in vain). d is then ``alpha @ grads`` with
 ``alpha = (1/K + sqrt(phi)/||g_w|| * w) / (1 + c^2)``.
 
 Degenerate input: if g_0 = 0 (e.g. exactly opposed gradients) then phi = 0 and d = g_0 = 0; if the
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, gram_round_off, like_gram
 from mtl.weighting.checks import at_least
 from mtl.weighting.qp import nonneg_qp
 
@@ -43,9 +46,28 @@ CAGRAD_C = 0.4  # radius of the ball around g_0, relative to ||g_0||
 CAGRAD_RESCALE = True  # divide the update by 1 + c^2 (the authors' code, rescale=1)
 CAGRAD_MAX_ITER = 2000  # projected-gradient iterations for K > 2
 CAGRAD_SUPPORT_EVERY = 8  # K > 2: every so many iterations, try the stationary point on the iterate's support
-CAGRAD_PARAMETRIC_AT = 100  # K > 2: still running after so many, try the parametric (KKT) solution
 CAGRAD_NEWTON_STEPS = 40  # its most non-negative QPs in each phase (bracket, Newton)
 CAGRAD_KKT_TOL = 1e-12  # a candidate is the optimum when its KKT gap is below this times the gradient's scale
+# ... for float64 rows; rows of lower precision give a Gram matrix with ~1e-7 relative round-off (``gram_round_off``),
+# and the gap is asked to be below that instead (``kkt_tol``)
+
+
+def kkt_tol(dtype: torch.dtype) -> float:
+    """The KKT tolerance for a Gram matrix from rows of ``dtype``: ``CAGRAD_KKT_TOL``, or the Gram matrix's own
+    relative round-off where that is larger (float32 and below: 1.2e-7)."""
+    return max(CAGRAD_KKT_TOL, gram_round_off(dtype))
+
+
+@dataclass
+class DualSolve:
+    """What ``cagrad_solve`` found: the dual's w, the projected-gradient iterations it ran (of ``max_iter``), whether
+    w is certified the optimum (its KKT gap below the floor at the tolerance; K <= 2: always, the search is exact),
+    and which step found it (closed form, golden section, parametric, support, projected gradient)."""
+
+    w: np.ndarray
+    iterations: int
+    converged: bool
+    how: str
 
 
 def project_simplex(v: np.ndarray) -> np.ndarray:
@@ -57,7 +79,8 @@ def project_simplex(v: np.ndarray) -> np.ndarray:
     return np.maximum(v - css[rho] / (rho + 1.0), 0.0)
 
 
-def dual_gap(m: np.ndarray, b: np.ndarray, sqrt_phi: float, w: np.ndarray) -> tuple[float, float]:
+def dual_gap(m: np.ndarray, b: np.ndarray, sqrt_phi: float, w: np.ndarray,
+             tol: float = CAGRAD_KKT_TOL) -> tuple[float, float]:
     """(KKT gap, its round-off floor) of a simplex point w of the dual: ``max_{w_t > 0} dF_t - min_t dF_t`` bounds
     F(w) - min F (F is convex), and is 0 exactly at the optimum (g_w != 0). The floor: the gradient's term
     ``sqrt(phi) m w / ||g_w||`` carries round-off ~ eps max_t ||g_t||^2 / ||g_w|| (tiny g_w: nearly opposed rows)."""
@@ -67,7 +90,7 @@ def dual_gap(m: np.ndarray, b: np.ndarray, sqrt_phi: float, w: np.ndarray) -> tu
     grad = b + sqrt_phi * (m @ w) / math.sqrt(q)
     dmax = float(np.max(np.diag(m)))
     scale = float(np.abs(b).max()) + sqrt_phi * math.sqrt(dmax) + sqrt_phi * dmax / math.sqrt(q)
-    return float(grad[w > 0].max() - grad.min()), CAGRAD_KKT_TOL * scale
+    return float(grad[w > 0].max() - grad.min()), tol * scale
 
 
 def support_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float, support: np.ndarray) -> np.ndarray | None:
@@ -98,7 +121,8 @@ def support_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float, support: np.
     return None
 
 
-def parametric_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float) -> np.ndarray | None:
+def parametric_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float,
+                        tol: float = CAGRAD_KKT_TOL) -> np.ndarray | None:
     """The dual's optimum found through its KKT system, or None: v(lam) = argmin_{v >= 0} v^T m v + 2 (b - lam 1).v
     (``nonneg_qp``) has ``psi(lam) = v^T m v`` convex and non-decreasing in lam with slope 2 sum(v), so Newton from a
     lam with psi >= phi walks down to psi = phi; each v's support is tried in closed form (``support_solution``)."""
@@ -117,7 +141,7 @@ def parametric_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float) -> np.nda
     for _ in range(CAGRAD_NEWTON_STEPS):
         w = support_solution(m, b, sqrt_phi, v > 0)
         if w is not None:
-            gap, floor = dual_gap(m, b, sqrt_phi, w)
+            gap, floor = dual_gap(m, b, sqrt_phi, w, tol)
             if gap <= floor:
                 return w
         slope = 2.0 * float(v.sum())
@@ -129,8 +153,12 @@ def parametric_solution(m: np.ndarray, b: np.ndarray, sqrt_phi: float) -> np.nda
     return None
 
 
-def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.ndarray:
-    """argmin over the simplex of w^T m 1/K + c ||g_0|| sqrt(w^T m w), for a PSD float64 Gram m."""
+def cagrad_solve(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER,
+                 tol: float = CAGRAD_KKT_TOL) -> DualSolve:
+    """argmin over the simplex of w^T m 1/K + c ||g_0|| sqrt(w^T m w), for a symmetric PSD float64 Gram m, with how
+    it was found (``DualSolve``). K > 2: the parametric (KKT) solution first; where it is not certified, projected
+    gradient from 1/K, trying the stationary point on its support as it goes. A candidate is the optimum where its
+    KKT gap is below the floor at ``tol`` (``kkt_tol``: a Gram matrix from float32 rows is known to ~1e-7 only)."""
     k = m.shape[0]
     b = m.mean(axis=1)  # g_t . g_0
     sqrt_phi = c * math.sqrt(max(float(m.mean()), 0.0))
@@ -139,7 +167,7 @@ def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.
         return float(w @ b) + sqrt_phi * math.sqrt(max(float(w @ m @ w), 0.0))
 
     if k == 1:
-        return np.ones(1)
+        return DualSolve(np.ones(1), 0, True, "closed form")
     if k == 2:  # golden-section search on x = w_1 in [0, 1] (F is convex in x)
         lo, hi = 0.0, 1.0
         r = (math.sqrt(5.0) - 1.0) / 2.0
@@ -156,7 +184,7 @@ def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.
                 f2 = f(np.array([x2, 1 - x2]))
         x = (lo + hi) / 2
         cands = [np.array([x, 1 - x]), np.array([1.0, 0.0]), np.array([0.0, 1.0])]
-        return min(cands, key=f)
+        return DualSolve(min(cands, key=f), 0, True, "golden section")
 
     eps = 1e-30 * max(float(np.max(np.diag(m))), 1e-300)
 
@@ -166,14 +194,21 @@ def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.
     def certified(w_new, w_old):  # w_new meets the KKT conditions to round-off, and is no worse than w_old
         if w_new is None:
             return False
-        gap, floor = dual_gap(m, b, sqrt_phi, w_new)
+        gap, floor = dual_gap(m, b, sqrt_phi, w_new, tol)
         return gap <= floor and f(w_new) <= f(w_old) + floor
 
     w = np.full(k, 1.0 / k)
+    # the KKT system's own path: a few non-negative QPs, certified in closed form on their support (nearly opposed
+    # rows, where projected gradient crawls, included); it was tried only after 100 projected-gradient iterations,
+    # which cost 10x the parametric solution on the ill-conditioned rows of solve_cost (issue 44)
+    cand = parametric_solution(m, b, sqrt_phi, tol)
+    if certified(cand, w):
+        return DualSolve(cand, 0, True, "parametric")
     fw = f(w)
     step = 1.0 / max(float(np.linalg.norm(m, 2)), 1e-300)
     support = None
-    for it in range(max_iter):
+    it = 0
+    for it in range(1, max_iter + 1):
         gw = grad(w)
         while True:
             new = project_simplex(w - step * gw)
@@ -182,29 +217,32 @@ def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER) -> np.
             if fn <= fw + float(gw @ diff) + float(diff @ diff) / (2 * step) or step < 1e-300:
                 break
             step *= 0.5
-        if float(np.abs(diff).max()) < 1e-13:
-            w, fw = new, fn
-            break
         w, fw = new, fn
+        if float(np.abs(diff).max()) < 1e-13:
+            break
         step *= 2.0
         # projected gradient finds the optimum's support long before it converges in w: solve the stationarity
         # conditions on the support it holds (once it is steady), and stop where they certify the optimum
-        if it % CAGRAD_SUPPORT_EVERY == 0:
+        if it % CAGRAD_SUPPORT_EVERY == 1:
             if support is not None and (support == (w > 0)).all():
                 cand = support_solution(m, b, sqrt_phi, support)
                 if certified(cand, w):
-                    return cand
+                    return DualSolve(cand, it, True, "support")
             support = w > 0
-        if it == CAGRAD_PARAMETRIC_AT:  # slow progress (nearly opposed rows): the KKT system's own path
-            cand = parametric_solution(m, b, sqrt_phi)
-            if certified(cand, w):
-                return cand
-    return w
+    gap, floor = dual_gap(m, b, sqrt_phi, w, tol)
+    return DualSolve(w, it, gap <= floor, "projected gradient")
+
+
+def cagrad_dual(m: np.ndarray, c: float, max_iter: int = CAGRAD_MAX_ITER, tol: float = CAGRAD_KKT_TOL) -> np.ndarray:
+    """argmin over the simplex of w^T m 1/K + c ||g_0|| sqrt(w^T m w), for a symmetric PSD float64 Gram m."""
+    return cagrad_solve(m, c, max_iter, tol).w
 
 
 @torch.no_grad()
-def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RESCALE) -> Tensor:
-    """(K,) alpha with ``cagrad(grads) == alpha @ grads`` for the Gram matrix ``grads @ grads.T``."""
+def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RESCALE,
+                   tol: float = CAGRAD_KKT_TOL) -> Tensor:
+    """(K,) alpha with ``cagrad(grads) == alpha @ grads`` for the Gram matrix ``grads @ grads.T``; ``tol``: the dual's
+    KKT tolerance (``kkt_tol`` of the rows' dtype)."""
     k = gram.shape[0]
     m = gram_numpy(gram)
     if m is None:
@@ -212,7 +250,7 @@ def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RES
     alpha = np.full(k, 1.0 / k)
     g0_sq = max(float(m.mean()), 0.0)
     if c > 0 and g0_sq > 0:
-        w = cagrad_dual(m, c)
+        w = cagrad_dual(m, c, tol=tol)
         gw_norm = math.sqrt(max(float(w @ m @ w), 0.0))
         if gw_norm > 1e-12 * math.sqrt(max(float(np.max(np.diag(m))), 0.0)):
             alpha = alpha + c * math.sqrt(g0_sq) / gw_norm * w
@@ -225,7 +263,7 @@ def cagrad_weights(gram: Tensor, c: float = CAGRAD_C, rescale: bool = CAGRAD_RES
 def cagrad(grads: Tensor, losses: Tensor | None = None, *, c: float = CAGRAD_C,
            rescale: bool = CAGRAD_RESCALE) -> Tensor:
     """(K, P) task gradients -> (P,) conflict-averse update (divided by 1 + c^2 when ``rescale``)."""
-    return apply_weights(cagrad_weights(gram_matrix(grads), c, rescale), grads)
+    return apply_weights(cagrad_weights(gram_matrix(grads), c, rescale, kkt_tol(grads.dtype)), grads)
 
 
 @dataclass
@@ -240,4 +278,4 @@ class CAGrad(GramWeighting):
     Options = CAGradOptions
 
     def weights_from_gram(self, gram, losses, dtype):
-        return cagrad_weights(gram, self.options.c, self.options.rescale)
+        return cagrad_weights(gram, self.options.c, self.options.rescale, kkt_tol(dtype))

@@ -22,8 +22,9 @@ min-norm point of the hull is a non-negative least-squares problem (Wolfe's; the
 problem for alpha = u / sum u), solved by ``nonneg_qp`` (mtl/weighting/qp.py: an active-set NNLS, ending
 with the conditions met to round-off). The answer is certified: the KKT gap ``max_{alpha_t > 0} (G G^T
 alpha)_t - min_t (G G^T alpha)_t`` (0 exactly at the optimum; it bounds the Frank-Wolfe duality gap) must
-be below ``MGDA_TOL`` * max_t ||g_t||^2; if round-off leaves it above, Frank-Wolfe with away steps (the
-paper's Algorithm 2 with exact line search, linearly convergent) continues from it until it is.
+be below ``MGDA_TOL`` * max_t ||g_t||^2 (float32 rows: their Gram matrix's round-off, ``default_tol``); if
+round-off leaves it above, Frank-Wolfe with away steps (the paper's Algorithm 2 with exact line search, linearly
+convergent) continues from it until it is.
 (Frank-Wolfe from 1/K, which this replaced, needed hundreds of steps where the min-norm point is near 0,
 and at K = 40 stopped at its iteration cap with ||d||^2 7x the minimum: python -m mtl.tools.bench.solve_cost.)
 
@@ -48,13 +49,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
+from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, gram_round_off, like_gram
 from mtl.weighting.checks import one_of
 from mtl.weighting.qp import nonneg_qp
 
 MGDA_MAX_ITER = 1000  # Frank-Wolfe iterations (K > 2), only where the NNLS answer is not certified
-MGDA_TOL = 1e-12  # the optimum: the KKT gap is below this fraction of max_t ||g_t||^2
+MGDA_TOL = 1e-12  # the optimum: the KKT gap is below this fraction of max_t ||g_t||^2 (float64 rows)
 MGDA_NORMALIZATIONS = ("none", "l2", "loss", "loss+")
+
+
+def default_tol(dtype: torch.dtype) -> float:
+    """``MGDA_TOL``, or the Gram matrix's own relative round-off where that is larger (rows of float32 and below:
+    1.2e-7, ``gram_round_off``): a KKT gap below 1e-12 is not a property such a matrix can be asked for."""
+    return max(MGDA_TOL, gram_round_off(dtype))
 
 
 def min_norm_2(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -143,8 +150,10 @@ def mgda_weights(gram: Tensor, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_
 
 
 @torch.no_grad()
-def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MAX_ITER, tol: float = MGDA_TOL) -> Tensor:
-    """(K, P) task gradients -> (P,) min-norm point of their convex hull."""
+def mgda(grads: Tensor, losses: Tensor | None = None, *, max_iter: int = MGDA_MAX_ITER,
+         tol: float | None = None) -> Tensor:
+    """(K, P) task gradients -> (P,) min-norm point of their convex hull (``tol``: ``default_tol`` of their dtype)."""
+    tol = default_tol(grads.dtype) if tol is None else tol
     return apply_weights(mgda_weights(gram_matrix(grads), max_iter, tol), grads)
 
 
@@ -162,12 +171,13 @@ def mgda_normalizers(gram: Tensor, losses: Tensor | None, normalization: str) ->
 
 
 @torch.no_grad()
-def mgda_normalized_weights(gram: Tensor, losses: Tensor | None = None, normalization: str = "none") -> Tensor:
+def mgda_normalized_weights(gram: Tensor, losses: Tensor | None = None, normalization: str = "none",
+                            tol: float = MGDA_TOL) -> Tensor:
     """(K,) weights on the raw rows: the min-norm point of the rows g_t / n_t, divided by n_t."""
     if normalization == "none":  # n = 1
-        return mgda_weights(gram)
+        return mgda_weights(gram, tol=tol)
     n = mgda_normalizers(gram, losses, normalization)
-    return mgda_weights(gram / (n[:, None] * n[None, :])) / n
+    return mgda_weights(gram / (n[:, None] * n[None, :]), tol=tol) / n
 
 
 @dataclass
@@ -182,4 +192,4 @@ class MGDA(GramWeighting):
     Options = MGDAOptions
 
     def weights_from_gram(self, gram, losses, dtype):
-        return mgda_normalized_weights(gram, losses, self.options.normalization)
+        return mgda_normalized_weights(gram, losses, self.options.normalization, default_tol(dtype))

@@ -8,8 +8,9 @@ Gram matrix in, the K weights out: what a step adds to the backward passes and t
 the same computation as the library's code does it, from the Gram matrix where that code starts from it (LibMTL's
 CAGrad and Aligned-MTL, TorchJD's aggregators) and from the K x 64 rows where it works on the rows (LibMTL's
 PCGrad, IMTL-G, GradVac and MGDA (its MinNormSolver); TorchJD's ConFIG). The references are small re-implementations of the libraries' code
-written for this benchmark (neither library is a dependency), each labelled with where it comes from; they are
-not the project's code and nothing imports them.
+written for this benchmark, each labelled with where it comes from; they are not the project's code and nothing
+imports them. One is the library itself: TorchJD 0.18's own CAGrad (``torchjd.aggregation.CAGradWeighting``, cvxpy's
+Clarabel on the dual), installed by the dev extra (``torchjd[cagrad]``) and timed where it is installed.
 
 Matrices: ``random``, K x 64 Gaussian rows; ``ill``, the case that cost CAGrad 60 ms at K = 11 (issue 34): two
 nearly opposed rows (g, -g + 0.01 noise) and K - 2 rows 10x smaller, so the Gram matrix is nearly singular and 0
@@ -21,14 +22,15 @@ in its wake); the table gives a row per reference: the medians and ours / the re
 
 ``ref error``: how far the reference's answer is from ours (the largest over the seeds), so that a faster but
 inexact reference shows as such. MGDA: ``||d_ref|| / ||d_ours|| - 1`` (ours is certified the min-norm point: its
-KKT gap is below 1e-12 of the largest squared norm, so a positive error is the reference's distance from the
-minimum); the others: ``||d_ref - d_ours|| / ||d_ours||`` for the updates d = w @ rows. ``-`` for PCGrad and GradVac,
+KKT gap is below 1e-12 of the largest squared norm, 1.2e-7 for float32 rows, so a positive error is the reference's
+distance from the minimum); the others: ``||d_ref - d_ours|| / ||d_ours||`` for the updates d = w @ rows. ``-`` for PCGrad and GradVac,
 whose answers depend on the random order of the tasks (GradVac's also on its EMA state).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import platform
 import random
@@ -70,6 +72,25 @@ def libmtl_cagrad(gram, rows, calpha=0.4, rescale=1):
     lmbda = c / (math.sqrt(max(float(w @ a @ w), 0.0)) + 1e-8)  # ||g_w|| from the Gram matrix
     alpha = 1.0 / k + lmbda * w
     return alpha / (1 + calpha ** 2) if rescale == 1 else alpha
+
+
+_TORCHJD = {}
+
+
+def torchjd_installed() -> bool:
+    """Whether TorchJD's CAGrad can run here (torchjd with its cagrad extra: cvxpy and Clarabel; the dev extra)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("torchjd", "cvxpy", "clarabel"))
+
+
+def torchjd_cagrad(gram, rows, c=0.4):
+    """TorchJD's own CAGrad (torchjd 0.18, ``torchjd.aggregation.CAGradWeighting``: cvxpy's Clarabel on the dual, from
+    the Gram matrix in its dtype), not a re-implementation. Its weights are Algorithm 1's; divided by 1 + c^2 here to
+    compare with ours (the authors' rescale, also LibMTL's)."""
+    if c not in _TORCHJD:
+        from torchjd.aggregation import CAGradWeighting  # the dev extra: imported only where it is timed
+
+        _TORCHJD[c] = CAGradWeighting(c=c)
+    return _TORCHJD[c](gram) / (1 + c * c)
 
 
 def libmtl_pcgrad(gram, rows):
@@ -257,7 +278,7 @@ def libmtl_gradvac(gram, rows, beta=0.5, state={}):  # noqa: B006 (the EMA targe
 
 
 REFERENCES = {
-    "cagrad": {"LibMTL (SLSQP)": libmtl_cagrad},
+    "cagrad": {"LibMTL (SLSQP)": libmtl_cagrad, **({"TorchJD 0.18 (Clarabel)": torchjd_cagrad} if torchjd_installed() else {})},
     "pcgrad": {"LibMTL (rows)": libmtl_pcgrad, "TorchJD (Gram)": torchjd_pcgrad},
     "mgda": {"TorchJD (FW, tol 1e-3)": torchjd_mgda, "LibMTL (MinNormSolver)": libmtl_mgda},
     "imtlg": {"LibMTL (rows)": libmtl_imtl},
@@ -266,8 +287,8 @@ REFERENCES = {
     "fairgrad": {"authors (least_squares)": fairgrad_authors},
     "gradvac": {"LibMTL (rows)": libmtl_gradvac},
 }
-# methods with no reference timed here, and why (none of these libraries' solvers is installable without a new
-# dependency: cvxpy for Nash-MTL's and TorchJD's CAGrad, quadprog for TorchJD's UPGrad and DualProj)
+# methods with no reference timed here, and why (TorchJD's Nash-MTL needs ecos beside cvxpy, its UPGrad and DualProj
+# quadprog: neither is a dependency; TorchJD's CAGrad, cvxpy and Clarabel, is, in the dev extra)
 # whose references' answers depend on a random order of the tasks (and GradVac's on its EMA state): not compared
 RANDOM_ORDER = ("pcgrad", "gradvac")
 UNREFERENCED = ("nashmtl", "upgrad", "dualproj", "modo", "sdmgrad", "gradnorm")
