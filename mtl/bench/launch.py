@@ -252,16 +252,18 @@ class SlurmLauncher:
                                               slurm_max_num_timeout=self.max_requeues,
                                               local_max_num_timeout=self.max_requeues)
         params = {"timeout_min": int(s.time_min), "nodes": 1, "tasks_per_node": 1, "name": "mtl-bench",
-                  "cpus_per_task": int(s.cpus_per_run) or nproc * threads, "gpus_per_node": int(s.gpus_per_run),
-                  f"{s.cluster}_signal_delay_s": self.delay_s}
+                  "cpus_per_task": int(s.cpus_per_run) or nproc * threads, "gpus_per_node": int(s.gpus_per_run)}
         if s.mem_gb:
             params["mem_gb"] = int(s.mem_gb)
         if s.cluster == "slurm":
+            params["slurm_signal_delay_s"] = self.delay_s
             if s.partition:
                 params["slurm_partition"] = s.partition
             if s.extra:
                 params["slurm_additional_parameters"] = dict(s.extra)
         self.executor.update_parameters(**params)
+        if s.cluster == "local":  # its signal_delay_s, which AutoExecutor does not pass on (local.py reads it here)
+            self.executor._executor.parameters["signal_delay_s"] = self.delay_s
 
     def start(self, run: dict, command: list[str], record) -> object:
         marker = os.path.join(run["dir"], CANCELLED)
