@@ -112,3 +112,39 @@ def test_a_job_at_the_requeue_cap_is_unfinished_and_named_not_failed(tmp_path, s
     other = launcher.poll(Job(UncompletedJobError("Job not requeued because: timed-out and not checkpointable.")), {})
     assert other.startswith("job 7 failed")
     assert "resubmitted by the next bench invocation" in _not_ok("unfinished") and _not_ok(None) == "failed"
+
+
+def test_the_sweep_records_a_run_at_the_cap_as_unfinished_and_names_it(tmp_path, monkeypatch, capsys):
+    """runs._drive with a launcher whose job reached the cap: the run is ``unfinished`` in runs.jsonl (not failed,
+    not in errors.log), named in the sweep's output, and left for the next invocation (no final metrics: run_all
+    trains it again, resuming from its checkpoints)."""
+    import json
+
+    import mtl.bench.runs as runs
+    from mtl.bench.launch import AT_CAP
+
+    class AtCap:
+        name = "slurm"
+
+        def start(self, run, command, record):
+            return run
+
+        def poll(self, handle, run):
+            return f"{AT_CAP}: job 7 reached its time limit 4 times"
+
+        def stop(self, handle):
+            raise AssertionError("nothing is in flight to stop")
+
+    monkeypatch.setattr(runs, "make_launcher", lambda cfg, env, threads: AtCap())
+    cfg = OmegaConf.create({"output_dir": str(tmp_path / "bench"), "bench": {"launcher": "slurm"}})
+    (tmp_path / "bench").mkdir()
+    run = {"index": 1, "regime": "natural", "label": "nashmtl", "seed": 0, "dir": str(tmp_path / "run"),
+           "overrides": [], "config": {}, "code": None}
+    status = tmp_path / "bench" / "runs.jsonl"
+    runs._drive(cfg, "configs/tiny.yaml", [], [run], 1, str(status))
+    out = capsys.readouterr().out
+    assert "[1/1] natural nashmtl seed 0: UNFINISHED: unfinished at the requeue cap" in out
+    assert "1 run(s) unfinished at the requeue cap" in out and "natural nashmtl seed 0" in out.splitlines()[-1]
+    record = json.loads(status.read_text())
+    assert record["status"] == "unfinished" and record["error"].startswith(AT_CAP)
+    assert not (tmp_path / "bench" / "errors.log").exists()
