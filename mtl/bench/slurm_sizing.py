@@ -87,7 +87,11 @@ def describe_slurm_sizing(b) -> list[str]:
     ``bench.launcher: slurm``; otherwise the rule is stated and the launch measures it."""
     s = b.slurm
     if b.launcher == "slurm":
-        startup = measure_startup()
+        try:
+            startup = measure_startup()
+        except subprocess.CalledProcessError as e:  # the job's imports fail here (submitit missing?): so would a job
+            return [f"  warning signal: the job's start-up could not be measured ({STARTUP_CODE!r} failed: "
+                    f"{e.stderr.decode(errors='replace').strip().splitlines()[-1:]})"]
         try:
             delay, how = warning_delay(s, startup)
         except ConfigError as e:
