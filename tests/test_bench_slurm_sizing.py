@@ -46,6 +46,9 @@ def test_the_requeue_cap_is_derived_from_the_longest_run_and_set_on_the_executor
     # set outright, it wins; not sized at all, submitit's own 3 (and --plan says it is not sized)
     assert SlurmLauncher(_cfg(tmp_path, max_requeues=9, longest_run_h=9.2), {}, 1).executor._executor.max_num_timeout == 9
     assert SlurmLauncher(_cfg(tmp_path), {}, 1).executor._executor.max_num_timeout == DEFAULT_REQUEUES
+    from mtl.bench.regimes import bench_errors
+
+    assert "bench.slurm.max_requeues: -1 must be >= 0" in bench_errors(_cfg(tmp_path, max_requeues=-1))
     # on Slurm too (submitit's SlurmExecutor, built where it finds an srun: a stand-in that is never run)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
