@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mtl.bench.compare import published_entries
 from mtl.bench.options import BenchOptions, bench_options
+from mtl.bench.slurm_sizing import describe_slurm_sizing
 from mtl.bench.stats import (
     holm,
     mark,
@@ -80,6 +81,7 @@ def describe_design(cfg) -> str:
                  f"{s.cpus_per_run or 'bench.nproc x bench.threads'} CPUs, "
                  + (f"{s.mem_gb} GB" if s.mem_gb else "the partition's memory")
                  + "; at its time limit or a preemption it checkpoints, is requeued and resumes")
+    lines += describe_slurm_sizing(b)
     lines.append("  GPU-hours: " + (d.gpu_hours or "not estimated (bench.design.gpu_hours)"))
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ import time
 
 from mtl.bench.options import bench_options
 from mtl.bench.record import provenance, write_record
+from mtl.bench.slurm_sizing import CAP_MESSAGE, DEFAULT_DELAY_S, measure_startup, requeue_cap, warning_delay
 from mtl.errors import ConfigError
 
 
@@ -74,12 +75,14 @@ class LocalLauncher:
 
 
 # Seconds a run's job waits, after submitit's warning signal (USR2, ``signal_delay_s`` before the time limit: 90
-# on Slurm, 30 with the local executor), for its run to save a checkpoint and exit before the job is requeued.
+# on Slurm, 30 with the local executor, by submitit's default), for its run to save a checkpoint and exit before the
+# job is requeued; a longer lead (``slurm_sizing.warning_delay``) adds its extra seconds to this wait.
 GRACE_S = {"slurm": 60.0, "local": 20.0}
 REQUEUED = "== requeued (time limit or preemption): resuming from the run's newest checkpoint (resume=auto)"
 RESUMED = "== an unfinished earlier attempt of this run: resuming from its newest checkpoint (resume=auto)"
 
 
+AT_CAP = "unfinished at the requeue cap"  # a run's outcome when submitit gave up on its job: resubmitted next time
 CANCELLED = "bench_cancelled"  # in a run's folder: the sweep cancelled its job (``SlurmLauncher.stop``): no requeue
 
 
@@ -238,18 +241,29 @@ class SlurmLauncher:
         b = bench_options(cfg)
         s, nproc = b.slurm, max(1, int(b.nproc))
         self.env, self.threads, self.cwd, self._dirs = env, threads, os.getcwd(), {}
-        self.grace_s = GRACE_S.get(s.cluster, GRACE_S["slurm"])
-        self.executor = submitit.AutoExecutor(folder=job_folder(cfg.output_dir, s.cluster), cluster=s.cluster)
+        # the warning's lead over the limit, sized to this machine's start-up of a job (slurm_sizing); RunJob waits
+        # for its run that much longer than with submitit's default lead, so submitit keeps the same time to requeue
+        self.startup_s = measure_startup()
+        self.delay_s, _ = warning_delay(s, self.startup_s)
+        self.max_requeues, _ = requeue_cap(s, self.delay_s)
+        default = DEFAULT_DELAY_S.get(s.cluster, DEFAULT_DELAY_S["slurm"])
+        self.grace_s = GRACE_S.get(s.cluster, GRACE_S["slurm"]) + self.delay_s - default
+        self.executor = submitit.AutoExecutor(folder=job_folder(cfg.output_dir, s.cluster), cluster=s.cluster,
+                                              slurm_max_num_timeout=self.max_requeues,
+                                              local_max_num_timeout=self.max_requeues)
         params = {"timeout_min": int(s.time_min), "nodes": 1, "tasks_per_node": 1, "name": "mtl-bench",
                   "cpus_per_task": int(s.cpus_per_run) or nproc * threads, "gpus_per_node": int(s.gpus_per_run)}
         if s.mem_gb:
             params["mem_gb"] = int(s.mem_gb)
         if s.cluster == "slurm":
+            params["slurm_signal_delay_s"] = self.delay_s
             if s.partition:
                 params["slurm_partition"] = s.partition
             if s.extra:
                 params["slurm_additional_parameters"] = dict(s.extra)
         self.executor.update_parameters(**params)
+        if s.cluster == "local":  # its signal_delay_s, which AutoExecutor does not pass on (local.py reads it here)
+            self.executor._executor.parameters["signal_delay_s"] = self.delay_s
 
     def start(self, run: dict, command: list[str], record) -> object:
         marker = os.path.join(run["dir"], CANCELLED)
@@ -266,6 +280,10 @@ class SlurmLauncher:
         try:
             code = job.result()
         except Exception as e:  # the job itself failed: timeout, preemption, a node failure, an import error
+            if CAP_MESSAGE in str(e):  # unfinished, not failed: its checkpoints are kept, the next bench resumes it
+                return (f"{AT_CAP}: job {job.job_id} reached its time limit {self.max_requeues + 1} times "
+                        f"({self.max_requeues} requeues, bench.slurm.max_requeues / longest_run_h); its checkpoints "
+                        "are kept and the next bench invocation resubmits it from the newest")
             return f"job {job.job_id} failed: {str(e).strip()[-2000:]}"
         if code == 0:
             return True

@@ -31,6 +31,13 @@ class SlurmOptions:
     mem_gb: int = 0  # memory of each run's job; 0: the partition's default
     cluster: str = "slurm"  # slurm | local (submitit's local executor: the tests, a check without a cluster)
     extra: dict[str, Any] = field(default_factory=dict)  # more sbatch parameters (submitit's slurm_additional_parameters)
+    # the upper estimate of the longest run, hours: sizes submitit's cap on time-limit requeues (2 x the jobs it
+    # needs at time_min, at least 3 more requeues than those); 0: not sized (submitit's 3, unless max_requeues)
+    longest_run_h: float = 0.0
+    max_requeues: int = 0  # submitit's max_num_timeout outright; 0: derived from longest_run_h
+    # the longest a run's checkpoint takes to save, seconds: the warning signal comes at least 2 x (the job's
+    # start-up, measured at launch, + this) before the limit (and never later than submitit's 90 s; 30 s local)
+    save_s: float = 10.0
 
 
 @dataclass

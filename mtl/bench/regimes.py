@@ -148,6 +148,9 @@ def bench_errors(cfg) -> list[str]:
         errors.append(f"bench.launcher: {b.launcher!r} must be one of {', '.join(LAUNCHERS)}")
     if b.launcher == "slurm" and b.slurm.cluster not in ("slurm", "local"):
         errors.append(f"bench.slurm.cluster: {b.slurm.cluster!r} must be slurm or local (submitit's local executor)")
+    for key in ("longest_run_h", "max_requeues", "save_s"):
+        if getattr(b.slurm, key) < 0:
+            errors.append(f"bench.slurm.{key}: {getattr(b.slurm, key)} must be >= 0")
     if not b.last_k >= 2:
         errors.append(f"bench.last_k: {b.last_k}: the convergence slope needs at least 2 evaluations")
     if b.test not in TESTS:

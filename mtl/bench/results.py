@@ -129,6 +129,13 @@ def report_split(datas: list[dict]) -> str:
     return "test" if datas and all(d["test"] for d in datas) else "validation"
 
 
+def _not_ok(status: str | None) -> str:
+    """A run's status in the list of runs without results."""
+    if status == "unfinished":  # its job reached the requeue cap (launch.AT_CAP)
+        return "unfinished at the requeue cap of its Slurm job (resubmitted by the next bench invocation)"
+    return status or "failed"
+
+
 def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_runs: list[dict]) -> tuple[list, dict]:
     """One regime's rows (one per method, then one per baseline) and its baselines ``{metric: mean}``."""
     b = bench_options(cfg)
@@ -142,7 +149,7 @@ def summarize(cfg, regime: str, spec: dict, rcfg, runs: list[dict], baseline_run
         seeds = (bdata if label.startswith("single_") else data).get(label, {})
         row = method_row(cfg, rcfg, label, seeds, eq, baseline_runs if label.startswith("single_") else runs)
         rows.append({"regime": regime, **row, "split": split,
-                     "failed": [f"seed {s}: {status.get((label, s)) or 'failed'}" for s, d in seeds.items() if not d]})
+                     "failed": [f"seed {s}: {_not_ok(status.get((label, s)))}" for s, d in seeds.items() if not d]})
     adjust(rows, "vs_equal", b.alpha)
     eqrow = next((r for r in rows if r["method"] == "equal"), None)
     for r in rows:

@@ -13,7 +13,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from mtl.bench.launch import drive, make_launcher, resuming
+from mtl.bench.launch import AT_CAP, drive, make_launcher, resuming
 from mtl.bench.options import bench_options
 from mtl.bench.progress import Progress
 from mtl.bench.record import provenance, reuse_problem, run_identity, write_record
@@ -148,6 +148,11 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
         durations.append(r["wall_s"])
         if outcome is True:
             r["status"], r["error"] = "ok", None
+        elif outcome.startswith(AT_CAP):  # not failed: the next bench invocation resumes it (earlier_attempt)
+            r["status"], r["error"] = "unfinished", outcome
+            unfinished.append(f"{r['regime']} {r['label']} seed {r['seed']}")
+            print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: UNFINISHED: {outcome}",
+                  flush=True)
         else:  # a failed run is recorded and the sweep goes on
             r["status"], r["error"] = "failed", outcome
             print(f"[{r['index']}/{total}] {r['regime']} {r['label']} seed {r['seed']}: FAILED: {r['error']}",
@@ -158,7 +163,11 @@ def _drive(cfg, config_path, base_overrides, pending, total, status_path) -> Non
             f.write(json.dumps({k: r.get(k) for k in ("regime", "label", "seed", "status", "error", "wall_s")})
                     + "\n")
 
+    unfinished: list[str] = []
     drive(launcher, pending, parallel, begin, finish, report=Progress(parallel, durations))
+    if unfinished:
+        print(f"bench: {len(unfinished)} run(s) {AT_CAP} of time-limit requeues, each resubmitted from its newest "
+              f"checkpoint by the next bench invocation: {'; '.join(unfinished)}", flush=True)
 
 
 def earlier_attempt(r: dict) -> tuple[str | None, str]:

@@ -170,4 +170,7 @@ def sweep(cfg, config: str, overrides: list[str], loaded: dict, runs: list[dict]
                                            "regimes": regime_specs})
     write_hparams(cfg, per_regime, regime_specs)
     print(text)
-    print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}")
+    left = [f"{r['regime']} {r['label']} seed {r['seed']}" for r in runs if r.get("status") == "unfinished"]
+    print(f"\nbench: {len(runs)} runs, {time.time() - tic:.0f} s this invocation; results in {cfg.output_dir}"
+          + (f"; {len(left)} unfinished at the requeue cap of their Slurm jobs, resubmitted from their newest "
+             f"checkpoints by the next bench invocation: {'; '.join(left)}" if left else ""))
