@@ -112,9 +112,9 @@ NOT_READ = {
     # the drive sets the watched metric too (a filler): tests/test_best_and_early_stop.py refuses them without it
     "checkpoint.best_mode": set(), "trainer.early_stopping.patience": set(), "trainer.early_stopping.min_delta": set(),
     "trainer.early_stopping.mode": set(),
-    "logging.mlflow_dir": EVERY,
+    "logging.mlflow_dir": EVERY,  # no set-up lists mlflow in logging.trackers: see test_mlflow_dir_is_read_with_mlflow
     # the drive sets model.peft.method too (a filler): tests/test_peft.py refuses them without it
-    **{f"model.peft.{k}": set() for k in ("r", "alpha", "dropout", "target_modules", "per_task", "shared")},  # no set-up lists mlflow in logging.trackers: see test_mlflow_dir_is_read_with_mlflow
+    **{f"model.peft.{k}": set() for k in ("r", "alpha", "dropout", "target_modules", "per_task", "shared")},
     # sections named by task: the section of a task the run does not train (test_sections_of_other_tasks)
     "task_options": set(), "task_instances": set(), "loss_scale": set(),
 }

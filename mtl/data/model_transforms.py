@@ -24,6 +24,7 @@ import os
 import torch
 from PIL import Image
 
+from mtl.config.json_read import read_json_object
 from mtl.errors import ConfigError
 
 PROCESSOR_FILE = "preprocessor_config.json"  # a transformers model folder's image processor (size, mean, std)
@@ -43,15 +44,7 @@ def processor_folder(cfg) -> str | None:
 
 def read_processor(folder: str) -> dict:
     """A model folder's ``preprocessor_config.json`` as a dict; a file that cannot be read is a ConfigError naming it."""
-    path = os.path.join(folder, PROCESSOR_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.backbone: cannot read {path!r} ({e}); restore it or set data.normalize") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"model.backbone: {path!r} is not a JSON object; restore it or set data.normalize")
-    return data
+    return read_json_object(os.path.join(folder, PROCESSOR_FILE), "model.backbone", "restore it or set data.normalize")
 
 
 def _edge(size) -> int | None:

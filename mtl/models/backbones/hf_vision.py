@@ -23,12 +23,12 @@ and models without absolute positions (ConvNeXt) take any size; any other model 
 from __future__ import annotations
 
 import inspect
-import json
 import os
 
 import torch
 from torch import nn
 
+from mtl.config.json_read import read_json_object
 from mtl.data.images import PROCESSOR_FILE
 from mtl.errors import ConfigError
 from mtl.models.backbones.base import Backbone
@@ -88,14 +88,7 @@ def vision_config(folder: str, key: str):
 def _model_type(folder: str, key: str):
     """The ``model_type`` of the folder's config.json (None where it names none); a file that is not a JSON object is
     a ConfigError naming ``key``."""
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}: cannot read {path!r} ({e}); restore it or point the key at another folder") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key}: {path!r} is not a JSON object; restore it or point the key at another folder")
+    data = read_json_object(os.path.join(folder, "config.json"), key, "restore it or point the key at another folder")
     return data.get("model_type")
 
 
