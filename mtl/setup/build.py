@@ -101,13 +101,13 @@ def build_model(cfg, num_classes: int, class_names: list, tokenizer) -> MultiTas
                      feature_shape=tuple(shape), pool=getattr(backbone, "pool", "mean"))
     types = run_task_types(cfg)
     scale = cfg.get("loss_scale") or {}
-    heads = {t: types[t].build(info) for t in cfg.tasks}
-    switch, notes = None, []
-    if peft_adapters.peft_on(cfg):  # model.peft: LoRA on the encoder (and a pretrained decoder), the base frozen
-        switch, notes = peft_adapters.apply(cfg, backbone, heads, list(cfg.tasks))
     # model.architecture: the trunk (every shared module) and a tower per task before its head (mtl/architectures/)
     trunk, towers = architecture_of(cfg).build(backbone, list(cfg.tasks), tuple(shape),
                                                architecture_options(cfg), cfg)
+    heads = {t: types[t].build(info) for t in cfg.tasks}  # after the trunk: the order of the initial weights' draws
+    switch, notes = None, []
+    if peft_adapters.peft_on(cfg):  # model.peft: LoRA on the encoder (and a pretrained decoder), the base frozen
+        switch, notes = peft_adapters.apply(cfg, backbone, heads, list(cfg.tasks))
     model = MultiTaskModel(trunk, heads, loss_scale={t: float(scale[t]) for t in cfg.tasks if t in scale},
                            towers=towers, adapters=switch)
     model.peft_notes = [*notes, peft_adapters.count_note(model)] if notes else []
