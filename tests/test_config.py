@@ -319,6 +319,7 @@ def _float_keys():
     return keys
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_nan_and_inf_are_refused_in_every_numeric_key():
     """NaN passes every range check (each comparison is false): each float key, each float option of each method
     and task, and a per-task data key, set to nan (inf and -inf: optim.lr) is an error naming the key."""

@@ -267,6 +267,7 @@ def test_the_doctor_reads_token_features(folders):
     assert any(row for row in json.dumps(report["reach"]).split("backbone")[1:])
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_a_model_folder_needs_no_pretrained_folder(folders, tmp_path, capsys):
     """The checkpoint carries backbone/config.json and the processor: predict and export work with the ViT folder
     gone, with the same normalisation and the same predictions."""

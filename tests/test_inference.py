@@ -208,6 +208,7 @@ def test_beam_search_is_used_when_asked(run):
     assert [p["caption"] for p in predictor.predict(images, num_beams=4)] == expected[4]
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_imagefolder_runs_keep_their_class_names(tmp_path):
     """The class list is the training set's sorted folder names; an ImageFolder run must save it."""
     root = tmp_path / "folder"
@@ -247,6 +248,7 @@ def _trainer(cfg_overrides):
     return Trainer(load_run_config(TINY, cfg_overrides), DistInfo())
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_init_from_starts_a_new_run_from_the_weights(run, tmp_path, capsys):
     new = tmp_path / "warm"
     source = checkpoint(run)
@@ -274,6 +276,7 @@ def test_init_from_starts_a_new_run_from_the_weights(run, tmp_path, capsys):
     assert state["step"] == 2 and state["scheduler"]["last_epoch"] == 2
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_resume_wins_over_init_from_and_may_drop_it(run, tmp_path, capsys):
     out = train(tmp_path / "warm", f"init_from={checkpoint(run)}", max_steps=2)
     resumed_weights = load_file(os.path.join(checkpoint(out, 2), "model.safetensors"))
@@ -300,6 +303,7 @@ def test_init_from_that_does_not_fit_names_the_keys(run, tmp_path, capsys, chang
     assert not os.path.exists(tmp_path / "x" / "checkpoints")
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_init_from_onto_a_new_class_count_reinitialises_that_head_only(run, tmp_path, capsys):
     """Fine-tuning onto new labels with init_from_fresh_class_head=true: the 4-class model moves to 3 classes.
     heads.cls keeps its fresh initialisation (the same as a run without init_from), is named, and every other weight
@@ -439,6 +443,7 @@ def test_eval_config_keeps_the_model_and_takes_the_data(run, tmp_path):
     assert len(eval_dataset(cfg, predictor.class_names)) == 10
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_a_normalising_run_is_normalised_at_inference_too(tmp_path):
     """With ``data.normalize`` on (pretrained weights bring their mean/std), the training loaders normalise the
     batches; predict and evaluate must feed the model the same numbers, not the raw [0, 1] images."""
@@ -466,6 +471,7 @@ def test_a_normalising_run_is_normalised_at_inference_too(tmp_path):
     assert len(rows) == 4
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_a_run_from_pretrained_weights_is_normalised_as_it_trained(tmp_path):
     """data.normalize=auto with backbone weights: the loaders normalised with the weights' statistics, so the loaded
     model must too (the weights are not read again: the name alone decides), and evaluate matches the run."""

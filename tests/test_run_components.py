@@ -270,6 +270,7 @@ def test_the_start_up_summary_shows_the_data_and_not_the_keys_the_run_does_not_r
     assert left_out.startswith("  not read by this run, left out: ") and "data.synthetic.train_size=40" in left_out
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_lines_printed_during_training_go_through_the_progress_bar(tmp_path):
     """stdout and stderr into one pipe (a log file, ``| tee``): each line lands where it was printed, between two
     drawings of the bar, not at the end of the run glued to the bar."""
@@ -285,6 +286,7 @@ def test_lines_printed_during_training_go_through_the_progress_bar(tmp_path):
     assert all(line.split("\r")[-1].startswith("message") for line in out.split("\n")[:-1][:3]), out
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_a_warning_from_another_thread_prints_through_the_bar(tmp_path):
     """The heartbeat's warning comes from its own thread, the signal handler's between two bytecodes: both print
     through ``mtl.run.console.say``, which clears the bar, writes the line and draws the bar again below it, so

@@ -120,6 +120,7 @@ def test_every_tool_passes_mains_exit_code_to_the_shell():
     assert not dropped, f"these __main__ blocks drop main()'s exit code (write sys.exit(main())): {dropped}"
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_every_tool_refuses_a_bad_argument_with_a_message_and_no_traceback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing a tool might write lands in the checkout
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

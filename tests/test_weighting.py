@@ -37,6 +37,7 @@ from .weighting_cases import (
 # discovery and the common contract
 
 
+@pytest.mark.slow  # seconds of training or start-ups: the fast tier stays under 2 minutes
 def test_every_method_is_discovered_with_its_level():
     types = weighting_types()
     for m in LOSS_METHODS:
