@@ -24,7 +24,7 @@ import os
 from torch.utils.data import get_worker_info
 
 from mtl.data.images import PIL_ERRORS, Augment, shape_problem
-from mtl.data.streamed import EXTRA, Shard, ShardStream
+from mtl.data.streamed import EXTRA, Shard, ShardStream, stream_errors
 from mtl.errors import ConfigError
 
 
@@ -201,15 +201,6 @@ def hf_stream_splits(cfg, augment: Augment | None) -> tuple[ParquetStream, Parqu
 
 
 def hf_stream_errors(cfg) -> list[str]:
-    """``data.source: hf_stream``'s keys, checked before anything is read."""
-    d = cfg.data
-    if importlib.util.find_spec("datasets") is None:
-        return [f"data.source=hf_stream needs the datasets library, which is not installed; {EXTRA}"]
-    errors = [f"data.hf_stream.{k} is required for data.source=hf_stream (a glob such as 'data/{k[:-6]}-*.parquet')"
-              for k in ("train_files", "val_files") if not d.hf_stream.get(k)]
-    if int(d.hf_stream.shuffle_buffer) < 1:
-        errors.append(f"data.hf_stream.shuffle_buffer: must be at least 1 (got {d.hf_stream.shuffle_buffer})")
-    if int(d.get("heldout") or 0):
-        errors.append("data.heldout: data.source=hf_stream streams its rows and holds none out; use a "
-                      "weighting.method without a held-out meta update, or another data.source")
-    return errors
+    """``data.source: hf_stream``'s keys, checked before anything is read (``stream_errors``)."""
+    return stream_errors(cfg, "hf_stream", "datasets", {
+        k: f"a glob such as 'data/{k[:-6]}-*.parquet'" for k in ("train_files", "val_files")}, "rows")

@@ -487,19 +487,25 @@ def _verify_labels(shards: list[Shard], names: list[str] | None, key: str) -> No
 
 
 def webdataset_errors(cfg) -> list[str]:
-    """``data.source: webdataset``'s keys, checked before anything is read: the library, both shard keys, a positive
-    shuffle buffer, and what a stream cannot do yet (a bilevel method's held-out items)."""
-    d, errors = cfg.data, []
-    if importlib.util.find_spec("webdataset") is None:
-        return [f"data.source=webdataset needs the webdataset library, which is not installed; {EXTRA}"]
-    for key in ("train_shards", "val_shards"):
-        if not d.webdataset.get(key):
-            errors.append(f"data.webdataset.{key} is required for data.source=webdataset (a brace pattern such as "
-                          f"'shards/{key[:-7]}-{{000000..000015}}.tar', or a .txt file listing the shards)")
-    if int(d.webdataset.shuffle_buffer) < 1:
-        errors.append(f"data.webdataset.shuffle_buffer: must be at least 1 (got {d.webdataset.shuffle_buffer})")
+    """``data.source: webdataset``'s keys, checked before anything is read (``stream_errors``)."""
+    return stream_errors(cfg, "webdataset", "webdataset", {
+        k: f"a brace pattern such as 'shards/{k[:-7]}-{{000000..000015}}.tar', or a .txt file listing the shards"
+        for k in ("train_shards", "val_shards")}, "samples")
+
+
+def stream_errors(cfg, source: str, library: str, required: dict[str, str], unit: str) -> list[str]:
+    """A streamed source's keys (``data.<source>``), checked before anything is read: the library, each required key
+    (named with its example), a positive shuffle buffer, and what a stream cannot do yet (a bilevel method's held-out
+    items)."""
+    d, section = cfg.data, cfg.data[source]
+    if importlib.util.find_spec(library) is None:
+        return [f"data.source={source} needs the {library} library, which is not installed; {EXTRA}"]
+    errors = [f"data.{source}.{k} is required for data.source={source} ({example})"
+              for k, example in required.items() if not section.get(k)]
+    if int(section.shuffle_buffer) < 1:
+        errors.append(f"data.{source}.shuffle_buffer: must be at least 1 (got {section.shuffle_buffer})")
     if int(d.get("heldout") or 0):
-        errors.append("data.heldout: data.source=webdataset streams its samples and holds none out; use a "
+        errors.append(f"data.heldout: data.source={source} streams its {unit} and holds none out; use a "
                       "weighting.method without a held-out meta update, or another data.source")
     return errors
 
