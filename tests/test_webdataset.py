@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import os
 import tarfile
+from unittest import mock
 
 import pytest
 import torch
@@ -40,10 +41,16 @@ def collate(records):
             "label": torch.tensor([r["label"] for r in records]), "caption": [r["captions"][0] for r in records]}
 
 
+def as_rank(rank, world):
+    """torchrun's environment for rank ``rank`` of ``world``: webdataset's split_by_node reads it."""
+    return mock.patch.dict(os.environ, {"RANK": str(rank), "WORLD_SIZE": str(world)})
+
+
 def epoch(ds, rank, world, workers, batch, e=0, start=0):
     loader = build_train_loader(ds, collate, batch, rank, world, seed=0, num_workers=workers)
     start_at(loader, e, start)
-    out = list(loader)
+    with as_rank(rank, world):
+        out = list(loader)
     assert len(out) == len(loader)  # the loader says how many batches it gives
     return out
 
@@ -255,7 +262,8 @@ def test_persistent_workers_read_each_new_position(tmp_path):
     assert loader.persistent_workers
     for e, k, stop in ((0, 0, None), (1, 0, 2), (1, 3, None), (2, 5, None)):
         start_at(loader, e, k)
-        got = [b["index"].tolist() for _, b in zip(range(stop or 99), loader)]
+        with as_rank(0, 2):
+            got = [b["index"].tolist() for _, b in zip(range(stop or 99), loader)]
         want = [b["index"].tolist() for b in epoch(train, 0, 2, 2, 3, e, k)][: stop or 99]
         assert got == want, (e, k)
 
@@ -280,3 +288,16 @@ def test_evaluate_reads_the_validation_shards_alone_with_the_model_s_classes(tmp
     assert len(ds) == 10 and ds.class_names == CLASSES
     with pytest.raises(ConfigError, match="class index 2, beyond the 2 class names"):
         eval_dataset(cfg, CLASSES[:2])
+
+
+def test_the_node_split_is_webdataset_s_own_and_must_agree_with_the_run(tmp_path, monkeypatch):
+    """split_by_node reads the rank from torchrun's environment: a stream placed at rank 1 of 2 in a process whose
+    environment says otherwise is refused by name, never read as another rank's shards."""
+    train, _ = build_datasets(config(tmp_path, [6] * 8))
+    loader = build_train_loader(train, collate, 3, 1, 2, seed=0, num_workers=0)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="webdataset places this stream at rank 0 of 1.*RANK/WORLD_SIZE"):
+        next(iter(loader))
+    with as_rank(1, 2):
+        assert len(list(loader)) == len(loader) == 8

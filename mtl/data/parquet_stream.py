@@ -24,7 +24,7 @@ import os
 from torch.utils.data import get_worker_info
 
 from mtl.data.images import PIL_ERRORS, Augment, shape_problem
-from mtl.data.streamed import EXTRA, Shard, ShardStream, stream_errors
+from mtl.data.streamed import EXTRA, Shard, ShardStream, _arranged, stream_errors
 from mtl.errors import ConfigError
 
 
@@ -157,11 +157,8 @@ class ParquetStream(ShardStream):
         physical = info.id if info is not None else 0
         mine = order[self.rank::self.world]
         if info is not None:  # datasets gives loader worker p the files mine[p::n]: let them be worker's
-            shift, rotated = (worker - physical) % n, list(mine)
-            for p in range(n):
-                rotated[p::n] = mine[(p + shift) % n::n]
-            order = list(order)
-            order[self.rank::self.world] = rotated
+            order = list(order)  # (as many files on every worker, place(): _arranged leaves no hole)
+            order[self.rank::self.world] = list(_arranged(n, (worker - physical) % n)(mine))
         ds = datasets.load_dataset("parquet", data_files=order, split="train", streaming=True)
         ds = ds.select_columns([self.image_column])
         if isinstance(ds.features[self.image_column], datasets.Image):

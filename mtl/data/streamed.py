@@ -2,10 +2,10 @@
 
 A sample is the tar members that share a key: the image under ``jpg``/``jpeg``/``png``/``webp``, the class index
 under ``cls``, the caption under ``txt`` or a list of captions under ``json``. A ``webdataset`` pipeline reads them
-(``DataPipeline``: ``SimpleShardList``, a node and a worker splitter, ``tarfile_to_samples``, its seeded ``shuffle``
-buffer); this module plans which shards each rank and worker streams and how long an epoch is. The two splitters
-are ``split_by_node``'s and ``split_by_worker``'s slicing with the rank and the worker passed in rather than read
-from the environment: a test builds another rank's stream, and a resumed epoch renumbers the workers.
+(``DataPipeline``: ``SimpleShardList``, its ``split_by_node`` and ``split_by_worker``, ``tarfile_to_samples``, its
+seeded ``shuffle`` buffer); this module plans which shards each rank and worker streams and how long an epoch is.
+``split_by_node`` reads the rank and world size from torchrun's environment (RANK, WORLD_SIZE), ``split_by_worker``
+the loader worker's id; a stream checks both agree with the run's.
 
 At start every shard is scanned once (tar headers, the small text members and, with
 ``data.webdataset.verify_images``, every image decoded, as the manifest source does): a truncated shard, a pattern
@@ -325,10 +325,23 @@ class ShardStream(IterableDataset):
 
     def read(self, order: list[str], worker: int, n: int):
         """The samples (webdataset's dicts: ``__url__``, ``__key__``, the image under its extension) of the shards
-        that this rank's worker ``worker`` of ``n`` streams from the epoch's shard ``order``, in their order."""
+        that this rank's worker ``worker`` of ``n`` streams from the epoch's shard ``order``, in their order.
+
+        webdataset's own ``split_by_node`` (the rank and world size torchrun sets) and ``split_by_worker`` (the
+        loader worker's id) split the shard list. A resumed epoch's next batch may be another worker's than the
+        loader's first, so the rank's shards reach ``split_by_worker`` arranged (``_arranged``) for the loader
+        worker that plays ``worker``'s part to take ``worker``'s shards."""
         wds = need_webdataset()
-        return wds.DataPipeline(wds.SimpleShardList(order), _node_split(self.rank, self.world),
-                                _worker_split(worker, n), wds.tarfile_to_samples())
+        info = get_worker_info()
+        physical = info.id if info is not None else 0
+        library = tuple(wds.utils.pytorch_worker_info())
+        if library != (self.rank, self.world, physical, n):
+            raise RuntimeError(
+                f"{self.key}: webdataset places this stream at rank {library[0]} of {library[1]}, worker {library[2]} "
+                f"of {library[3]}, and the run at rank {self.rank} of {self.world}, worker {physical} of {n}: the "
+                "environment's RANK/WORLD_SIZE (torchrun's) or WORKER/NUM_WORKERS differ from the run's")
+        return wds.DataPipeline(wds.SimpleShardList(order), wds.split_by_node, _arranged(n, (worker - physical) % n),
+                                wds.split_by_worker, _present, wds.tarfile_to_samples())
 
     def _records(self, worker: int, n: int, epoch: int, start: int):
         wds = need_webdataset()
@@ -366,23 +379,20 @@ class ShardStream(IterableDataset):
         return item
 
 
-def _node_split(rank: int, world: int):
-    """The node split (webdataset's ``split_by_node``, with the rank and world size given, not read from the
-    environment: a process may build another rank's stream, as the tests do)."""
-    def split(src):
-        for i, item in enumerate(src):
-            if i % world == rank:
-                yield item
-    return split
+def _arranged(n: int, shift: int):
+    """The rank's shard list L arranged for ``split_by_worker`` (loader worker p takes positions p, p + n, ...) to
+    give worker p the shards L[(p + shift) mod n :: n]; the holes it leaves are None (``_present`` drops them)."""
+    def arrange(src):
+        mine = list(src)
+        for j in range(0, len(mine), n):
+            for p in range(n):
+                i = j + (p + shift) % n
+                yield mine[i] if i < len(mine) else None
+    return arrange
 
 
-def _worker_split(worker: int, n: int):
-    """webdataset's ``split_by_worker``, with the worker's part given (a resumed epoch renumbers them)."""
-    def split(src):
-        for i, item in enumerate(src):
-            if i % n == worker:
-                yield item
-    return split
+def _present(src):
+    return (item for item in src if item is not None)
 
 
 def _known(index: dict):
