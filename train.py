@@ -6,19 +6,25 @@ Also runs as ``python train.py --config ...`` (one process) and under multi-node
 from __future__ import annotations
 
 import argparse
-import sys
 
 from mtl.run.error_report import run_guarded
-from mtl.run.signals import keep_exit_code, start_up_guard
+from mtl.run.signals import exit_process, keep_exit_code, start_up_guard
+
+
+class HelpParser(argparse.ArgumentParser):
+    """The config keys and the options (strategies, methods, ...) are listed under --help: built only when asked."""
+
+    def format_help(self) -> str:
+        from mtl.config.schema import keys_help
+        from mtl.setup.checks import options_help
+
+        self.epilog = f"{keys_help()}\n\n{options_help()}"
+        return super().format_help()
 
 
 @start_up_guard  # first of all: a stop signal during start-up ends the run cleanly (mtl/run/signals.py)
 def main(argv: list[str] | None = None) -> int:
-    from mtl.config.schema import keys_help
-    from mtl.setup.checks import options_help
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"{keys_help()}\n\n{options_help()}",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = HelpParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file (may name a base: file). Relative paths: "
                         "base: and the *_modules .py files from the config file's folder; every other path "
                         "(output_dir, data.*_path, init_from ...), and every path on the command line, from the "
@@ -50,4 +56,4 @@ if __name__ == "__main__":
     code = main()
     if code:  # torchrun tears the job down once a rank has failed: this rank keeps its own code (mtl/run/signals.py)
         keep_exit_code(code)
-    sys.exit(code)
+    exit_process(code)  # sys.exit's, less the module-by-module teardown (a second and more: mtl/run/signals.py)

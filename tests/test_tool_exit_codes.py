@@ -50,7 +50,8 @@ def entry_points() -> dict[str, str]:
 
 
 def _passes_exit_code(block: ast.If) -> bool:
-    """``sys.exit(main())`` or ``raise SystemExit(main())``: main's return value reaches the shell."""
+    """``sys.exit(main())``, ``raise SystemExit(main())`` or ``exit_process(main())`` (mtl/run/signals.py): main's
+    return value reaches the shell."""
     def is_main_call(node):
         return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "main"
 
@@ -59,7 +60,7 @@ def _passes_exit_code(block: ast.If) -> bool:
         if not isinstance(call, ast.Call) or not call.args or not is_main_call(call.args[0]):
             continue
         f = call.func
-        if (isinstance(f, ast.Name) and f.id == "SystemExit") or (
+        if (isinstance(f, ast.Name) and f.id in ("SystemExit", "exit_process")) or (
                 isinstance(f, ast.Attribute) and f.attr == "exit" and isinstance(f.value, ast.Name) and f.value.id == "sys"):
             return True
     return False
@@ -91,8 +92,11 @@ def bad_arguments(tmp: str) -> dict[str, list[str]]:
 def run_as_main(module: str, args: list[str]) -> tuple[object, str]:
     """``python -m module args`` in this process: (the exit code, stderr); an exception that escapes is a
     traceback in stderr, as the interpreter would print it."""
-    err, argv = io.StringIO(), sys.argv
+    from mtl.run import signals
+
+    err, argv, exit_process = io.StringIO(), sys.argv, signals.exit_process
     sys.argv = [module, *args]
+    signals.exit_process = sys.exit  # its os._exit would end this process: the code as SystemExit, as python -m sees it
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "found in sys.modules": the tests imported it before
@@ -105,7 +109,7 @@ def run_as_main(module: str, args: list[str]) -> tuple[object, str]:
                 code = 1
                 err.write(traceback.format_exc())
     finally:
-        sys.argv = argv
+        sys.argv, signals.exit_process = argv, exit_process
     return code, err.getvalue()
 
 

@@ -102,4 +102,6 @@ def exit_code(failures: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mtl.run.signals import exit_process
+
+    exit_process(main())  # sys.exit's, less the module-by-module teardown (a second and more: mtl/run/signals.py)

@@ -16,9 +16,7 @@ import difflib
 import os
 
 import torch
-import torchvision
 from torch import nn
-from torchvision.ops import FrozenBatchNorm2d
 
 from mtl.errors import ConfigError
 from mtl.models.backbones.base import Backbone
@@ -105,6 +103,8 @@ class FeaturesTrunk(TorchvisionTrunk):
 
 
 def _load_weights(name: str, weights: str | None) -> nn.Module:
+    import torchvision  # here, not at the top: a process that only checks a config (mtl.tools.launch) skips its 1.2 s
+
     if weights is None:
         return torchvision.models.get_model(name, weights=None)
     if os.path.sep in weights or weights.endswith((".pt", ".pth", ".safetensors", ".bin")):
@@ -179,6 +179,8 @@ def convert_norm(module: nn.Module, norm: str) -> nn.Module:
                     new.weight.copy_(child.weight)
                     new.bias.copy_(child.bias)
             else:  # frozen: keep the (possibly pretrained) statistics, train nothing in the norm
+                from torchvision.ops import FrozenBatchNorm2d
+
                 new = FrozenBatchNorm2d(child.num_features, eps=child.eps)
                 with torch.no_grad():
                     for k in ("weight", "bias", "running_mean", "running_var"):
