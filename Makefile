@@ -14,7 +14,7 @@ RUN_DIR ?= runs/default
 # PEFT adapters and the HF datasets / WebDataset sources.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev,qm9,slurm,vision,trackers,peft,data]'
+	$(BIN)/pip install --disable-pip-version-check -q -c constraints.txt -e '.[dev,qm9,nash,slurm,vision,trackers,peft,data]'
 	touch $(STAMP)
 
 install: $(STAMP)

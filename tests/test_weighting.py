@@ -209,7 +209,8 @@ def test_grad_hooks_are_the_forms_of_combine_the_method_has(name):
     one; ``weights_for_gram`` for a Gram-only one; ``combine_shard`` / ``finish_shard`` for one exact per shard."""
     w = make(name)
     hooks = w.grad_hooks()
-    assert set(hooks) == {"combine", "gram_weights", "combine_shard", "finish_shard"}
+    assert set(hooks) == {"combine", "gram_weights", "combine_shard", "finish_shard", "head_weights"}
+    assert hooks["head_weights"] is None  # weighting.heads: unweighted, the default
     grad = w.level == "grad"
     assert (hooks["combine"] == w.combine) if grad else hooks["combine"] is None
     assert (hooks["gram_weights"] == w.weights_for_gram) if grad and name in GRAD_METHODS \
@@ -217,3 +218,8 @@ def test_grad_hooks_are_the_forms_of_combine_the_method_has(name):
     shards = name == "graddrop"  # the one row method exact column by column (FSDP2)
     assert (hooks["combine_shard"] == w.combine_shard) if shards else hooks["combine_shard"] is None
     assert (hooks["finish_shard"] == w.finish_shard) if shards else hooks["finish_shard"] is None
+    if name in GRAD_METHODS:  # weighting.heads: weighted, read by the Gram methods (tests/test_weighted_heads.py)
+        cfg = cfg_for(name)
+        cfg.weighting.heads = "weighted"
+        weighted = type(w)(cfg, list(w.tasks))
+        assert weighted.grad_hooks()["head_weights"] == weighted.weights_for_heads

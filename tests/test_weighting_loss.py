@@ -1,4 +1,4 @@
-"""Loss-level methods (LossWeighting: RLW, UW, DWA, GLS, FAMO, STCH): the formula for given losses and steps, and a
+"""Loss-level methods (LossWeighting: RLW, UW, DWA, GLS, SI, FAMO, STCH): the formula for given losses and steps, and a
 state_dict round trip (a fresh instance loaded from it produces the same next weights)."""
 
 from __future__ import annotations
@@ -103,6 +103,56 @@ def test_gls_is_the_log_of_the_geometric_mean():
     # d log L / dx = L'/(K L): 2x/(2 x^2) and 5/(2 * 5x)
     close(gx, [1 / 2.0, 1 / 6.0], 1e-6)
     assert torch.isfinite(w.weigh("cls", torch.tensor(0.0)))
+
+
+def _si_grad(scales=(1.0, 1.0), x0=(2.0, 3.0)):
+    w = make("si")
+    x = torch.tensor(x0, dtype=torch.float64, requires_grad=True)
+    losses = {"cls": scales[0] * x[0] ** 2, "gen": scales[1] * 5.0 * x[1]}
+    total = sum(w.weigh(t, losses[t]) for t in TASKS)
+    return total, torch.autograd.grad(total, x, retain_graph=True)[0], losses, x
+
+
+def test_si_gradient_is_the_sum_of_the_tasks_gradients_over_their_losses():
+    """SI (Nash-MTL's ScaleInvariantLinearScalarization, sum_t log L_t): the step's gradient is sum_t grad L_t / L_t,
+    checked against autograd of the authors' objective torch.sum(torch.log(losses)); each weight is 1."""
+    total, gx, losses, x = _si_grad()
+    close(total, 2.0, 1e-12)  # the terms are L_t / L_t.detach(): value 1 each
+    close(gx, [2 * 2.0 / 2.0**2, 5.0 / (5.0 * 3.0)], 1e-12)  # 2x / x^2 and 5 / 5x
+    (want,) = torch.autograd.grad(torch.log(torch.stack([losses["cls"], losses["gen"]])).sum(), x, retain_graph=True)
+    close(gx, want, 1e-12)
+    assert make("si").weights() == {"cls": 1.0, "gen": 1.0}
+    gls = make("gls")
+    (g_gls,) = torch.autograd.grad(sum(gls.weigh(t, v) for t, v in losses.items()), x)
+    close(gx, len(TASKS) * g_gls, 1e-12)  # gls is the same objective over K
+
+
+@pytest.mark.parametrize("scales", [(1e-3, 1.0), (1.0, 250.0), (7.0, 0.01)])
+def test_si_is_invariant_to_rescaling_any_tasks_loss(scales):
+    """The property that names it: L_t -> c_t L_t (c_t > 0) leaves the step unchanged (equal's step changes)."""
+    _, g1, _, _ = _si_grad()
+    _, g2, _, _ = _si_grad(scales)
+    close(g2, g1, 1e-12)
+    eq = make("equal")
+    x = torch.tensor([2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    e1 = torch.autograd.grad(eq.weigh("cls", x[0] ** 2) + eq.weigh("gen", 5.0 * x[1]), x)[0]
+    e2 = torch.autograd.grad(eq.weigh("cls", scales[0] * x[0] ** 2) + eq.weigh("gen", scales[1] * 5.0 * x[1]), x)[0]
+    assert not torch.allclose(e1, e2)  # the check above can fail: a scale-dependent method fails it
+
+
+def test_si_with_a_zero_or_tiny_loss_no_epsilon_as_its_authors():
+    """A zero loss: no clamp (the authors take log 0 = -inf): the term and its gradient are not finite, which the
+    step's finite check skips; a tiny positive loss gives the large finite gradient grad L / L."""
+    w = make("si")
+    x = torch.tensor(0.0, dtype=torch.float64, requires_grad=True)
+    term = w.weigh("cls", x**2 + 3.0 * x)  # L = 0 at x = 0, grad L = 3
+    assert not torch.isfinite(term)
+    (gx,) = torch.autograd.grad(term, x)
+    assert not torch.isfinite(gx)
+    y = torch.tensor(1e-20, dtype=torch.float64, requires_grad=True)
+    (gy,) = torch.autograd.grad(w.weigh("cls", 3.0 * y), y)
+    close(gy, 1.0 / 1e-20, 1e-9)  # 3 / (3y): finite, huge, not clamped
+    assert torch.isfinite(gy)
 
 
 def test_famo_terms_and_logit_update():

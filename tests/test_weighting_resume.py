@@ -4,7 +4,8 @@ same bytes as the run that never stopped (in-process train.py, one process, tiny
 The unit tests (tests/test_weighting.py) round-trip each method's ``state_dict`` by hand; this is the same
 through the trainer's checkpoint (``trainer_state.pt``, loaded to the CPU with ``weights_only=True``),
 for one method of each kind of state that is not a fixed-shape buffer: a K x P tensor in extra state
-(dbmtl; excessmtl keeps the same kind), gradvac's EMA targets and step, stch's nadir and loss history.
+(dbmtl; excessmtl keeps the same kind), gradvac's EMA targets and step, stch's nadir and loss history, nashmtl's
+warm start of its CCCP iteration (``optim_niter``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from .conftest import TINY
 CASES = {
     "dbmtl": ["ddp.strategy=task_grads"],
     "gradvac": ["ddp.strategy=task_grads"],
+    # the authors' iteration: its warm start (the last update's alpha) is extra state, a list
+    "nashmtl": ["ddp.strategy=task_grads", "weighting.options.optim_niter=20"],
     "stch": ["weighting.options.warmup_steps=2", "weighting.options.nadir_steps=1"],
 }
 

@@ -28,7 +28,7 @@ TASKS = ["cls", "gen"]
 GRAD_FUNCS = {"pcgrad": pcgrad, "mgda": mgda, "cagrad": cagrad, "nashmtl": nashmtl, "imtlg": imtlg,
               "alignedmtl": alignedmtl, "upgrad": upgrad, "dualproj": dualproj, "config": config, "fairgrad": fairgrad,
               "modo": modo, "sdmgrad": sdmgrad}
-LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "famo", "stch"]
+LOSS_METHODS = ["rlw", "uw", "dwa", "gls", "si", "famo", "stch"]
 GRAD_METHODS = [*GRAD_FUNCS, "gradnorm", "gradvac"]  # weights from the Gram matrix (GramWeighting)
 STATEFUL_GRAM = ("gradnorm", "gradvac", "modo", "sdmgrad")  # their state moves every time the weights are computed
 ROW_METHODS = ["graddrop", "dbmtl", "excessmtl", "moco"]  # gradient-level, but they need the rows (signs, K x P state)

@@ -158,9 +158,10 @@ class Weighting(nn.Module):
     def grad_hooks(self) -> dict[str, Callable | None]:
         """What a strategy calls to combine the task gradients, as the ``StepInputs`` fields of those names:
         ``combine`` (a gradient-level method), ``gram_weights`` (a Gram-only one's ``weights_for_gram``),
-        ``combine_shard`` and ``finish_shard`` (one exact per FSDP2 shard); None where the method has no such form
-        (all four for a loss-level method)."""
-        return dict.fromkeys(("combine", "gram_weights", "combine_shard", "finish_shard"))
+        ``combine_shard`` and ``finish_shard`` (one exact per FSDP2 shard), ``head_weights`` (a Gram method's
+        ``weights_for_heads`` with ``weighting.heads: weighted``); None where the method has no such form (all five
+        for a loss-level method)."""
+        return dict.fromkeys(("combine", "gram_weights", "combine_shard", "finish_shard", "head_weights"))
 
     @classmethod
     def gram_only(cls) -> bool:
@@ -261,7 +262,7 @@ class RowWeighting(GradientWeighting):
         shards = self.shards_exactly()
         return {"combine": self.combine, "gram_weights": None,
                 "combine_shard": self.combine_shard if shards else None,
-                "finish_shard": self.finish_shard if shards else None}
+                "finish_shard": self.finish_shard if shards else None, "head_weights": None}
 
 
 def k_softmax(scores: list[float]) -> list[float]:
@@ -345,7 +346,20 @@ class GramWeighting(GradientWeighting):
     ``combine``; it then works only where the strategy hands it the rows (``task_grads``): ``gram_only()``
     says so from the class (it is False once ``combine`` is overridden), and the config check refuses such a
     method with ``weighting.source: features``.
+
+    ``weighting.heads`` (read by every Gram method, ``reads``): ``unweighted`` (the default) leaves head t's gradient
+    the gradient of its own loss; ``weighted`` multiplies it by w_t after the combination, as a backward pass of the
+    weighted loss ``sum_t w_t L_t`` would (the Nash-MTL authors' code for Nash-MTL, MGDA and IMTL-G): the strategy
+    calls ``weights_for_heads`` (``StepInputs.head_weights``) for the step's w. A method whose weights for the
+    shared parameters are rescaled after solving (nashmtl's ``max_norm``, the authors' clip of the shared
+    gradient only) reports the unrescaled ones for the heads (``head_weights_of``).
     """
+
+    reads = ("weighting.heads",)  # shared keys it reads (mtl/config/read_rules.py)
+
+    def __init__(self, cfg, tasks: list[str]):
+        super().__init__(cfg, tasks)
+        self.heads = str(cfg.weighting.get("heads", "unweighted"))
 
     def weights_from_gram(self, gram: Tensor, losses: Tensor | None, dtype: torch.dtype) -> Tensor:
         """(K, K) float64 Gram matrix -> (K,) weights w of the update ``w^T G``."""
@@ -359,6 +373,17 @@ class GramWeighting(GradientWeighting):
         self.last_weights = self.weights_from_gram(gram, losses, dtype)
         return self.last_weights
 
+    def head_weights_of(self, weights: Tensor) -> Tensor:
+        """The weights of the heads for the step whose shared weights are ``weights`` (the same, unless a method
+        rescales the shared ones after solving)."""
+        return weights
+
+    def weights_for_heads(self) -> Tensor:
+        """(K',) the last combination's weights for the heads of the present tasks (``weighting.heads: weighted``)."""
+        if self.last_weights is None:
+            raise RuntimeError(f"{self.name}: weights_for_heads before any combination")
+        return self.head_weights_of(self.last_weights)
+
     @classmethod
     def gram_only(cls) -> bool:
         return cls.combine is GramWeighting.combine
@@ -369,7 +394,8 @@ class GramWeighting(GradientWeighting):
 
     def grad_hooks(self) -> dict[str, Callable | None]:
         return {"combine": self.combine, "gram_weights": self.weights_for_gram if self.gram_only() else None,
-                "combine_shard": None, "finish_shard": None}
+                "combine_shard": None, "finish_shard": None,
+                "head_weights": self.weights_for_heads if self.heads == "weighted" else None}
 
     @torch.no_grad()
     def combine(self, grads: Tensor, losses: Tensor | None = None) -> Tensor:

@@ -16,7 +16,7 @@ Scale: d is invariant to rescaling any g_t (d . g_t = 1/alpha_t; for orthogonal 
 sum of the unit gradients). The authors' code divides GG^T by its Frobenius norm N before solving, but
 their constraint multiplies alpha back by N (``alpha_t N (GG^T/N alpha)_t >= 1``) and their objective
 is only scaled by 1/N, so the normalisation cancels: their alpha solves the same equation (to their
-solver's accuracy). No cvxpy.
+solver's accuracy). No cvxpy (but for the ``optim_niter`` option below).
 
 Options (``weighting.options``, the authors' code's arguments):
 - ``update_every`` (1): solve for alpha only at steps that are multiples of it and reuse the last alpha in
@@ -31,6 +31,11 @@ Options (``weighting.options``, the authors' code's arguments):
   max_norm)`` (their QM9 code: 1.0; the ``qm9`` bench preset sets it) up to that function's 1e-6. At the exact
   solution ``||d||^2 = sum_t alpha_t d . g_t = K``, so a max_norm below sqrt(K) scales every update to that norm.
   Off by default: ``optim.grad_clip`` already bounds the step.
+- ``optim_niter`` (0: the exact solve above): alpha from the authors' own iteration instead, at most this many
+  concave-convex steps (their code: 20), each a convex problem solved by cvxpy, warm-started from the alpha the last
+  update returned and stopped by their rule (mtl/weighting/nash_cccp.py; the ``nash`` extra). The warm start is kept
+  in ``state_dict()`` (extra state), per task, so a resumed run continues from it. docs/methods.md gives how far
+  its alpha lies from the exact one on QM9's Gram matrices.
 
 Existence: the equation has a solution iff 0 is not in the convex hull of the unit gradients (some
 direction improves every task): ``mu = min_{a in simplex} a^T C a > 0``. ``solution_exists`` computes
@@ -61,6 +66,7 @@ from torch import Tensor
 
 from mtl.weighting.base import GramWeighting, apply_weights, gram_matrix, gram_numpy, like_gram
 from mtl.weighting.checks import at_least
+from mtl.weighting.nash_cccp import cccp_nash, missing_solver
 from mtl.weighting.qp import nonneg_qp
 
 NASH_RIDGE = 1e-8  # added to the unit diagonal of the cosine matrix, only where no solution exists
@@ -181,6 +187,8 @@ class NashMTLOptions:
     update_every: int = at_least(1, 1)  # solve for alpha every this many steps, reuse it in between (the authors' update_weights_every)
     # clip the shared-parameter update to this norm (the authors' max_norm, 1.0 in their code); 0: off
     max_norm: float = at_least(0.0, 0, "0: no clip")
+    # the authors' CCCP iteration, at most this many convex steps (their optim_niter, 20), warm-started; 0: exact solve
+    optim_niter: int = at_least(0, 0, "0: the exact solve")
 
 
 class NashMTL(GramWeighting):
@@ -192,20 +200,46 @@ class NashMTL(GramWeighting):
         super().__init__(cfg, tasks)
         self.cached: list[float] | None = None  # the last solved alpha (reused while step % update_every != 0)
         self.cached_tasks: list[str] | None = None  # the tasks it was solved for (multi-input: maybe a subset)
+        self.warm = [1.0] * len(self.tasks)  # optim_niter: each task's alpha from the last update (the next start)
+
+    @classmethod
+    def check(cls, cfg) -> list[str]:
+        errors = super().check(cfg)
+        niter = (cfg.weighting.get("options") or {}).get("optim_niter", 0)
+        if isinstance(niter, int) and niter > 0 and missing_solver():
+            errors.append(f"weighting.options.optim_niter: the authors' iteration {missing_solver()} "
+                          "(or remove the option: the exact solve)")
+        return errors
 
     def weights_from_gram(self, gram, losses, dtype):
         if self.cached is None or len(self.cached) != gram.shape[0] or self.cached_tasks != self.present \
                 or self.step % self.options.update_every == 0:
-            self.cached = nashmtl_weights(gram, exists_tol=default_exists_tol(dtype)).tolist()
+            self.cached = self.solve(gram, dtype)
             self.cached_tasks = list(self.present)
         alpha = torch.tensor(self.cached, dtype=gram.dtype, device=gram.device)
         return clip_weights(alpha, gram, self.options.max_norm)
 
+    def head_weights_of(self, weights):
+        """alpha before ``max_norm``'s clip: the authors clip the shared parameters' gradient only."""
+        return torch.tensor(self.cached, dtype=weights.dtype, device=weights.device)
+
+    def solve(self, gram: Tensor, dtype: torch.dtype) -> list[float]:
+        """alpha for the present tasks' Gram matrix: exact, or the authors' iteration from the warm start."""
+        m = gram_numpy(gram) if self.options.optim_niter > 0 else None
+        if m is None:  # the exact solve (also: a non-finite Gram matrix, alpha = 1, the warm start kept)
+            return nashmtl_weights(gram, exists_tol=default_exists_tol(dtype)).tolist()
+        start = np.array([self.warm[i] for i in self.present_index])
+        alpha = cccp_nash(m, start, self.options.optim_niter)
+        for i, a in zip(self.present_index, alpha.tolist()):
+            self.warm[i] = a
+        return alpha.tolist()
+
     def get_extra_state(self):
-        return {"step": self.step, "cached": self.cached, "cached_tasks": self.cached_tasks}
+        return {"step": self.step, "cached": self.cached, "cached_tasks": self.cached_tasks, "warm": list(self.warm)}
 
     def set_extra_state(self, state):
         self.step = int(state["step"])
         self.cached = None if state["cached"] is None else [float(x) for x in state["cached"]]
         # a checkpoint from before multi-input kept the alpha of every task
         self.cached_tasks = state.get("cached_tasks", None if self.cached is None else list(self.tasks))
+        self.warm = [float(x) for x in state.get("warm", [1.0] * len(self.tasks))]  # a checkpoint from before it
