@@ -103,6 +103,9 @@ NOT_READ = {
     **{f"model.backbone.{k}": {"qm9", "plugin_backbone"} for k in ("weights", "norm", "stages", "freeze_blocks")},
     **{f"model.backbone.{k}": EVERY for k in ("pretrained", "config")},  # hf_vision, timm
     "weighting.weights": EVERY - {"static"},
+    # the drive sets its default, unweighted, which asks for nothing (off); weighted is refused with a method that does
+    # not read it and accepted with a Gram method: tests/test_weighted_heads.py
+    "weighting.heads": set(),
     "ddp.detach_owner": EVERY - {"detach"},
     **{f"optim.plateau.{k}": EVERY - {"plateau"} for k in ("factor", "patience", "min_lr", "baselines")},
     "optim.betas": {"sgd"},

@@ -61,21 +61,23 @@ DEADLINE_S = 300  # the workers are killed after this; a stuck collective times 
 METHODS = sorted(m for m, c in weighting_types().items() if not c.needs_heldout_batch)
 FEATURE_METHODS = sorted(m for m, cls in weighting_types().items() if cls.level == "grad" and cls.gram_only())
 RUNS = [(m, "parameters") for m in METHODS] + [(m, "features") for m in FEATURE_METHODS]
+# weighting.heads=weighted (each head's gradient times the method's w_t) on both strategies that serve a Gram method
+HEADS_RUNS = [("nashmtl", "parameters"), ("imtlg", "features")]
 # Methods that miss the bar for a known reason (strict: a fix makes the test fail until this entry goes).
 KNOWN_FAILURES: dict = {}  # method -> reason; a method listed here is expected to fail parity
 
 
-def label(method: str, source: str) -> str:
-    return method if source == "parameters" else f"{method}@features"
+def label(method: str, source: str, heads: str = "unweighted") -> str:
+    return (method if source == "parameters" else f"{method}@features") + ("" if heads == "unweighted" else "+heads")
 
 
-def overrides(method: str, source: str, out_dir: str, batch: int) -> list[str]:
+def overrides(method: str, source: str, out_dir: str, batch: int, heads: str = "unweighted") -> list[str]:
     level = weighting_types()[method].level
     strategy = "task_grads" if level == "grad" and source == "parameters" else "feature_leaf"
     return [f"output_dir={out_dir}", f"data.batch_size={batch}", "optim.name=sgd", "optim.lr=0.05",
             "optim.weight_decay=0", "optim.warmup_steps=0", "trainer.progress=false", "ddp.timeout_s=60",
             f"ddp.strategy={strategy}", f"weighting.method={method}", f"weighting.source={source}",
-            *EXTRA.get(method, [])]
+            *([] if heads == "unweighted" else [f"weighting.heads={heads}"]), *EXTRA.get(method, [])]
 
 
 def local_task_gradients(trainer, batch) -> torch.Tensor:
@@ -106,10 +108,10 @@ def _runs(world, out_dir):
 
     torch.set_default_dtype(DTYPE)
     results, captured = {}, {}
-    for method, source in RUNS:
-        name = label(method, source)
+    for method, source, heads in [(m, s, "unweighted") for m, s in RUNS] + [(m, s, "weighted") for m, s in HEADS_RUNS]:
+        name = label(method, source, heads)
         trainer = Trainer.from_config(TINY, overrides(method, source, os.path.join(out_dir, f"world{world}", name),
-                                                      2 * B // world))
+                                                      2 * B // world, heads))
         assert trainer.dist.world_size == world and trainer.dist.distributed == (world > 1)
         trainer.parts.comm = Capture() if name == f"{CAPTURE_FEATURES}@features" else Comm()
         batches = trainer.batches()
@@ -174,8 +176,8 @@ def bitwise_equal(a, b) -> bool:
 @pytest.mark.parametrize("method,source", [
     pytest.param(m, src, marks=pytest.mark.xfail(reason=KNOWN_FAILURES[m], strict=True)) if m in KNOWN_FAILURES
     else (m, src) for m, src in RUNS])
-def test_two_processes_equal_one_process_on_the_global_batch(runs, method, source):
-    name = label(method, source)
+def test_two_processes_equal_one_process_on_the_global_batch(runs, method, source, heads="unweighted"):
+    name = label(method, source, heads)
     r0, r1, single = (runs[k]["results"][name] for k in ("rank0", "rank1", "single"))
     for part in ("model", "weighting", "weights"):  # the two ranks are replicas, bit for bit
         assert bitwise_equal(r0[part], r1[part]), (name, part)
@@ -185,6 +187,18 @@ def test_two_processes_equal_one_process_on_the_global_batch(runs, method, sourc
     state = max_rel_diff(single["weighting"], r0["weighting"])
     print(f"{name}: parameters {model:.1e}, weights {weights:.1e}, weighting state {state:.1e}")
     assert model <= TOL and weights <= TOL and state <= STATE_TOL, (name, model, weights, state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,source", HEADS_RUNS)
+def test_weighted_heads_two_processes_equal_one_process(runs, method, source):
+    """weighting.heads=weighted under DDP: each rank scales its (averaged) heads by the same w; and the option
+    changes the run (the heads' parameters differ from the unweighted run's)."""
+    test_two_processes_equal_one_process_on_the_global_batch(runs, method, source, heads="weighted")
+    single = runs["single"]["results"]
+    plain, weighted = single[label(method, source)]["model"], single[label(method, source, "weighted")]["model"]
+    heads = [k for k in plain if k.startswith("heads.")]
+    assert heads and max_rel_diff({k: plain[k] for k in heads}, {k: weighted[k] for k in heads}) > 1e-3
 
 
 @pytest.mark.slow

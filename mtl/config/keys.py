@@ -256,6 +256,9 @@ class WeightingConfig:
     weights: dict[str, float] = field(default_factory=dict)  # static: task name -> weight
     options: dict[str, Any] = field(default_factory=dict)  # the method's own options (its Options dataclass)
     source: str = "parameters"  # gradient-level methods: parameters (task_grads) | features (feature_leaf; a surrogate)
+    # Gram methods (update w^T G): unweighted (head t gets its loss's gradient) | weighted (w_t times it, as a weighted
+    # loss's backward gives: the Nash-MTL authors' code)
+    heads: str = "unweighted"
 
 
 @dataclass

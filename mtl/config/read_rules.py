@@ -271,6 +271,7 @@ READS: tuple[Reads, ...] = (
            "model.backbone.config", "model.backbone.freeze_blocks"), backbone,
           ("model.backbone.name", "backbone_modules")),
     Reads(("weighting.weights",), method, ("weighting.method", "weighting_modules")),
+    Reads(("weighting.heads",), method, ("weighting.method", "weighting_modules"), off=("unweighted",)),
     Reads(("ddp.detach_owner",), strategy, ("ddp.strategy",)),
     Reads(("ddp.bucket_cap_mb",), engine_is("ddp"), ("parallel.engine",), training_only=True),  # FSDP2: no reducer
     # sample captions at each evaluation (the caption task declares it); 0 asks for none

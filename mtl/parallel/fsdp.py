@@ -70,11 +70,17 @@ def check(cfg, strategy) -> list[str]:
 
 def check_method(cfg, method) -> list[str]:
     """Config-time refusal of a weighting method (``method``: its class) for ``parallel.engine: fsdp2``."""
-    why = method.fsdp2_problem() if cfg.parallel.engine == "fsdp2" else None
-    if not why:
+    if cfg.parallel.engine != "fsdp2":
         return []
-    return [f"weighting.method: {method.name} does not run with parallel.engine=fsdp2: {why}. Use a Gram-based method "
-            "(pcgrad, mgda, cagrad, nashmtl, ...) or graddrop, or parallel.engine=ddp"]
+    errors = []
+    why = method.fsdp2_problem()
+    if why:
+        errors.append(f"weighting.method: {method.name} does not run with parallel.engine=fsdp2: {why}. Use a "
+                      "Gram-based method (pcgrad, mgda, cagrad, nashmtl, ...) or graddrop, or parallel.engine=ddp")
+    if cfg.weighting.get("heads") == "weighted":  # task_grads' sharded path leaves the heads as they are
+        errors.append("weighting.heads: weighted does not run with parallel.engine=fsdp2 (the heads' sharded gradients "
+                      "are not weighted there); use parallel.engine=ddp, or remove weighting.heads")
+    return errors
 
 
 def is_sharded(model: nn.Module) -> bool:

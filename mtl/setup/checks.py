@@ -259,6 +259,7 @@ def _method(errors, cfg, strategy, strategies: dict) -> tuple[dict, type | None]
         errors += method.check(cfg)
         errors += heldout_errors(cfg, method)
         errors += gradient_source_errors(cfg, strategy, method, strategies)
+        errors += heads_errors(cfg.weighting.heads)  # with a method that does not read it: the read rules say so
         errors += fsdp_method_check(cfg, method)
     return methods, method
 
@@ -305,6 +306,18 @@ def qm9_errors(cfg, backbone) -> list[str]:
 
 
 SOURCES = ("parameters", "features")
+HEADS = ("unweighted", "weighted")
+
+
+def heads_errors(heads: str, method=None) -> list[str]:
+    """weighting.heads: one of ``HEADS``; with ``method`` (the bench's entries, which no read rule judges), also
+    that the method reads it (the Gram methods declare it in ``reads``)."""
+    if heads not in HEADS:
+        return [f"weighting.heads: {heads!r} is not one of {', '.join(HEADS)}{did_you_mean(heads, HEADS)}"]
+    if method is not None and heads != "unweighted" and "weighting.heads" not in getattr(method, "reads", ()):
+        return [f"weighting.heads: {heads} applies to the gradient-level methods whose update is w^T G (their w_t "
+                f"weighs head t), and weighting.method={method.name} is not one; remove weighting.heads"]
+    return []
 
 
 def gradient_source_errors(cfg, strategy, method, strategies: dict) -> list[str]:

@@ -41,6 +41,9 @@ class StepInputs:
     # FSDP2: a row method that combines per shard (``RowWeighting.combine_shard`` / ``finish_shard``), else None
     combine_shard: Callable | None = None
     finish_shard: Callable | None = None
+    # ``weighting.heads: weighted``: the Gram method's weights_for_heads() -> w (K,) of the step's combination, by which
+    # the strategy multiplies each present head's gradient (``weigh_heads_``); None: the heads keep their own gradients
+    head_weights: Callable | None = None
     loss_scale: Callable[[], float] = lambda: 1.0  # the current fp16 loss scale
     comm: Comm = field(default_factory=Comm)  # the collectives a strategy runs by hand
     # the per-task gradient norms and cosines for the step log (``gradient_stats`` / ``gram_stats``): asked for on
@@ -146,6 +149,18 @@ def no_sync(model: torch.nn.Module):
         return model.no_sync()
 
     return no_gradient_sync(model) if is_sharded(model) else contextlib.nullcontext()
+
+
+def weigh_heads_(model: torch.nn.Module, tasks: list, weights: torch.Tensor) -> None:
+    """Head t's gradient (already rank-averaged) times ``weights[t]``, in place, for each of the step's ``tasks``: what
+    a backward pass of ``sum_t w_t L_t`` gives the heads (``weighting.heads: weighted``). Every rank holds the same
+    w, so scaling the average is the average of the scaled. A parameter the backbone shares is left alone."""
+    bare = model.module if isinstance(model, DistributedDataParallel) else model
+    shared = {id(p) for p in bare.backbone.parameters()}
+    for t, w in zip(tasks, weights.tolist()):
+        grads = [p.grad for p in bare.heads[t].parameters() if p.grad is not None and id(p) not in shared]
+        if grads:
+            torch._foreach_mul_(grads, w)
 
 
 def detached(losses: dict) -> dict:

@@ -20,7 +20,8 @@ the caption head scales its token sum by W / global tokens for the same reason),
 the global loss's gradient at its samples, and ``gram = sum_r G_r G_r^T / W^2``. Every rank then
 computes the same w from the same numbers, and DDP reduces the one backbone backward as usual.
 Each head gets its own task's gradient, unweighted (the method's w weighs the tasks' pulls on the
-SHARED parameters; a head is pulled by one task only), as ``task_grads`` does.
+SHARED parameters; a head is pulled by one task only), as ``task_grads`` does; with ``weighting.heads: weighted``
+head t's is then multiplied by w_t, as in ``task_grads`` (``weigh_heads_``).
 
 Multi-input steps that leave tasks out: only the present tasks' heads run (K' rows, a K' x K' Gram matrix), and
 the first head pass also carries a zero term over the absent heads' parameters (mtl/strategies/absent.py), so
@@ -32,7 +33,7 @@ import time
 import torch
 
 from mtl.strategies.absent import absent_heads_term
-from mtl.strategies.base import Strategy, detached, gradient_stats, gram_stats
+from mtl.strategies.base import Strategy, detached, gradient_stats, gram_stats, weigh_heads_
 from mtl.weighting.base import apply_weights, gram_matrix
 
 
@@ -59,6 +60,8 @@ class FeatureLeaf(Strategy):
             total, stats = self._weighted(s, grads, losses)
         if out["features"].requires_grad:  # the one backbone backward (none for a frozen one: model.backbone.freeze)
             out["features"].backward(total.view_as(out["features"]))
+        if s.head_weights is not None:  # weighting.heads: weighted (after the backward: DDP has averaged the heads)
+            weigh_heads_(s.model, s.tasks, s.head_weights())
         if "multi_input" in s.batch:  # each task's feature rows are its own: their cosines are 0 by construction
             stats = {k: v for k, v in stats.items() if "grad_cos/" not in k}
         return detached(losses), stats

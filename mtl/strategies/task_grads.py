@@ -32,6 +32,10 @@ by column (``RowWeighting.combine_shard``: GradDrop); the config check refuses t
 backward passes, each with FSDP2's all-gathers and reduce-scatters, and one K x K all-reduce; the buffer
 is K x P / W per rank.
 
+Heads: each head's gradient is its own task's (DDP's, in the last pass); with ``weighting.heads: weighted`` head t's
+is then multiplied by the method's w_t (``weigh_heads_``), as the backward pass of ``sum_t w_t L_t`` would give it
+(under DDP; the config check refuses it under FSDP2, where this is not done).
+
 Multi-input steps that leave tasks out: K is the number of present tasks (their rows only), and the first head
 pass carries a zero term over the absent heads' parameters (mtl/strategies/absent.py), so DDP needs no
 find_unused_parameters (``covers_unused_parameters``).
@@ -46,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mtl.parallel.fsdp import is_sharded, local_shards, shard_index
 from mtl.strategies.absent import absent_heads_term
-from mtl.strategies.base import Strategy, gram_stats
+from mtl.strategies.base import Strategy, gram_stats, weigh_heads_
 from mtl.weighting.base import gram_matrix
 
 
@@ -137,6 +141,8 @@ class TaskGrads(Strategy):
             add_weighted_rows_(grads, rows, w)
         else:
             copy_flat_(grads, direction)
+        if s.head_weights is not None:  # weighting.heads: weighted (a Gram method: w is its weights)
+            weigh_heads_(s.model, s.tasks, s.head_weights())
         if rows.is_cuda:
             torch.cuda.synchronize(rows.device)
         stats = {**(gram_stats(s.tasks, gram) if s.log_stats else {}),  # the trainer unscales them
