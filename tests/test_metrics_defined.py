@@ -83,7 +83,7 @@ def test_delta_m_without_a_measured_baseline_is_nan_and_with_one_unchanged():
 # A loss-level method's term is linear in its loss (weight * L + a term without L: the weight is dterm/dL) except
 # these, whose term is coef * log L (the weight is the coefficient of log L: L dterm/dL). FAMO logs the paper's z,
 # which is that coefficient up to c, one factor common to the tasks (mtl/weighting/famo.py).
-LOG_TERM = {"gls", "stch", "famo"}
+LOG_TERM = {"gls", "si", "stch", "famo"}
 UP_TO_A_COMMON_FACTOR = {"famo"}
 OPTIONS = {"stch": ["weighting.options.warmup_steps=1", "weighting.options.nadir_steps=1"],
            "static": ["weighting.weights={cls: 0.25, count: 2.0}"]}
