@@ -98,8 +98,8 @@ def libmtl_model(name: str, tasks: list[str], feature_shape: tuple[int, ...]) ->
 
 def intended_codes(model) -> torch.Tensor:
     """The binary codes LibMTL's ``DSelect_k`` means: it makes them with ``astype(bool)`` on the digit strings "0" and
-    "1", which NumPy reads as all True (a non-empty string), so every expert would get the same code. Its digits as
-    integers, in its shape (1, E, m)."""
+    "1", which NumPy >= 2 reads as all True (a non-empty string), so every expert would get the same code (NumPy 1.26
+    parsed the digits as integers: these codes; docs/sharing.md). Its digits as integers, in its shape (1, E, m)."""
     e, m = model.num_experts, model._num_binary
     digits = [[int(b) for b in format(v, f"0{m}b")] for v in range(e)]
     return torch.tensor(digits, dtype=torch.bool).unsqueeze(0)
