@@ -95,6 +95,17 @@ def step_times(model, batch) -> tuple[float, float]:
     return f_time, max(fb_time - f_time, 1e-9)
 
 
+def step_goals(model, batch, reps: int = 10) -> list[float]:
+    """``reps`` independent measurements of the step-time goal (F + 2B) / (F + B) of gradient-level methods on the
+    parameters (F, B: ``step_times``, each the best of 3): one measurement moves by 15% between runs minutes apart on
+    a shared machine, so the goal is reported as an interval over these (``stats.mean_ci``)."""
+    out = []
+    for _ in range(reps):
+        f, b = step_times(model, batch)
+        out.append((f + 2 * b) / (f + b))
+    return out
+
+
 def strategy_costs(model, batch, k: int, f_time: float, b_time: float) -> tuple[dict, dict]:
     """(the parameter counts ``{all, shared, heads}``, per safe strategy its cost for this model: what it states of
     itself, the bytes it all-reduces and the memory it holds, and its time estimate from F and B)."""
@@ -150,10 +161,10 @@ def recommendation(cfg, cosine: dict, costs: dict) -> tuple[str, str]:
     return rec
 
 
-def examine(cfg, batches: int = 8) -> dict:
+def examine(cfg, batches: int = 8, goal_reps: int = 0) -> dict:
     """The doctor's report of ``cfg``'s model (its initial weights, or ``init_from``'s), on ``batches`` training
     batches: the reach, norms, non-finite gradients, cosines, F and B, parameter counts, strategy costs and the
-    recommendation."""
+    recommendation; with ``goal_reps``, that many measurements of the step-time goal (``step_goals``)."""
     run = build_run_inputs(cfg)  # the run's own data, tokenizer, model and collate; read-only (no output_dir)
     model = run.model.train()
     if cfg.get("init_from"):
@@ -173,4 +184,5 @@ def examine(cfg, batches: int = 8) -> dict:
     rec = recommendation(cfg, cosine, costs)
     return {"batch_size": cfg.data.batch_size, "tasks": tasks, "reach": table, "grad_norms": norms,
             "nonfinite": nonfinite, "cosine": cosine, "forward_s": f_time, "backward_s": b_time,
-            "params": params, "strategies": costs, "recommendation": {"strategy": rec[0], "reason": rec[1]}}
+            "params": params, "strategies": costs, "recommendation": {"strategy": rec[0], "reason": rec[1]},
+            "step_goals": step_goals(model, batch, goal_reps) if goal_reps else []}

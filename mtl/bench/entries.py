@@ -1,5 +1,6 @@
 """The entries of ``bench.methods``: a method name, optionally with options, ``name(key=value, ...)``; the key
-``source`` is the gradient source (``weighting.source``), every other key a method option."""
+``source`` is the gradient source (``weighting.source``), the key ``heads`` the heads' weighting
+(``weighting.heads``), every other key a method option."""
 
 from __future__ import annotations
 
@@ -35,13 +36,23 @@ def method_spec(entry: str) -> tuple[str, dict, str]:
     source (``mgda(source=features)``), every other key a method option."""
     name, options = parse_method(entry)
     source = options.pop("source", "parameters")
+    options.pop("heads", None)  # entry_heads
     return name, options, source
+
+
+def entry_heads(entry: str) -> str | None:
+    """The entry's ``heads`` (``weighting.heads``: ``nashmtl(heads=weighted)``), or None where it gives none."""
+    heads = parse_method(entry)[1].get("heads")
+    return None if heads is None else str(heads)
 
 
 def without_source(entry: str) -> str:
     """The entry's method and options without its gradient source: ``cagrad(c=0.2, source=features)`` ->
-    ``cagrad(c=0.2)``, ``mgda(source=features)`` -> ``mgda`` (what the cost table pairs the two sources by)."""
+    ``cagrad(c=0.2)``, ``mgda(source=features)`` -> ``mgda`` (what the cost table pairs the two sources by); its
+    ``heads`` stays."""
     name, options, _ = method_spec(entry)
+    if entry_heads(entry) is not None:
+        options["heads"] = entry_heads(entry)
     shown = ", ".join(f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
                       for k, v in options.items())
     return f"{name}({shown})" if shown else name

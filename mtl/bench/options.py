@@ -62,11 +62,31 @@ class PublishedOptions:
 
 
 @dataclass
+class SpreadOptions:
+    """One entry of ``bench.design.spreads``: the spread over seeds of each method's Δm as a paper reports it."""
+
+    source: str = ""  # the paper and table (e.g. "Nash-MTL (Navon et al. 2022), Table 1, QM9")
+    kind: str = "sd"  # what the paper's ± is: sd | sem (the standard error of the mean: sd = sem x sqrt(seeds))
+    seeds: int = 0  # the paper's seeds per method (converts an sem to an sd)
+    # the paper's method name (bench.published's names) -> its ± on Δm, in Δm points
+    dm_pm: dict[str, float] = field(default_factory=dict)
+    note: str = ""  # how kind was read where the paper does not say, printed with it
+
+
+SPREAD_KINDS = ("sd", "sem")
+
+
+@dataclass
 class DesignOptions:
     """``bench.design``: the design's assumptions, printed by ``--plan`` (docs/benchmark.md, "A design with power")."""
 
     sd: float = 0.0  # the assumed spread (sd) of the per-seed Δm differences of a comparison; 0: not said
     sd_source: str = ""  # where that spread was measured
+    # the degrees of freedom of that estimate (the pooled sd's): --plan prints its 95% upper bound (chi-square);
+    # 0: not said, no bound
+    sd_df: int = 0
+    # the papers' spreads, [{source, kind, seeds, dm_pm, note}, ...]: --plan prints each comparison's power under them
+    spreads: list[Any] = field(default_factory=list)
     power: float = 0.8  # the power the design is sized for, at Holm's strictest level alpha / m
     sizing: str = ""  # how bench.slurm.time_min was sized (printed with it)
     gpu_hours: str = ""  # the estimated GPU-hours of the sweep, with their source
@@ -138,12 +158,36 @@ def bench_option_errors(cfg) -> tuple[BenchOptions, list[str]]:
     raw = dict(raw or {})
     sections = {}
     for name, schema in SECTIONS.items():  # the nested sections: checked key by key, as the top level
-        sections[name] = schema(**check_options(raw.pop(name, None), schema, f"bench.{name}", errors))
+        section = raw.pop(name, None)
+        spreads = section.pop("spreads", []) if name == "design" and isinstance(section, dict) else []
+        sections[name] = schema(**check_options(section, schema, f"bench.{name}", errors))
+        if name == "design":
+            sections[name].spreads = _spreads(spreads, errors)
     top = check_options(raw, BenchOptions, "bench", errors)
     top.update(sections)
     options = BenchOptions(**top)
     errors += _finite(options, "bench")
     return options, errors
+
+
+def _spreads(values, errors: list[str]) -> list[SpreadOptions]:
+    """``bench.design.spreads``: each entry's keys checked as a section's (an unknown key named, with the nearest),
+    its kind one of ``SPREAD_KINDS``, an sem with the seeds that convert it, each ± a positive finite number."""
+    if not isinstance(values, list):
+        errors.append(f"bench.design.spreads: needs a list of {{source, kind, seeds, dm_pm, note}} (got {values!r})")
+        return []
+    out = []
+    for i, value in enumerate(values):
+        key = f"bench.design.spreads[{i}]"
+        spread = SpreadOptions(**check_options(value, SpreadOptions, key, errors))
+        if spread.kind not in SPREAD_KINDS:
+            errors.append(f"{key}.kind: {spread.kind!r} must be one of {', '.join(SPREAD_KINDS)} (what the paper's ± is)")
+        if spread.kind == "sem" and spread.seeds < 2:
+            errors.append(f"{key}.seeds: {spread.seeds}: an sem needs the paper's seed count (>= 2) to become an sd")
+        errors += [f"{key}.dm_pm.{k}: {v!r} must be a positive finite ± in Δm points" for k, v in spread.dm_pm.items()
+                   if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)]
+        out.append(spread)
+    return out
 
 
 def _finite(options, prefix: str) -> list[str]:

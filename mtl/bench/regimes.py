@@ -13,14 +13,14 @@ import yaml
 from omegaconf import OmegaConf
 
 from mtl.bench.compare import published_entries, published_errors, reference_values
-from mtl.bench.entries import method_spec
+from mtl.bench.entries import entry_heads, method_spec
 from mtl.bench.options import bench_option_errors, bench_options
 from mtl.bench.stats import TESTS
 from mtl.config.schema import check_options
 from mtl.delta_m import metric_specs  # the one Δm, in the core
 from mtl.errors import ConfigError
 from mtl.setup.build import run_method_types
-from mtl.setup.checks import architecture_source_errors, gradient_source_errors, load_run_config
+from mtl.setup.checks import architecture_source_errors, gradient_source_errors, heads_errors, load_run_config
 from mtl.strategies import strategy_types
 
 REGIME_KEYS = ("overrides", "methods", "baselines_from", "expect")
@@ -79,6 +79,8 @@ def method_errors(cfg, entries=None, where_prefix: str = "bench.methods") -> lis
         else:
             found += [e for e in types[name].check(run_cfg) if e.startswith("weighting.options")]
         found += gradient_source_errors(run_cfg, strategies.get(run_cfg.ddp.strategy), types[name], strategies)
+        if entry_heads(entry) is not None:
+            found += heads_errors(entry_heads(entry), types[name])
         found += architecture_source_errors(run_cfg, types[name])
         errors += [f"{where}: {e}" for e in found]
     return errors
@@ -88,7 +90,8 @@ def method_overrides(entry: str) -> list[str]:
     """The run overrides of one ``bench.methods`` entry: the method, its source and each of its options."""
     name, options, source = method_spec(entry)
     shown = {k: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip() for k, v in options.items()}
-    return [f"weighting.method={name}", f"weighting.source={source}",
+    heads = [] if entry_heads(entry) is None else [f"weighting.heads={entry_heads(entry)}"]
+    return [f"weighting.method={name}", f"weighting.source={source}", *heads,
             *(f"weighting.options.{k}={v}" for k, v in shown.items())]
 
 

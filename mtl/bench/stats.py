@@ -157,6 +157,14 @@ def seeds_needed(effect: float, sd: float, alpha: float, m: int = 1, target: flo
     return next((n for n in range(3, most + 1) if power_holm(abs(effect), sd, n, alpha, m) >= target), 0)
 
 
+def sd_upper_bound(sd: float, df: int, level: float = 0.95) -> float:
+    """The one-sided ``level`` upper confidence bound of a standard deviation estimated as ``sd`` with ``df`` degrees
+    of freedom (normal data: df s^2 / sigma^2 is chi-square with df degrees of freedom, ``scipy.stats.chi2``)."""
+    if df < 1 or not sd >= 0:
+        return float("nan")
+    return sd * math.sqrt(df / float(stats.chi2.ppf(1 - level, df)))
+
+
 def pooled_sd(groups: list[list[float]]) -> tuple[float, int]:
     """(the pooled standard deviation of several groups of paired differences, the median group size): the paired
     spread of one table, each group (method) about its own mean. nan with no group of 2 or more."""

@@ -65,7 +65,7 @@ import contextlib
 import os
 import time
 
-from mtl.bench.design import describe_design
+from mtl.bench.design import describe_design, describe_pilot
 from mtl.bench.doctor import examine
 from mtl.bench.lock import sweep_lock
 from mtl.bench.options import bench_options, keys_help
@@ -82,6 +82,8 @@ from mtl.setup.checks import load_run_config
 PRESETS = {"full": "configs/bench.yaml", "quick": "configs/bench_quick.yaml", "gpu": "configs/bench_gpu.yaml",
            "qm9": "configs/bench_qm9.yaml", "qm9_cpu": "configs/bench_qm9_cpu.yaml"}
 
+
+GOAL_REPS = 10  # measurements of the step-time goal (F + 2B) / (F + B) under the tables: its interval is over these
 
 HELP = """overrides (key=value, as train.py takes them) change the bench config for the whole sweep, e.g.
   bench.seeds=[0,1,2]  bench.methods=[equal,'cagrad(c=0.2)','mgda(source=features)']  trainer.max_steps=700
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.plan:
             print(describe_protocol(cfg, loaded))
             print(describe_design(cfg))
+            print(describe_pilot(cfg, f"--preset {a.preset}" if a.preset else f"--config {config}"))
             print(list_runs(runs))
             return
         # one sweep per output_dir while it trains (--analyze trains nothing: it may read a sweep in progress)
@@ -163,10 +166,11 @@ def sweep(cfg, config: str, overrides: list[str], loaded: dict, runs: list[dict]
     first_cfg = next(iter(loaded.values()))[1]
     # F and B of the bench model, one process on this machine: where the runs trained (the local launcher);
     # a Slurm sweep's runs trained on other nodes, so this machine's F and B would say nothing of them
-    report = examine(first_cfg, batches=1) if bench_options(cfg).launcher == "local" else {}
+    report = examine(first_cfg, batches=1, goal_reps=GOAL_REPS) if bench_options(cfg).launcher == "local" else {}
     regime_specs = {k: v[0] for k, v in loaded.items()}
     text = write_results(cfg, per_regime, {"forward_s": report.get("forward_s", float("nan")),
                                            "backward_s": report.get("backward_s", float("nan")),
+                                           "step_goals": report.get("step_goals", []),
                                            "regimes": regime_specs})
     write_hparams(cfg, per_regime, regime_specs)
     print(text)

@@ -14,7 +14,7 @@ from mtl.bench.design import comparisons_table
 from mtl.bench.options import bench_options
 from mtl.bench.record import provenance_lines
 from mtl.bench.results import detectable, regime_effects
-from mtl.bench.stats import VERDICTS
+from mtl.bench.stats import VERDICTS, mean_ci
 from mtl.delta_m import metric_specs  # the one Δm, in the core
 
 MARK = {1: "▲", -1: "▼", 0: ""}
@@ -278,13 +278,26 @@ def write_results(cfg, per_regime: dict, meta: dict) -> str:
         blocks.append(effects_table(cfg, effects))
     f_ms, b_ms = meta.get("forward_s", float("nan")) * 1e3, meta.get("backward_s", float("nan")) * 1e3
     if f_ms == f_ms:
-        blocks.append(f"Measured F = {f_ms:.0f} ms, B = {b_ms:.0f} ms (one process, the bench model), so "
-                      f"(F + 2B) / (F + B) = {(f_ms + 2 * b_ms) / (f_ms + b_ms):.2f}: the step-time goal for "
-                      "gradient-level methods with source=parameters, before their own maths.")
+        blocks.append(goal_text(f_ms, b_ms, meta.get("step_goals") or []))
     text = "\n\n".join(blocks)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(text + "\n")
     return text
+
+
+def goal_text(f_ms: float, b_ms: float, goals: list[float]) -> str:
+    """The step-time goal of gradient-level methods on the parameters, (F + 2B) / (F + B), with its noise: the mean
+    and 95% t-interval (``stats.mean_ci``) over ``goals``, repeated measurements on this machine; with fewer than
+    3, no goal is printed (one measurement moved from 1.64 to 1.41 between two runs minutes apart)."""
+    head = f"Measured F = {f_ms:.0f} ms, B = {b_ms:.0f} ms (one process, the bench model, best of 3)"
+    if len(goals) < 3:
+        return head + f"; the step-time goal (F + 2B) / (F + B) is not given: {len(goals)} measurement(s) of it, " \
+                      "fewer than 3 (one measurement is too noisy to read)."
+    mean, half = mean_ci(goals)
+    return (head + f". The step-time goal for gradient-level methods with source=parameters, before their own "
+            f"maths, (F + 2B) / (F + B): {mean:.2f} [{mean - half:.2f}, {mean + half:.2f}] (mean and 95% t-interval "
+            f"over {len(goals)} measurements of F and B here, each the best of 3; their range "
+            f"{min(goals):.2f}-{max(goals):.2f}).")
 
 
 def finished_runs(per_regime: dict, regime_specs: dict) -> list[tuple[str, str, int, dict]]:
