@@ -217,18 +217,18 @@ def plan(cfg, loaded: dict | None = None) -> list[dict]:
         labels = list(spec["methods"])
         if b.baselines and spec["baselines_from"] is None:
             labels += [f"single_{t}" for t in rcfg.tasks]
-        for label in labels:
+        for label in labels:  # a label's overrides are the same for every seed: worked out once
+            if label.startswith("single_"):
+                task = label.split("_", 1)[1]
+                level, over = "loss", [f"tasks=[{task}]", "weighting.method=equal",
+                                       f"ddp.strategy={b.loss_strategy}", *plateau_baselines_of(rcfg, task)]
+            else:
+                name, _, source = method_spec(label)
+                level = types[name].level
+                over = [*method_overrides(label), f"ddp.strategy={strategy_for(cfg, level, source)}"]
+                if types[name].needs_heldout_batch:
+                    over.append(f"data.heldout={heldout_for(rcfg)}")
             for seed in b.seeds:
-                if label.startswith("single_"):
-                    task = label.split("_", 1)[1]
-                    level, over = "loss", [f"tasks=[{task}]", "weighting.method=equal",
-                                           f"ddp.strategy={b.loss_strategy}", *plateau_baselines_of(rcfg, task)]
-                else:
-                    name, _, source = method_spec(label)
-                    level = types[name].level
-                    over = [*method_overrides(label), f"ddp.strategy={strategy_for(cfg, level, source)}"]
-                    if types[name].needs_heldout_batch:
-                        over.append(f"data.heldout={heldout_for(rcfg)}")
                 out = os.path.join(cfg.output_dir, "runs", regime, run_folder(label), f"seed{seed}")
                 runs.append({"regime": regime, "label": label, "seed": seed, "dir": out, "level": level,
                              "overrides": [*spec["overrides"], *over, f"seed={seed}", f"output_dir={out}",
