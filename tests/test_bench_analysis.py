@@ -208,6 +208,10 @@ def test_between_regimes_marks_only_runs_of_the_same_length():
     assert "+140.20 (not tested" in cost[0], cost[0]
     assert "▲" in scaled[0], text  # the same length: tested, and equal's +30 on every seed is marked
     assert "across the 2 comparisons" in text, text  # Holm's m: the tested rows only
+    # only the short regime: nothing is tested, and the lead says so (not "fewer than 3 seeds": there are 3)
+    text = effects_table(cfg, regime_effects(cfg, {k: rows[k] for k in ("natural", "cost")}))
+    assert "**Detectable here: not said (no difference in this table is tested).**" in text, text
+    assert "fewer than 3 seeds" not in text, text
 
 
 def test_between_regimes_reads_only_the_seeds_finished_in_both():

@@ -190,7 +190,8 @@ def test_plan_prints_the_protocol_from_the_config(capsys):
     steps, selection, seeds, baselines) with the reference and the published table it will be read against."""
     from mtl.bench.sweep import main
 
-    published = "bench.published={source: 'a paper', dm: {ls: 2.0, si: 1.0}, methods: {ls: equal, si: null}}"
+    published = ("bench.published={source: 'a paper', dm: {ls: 2.0, si: 1.0, uw: 1.5}, methods: {ls: equal, si: null,"
+                 " uw: uw}}")
     assert main(["--config", TINY, TASKS, "bench.methods=[equal]", "bench.seeds=[0, 1]", REFERENCE, published,
                  "bench.protocol='as the paper says'", "optim.lr=0.002", "--plan"]) == 0
     out = capsys.readouterr().out
@@ -199,7 +200,8 @@ def test_plan_prints_the_protocol_from_the_config(capsys):
     assert "batch 8 per process x 1 process(es) = 8" in out and "lr=0.002" in out and "max_steps=6" in out
     assert "single-task baselines: single_cls, single_gen, single_count" in out and "seeds: [0, 1]" in out
     assert "Δm also against a paper, Table 1: cls_acc 0.8, gen_bleu4 0.5, gen_chrf 0.5, count_acc 0.4" in out
-    assert "read beside a paper: ls 2 (ours: equal), si 1 (ours: not in mtl)" in out
+    # uw is in mtl and mapped, but this sweep does not run it
+    assert "read beside a paper: ls 2 (ours: equal), si 1 (ours: not in mtl), uw 1.5 (ours: uw, not run here)" in out
 
 
 @pytest.mark.parametrize("preset", ["full", "quick", pytest.param("gpu", marks=pytest.mark.slow), "qm9", "qm9_cpu"])  # gpu: 290 runs, ~8 s

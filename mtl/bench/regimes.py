@@ -306,8 +306,9 @@ def describe_protocol(cfg, loaded: dict) -> str:
                      + ", ".join(f"{k} {v:g}" for k, v in given.items()))
     if b.published.dm:
         lines.append(f"  read beside {b.published.source or 'bench.published'}: "
-                     + ", ".join(f"{name} {dm:g} (ours: {entry or 'not in mtl'})"
-                                 for name, dm, entry in published_entries(b)))
+                     + ", ".join(f"{name} {dm:g} (ours: " + ("not in mtl" if entry is None else entry
+                                                                  + ("" if entry in b.methods else ", not run here"))
+                                 + ")" for name, dm, entry in published_entries(b)))
     return "\n".join(lines)
 
 

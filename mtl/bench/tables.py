@@ -187,6 +187,8 @@ def reference_sentence(b, specs: list, rows: list[dict]) -> str:
 def detectable_lead(cfg, rows: list[dict]) -> str:
     """The line that opens a table: the smallest difference its seeds detect with 80% power at Holm's strictest
     level (``detectable``)."""
+    if not rows:
+        return "**Detectable here: not said (no difference in this table is tested).**"
     a, d = bench_options(cfg).alpha, detectable(rows, bench_options(cfg).alpha)
     if d["mde_holm"] != d["mde_holm"]:
         return "**Detectable here: not said (fewer than 3 seeds).**"
