@@ -305,10 +305,11 @@ def describe_protocol(cfg, loaded: dict) -> str:
         lines.append(f"  Δm also against {b.reference.source or 'bench.reference'}: "
                      + ", ".join(f"{k} {v:g}" for k, v in given.items()))
     if b.published.dm:
+        def ours(entry):
+            return "not in mtl" if entry is None else entry if entry in b.methods else f"{entry}, not run here"
+
         lines.append(f"  read beside {b.published.source or 'bench.published'}: "
-                     + ", ".join(f"{name} {dm:g} (ours: " + ("not in mtl" if entry is None else entry
-                                                                  + ("" if entry in b.methods else ", not run here"))
-                                 + ")" for name, dm, entry in published_entries(b)))
+                     + ", ".join(f"{name} {dm:g} (ours: {ours(entry)})" for name, dm, entry in published_entries(b)))
     return "\n".join(lines)
 
 

@@ -189,7 +189,8 @@ def detectable_lead(cfg, rows: list[dict]) -> str:
     level (``detectable``)."""
     if not rows:
         return "**Detectable here: not said (no difference in this table is tested).**"
-    a, d = bench_options(cfg).alpha, detectable(rows, bench_options(cfg).alpha)
+    a = bench_options(cfg).alpha
+    d = detectable(rows, a)
     if d["mde_holm"] != d["mde_holm"]:
         return "**Detectable here: not said (fewer than 3 seeds).**"
     return (f"**Detectable here (80% power at Holm's level α/{d['m']} = {a / d['m']:.4g}): {d['mde_holm']:.2f} Δm "
